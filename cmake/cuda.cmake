@@ -1,0 +1,34 @@
+# CUDA backend: built when nvcc is present (SHARDTRAIN_CUDA=AUTO) or forced ON.
+# The CPU-only build needs no CUDA toolkit at all.
+set(SHARDTRAIN_HAVE_CUDA OFF)
+if(NOT SHARDTRAIN_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER AND EXISTS "${CMAKE_SOURCE_DIR}/src/backend/cuda")
+    file(GLOB_RECURSE _cuda_sources CONFIGURE_DEPENDS
+      "${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cu" "${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cpp")
+    if(_cuda_sources)
+      set(SHARDTRAIN_HAVE_CUDA ON)
+    endif()
+  elseif(SHARDTRAIN_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "SHARDTRAIN_CUDA=ON but no CUDA compiler was found: install the CUDA toolkit "
+                        "or configure with -DSHARDTRAIN_CUDA=OFF")
+  endif()
+endif()
+message(STATUS "shardtrain CUDA backend: ${SHARDTRAIN_HAVE_CUDA}")
+if(SHARDTRAIN_HAVE_CUDA)
+  enable_language(CUDA)
+  find_package(CUDAToolkit REQUIRED)
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "52")
+    # sm_90a machine code for Hopper plus compute_90 PTX for newer GPUs.
+    set(CMAKE_CUDA_ARCHITECTURES 90a-real 90-virtual)
+  endif()
+  add_library(shardtrain_cuda STATIC ${_cuda_sources})
+  target_include_directories(shardtrain_cuda PUBLIC "${CMAKE_SOURCE_DIR}/src")
+  set_target_properties(shardtrain_cuda PROPERTIES CUDA_STANDARD 20 CUDA_SEPARABLE_COMPILATION OFF
+                                                   POSITION_INDEPENDENT_CODE ON)
+  target_link_libraries(shardtrain_cuda PUBLIC CUDA::cudart CUDA::cublasLt CUDA::cublas fmt::fmt
+                                               nlohmann_json::nlohmann_json)
+  target_link_libraries(shardtrain_lib PUBLIC shardtrain_cuda)
+  target_compile_definitions(shardtrain_lib PUBLIC SHARDTRAIN_WITH_CUDA=1)
+endif()
