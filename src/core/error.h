@@ -1,0 +1,59 @@
+// shardtrain — error types and checks.
+//
+// Every user-facing failure is an exception derived from shardtrain::Error whose
+// message names what is wrong and how to fix it. The CLI catches Error at the top
+// level, prints "error: <message>" and exits with status 2 (bad input) or 1 (runtime
+// failure). Internal invariant violations use ST_ASSERT and are reported as bugs.
+#pragma once
+
+#include <fmt/core.h>
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace shardtrain {
+
+/// Base class of every error shardtrain throws on purpose.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+/// Bad configuration: flags, DeepSpeed JSON, model/strategy names, numbers.
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Missing, unreadable or corrupt input files: data sets, tokenizer, token caches.
+class DataError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Missing or corrupt checkpoints, or a checkpoint that does not match the run.
+class CheckpointError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A failure of the machine or a library (allocation, BLAS, I/O, CUDA, NCCL, MPI).
+class RuntimeFailure : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Throws E with a fmt-formatted message when `cond` is false.
+template <typename E = Error, typename... Args>
+inline void check(bool cond, fmt::format_string<Args...> f, Args&&... args) {
+  if (!cond) throw E(fmt::format(f, std::forward<Args>(args)...));
+}
+
+[[noreturn]] void assertion_failed(const char* expr, const char* file, int line);
+
+}  // namespace shardtrain
+
+/// Internal invariant: a failure is a bug in shardtrain, not bad input.
+#define ST_ASSERT(expr) \
+  ((expr) ? (void)0 : ::shardtrain::assertion_failed(#expr, __FILE__, __LINE__))
