@@ -1,0 +1,391 @@
+// The flags of `shardtrain train` and the merge with the DeepSpeed JSON config.
+#include "app/train_flags.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <string_view>
+#include <utility>
+
+#include "core/error.h"
+
+namespace shardtrain {
+
+namespace {
+
+std::optional<int64_t> to_int(const std::string& s) {
+  int64_t v = 0;
+  const char* end = s.data() + s.size();
+  auto [ptr, ec] = std::from_chars(s.data(), end, v);
+  if (ec != std::errc() || ptr != end || s.empty()) return std::nullopt;
+  return v;
+}
+
+std::optional<double> to_double(const std::string& s) {
+  if (s.empty()) return std::nullopt;
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (end != s.c_str() + s.size() || !std::isfinite(v)) return std::nullopt;
+  return v;
+}
+
+// Validators with plain messages; CLI11 prefixes them with the flag ("--lr: ...").
+// Their descriptions are empty so that the help shows the ranges only in the flag's text.
+
+CLI::Validator int_at_least(int64_t min) {
+  return CLI::Validator(
+      [min](std::string& s) -> std::string {
+        auto v = to_int(s);
+        if (!v || *v < min) return fmt::format("must be an integer >= {}, got '{}'", min, s);
+        return {};
+      },
+      "");
+}
+
+/// -1 (automatic / all) or an integer >= 1.
+CLI::Validator minus_one_or_positive() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        auto v = to_int(s);
+        if (!v || (*v != -1 && *v < 1)) {
+          return fmt::format("must be -1 or an integer >= 1, got '{}'", s);
+        }
+        return {};
+      },
+      "");
+}
+
+/// A finite number in [lo, hi] (open at lo / hi when asked).
+CLI::Validator number_in(double lo, bool lo_open, double hi, bool hi_open) {
+  std::string range;
+  if (hi == std::numeric_limits<double>::infinity()) {
+    range = fmt::format("a number {} {}", lo_open ? ">" : ">=", lo);
+  } else {
+    range = fmt::format("a number in {}{}, {}{}", lo_open ? "(" : "[", lo, hi, hi_open ? ")" : "]");
+  }
+  return CLI::Validator(
+      [=](std::string& s) -> std::string {
+        auto v = to_double(s);
+        const bool ok = v && (lo_open ? *v > lo : *v >= lo) && (hi_open ? *v < hi : *v <= hi);
+        if (!ok) return fmt::format("must be {}, got '{}'", range, s);
+        return {};
+      },
+      "");
+}
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+CLI::Validator one_of(std::vector<std::string> values) {
+  return CLI::Validator(
+      [values](std::string& s) -> std::string {
+        if (std::find(values.begin(), values.end(), s) != values.end()) return {};
+        std::string list;
+        for (std::size_t i = 0; i < values.size(); ++i) {
+          list += (i == 0 ? "" : (i + 1 == values.size() ? " or " : ", ")) + values[i];
+        }
+        return fmt::format("'{}' is not valid: use {}", s, list);
+      },
+      "");
+}
+
+CLI::Validator strategy_name() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        try {
+          parse_strategy(s);
+        } catch (const ConfigError& e) {
+          return e.what();
+        }
+        return {};
+      },
+      "");
+}
+
+std::string or_none(const std::string& s) { return s.empty() ? "none" : s; }
+
+bool contains(const ExplicitFlags& flags, std::string_view name) {
+  return std::find(flags.begin(), flags.end(), name) != flags.end();
+}
+
+std::string join(const std::vector<std::string>& items, std::string_view sep) {
+  std::string out;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (i > 0) out += sep;
+    out += items[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
+  // ---- model and placement ----
+  cmd.add_option("--model", cfg.model, fmt::format("GPT-2 model preset (default: {})", cfg.model))
+      ->type_name("NAME");
+  cmd.add_option("--strategy", cfg.strategy_name,
+                 fmt::format("parallelism strategy: dp|ddp (data parallel), zero1, "
+                             "zero2|fsdp_stage2, zero3|fsdp_stage3, offload, infinity, pipeline; "
+                             "only dp is available in this release (default: {})",
+                             cfg.strategy_name))
+      ->type_name("NAME")
+      ->check(strategy_name());
+  cmd.add_option("--device", cfg.device,
+                 fmt::format("auto|cpu|cuda; auto uses CUDA when a GPU is usable (default: {})",
+                             cfg.device))
+      ->type_name("DEVICE")
+      ->check(one_of({"auto", "cpu", "cuda"}));
+  cmd.add_option_function<std::string>(
+         "--precision", [&cfg](const std::string& s) { cfg.precision = parse_precision(s); },
+         fmt::format("auto|fp32|bf16|fp16 compute precision; auto lets the device decide "
+                     "(default: {})",
+                     to_string(cfg.precision)))
+      ->type_name("PREC")
+      ->check(one_of({"auto", "fp32", "bf16", "fp16"}));
+  cmd.add_option("--zero-stage", cfg.zero.stage,
+                 fmt::format("ZeRO stage 0|1|2|3 (DeepSpeed zero_optimization.stage); only 0 is "
+                             "available in this release (default: {})",
+                             cfg.zero.stage))
+      ->type_name("N")
+      ->check(one_of({"0", "1", "2", "3"}));
+  cmd.add_flag("--activation-checkpointing", cfg.activation_checkpointing,
+               "recompute activations in the backward pass to save memory (default: off)");
+
+  // ---- batch ----
+  cmd.add_option("--batch-size", cfg.micro_batch_size,
+                 fmt::format("micro-batch: samples per device per forward/backward pass "
+                             "(DeepSpeed train_micro_batch_size_per_gpu; default: {})",
+                             cfg.micro_batch_size))
+      ->type_name("N")
+      ->check(int_at_least(1));
+  cmd.add_option("--gradient-accumulation-steps", cfg.gradient_accumulation_steps,
+                 fmt::format("micro-batches accumulated per optimizer step (default: {})",
+                             cfg.gradient_accumulation_steps))
+      ->type_name("N")
+      ->check(int_at_least(1));
+  cmd.add_option("--train-batch-size", cfg.train_batch_size,
+                 fmt::format("global batch in samples per optimizer step = batch-size x "
+                             "accumulation steps x world size; 0 derives it (DeepSpeed "
+                             "train_batch_size; default: {})",
+                             cfg.train_batch_size))
+      ->type_name("N")
+      ->check(int_at_least(0));
+
+  // ---- length of training ----
+  cmd.add_option("--epochs", cfg.epochs,
+                 fmt::format("passes over the training data (default: {})", cfg.epochs))
+      ->type_name("N")
+      ->check(int_at_least(1));
+  cmd.add_option("--max-steps", cfg.max_steps,
+                 fmt::format("stop after this many optimizer steps; -1 = as many as --epochs "
+                             "allows (default: {})",
+                             cfg.max_steps))
+      ->type_name("N")
+      ->check(minus_one_or_positive());
+  cmd.add_option("--max-length", cfg.max_length,
+                 fmt::format("tokens per sample (sequence length), at most the model's context "
+                             "(default: {})",
+                             cfg.max_length))
+      ->type_name("TOKENS")
+      ->check(int_at_least(1));
+  cmd.add_option("--num-samples", cfg.num_samples,
+                 fmt::format("training samples to use; -1 = all (default: {})", cfg.num_samples))
+      ->type_name("N")
+      ->check(minus_one_or_positive());
+  cmd.add_option(
+         "--seed", cfg.seed,
+         fmt::format("random seed for initialisation and data order (default: {})", cfg.seed))
+      ->type_name("N");
+
+  // ---- optimizer ----
+  cmd.add_option("--lr", cfg.lr, fmt::format("peak learning rate of AdamW (default: {})", cfg.lr))
+      ->type_name("LR")
+      ->check(number_in(0.0, true, kInf, false));
+  cmd.add_option(
+         "--weight-decay", cfg.weight_decay,
+         fmt::format("AdamW decoupled weight decay; 0 = off (default: {})", cfg.weight_decay))
+      ->type_name("X")
+      ->check(number_in(0.0, false, kInf, false));
+  cmd.add_option("--adam-beta1", cfg.beta1,
+                 fmt::format("AdamW beta1, in [0, 1) (default: {})", cfg.beta1))
+      ->type_name("X")
+      ->check(number_in(0.0, false, 1.0, true));
+  cmd.add_option("--adam-beta2", cfg.beta2,
+                 fmt::format("AdamW beta2, in [0, 1) (default: {})", cfg.beta2))
+      ->type_name("X")
+      ->check(number_in(0.0, false, 1.0, true));
+  cmd.add_option("--adam-eps", cfg.adam_eps,
+                 fmt::format("AdamW epsilon, > 0 (default: {})", cfg.adam_eps))
+      ->type_name("X")
+      ->check(number_in(0.0, true, kInf, false));
+  cmd.add_option("--grad-clip", cfg.gradient_clipping,
+                 fmt::format("max global L2 norm of the gradients; 0 = no clipping (DeepSpeed "
+                             "gradient_clipping; default: {})",
+                             cfg.gradient_clipping))
+      ->type_name("NORM")
+      ->check(number_in(0.0, false, kInf, false));
+
+  // ---- learning-rate schedule ----
+  cmd.add_option("--warmup-steps", cfg.warmup_steps,
+                 fmt::format("optimizer steps of linear warmup; -1 = 10% of the total steps, at "
+                             "most 1000 (default: {})",
+                             cfg.warmup_steps))
+      ->type_name("N")
+      ->check(int_at_least(-1));
+  cmd.add_option_function<std::string>(
+         "--lr-schedule", [&cfg](const std::string& s) { cfg.lr_schedule = parse_lr_schedule(s); },
+         fmt::format("constant|linear|cosine decay after warmup (default: {})",
+                     to_string(cfg.lr_schedule)))
+      ->type_name("SCHEDULE")
+      ->check(one_of({"constant", "linear", "cosine"}));
+  cmd.add_option("--min-lr-ratio", cfg.min_lr_ratio,
+                 fmt::format("final learning rate of linear/cosine decay as a fraction of --lr, "
+                             "in [0, 1] (default: {})",
+                             cfg.min_lr_ratio))
+      ->type_name("X")
+      ->check(number_in(0.0, false, 1.0, false));
+
+  // ---- data ----
+  cmd.add_option("--dataset", cfg.dataset,
+                 fmt::format("named data set, e.g. wikitext-2 (default: {})", or_none(cfg.dataset)))
+      ->type_name("NAME");
+  cmd.add_option("--train-file", cfg.train_file,
+                 "training text file (or a token file written by `shardtrain tokenize`); "
+                 "instead of --dataset")
+      ->type_name("PATH");
+  cmd.add_option("--valid-file", cfg.valid_file,
+                 "validation text or token file, with --train-file (default: none)")
+      ->type_name("PATH");
+  cmd.add_option("--data-dir", cfg.data_dir,
+                 "directory holding the named data sets (default: the copy shipped with "
+                 "shardtrain)")
+      ->type_name("DIR");
+  cmd.add_option("--cache-dir", cfg.cache_dir,
+                 "directory for token caches (default: $SHARDTRAIN_CACHE_DIR or "
+                 "~/.cache/shardtrain)")
+      ->type_name("DIR");
+  cmd.add_option("--eval-samples", cfg.eval_samples,
+                 fmt::format("validation samples per evaluation; -1 = the whole split "
+                             "(default: {})",
+                             cfg.eval_samples))
+      ->type_name("N")
+      ->check(minus_one_or_positive());
+
+  // ---- output, logging, checkpoints ----
+  cmd.add_option("--output-dir", cfg.output_dir,
+                 fmt::format("directory for checkpoints and logs (default: {})", cfg.output_dir))
+      ->type_name("DIR");
+  cmd.add_option("--log-interval", cfg.log_interval,
+                 fmt::format("optimizer steps between log lines (DeepSpeed steps_per_print; "
+                             "default: {})",
+                             cfg.log_interval))
+      ->type_name("STEPS")
+      ->check(int_at_least(1));
+  cmd.add_option("--eval-interval", cfg.eval_interval,
+                 fmt::format("optimizer steps between validations; 0 = at the end of each epoch "
+                             "(default: {})",
+                             cfg.eval_interval))
+      ->type_name("STEPS")
+      ->check(int_at_least(0));
+  cmd.add_option("--save-interval", cfg.save_interval,
+                 fmt::format("optimizer steps between checkpoints; 0 = only at the end "
+                             "(default: {})",
+                             cfg.save_interval))
+      ->type_name("STEPS")
+      ->check(int_at_least(0));
+  cmd.add_option("--resume", cfg.resume,
+                 "resume from a checkpoint directory, or from the latest checkpoint of an "
+                 "output directory (default: none)")
+      ->type_name("PATH");
+  cmd.add_option("--init-from", cfg.init_from,
+                 "initial weights: a shardtrain checkpoint or Hugging Face safetensors "
+                 "(default: none, random initialisation)")
+      ->type_name("PATH");
+  cmd.add_option("--deepspeed-config,--deepspeed_config", cfg.deepspeed_config,
+                 "DeepSpeed JSON config (ds_config.json); flags given explicitly take "
+                 "precedence over it (default: none)")
+      ->type_name("PATH");
+}
+
+ExplicitFlags explicit_train_flags(const CLI::App& cmd) {
+  ExplicitFlags flags;
+  for (const CLI::Option* opt : cmd.get_options()) {
+    if (opt->count() == 0 || opt->get_lnames().empty()) continue;
+    std::string name = opt->get_lnames().front();
+    std::replace(name.begin(), name.end(), '-', '_');
+    flags.push_back(std::move(name));
+  }
+  return flags;
+}
+
+TrainConfig finalize_train_config(const CLI::App& cmd, TrainConfig cfg, int64_t model_context,
+                                  std::vector<std::string>& warnings) {
+  const ExplicitFlags flags = explicit_train_flags(cmd);
+  if (contains(flags, "batch_size")) cfg.micro_batch_set = true;
+  if (contains(flags, "gradient_accumulation_steps")) cfg.accumulation_set = true;
+
+  // ---- strategy: --strategy and --zero-stage must agree ----
+  try {
+    cfg.strategy = parse_strategy(cfg.strategy_name);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("--strategy: {}", e.what()));
+  }
+  const bool strategy_flag = contains(flags, "strategy");
+  const bool stage_flag = contains(flags, "zero_stage");
+  if (strategy_flag) cfg.strategy_source = "--strategy";
+  if (stage_flag) {
+    const int stage = cfg.zero.stage;
+    if (stage < 0 || stage > 3) {
+      throw ConfigError(fmt::format("--zero-stage {} is not valid: use 0, 1, 2 or 3", stage));
+    }
+    const bool compatible = zero_stage_of(cfg.strategy) == stage ||
+                            (cfg.strategy == StrategyKind::kPipeline && stage <= 1);
+    if (strategy_flag && !compatible) {
+      throw ConfigError(fmt::format(
+          "--strategy {} and --zero-stage {} contradict each other: strategy '{}' runs at ZeRO "
+          "stage {}; give only one of them",
+          cfg.strategy_name, stage, to_string(cfg.strategy), zero_stage_of(cfg.strategy)));
+    }
+    if (!strategy_flag) {
+      cfg.strategy = strategy_for_zero(stage);
+      cfg.strategy_name = to_string(cfg.strategy);
+      cfg.strategy_source = "--zero-stage";
+    }
+  } else {
+    cfg.zero.stage = zero_stage_of(cfg.strategy);
+  }
+
+  // ---- DeepSpeed JSON: defaults < JSON < explicit flags ----
+  if (!cfg.deepspeed_config.empty()) {
+    const StrategyKind before = cfg.strategy;
+    const std::string before_name = cfg.strategy_name;
+    std::vector<std::string> ignored;
+    std::vector<std::string> overridden;
+    apply_deepspeed_config(cfg.deepspeed_config, cfg, flags, ignored, overridden);
+    if (!ignored.empty()) {
+      warnings.push_back(fmt::format(
+          "ignoring DeepSpeed config keys that shardtrain does not implement (in '{}'): {}",
+          cfg.deepspeed_config, join(ignored, ", ")));
+    }
+    if (strategy_flag && cfg.strategy_source == "deepspeed" && cfg.strategy != before) {
+      warnings.push_back(fmt::format(
+          "--strategy {} contradicts zero_optimization.stage {} in '{}': as in DeepSpeed, the "
+          "config file decides, so the strategy is '{}' (drop --strategy, or change the stage "
+          "in the file)",
+          before_name, cfg.zero.stage, cfg.deepspeed_config, to_string(cfg.strategy)));
+    }
+    if (!overridden.empty()) {
+      warnings.push_back(fmt::format("command-line flags take precedence over '{}': {}",
+                                     cfg.deepspeed_config, join(overridden, ", ")));
+    }
+  }
+
+  validate(cfg, model_context);
+  return cfg;
+}
+
+}  // namespace shardtrain

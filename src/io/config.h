@@ -1,0 +1,179 @@
+// Run configuration: CLI flags and DeepSpeed JSON config, merged and validated.
+//
+// Precedence: built-in defaults < DeepSpeed JSON (--deepspeed-config) < flags given explicitly
+// on the command line. Names follow DeepSpeed (train_batch_size, train_micro_batch_size_per_gpu,
+// gradient_accumulation_steps, zero_optimization.stage, ...) and the CONFIG dict of the DeepSpeed
+// GPT-2 tutorials (model, strategy, batch_size, epochs, max_length, num_samples, seed).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace shardtrain {
+
+/// Parallelism strategy. Only kDataParallel is available in this release; the others are
+/// recognised so that asking for them gives a clear "not available yet" error.
+enum class StrategyKind { kDataParallel, kZero1, kZero2, kZero3, kOffload, kInfinity, kPipeline };
+
+enum class LrSchedule { kConstant, kLinear, kCosine };
+
+enum class Precision { kAuto, kFp32, kBf16, kFp16 };
+
+/// DeepSpeed fp16 section: dynamic loss scaling (DeepSpeed docs, "FP16 training options").
+struct LossScaleConfig {
+  double loss_scale = 0.0;           ///< 0 = dynamic; > 0 = static scale
+  int initial_scale_power = 16;      ///< dynamic scale starts at 2^initial_scale_power
+  int64_t loss_scale_window = 1000;  ///< steps without overflow before the scale doubles
+  int hysteresis = 2;                ///< overflows tolerated before the scale halves
+  double min_loss_scale = 1.0;
+};
+
+/// DeepSpeed zero_optimization section.
+struct ZeroConfig {
+  int stage = 0;
+  int64_t reduce_bucket_size = 500'000'000;     ///< elements
+  int64_t allgather_bucket_size = 500'000'000;  ///< elements
+  bool overlap_comm = true;
+  bool contiguous_gradients = true;
+  std::string offload_optimizer_device = "none";  ///< none | cpu | nvme
+  std::string offload_param_device = "none";      ///< none | cpu | nvme
+  std::string nvme_path;
+  bool reduce_scatter = true;  ///< reduce-scatter instead of all-reduce for gradients
+};
+
+struct TrainConfig {
+  // ---- model and placement ----
+  std::string model = "gpt2-tiny";   ///< preset name (model/gpt2_config.h)
+  std::string strategy_name = "dp";  ///< as given by the user (aliases allowed)
+  StrategyKind strategy = StrategyKind::kDataParallel;
+  std::string device = "auto";  ///< auto | cpu | cuda
+  Precision precision = Precision::kAuto;
+  LossScaleConfig loss_scale;
+  ZeroConfig zero;
+  bool activation_checkpointing = false;
+  /// Where `strategy` came from, for error messages: "" (default or set in code), "--strategy",
+  /// "--zero-stage" or "deepspeed" (zero_optimization.stage in the DeepSpeed JSON).
+  std::string strategy_source;
+
+  // ---- batch (DeepSpeed batch identity: train_batch_size = micro * accumulation * world) ----
+  int64_t micro_batch_size = 8;  ///< samples per device per micro-step (--batch-size)
+  int64_t gradient_accumulation_steps = 1;
+  int64_t train_batch_size = 0;  ///< global batch in samples; derived after validate()
+  int world_size = 1;            ///< data-parallel ranks (set by the launcher)
+  /// Whether micro_batch_size / gradient_accumulation_steps were given explicitly (flag or
+  /// DeepSpeed JSON). validate() derives the ones not given from train_batch_size, as DeepSpeed.
+  bool micro_batch_set = false;
+  bool accumulation_set = false;
+
+  // ---- length of training ----
+  int64_t epochs = 1;
+  int64_t max_steps = -1;    ///< optimizer steps; -1 = as many as `epochs` allows
+  int64_t max_length = 128;  ///< tokens per sample (sequence length T); ≤ model context
+  int64_t num_samples = -1;  ///< training samples used; -1 = all
+  uint64_t seed = 42;
+
+  // ---- optimizer: AdamW (Loshchilov & Hutter, arXiv 1711.05101), PyTorch defaults ----
+  double lr = 6e-4;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double adam_eps = 1e-8;
+  double weight_decay = 0.01;
+  double gradient_clipping = 1.0;  ///< max global L2 norm; 0 = off
+
+  // ---- learning-rate schedule: linear warmup from 0, then decay to min_lr_ratio * lr ----
+  int64_t warmup_steps = -1;  ///< -1 = 10% of the total steps (rounded down), at most 1000
+  LrSchedule lr_schedule = LrSchedule::kCosine;
+  double min_lr_ratio = 0.1;
+  /// Learning rate at the start of warmup as a fraction of lr (DeepSpeed WarmupCosineLR
+  /// warmup_min_ratio, or warmup_min_lr / warmup_max_lr); 0 = warm up from 0.
+  double warmup_min_ratio = 0.0;
+
+  // ---- data ----
+  std::string dataset;     ///< "wikitext-2" or empty when train_file is given
+  std::string train_file;  ///< plain text (or a token file written by `shardtrain tokenize`)
+  std::string valid_file;
+  std::string data_dir;   ///< where named data sets live; empty = the shipped copy
+  std::string cache_dir;  ///< token caches; empty = $SHARDTRAIN_CACHE_DIR or ~/.cache/shardtrain
+  int64_t eval_samples = -1;  ///< validation samples per evaluation; -1 = the whole split
+
+  // ---- output, logging, checkpoints ----
+  std::string output_dir = "out";
+  int64_t log_interval = 10;  ///< steps between log lines (DeepSpeed steps_per_print)
+  int64_t eval_interval = 0;  ///< steps between validations; 0 = at the end of each epoch
+  int64_t save_interval = 0;  ///< steps between checkpoints; 0 = only at the end
+  std::string resume;         ///< checkpoint directory (or an output dir: its latest)
+  std::string init_from;      ///< initial weights (checkpoint or HF safetensors)
+
+  std::string deepspeed_config;  ///< path of the DeepSpeed JSON, if any
+};
+
+/// Canonical name of a strategy ("dp", "zero1", ...).
+std::string to_string(StrategyKind s);
+std::string to_string(LrSchedule s);
+std::string to_string(Precision p);
+
+/// Parses a strategy name or alias: dp|ddp, zero1, zero2|fsdp_stage2, zero3|fsdp_stage3,
+/// offload, infinity, pipeline (case-insensitive, '-' read as '_'). Throws ConfigError listing
+/// the valid names and suggesting the closest one otherwise.
+StrategyKind parse_strategy(const std::string& name);
+
+/// Parses auto|fp32|bf16|fp16. Throws ConfigError naming the valid values otherwise.
+Precision parse_precision(const std::string& name);
+
+/// Parses constant|linear|cosine. Throws ConfigError naming the valid values otherwise.
+LrSchedule parse_lr_schedule(const std::string& name);
+
+/// The ZeRO stage a strategy runs at: dp/pipeline 0, zero1 1, zero2/offload 2, zero3/infinity 3.
+int zero_stage_of(StrategyKind s);
+
+/// The strategy DeepSpeed runs for a ZeRO stage (0..3) and offload devices ("none", "cpu",
+/// "nvme"): stage 0 dp, 1 zero1, 2 zero2, 3 zero3; any offload at stage 1-2 offload, at stage 3
+/// infinity. ST_ASSERTs that 0 <= stage <= 3.
+StrategyKind strategy_for_zero(int stage, const std::string& offload_optimizer_device = "none",
+                               const std::string& offload_param_device = "none");
+
+/// Names of the fields set explicitly on the command line (so the JSON does not override them).
+using ExplicitFlags = std::vector<std::string>;
+
+/// Applies the DeepSpeed JSON at `path` to `cfg`, except fields in `explicit_flags`
+/// (e.g. "batch_size", "lr"). Valid DeepSpeed keys that shardtrain ignores are appended to
+/// `ignored_keys` (the caller prints one warning). Throws ConfigError for malformed JSON,
+/// wrong value types and unknown keys (naming the closest valid key).
+///
+/// Details (see https://www.deepspeed.ai/docs/config-json/):
+///  - "auto" (as the Hugging Face integration writes) leaves the field unchanged.
+///  - A present optimizer or scheduler section is read as DeepSpeed builds it: parameters it
+///    omits take DeepSpeed's defaults (e.g. lr 1e-3, weight_decay 0, warmup_num_steps 1000).
+///  - zero_optimization.stage decides `strategy` (even over an explicit --strategy, as in
+///    DeepSpeed; "zero_stage" in `explicit_flags` keeps the flag) and sets strategy_source.
+///  - Ignored keys are listed only when their value is "on" (not false, null, "none" or a
+///    section with "enabled": false). Unknown top-level keys are errors too (DeepSpeed itself
+///    skips them silently), so that a typo cannot go unnoticed.
+///  - JSON comments are accepted (DeepSpeed reads configs with hjson); duplicate keys are errors.
+void apply_deepspeed_config(const std::string& path, TrainConfig& cfg,
+                            const ExplicitFlags& explicit_flags,
+                            std::vector<std::string>& ignored_keys);
+
+/// As above; also appends to `overridden` one entry per JSON value not applied because a flag
+/// was given explicitly, e.g. "--lr over optimizer.params.lr".
+void apply_deepspeed_config(const std::string& path, TrainConfig& cfg,
+                            const ExplicitFlags& explicit_flags,
+                            std::vector<std::string>& ignored_keys,
+                            std::vector<std::string>& overridden);
+
+/// Checks every field and derives the batch sizes (DeepSpeed _configure_train_batch_size):
+/// train_batch_size = micro_batch_size × gradient_accumulation_steps × world_size. With
+/// train_batch_size 0 it is derived; otherwise the sizes not given explicitly
+/// (micro_batch_set / accumulation_set) are derived from it (both missing: accumulation 1),
+/// and the identity is checked. warmup_steps -1 is left as is: the trainer resolves it once it
+/// knows the total number of steps. Only strategy dp with ZeRO stage 0 and no offload is
+/// available in this release; anything else is a ConfigError saying so.
+/// `model_context` is the model's maximum sequence length (n_positions); <= 0 skips that check.
+/// Throws ConfigError naming the flag or key, its value and the fix.
+void validate(TrainConfig& cfg, int64_t model_context);
+
+}  // namespace shardtrain

@@ -1,0 +1,775 @@
+// Tests of the run configuration: strategy names, the DeepSpeed JSON config, validation and the
+// `shardtrain train` flags.
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "app/train_flags.h"
+#include "core/error.h"
+#include "core/strings.h"
+#include "io/config.h"
+
+namespace shardtrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+#define EXPECT_CONTAINS(haystack, needle)                          \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
+      << "expected to find \"" << (needle) << "\" in:\n  " << (haystack)
+
+/// The message of the ConfigError that `f` throws ("" and a test failure if none).
+std::string config_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a ConfigError";
+  return "";
+}
+
+class ConfigTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    static std::atomic<int> counter{0};
+    dir_ = fs::temp_directory_path() /
+           fmt::format("shardtrain_test_config_{}_{}", ::getpid(), counter++);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+
+  /// Writes `text` to a file in the test's temp dir and returns its path.
+  std::string write(const std::string& name, const std::string& text) {
+    const fs::path p = dir_ / name;
+    std::ofstream(p) << text;
+    return p.string();
+  }
+
+  /// Parses `args` as `shardtrain train` flags (adding --dataset wikitext-2 when no data is
+  /// given) and finalizes the config for a model with `context` positions.
+  TrainConfig finalize(std::vector<std::string> args, int64_t context = 1024) {
+    const bool has_data = std::any_of(args.begin(), args.end(), [](const std::string& a) {
+      return a == "--dataset" || a == "--train-file";
+    });
+    if (!has_data) {
+      args.push_back("--dataset");
+      args.push_back("wikitext-2");
+    }
+    TrainConfig cfg;
+    CLI::App app{"shardtrain train"};
+    add_train_flags(app, cfg);
+    std::reverse(args.begin(), args.end());  // CLI11 2.1 parses a reversed vector
+    app.parse(args);
+    return finalize_train_config(app, cfg, context, warnings_);
+  }
+
+  /// Applies the JSON `text` to a default config with no explicit flags.
+  TrainConfig apply_json(const std::string& text, const ExplicitFlags& flags = {}) {
+    TrainConfig cfg;
+    cfg.deepspeed_config = write("ds.json", text);
+    apply_deepspeed_config(cfg.deepspeed_config, cfg, flags, ignored_);
+    return cfg;
+  }
+
+  /// A default config that validate() accepts.
+  static TrainConfig valid_config() {
+    TrainConfig cfg;
+    cfg.dataset = "wikitext-2";
+    return cfg;
+  }
+
+  fs::path dir_;
+  std::vector<std::string> warnings_;
+  std::vector<std::string> ignored_;
+};
+
+// ---- names ------------------------------------------------------------------------------------
+
+TEST(StrategyNames, AliasesParse) {
+  EXPECT_EQ(parse_strategy("dp"), StrategyKind::kDataParallel);
+  EXPECT_EQ(parse_strategy("ddp"), StrategyKind::kDataParallel);
+  EXPECT_EQ(parse_strategy("zero1"), StrategyKind::kZero1);
+  EXPECT_EQ(parse_strategy("zero2"), StrategyKind::kZero2);
+  EXPECT_EQ(parse_strategy("fsdp_stage2"), StrategyKind::kZero2);
+  EXPECT_EQ(parse_strategy("zero3"), StrategyKind::kZero3);
+  EXPECT_EQ(parse_strategy("fsdp_stage3"), StrategyKind::kZero3);
+  EXPECT_EQ(parse_strategy("FSDP-Stage3"), StrategyKind::kZero3);
+  EXPECT_EQ(parse_strategy("offload"), StrategyKind::kOffload);
+  EXPECT_EQ(parse_strategy("infinity"), StrategyKind::kInfinity);
+  EXPECT_EQ(parse_strategy("pipeline"), StrategyKind::kPipeline);
+}
+
+TEST(StrategyNames, RoundTripThroughToString) {
+  for (StrategyKind s : {StrategyKind::kDataParallel, StrategyKind::kZero1, StrategyKind::kZero2,
+                         StrategyKind::kZero3, StrategyKind::kOffload, StrategyKind::kInfinity,
+                         StrategyKind::kPipeline}) {
+    EXPECT_EQ(parse_strategy(to_string(s)), s);
+  }
+  EXPECT_EQ(to_string(LrSchedule::kCosine), "cosine");
+  EXPECT_EQ(to_string(Precision::kBf16), "bf16");
+  EXPECT_EQ(parse_precision("fp16"), Precision::kFp16);
+  EXPECT_EQ(parse_lr_schedule("linear"), LrSchedule::kLinear);
+}
+
+TEST(StrategyNames, UnknownSuggestsClosestAndListsValid) {
+  const std::string msg = config_error([] { parse_strategy("zer2"); });
+  EXPECT_CONTAINS(msg, "'zer2'");
+  EXPECT_CONTAINS(msg, "did you mean 'zero2'?");
+  EXPECT_CONTAINS(msg, "fsdp_stage3");
+  EXPECT_CONTAINS(msg, "pipeline");
+  const std::string far = config_error([] { parse_strategy("megatron"); });
+  EXPECT_EQ(far.find("did you mean"), std::string::npos) << far;
+  EXPECT_CONTAINS(far, "dp (alias ddp)");
+}
+
+TEST(EditDistance, CountsEditsAndTranspositions) {
+  EXPECT_EQ(edit_distance("", ""), 0u);
+  EXPECT_EQ(edit_distance("kitten", "sitting"), 3u);
+  EXPECT_EQ(edit_distance("weight_decya", "weight_decay"), 1u);
+  EXPECT_EQ(closest_match("gradient_cliping", {"gradient_clipping", "gradient_accumulation_steps"}),
+            "gradient_clipping");
+  EXPECT_EQ(closest_match("foo", {"gradient_clipping"}), std::nullopt);
+}
+
+TEST(ZeroStages, StrategyForZero) {
+  EXPECT_EQ(strategy_for_zero(0), StrategyKind::kDataParallel);
+  EXPECT_EQ(strategy_for_zero(2), StrategyKind::kZero2);
+  EXPECT_EQ(strategy_for_zero(2, "cpu"), StrategyKind::kOffload);
+  EXPECT_EQ(strategy_for_zero(3, "none", "nvme"), StrategyKind::kInfinity);
+  EXPECT_EQ(zero_stage_of(StrategyKind::kOffload), 2);
+  EXPECT_EQ(zero_stage_of(StrategyKind::kZero3), 3);
+}
+
+// ---- strategies not available yet ----------------------------------------------------------
+
+TEST_F(ConfigTest, StrategyFlagAliasesResolve) {
+  EXPECT_EQ(finalize({"--strategy", "ddp"}).strategy, StrategyKind::kDataParallel);
+  const std::string msg = config_error([&] { finalize({"--strategy", "fsdp_stage2"}); });
+  EXPECT_CONTAINS(msg, "strategy 'zero2'");
+  EXPECT_CONTAINS(msg, "fsdp_stage2");
+}
+
+TEST_F(ConfigTest, OtherStrategiesAreNotAvailableYet) {
+  for (const char* s : {"zero1", "zero2", "zero3", "offload", "infinity", "pipeline"}) {
+    const std::string msg = config_error([&] { finalize({"--strategy", s}); });
+    EXPECT_CONTAINS(msg, fmt::format("strategy '{}'", s));
+    EXPECT_CONTAINS(msg, "not available yet in this release");
+    EXPECT_CONTAINS(msg, "use --strategy dp");
+  }
+}
+
+TEST_F(ConfigTest, ZeroStageFlagNotAvailableYet) {
+  const std::string msg = config_error([&] { finalize({"--zero-stage", "3"}); });
+  EXPECT_CONTAINS(msg, "--zero-stage 3");
+  EXPECT_CONTAINS(msg, "not available yet");
+  EXPECT_CONTAINS(msg, "--zero-stage 0");
+  EXPECT_EQ(finalize({"--zero-stage", "0"}).strategy, StrategyKind::kDataParallel);
+}
+
+TEST_F(ConfigTest, StrategyAndZeroStageFlagsMustAgree) {
+  const std::string msg = config_error([&] {
+    finalize({"--strategy", "zero2", "--zero-stage", "1"});
+  });
+  EXPECT_CONTAINS(msg, "--strategy zero2 and --zero-stage 1 contradict");
+}
+
+TEST_F(ConfigTest, UnknownStrategyFlagFailsWhileParsing) {
+  try {
+    finalize({"--strategy", "zero4"});
+    ADD_FAILURE() << "expected CLI::ValidationError";
+  } catch (const CLI::ValidationError& e) {
+    EXPECT_CONTAINS(e.what(), "--strategy");
+    EXPECT_CONTAINS(e.what(), "did you mean");
+  }
+}
+
+TEST_F(ConfigTest, JsonZeroStageNotAvailableYet) {
+  const std::string path = write("zero2.json", R"({"zero_optimization": {"stage": 2}})");
+  const std::string msg = config_error([&] { finalize({"--deepspeed-config", path}); });
+  EXPECT_CONTAINS(msg, "zero_optimization.stage 2");
+  EXPECT_CONTAINS(msg, path);
+  EXPECT_CONTAINS(msg, "not available yet");
+  EXPECT_CONTAINS(msg, "\"stage\": 0");
+}
+
+TEST_F(ConfigTest, JsonOffloadNotAvailableYet) {
+  const std::string stage0 =
+      write("off0.json", R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})");
+  std::string msg = config_error([&] { finalize({"--deepspeed-config", stage0}); });
+  EXPECT_CONTAINS(msg, "offload_optimizer.device \"cpu\"");
+  EXPECT_CONTAINS(msg, "set it to \"none\"");
+
+  const std::string stage3 =
+      write("off3.json",
+            R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
+          "nvme_path": "/local_nvme"}}})");
+  msg = config_error([&] { finalize({"--deepspeed-config", stage3}); });
+  EXPECT_CONTAINS(msg, "strategy 'infinity'");
+  EXPECT_CONTAINS(msg, "offload devices to \"none\"");
+
+  const std::string bad_device =
+      write("offbad.json", R"({"zero_optimization": {"offload_param": {"device": "gpu"}}})");
+  msg = config_error([&] { finalize({"--deepspeed-config", bad_device}); });
+  EXPECT_CONTAINS(msg, "zero_optimization.offload_param.device");
+  EXPECT_CONTAINS(msg, "\"gpu\"");
+}
+
+TEST_F(ConfigTest, JsonStageDecidesOverStrategyFlagWithWarning) {
+  const std::string path = write("ds.json", R"({"zero_optimization": {"stage": 0}})");
+  const TrainConfig cfg = finalize({"--strategy", "zero2", "--deepspeed-config", path});
+  EXPECT_EQ(cfg.strategy, StrategyKind::kDataParallel);
+  EXPECT_EQ(cfg.zero.stage, 0);
+  ASSERT_EQ(warnings_.size(), 1u);
+  EXPECT_CONTAINS(warnings_[0], "--strategy zero2 contradicts zero_optimization.stage 0");
+  EXPECT_CONTAINS(warnings_[0], "strategy is 'dp'");
+}
+
+TEST_F(ConfigTest, LegacyBooleanZeroOptimization) {
+  TrainConfig cfg = apply_json(R"({"zero_optimization": true})");
+  EXPECT_EQ(cfg.zero.stage, 1);
+  EXPECT_EQ(cfg.strategy, StrategyKind::kZero1);
+  cfg = apply_json(R"({"zero_optimization": {"stage": 2, "cpu_offload": true}})");
+  EXPECT_EQ(cfg.strategy, StrategyKind::kOffload);
+  EXPECT_EQ(cfg.zero.offload_optimizer_device, "cpu");
+}
+
+// ---- DeepSpeed JSON: errors ------------------------------------------------------------------
+
+TEST_F(ConfigTest, TypoKeysSuggestTheClosestValidKey) {
+  struct Case {
+    const char* json;
+    const char* key;
+    const char* suggestion;
+  };
+  const Case cases[] = {
+      {R"({"train_micro_batch_size_per_gpus": 4})", "train_micro_batch_size_per_gpus",
+       "did you mean 'train_micro_batch_size_per_gpu'?"},
+      {R"({"zero_optimisation": {"stage": 0}})", "zero_optimisation",
+       "did you mean 'zero_optimization'?"},
+      {R"({"gradient_cliping": 1.0})", "gradient_cliping", "did you mean 'gradient_clipping'?"},
+      {R"({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decya": 0.1}}})",
+       "optimizer.params.weight_decya", "did you mean 'optimizer.params.weight_decay'?"},
+      {R"({"zero_optimization": {"stage": 0, "overlap_com": true}})",
+       "zero_optimization.overlap_com", "did you mean 'zero_optimization.overlap_comm'?"},
+      {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 10}}})",
+       "scheduler.params.warmup_num_step", "did you mean 'scheduler.params.warmup_num_steps'?"},
+      {R"({"fp16": {"enabled": true, "loss_scale_windows": 100}})", "fp16.loss_scale_windows",
+       "did you mean 'fp16.loss_scale_window'?"},
+      {R"({"Train_Batch_Size": 16})", "Train_Batch_Size", "case-sensitive"},
+  };
+  for (const Case& c : cases) {
+    const std::string msg = config_error([&] { apply_json(c.json); });
+    EXPECT_CONTAINS(msg, c.key);
+    EXPECT_CONTAINS(msg, c.suggestion);
+    EXPECT_CONTAINS(msg, "ds.json");
+  }
+}
+
+TEST_F(ConfigTest, UnknownKeyFarFromAnyListsValidKeys) {
+  std::string msg = config_error([&] { apply_json(R"({"fp16": {"banana": 1}})"); });
+  EXPECT_CONTAINS(msg, "fp16.banana");
+  EXPECT_CONTAINS(msg, "valid keys in \"fp16\"");
+  EXPECT_CONTAINS(msg, "initial_scale_power");
+  // A valid key in the wrong section says where it belongs.
+  msg = config_error([&] { apply_json(R"({"stage": 2})"); });
+  EXPECT_CONTAINS(msg, "\"stage\" belongs in \"zero_optimization\"");
+}
+
+TEST_F(ConfigTest, TutorialConfigKeysPointToFlags) {
+  std::string msg = config_error([&] { apply_json(R"({"seed": 1234})"); });
+  EXPECT_CONTAINS(msg, "\"seed\" is not a DeepSpeed config key");
+  EXPECT_CONTAINS(msg, "--seed");
+  msg = config_error([&] { apply_json(R"({"batch_size": 8})"); });
+  EXPECT_CONTAINS(msg, "--batch-size");
+}
+
+TEST_F(ConfigTest, MalformedJsonNamesFileAndPosition) {
+  const std::string path = write("broken.json", "{\n  \"train_batch_size\": 8,\n}\n");
+  TrainConfig cfg;
+  const std::string msg = config_error([&] { apply_deepspeed_config(path, cfg, {}, ignored_); });
+  EXPECT_CONTAINS(msg, path);
+  EXPECT_CONTAINS(msg, "line 3, column 1");
+  EXPECT_CONTAINS(msg, "fix the JSON");
+}
+
+TEST_F(ConfigTest, CommentsAreAcceptedDuplicatesAreNot) {
+  TrainConfig cfg = apply_json("{\n  // micro-batch\n  \"train_micro_batch_size_per_gpu\": 4\n}");
+  EXPECT_EQ(cfg.micro_batch_size, 4);
+  const std::string msg = config_error([&] {
+    apply_json(R"({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "lr": 2e-4}}})");
+  });
+  EXPECT_CONTAINS(msg, "\"optimizer.params.lr\" appears twice");
+}
+
+TEST_F(ConfigTest, MissingFileIsAConfigError) {
+  TrainConfig cfg;
+  const std::string path = (dir_ / "nope.json").string();
+  const std::string msg = config_error([&] { apply_deepspeed_config(path, cfg, {}, ignored_); });
+  EXPECT_CONTAINS(msg, path);
+  EXPECT_CONTAINS(msg, "cannot open");
+}
+
+TEST_F(ConfigTest, WrongTypesNameKeyValueAndExpectation) {
+  std::string msg =
+      config_error([&] { apply_json(R"({"train_micro_batch_size_per_gpu": "eight"})"); });
+  EXPECT_CONTAINS(msg, "train_micro_batch_size_per_gpu");
+  EXPECT_CONTAINS(msg, "\"eight\"");
+  EXPECT_CONTAINS(msg, "expected an integer >= 1");
+
+  msg = config_error([&] { apply_json(R"({"train_micro_batch_size_per_gpu": -4})"); });
+  EXPECT_CONTAINS(msg, "-4");
+  EXPECT_CONTAINS(msg, "expected an integer >= 1");
+
+  msg = config_error([&] { apply_json(R"({"gradient_accumulation_steps": 2.5})"); });
+  EXPECT_CONTAINS(msg, "gradient_accumulation_steps");
+  EXPECT_CONTAINS(msg, "2.5");
+
+  msg = config_error([&] { apply_json(R"({"fp16": {"enabled": "yes"}})"); });
+  EXPECT_CONTAINS(msg, "fp16.enabled");
+  EXPECT_CONTAINS(msg, "true or false");
+
+  msg = config_error(
+      [&] { apply_json(R"({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}})"); });
+  EXPECT_CONTAINS(msg, "optimizer.params.betas");
+  EXPECT_CONTAINS(msg, "[0.9]");
+
+  msg = config_error([&] { apply_json(R"({"zero_optimization": {"stage": 4}})"); });
+  EXPECT_CONTAINS(msg, "zero_optimization.stage");
+  EXPECT_CONTAINS(msg, "0, 1, 2 or 3");
+
+  msg = config_error([&] { apply_json(R"([1, 2])"); });
+  EXPECT_CONTAINS(msg, "top level");
+}
+
+TEST_F(ConfigTest, SizesWrittenAsFloatsAreIntegers) {
+  const TrainConfig cfg = apply_json(R"({"zero_optimization": {"reduce_bucket_size": 5e8,
+      "allgather_bucket_size": 2e8, "overlap_comm": false, "reduce_scatter": false}})");
+  EXPECT_EQ(cfg.zero.reduce_bucket_size, 500'000'000);
+  EXPECT_EQ(cfg.zero.allgather_bucket_size, 200'000'000);
+  EXPECT_FALSE(cfg.zero.overlap_comm);
+  EXPECT_FALSE(cfg.zero.reduce_scatter);
+}
+
+TEST_F(ConfigTest, UnsupportedOptimizersAndSchedulers) {
+  std::string msg = config_error([&] { apply_json(R"({"optimizer": {"type": "Lamb"}})"); });
+  EXPECT_CONTAINS(msg, "\"Lamb\" is not available");
+  EXPECT_CONTAINS(msg, "\"type\": \"AdamW\"");
+  msg = config_error([&] { apply_json(R"({"scheduler": {"type": "OneCycle"}})"); });
+  EXPECT_CONTAINS(msg, "\"OneCycle\" is not available");
+  msg = config_error([&] { apply_json(R"({"scheduler": {"type": "WarmupCosine"}})"); });
+  EXPECT_CONTAINS(msg, "did you mean 'WarmupCosineLR'?");
+  msg = config_error([&] {
+    apply_json(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false,
+        "weight_decay": 0.1}}})");
+  });
+  EXPECT_CONTAINS(msg, "adam_w_mode");
+  EXPECT_CONTAINS(msg, "set weight_decay to 0");
+}
+
+TEST_F(ConfigTest, Bf16AndFp16BothEnabledIsAnError) {
+  const std::string msg = config_error(
+      [&] { apply_json(R"({"bf16": {"enabled": true}, "fp16": {"enabled": true}})"); });
+  EXPECT_CONTAINS(msg, "\"bf16.enabled\" and \"fp16.enabled\" are both true");
+  EXPECT_CONTAINS(msg, "at most one");
+}
+
+// ---- DeepSpeed JSON: values ------------------------------------------------------------------
+
+TEST_F(ConfigTest, OptimizerAndWarmupCosineLr) {
+  const TrainConfig cfg = apply_json(R"({
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6,
+                                             "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupCosineLR",
+                  "params": {"total_num_steps": 5000, "warmup_num_steps": 200,
+                             "cos_min_ratio": 0.05, "warmup_min_ratio": 0.01,
+                             "warmup_type": "linear"}},
+    "gradient_clipping": 0.5,
+    "steps_per_print": 25
+  })");
+  EXPECT_DOUBLE_EQ(cfg.lr, 3e-4);
+  EXPECT_DOUBLE_EQ(cfg.beta1, 0.9);
+  EXPECT_DOUBLE_EQ(cfg.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(cfg.adam_eps, 1e-6);
+  EXPECT_DOUBLE_EQ(cfg.weight_decay, 0.1);
+  EXPECT_EQ(cfg.lr_schedule, LrSchedule::kCosine);
+  EXPECT_EQ(cfg.max_steps, 5000);
+  EXPECT_EQ(cfg.warmup_steps, 200);
+  EXPECT_DOUBLE_EQ(cfg.min_lr_ratio, 0.05);
+  EXPECT_DOUBLE_EQ(cfg.warmup_min_ratio, 0.01);
+  EXPECT_DOUBLE_EQ(cfg.gradient_clipping, 0.5);
+  EXPECT_EQ(cfg.log_interval, 25);
+  EXPECT_TRUE(ignored_.empty());
+}
+
+TEST_F(ConfigTest, WarmupLrAndWarmupDecayLr) {
+  TrainConfig cfg = apply_json(R"({"optimizer": {"type": "Adam", "params": {"lr": 1e-4,
+      "weight_decay": 0.01}}, "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0,
+      "warmup_max_lr": 5e-4, "warmup_num_steps": 100}}})");
+  EXPECT_EQ(cfg.lr_schedule, LrSchedule::kConstant);
+  EXPECT_DOUBLE_EQ(cfg.lr, 5e-4);  // warmup_max_lr overrides the optimizer's lr, as in DeepSpeed
+  EXPECT_EQ(cfg.warmup_steps, 100);
+  EXPECT_DOUBLE_EQ(cfg.weight_decay, 0.01);  // Adam with weight decay runs as AdamW
+  EXPECT_EQ(cfg.max_steps, -1);
+
+  cfg = apply_json(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-5,
+      "warmup_max_lr": 1e-4, "warmup_num_steps": 10, "total_num_steps": 800}}})");
+  EXPECT_EQ(cfg.lr_schedule, LrSchedule::kLinear);
+  EXPECT_DOUBLE_EQ(cfg.lr, 1e-4);
+  EXPECT_EQ(cfg.max_steps, 800);
+  EXPECT_NEAR(cfg.min_lr_ratio, 0.1, 1e-12);
+  EXPECT_NEAR(cfg.warmup_min_ratio, 0.1, 1e-12);
+}
+
+TEST_F(ConfigTest, OmittedOptimizerParamsTakeDeepSpeedDefaults) {
+  const TrainConfig cfg = apply_json(R"({"optimizer": {"type": "AdamW", "params": {"lr": 2e-4}}})");
+  EXPECT_DOUBLE_EQ(cfg.lr, 2e-4);
+  EXPECT_DOUBLE_EQ(cfg.weight_decay, 0.0);  // DeepSpeed's default, not shardtrain's 0.01
+  EXPECT_DOUBLE_EQ(cfg.beta2, 0.999);
+}
+
+TEST_F(ConfigTest, PrecisionAndLossScale) {
+  TrainConfig cfg = apply_json(R"({"bf16": {"enabled": true}})");
+  EXPECT_EQ(cfg.precision, Precision::kBf16);
+  cfg = apply_json(R"({"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12,
+      "loss_scale_window": 500, "hysteresis": 4, "min_loss_scale": 0.5}})");
+  EXPECT_EQ(cfg.precision, Precision::kFp16);
+  EXPECT_EQ(cfg.loss_scale.initial_scale_power, 12);
+  EXPECT_EQ(cfg.loss_scale.loss_scale_window, 500);
+  EXPECT_EQ(cfg.loss_scale.hysteresis, 4);
+  EXPECT_DOUBLE_EQ(cfg.loss_scale.min_loss_scale, 0.5);
+  cfg = apply_json(R"({"fp16": {"enabled": false}})");
+  EXPECT_EQ(cfg.precision, Precision::kFp32);
+}
+
+TEST_F(ConfigTest, AutoValuesAreUnset) {
+  const TrainConfig cfg = apply_json(R"({
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                             "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto",
+                  "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                  "total_num_steps": "auto"}},
+    "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": "auto", "reduce_bucket_size": "auto"}
+  })");
+  const TrainConfig defaults;
+  EXPECT_EQ(cfg.train_batch_size, defaults.train_batch_size);
+  EXPECT_EQ(cfg.micro_batch_size, defaults.micro_batch_size);
+  EXPECT_FALSE(cfg.micro_batch_set);
+  EXPECT_FALSE(cfg.accumulation_set);
+  EXPECT_DOUBLE_EQ(cfg.gradient_clipping, defaults.gradient_clipping);
+  EXPECT_DOUBLE_EQ(cfg.lr, defaults.lr);
+  EXPECT_DOUBLE_EQ(cfg.beta1, defaults.beta1);
+  EXPECT_DOUBLE_EQ(cfg.weight_decay, defaults.weight_decay);
+  EXPECT_EQ(cfg.warmup_steps, defaults.warmup_steps);
+  EXPECT_EQ(cfg.max_steps, defaults.max_steps);
+  EXPECT_EQ(cfg.precision, Precision::kAuto);
+  EXPECT_EQ(cfg.zero.stage, 0);
+  EXPECT_EQ(cfg.strategy, StrategyKind::kDataParallel);
+  EXPECT_EQ(cfg.lr_schedule, LrSchedule::kLinear);
+}
+
+TEST_F(ConfigTest, IgnoredKeysAreListedInOneWarning) {
+  const std::string path = write("ds.json", R"({
+    "train_micro_batch_size_per_gpu": 4,
+    "aio": {"block_size": 1048576},
+    "wall_clock_breakdown": false,
+    "tensorboard": {"enabled": false, "output_path": "tb/"},
+    "zero_allow_untested_optimizer": true,
+    "zero_optimization": {"stage": 0, "sub_group_size": 1e9, "round_robin_gradients": false},
+    "activation_checkpointing": {"partition_activations": true, "cpu_checkpointing": false}
+  })");
+  const TrainConfig cfg = finalize({"--deepspeed-config", path});
+  EXPECT_EQ(cfg.micro_batch_size, 4);
+  EXPECT_TRUE(cfg.activation_checkpointing);
+  ASSERT_EQ(warnings_.size(), 1u);
+  const std::string& w = warnings_[0];
+  EXPECT_CONTAINS(w, "aio");
+  EXPECT_CONTAINS(w, "zero_allow_untested_optimizer");
+  EXPECT_CONTAINS(w, "zero_optimization.sub_group_size");
+  EXPECT_CONTAINS(w, "activation_checkpointing.partition_activations");
+  // Features written as off are not "ignored".
+  EXPECT_EQ(w.find("wall_clock_breakdown"), std::string::npos) << w;
+  EXPECT_EQ(w.find("tensorboard"), std::string::npos) << w;
+  EXPECT_EQ(w.find("round_robin_gradients"), std::string::npos) << w;
+  EXPECT_EQ(w.find("cpu_checkpointing"), std::string::npos) << w;
+
+  ignored_.clear();
+  apply_json(R"({"aio": {"block_size": 1}, "zero_optimization": {"sub_group_size": 100}})");
+  EXPECT_EQ(ignored_, (std::vector<std::string>{"aio", "zero_optimization.sub_group_size"}));
+}
+
+// ---- flags and precedence ------------------------------------------------------------------
+
+TEST_F(ConfigTest, ExplicitFlagsBeatTheJson) {
+  const std::string path = write("ds.json", R"({
+    "train_micro_batch_size_per_gpu": 16,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.2}},
+    "gradient_clipping": 2.0,
+    "steps_per_print": 50,
+    "bf16": {"enabled": true}
+  })");
+  const TrainConfig cfg = finalize({"--deepspeed_config", path, "--lr", "0.01", "--batch-size", "4",
+                                    "--precision", "fp32", "--log-interval", "5"});
+  EXPECT_DOUBLE_EQ(cfg.lr, 0.01);
+  EXPECT_DOUBLE_EQ(cfg.weight_decay, 0.2);  // not given on the command line: JSON
+  EXPECT_EQ(cfg.micro_batch_size, 4);
+  EXPECT_EQ(cfg.gradient_accumulation_steps, 2);
+  EXPECT_EQ(cfg.train_batch_size, 8);
+  EXPECT_DOUBLE_EQ(cfg.gradient_clipping, 2.0);
+  EXPECT_EQ(cfg.log_interval, 5);
+  EXPECT_EQ(cfg.precision, Precision::kFp32);
+  ASSERT_EQ(warnings_.size(), 1u);
+  EXPECT_CONTAINS(warnings_[0], "--lr over optimizer.params.lr");
+  EXPECT_CONTAINS(warnings_[0], "--batch-size over train_micro_batch_size_per_gpu");
+  EXPECT_CONTAINS(warnings_[0], "--precision over bf16.enabled");
+}
+
+TEST_F(ConfigTest, FlagsBindToFields) {
+  const TrainConfig cfg = finalize({"--model",
+                                    "gpt2-small",
+                                    "--device",
+                                    "cpu",
+                                    "--precision",
+                                    "bf16",
+                                    "--epochs",
+                                    "3",
+                                    "--max-steps",
+                                    "100",
+                                    "--max-length",
+                                    "256",
+                                    "--num-samples",
+                                    "1000",
+                                    "--seed",
+                                    "7",
+                                    "--adam-beta1",
+                                    "0.8",
+                                    "--adam-beta2",
+                                    "0.95",
+                                    "--adam-eps",
+                                    "1e-6",
+                                    "--grad-clip",
+                                    "0",
+                                    "--warmup-steps",
+                                    "10",
+                                    "--lr-schedule",
+                                    "linear",
+                                    "--min-lr-ratio",
+                                    "0",
+                                    "--output-dir",
+                                    "runs/a",
+                                    "--eval-interval",
+                                    "50",
+                                    "--save-interval",
+                                    "200",
+                                    "--eval-samples",
+                                    "64",
+                                    "--activation-checkpointing",
+                                    "--train-file",
+                                    "a.txt",
+                                    "--valid-file",
+                                    "b.txt",
+                                    "--data-dir",
+                                    "/d",
+                                    "--cache-dir",
+                                    "/c",
+                                    "--init-from",
+                                    "w.safetensors"});
+  EXPECT_EQ(cfg.model, "gpt2-small");
+  EXPECT_EQ(cfg.device, "cpu");
+  EXPECT_EQ(cfg.precision, Precision::kBf16);
+  EXPECT_EQ(cfg.epochs, 3);
+  EXPECT_EQ(cfg.max_steps, 100);
+  EXPECT_EQ(cfg.max_length, 256);
+  EXPECT_EQ(cfg.num_samples, 1000);
+  EXPECT_EQ(cfg.seed, 7u);
+  EXPECT_DOUBLE_EQ(cfg.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(cfg.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(cfg.adam_eps, 1e-6);
+  EXPECT_DOUBLE_EQ(cfg.gradient_clipping, 0.0);
+  EXPECT_EQ(cfg.warmup_steps, 10);
+  EXPECT_EQ(cfg.lr_schedule, LrSchedule::kLinear);
+  EXPECT_DOUBLE_EQ(cfg.min_lr_ratio, 0.0);
+  EXPECT_EQ(cfg.output_dir, "runs/a");
+  EXPECT_EQ(cfg.eval_interval, 50);
+  EXPECT_EQ(cfg.save_interval, 200);
+  EXPECT_EQ(cfg.eval_samples, 64);
+  EXPECT_TRUE(cfg.activation_checkpointing);
+  EXPECT_EQ(cfg.train_file, "a.txt");
+  EXPECT_EQ(cfg.valid_file, "b.txt");
+  EXPECT_EQ(cfg.data_dir, "/d");
+  EXPECT_EQ(cfg.cache_dir, "/c");
+  EXPECT_EQ(cfg.init_from, "w.safetensors");
+  EXPECT_EQ(cfg.train_batch_size, 8);  // derived: 8 × 1 × 1
+  EXPECT_TRUE(warnings_.empty());
+}
+
+TEST_F(ConfigTest, OutOfRangeFlagsFailWhileParsing) {
+  const std::vector<std::vector<std::string>> bad = {
+      {"--batch-size", "0"},     {"--lr", "-1"},
+      {"--lr", "abc"},           {"--adam-beta2", "1"},
+      {"--min-lr-ratio", "1.5"}, {"--max-steps", "0"},
+      {"--device", "gpu"},       {"--precision", "fp64"},
+      {"--zero-stage", "4"},     {"--warmup-steps", "-2"},
+      {"--log-interval", "0"},   {"--lr-schedule", "step"},
+  };
+  for (const auto& args : bad) {
+    try {
+      finalize(args);
+      ADD_FAILURE() << "expected CLI::ValidationError for " << args[0] << " " << args[1];
+    } catch (const CLI::ValidationError& e) {
+      EXPECT_CONTAINS(e.what(), args[0]);
+      EXPECT_CONTAINS(e.what(), args[1]);
+    }
+  }
+}
+
+TEST_F(ConfigTest, ExplicitFlagNames) {
+  TrainConfig cfg;
+  CLI::App app{"t"};
+  add_train_flags(app, cfg);
+  app.parse(std::vector<std::string>{"0.1", "--lr", "4", "--batch-size"});
+  const ExplicitFlags flags = explicit_train_flags(app);
+  EXPECT_EQ(flags.size(), 2u);
+  EXPECT_NE(std::find(flags.begin(), flags.end(), "lr"), flags.end());
+  EXPECT_NE(std::find(flags.begin(), flags.end(), "batch_size"), flags.end());
+}
+
+// ---- batch identity --------------------------------------------------------------------------
+
+TEST_F(ConfigTest, BatchIdentityMismatchStatesTheNumbers) {
+  const std::string path = write("ds.json", R"({"train_batch_size": 32,
+      "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2})");
+  const std::string msg = config_error([&] { finalize({"--deepspeed-config", path}); });
+  EXPECT_CONTAINS(msg,
+                  "train_batch_size 32 != train_micro_batch_size_per_gpu 8 × "
+                  "gradient_accumulation_steps 2 × world size 1 = 16");
+  EXPECT_CONTAINS(msg, "set train_batch_size to 16, or gradient_accumulation_steps to 4");
+}
+
+TEST_F(ConfigTest, BatchIdentityDerivesTheMissingSize) {
+  // train_batch_size and micro-batch: accumulation derived.
+  TrainConfig cfg = finalize({"--train-batch-size", "32", "--batch-size", "8"});
+  EXPECT_EQ(cfg.gradient_accumulation_steps, 4);
+  EXPECT_EQ(cfg.micro_batch_size, 8);
+
+  // train_batch_size and accumulation: micro-batch derived (world size 2).
+  cfg = valid_config();
+  cfg.world_size = 2;
+  cfg.train_batch_size = 32;
+  cfg.gradient_accumulation_steps = 2;
+  cfg.accumulation_set = true;
+  validate(cfg, 1024);
+  EXPECT_EQ(cfg.micro_batch_size, 8);
+
+  // Only train_batch_size: no accumulation, split over the ranks (as DeepSpeed).
+  cfg = valid_config();
+  cfg.world_size = 4;
+  cfg.train_batch_size = 64;
+  validate(cfg, 1024);
+  EXPECT_EQ(cfg.gradient_accumulation_steps, 1);
+  EXPECT_EQ(cfg.micro_batch_size, 16);
+
+  // Nothing: derived from the defaults.
+  cfg = valid_config();
+  cfg.world_size = 2;
+  validate(cfg, 1024);
+  EXPECT_EQ(cfg.train_batch_size, 16);
+
+  // From the JSON: train_batch_size and gradient_accumulation_steps.
+  const std::string path =
+      write("ds.json", R"({"train_batch_size": 24, "gradient_accumulation_steps": 3})");
+  cfg = finalize({"--deepspeed-config", path});
+  EXPECT_EQ(cfg.micro_batch_size, 8);
+  EXPECT_EQ(cfg.train_batch_size, 24);
+}
+
+TEST_F(ConfigTest, BatchIdentityIndivisible) {
+  std::string msg = config_error([&] {
+    finalize({"--train-batch-size", "30", "--batch-size", "8"});
+  });
+  EXPECT_CONTAINS(msg, "train_batch_size 30 is not a multiple of train_micro_batch_size_per_gpu 8");
+  EXPECT_CONTAINS(msg, "e.g. 24");
+  msg = config_error([&] {
+    finalize({"--train-batch-size", "10", "--gradient-accumulation-steps", "4"});
+  });
+  EXPECT_CONTAINS(msg, "gradient_accumulation_steps 4 × world size 1 = 4");
+}
+
+// ---- validate() ------------------------------------------------------------------------------
+
+TEST_F(ConfigTest, ValidateChecksEveryField) {
+  struct Case {
+    std::function<void(TrainConfig&)> mutate;
+    std::vector<std::string> expected;
+  };
+  const std::vector<Case> cases = {
+      {[](TrainConfig& c) { c.max_length = 2048; },
+       {"--max-length 2048", "model 'gpt2-tiny'", "n_positions = 1024", "--max-length 1024"}},
+      {[](TrainConfig& c) { c.max_length = 0; }, {"--max-length 0"}},
+      {[](TrainConfig& c) { c.micro_batch_size = 0; }, {"--batch-size", "0", ">= 1"}},
+      {[](TrainConfig& c) { c.epochs = 0; }, {"--epochs 0"}},
+      {[](TrainConfig& c) { c.max_steps = 0; }, {"--max-steps 0", "-1"}},
+      {[](TrainConfig& c) { c.lr = 0.0; }, {"--lr 0", "> 0"}},
+      {[](TrainConfig& c) { c.lr = std::nan(""); }, {"--lr nan"}},
+      {[](TrainConfig& c) { c.beta1 = 1.0; }, {"--adam-beta1 1", "[0, 1)"}},
+      {[](TrainConfig& c) { c.beta2 = -0.1; }, {"--adam-beta2 -0.1"}},
+      {[](TrainConfig& c) { c.adam_eps = 0.0; }, {"--adam-eps 0"}},
+      {[](TrainConfig& c) { c.weight_decay = -1.0; }, {"--weight-decay -1"}},
+      {[](TrainConfig& c) { c.gradient_clipping = -1.0; }, {"--grad-clip -1"}},
+      {[](TrainConfig& c) { c.warmup_steps = -2; }, {"--warmup-steps -2"}},
+      {[](TrainConfig& c) { c.min_lr_ratio = 1.5; }, {"--min-lr-ratio 1.5", "[0, 1]"}},
+      {[](TrainConfig& c) { c.num_samples = 0; }, {"--num-samples 0"}},
+      {[](TrainConfig& c) { c.device = "tpu"; }, {"--device 'tpu'", "auto, cpu or cuda"}},
+      {[](TrainConfig& c) { c.train_file = "a.txt"; },
+       {"--dataset 'wikitext-2' and --train-file 'a.txt' are both given"}},
+      {[](TrainConfig& c) { c.dataset.clear(); }, {"no training data", "--dataset wikitext-2"}},
+      {[](TrainConfig& c) { c.valid_file = "v.txt"; }, {"--valid-file 'v.txt' needs --train-file"}},
+      {[](TrainConfig& c) { c.log_interval = 0; }, {"--log-interval 0"}},
+      {[](TrainConfig& c) { c.world_size = 0; }, {"world size 0"}},
+      {[](TrainConfig& c) {
+         c.strategy = StrategyKind::kZero3;
+         c.strategy_name = "zero3";
+       },
+       {"strategy 'zero3'", "not available yet", "--strategy dp"}},
+      {[](TrainConfig& c) { c.zero.stage = 1; }, {"ZeRO stage 1", "not available yet"}},
+      {[](TrainConfig& c) { c.zero.offload_param_device = "cpu"; },
+       {"offload_param.device \"cpu\"", "not available yet"}},
+      {[](TrainConfig& c) { c.loss_scale.hysteresis = 0; }, {"fp16.hysteresis 0"}},
+  };
+  for (const Case& c : cases) {
+    TrainConfig cfg = valid_config();
+    c.mutate(cfg);
+    const std::string msg = config_error([&] { validate(cfg, 1024); });
+    for (const auto& e : c.expected) EXPECT_CONTAINS(msg, e);
+  }
+}
+
+TEST_F(ConfigTest, ValidateKeepsWarmupDefault) {
+  TrainConfig cfg = valid_config();
+  validate(cfg, 1024);
+  EXPECT_EQ(cfg.warmup_steps, -1);  // resolved by the trainer
+  EXPECT_EQ(cfg.train_batch_size, 8);
+  cfg = valid_config();
+  cfg.max_length = 1024;  // exactly the context is fine
+  validate(cfg, 1024);
+}
+
+}  // namespace
+}  // namespace shardtrain
