@@ -1,0 +1,148 @@
+// Backend: device memory and the compute ops of GPT-2 training, forward and backward side by
+// side (llm.c's habit). One interface, two implementations: backend/cpu (fp32 reference,
+// OpenMP + BLAS) and backend/cuda (bf16 mixed precision, fused kernels).
+//
+// Conventions, for every op:
+//  * B = batch (micro-batch), T = sequence length, C = channels (n_embd), NH = heads,
+//    V = vocabulary, N = B*T rows. Tensors are contiguous row-major.
+//  * Linear weights are [OC, IC] (PyTorch nn.Linear layout); y = x·Wᵀ + b.
+//  * Backward ops ACCUMULATE (+=) into parameter gradients (so micro-batches accumulate).
+//    Activation gradients are OVERWRITTEN, except layernorm_backward, which accumulates into
+//    dinp (the residual stream), as noted on each op.
+//  * Ops are enqueued in order on the backend's compute stream; synchronize() waits for them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/tensor.h"
+
+namespace shardtrain {
+
+/// Extra work fused into a matmul's output.
+enum class Epilogue { kNone, kGelu };
+
+/// What attention_forward saves for attention_backward: the softmax probabilities
+/// [B, NH, T, T] (CPU reference) or the per-row log-sum-exp [B, NH, T] (flash attention).
+struct AttentionSaved {
+  Tensor probs;  ///< [B, NH, T, T] fp32, or empty
+  Tensor lse;    ///< [B, NH, T] fp32, or empty
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual DeviceKind kind() const = 0;
+  /// Human-readable device description, e.g. "cpu (2 threads)" or "NVIDIA H100 80GB HBM3".
+  virtual std::string description() const = 0;
+  /// The dtype activations and compute parameters use on this backend (fp32 on CPU).
+  virtual DType compute_dtype() const = 0;
+
+  // ---- memory ------------------------------------------------------------------------------
+  /// Allocates `bytes` of device memory (64-byte aligned, zero-filled). Throws RuntimeFailure
+  /// naming the request and what is held when out of memory.
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void deallocate(void* ptr) noexcept = 0;
+  /// Copies between host and this device (or within it); blocking.
+  virtual void copy_to_host(void* dst_host, const void* src_device, size_t bytes) = 0;
+  virtual void copy_from_host(void* dst_device, const void* src_host, size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void fill_zero(Tensor t) = 0;
+  virtual void synchronize() {}
+  /// Bytes currently allocated and the peak since start (or since reset_peak_memory()).
+  virtual size_t allocated_bytes() const = 0;
+  virtual size_t peak_allocated_bytes() const = 0;
+  virtual void reset_peak_memory() = 0;
+
+  // ---- dtype conversion ----------------------------------------------------------------------
+  /// dst = src element-wise with dtype conversion (round-to-nearest-even for bf16/fp16).
+  virtual void convert(Tensor dst, Tensor src) = 0;
+
+  // ---- embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:] ----------------------------------
+  /// out [B,T,C]; tokens [B,T] int32 (device); wte [V,C]; wpe [maxT,C].
+  virtual void embedding_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) = 0;
+  /// dwte [V,C] += scatter of dout by token; dwpe [maxT,C] += Σ_b dout[b,t,:].
+  virtual void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) = 0;
+
+  // ---- layernorm (Ba et al., arXiv 1607.06450, eq. 4; eps = 1e-5) -----------------------------
+  /// out [N,C] = (inp - mean) * rstd * weight + bias; saves mean [N], rstd [N] (fp32).
+  virtual void layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight,
+                                 Tensor bias) = 0;
+  /// dinp [N,C] += ∂L/∂inp (accumulates: the residual stream); dweight, dbias [C] +=.
+  virtual void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                  Tensor inp, Tensor weight, Tensor mean, Tensor rstd) = 0;
+
+  // ---- linear layers -----------------------------------------------------------------------
+  /// out [N,OC] = inp [N,IC] · weight[OC,IC]ᵀ + bias[OC] (bias may be empty). With
+  /// Epilogue::kGelu, `pre_gelu` [N,OC] receives the pre-activation and out = gelu(pre_gelu).
+  virtual void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                              Epilogue epilogue = Epilogue::kNone, Tensor pre_gelu = {}) = 0;
+  /// dinp [N,IC] = dout · weight (overwrites; may be empty to skip); dweight [OC,IC] += doutᵀ·inp;
+  /// dbias [OC] += Σ_rows dout (may be empty).
+  virtual void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                               Tensor weight) = 0;
+
+  // ---- GELU, tanh approximation (Hendrycks & Gimpel, arXiv 1606.08415, §2) -------------------
+  virtual void gelu_forward(Tensor out, Tensor inp) = 0;
+  /// dinp = dout * gelu'(inp) (overwrites).
+  virtual void gelu_backward(Tensor dinp, Tensor inp, Tensor dout) = 0;
+
+  // ---- residual ------------------------------------------------------------------------------
+  /// out = a + b (element-wise, same shape; out may alias a or b).
+  virtual void add(Tensor out, Tensor a, Tensor b) = 0;
+
+  // ---- causal self-attention (Vaswani et al., arXiv 1706.03762, eq. 1) ----------------------
+  /// qkv [B,T,3C] laid out as [q | k | v], each C = NH*hs; out [B,T,C] (heads concatenated).
+  /// `saved` receives what backward needs (see AttentionSaved; sized by attention_saved_shape).
+  virtual void attention_forward(Tensor out, AttentionSaved saved, Tensor qkv, int num_heads) = 0;
+  /// dqkv [B,T,3C] (overwrites) from dout [B,T,C].
+  virtual void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
+                                  AttentionSaved saved, int num_heads) = 0;
+  /// Whether this backend saves probabilities [B,NH,T,T] (true) or log-sum-exp [B,NH,T].
+  virtual bool attention_saves_probs() const = 0;
+
+  // ---- fused softmax + cross-entropy over the vocabulary ------------------------------------
+  /// logits [N,V] (overwritten with ∂L/∂logits = (softmax - onehot(target)) * grad_scale);
+  /// targets [N] int32; losses [N] fp32 receives -log softmax[target] per row.
+  /// Rows whose target is < 0 are ignored (loss 0, gradient 0).
+  virtual void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets,
+                                     float grad_scale) = 0;
+  /// Forward only (for evaluation): losses [N] from logits [N,V]; logits unchanged.
+  virtual void cross_entropy_forward(Tensor losses, Tensor logits, Tensor targets) = 0;
+
+  // ---- reductions and optimizer ----------------------------------------------------------------
+  /// Σ x² over the tensor, accumulated in double, deterministic. Blocking.
+  virtual double sum_squares(Tensor x) = 0;
+  /// Σ x (fp32 tensor) in double. Blocking.
+  virtual double sum(Tensor x) = 0;
+  /// x *= s.
+  virtual void scale(Tensor x, float s) = 0;
+
+  /// AdamW step on one contiguous range (Loshchilov & Hutter, arXiv 1711.05101, Algorithm 2):
+  ///   g = grad * grad_scale; m = β1 m + (1-β1) g; v = β2 v + (1-β2) g²;
+  ///   p -= lr * ( (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p )
+  /// with bc1 = 1 - β1^t, bc2 = 1 - β2^t. master, m, v fp32 [n]; grad in the grad dtype [n].
+  /// When `params_out` is non-empty, the updated master weights are also written to it in its
+  /// dtype (the bf16 compute copy on GPU).
+  struct AdamWArgs {
+    float lr, beta1, beta2, eps, weight_decay, grad_scale;
+    float bias_correction1, bias_correction2;
+  };
+  virtual void adamw(Tensor master, Tensor grad, Tensor m, Tensor v, Tensor params_out,
+                     const AdamWArgs& args) = 0;
+};
+
+/// The CPU backend (fp32, OpenMP threads, BLAS matmuls).
+std::unique_ptr<Backend> make_cpu_backend();
+
+/// The CUDA backend on device `device_index`; throws RuntimeFailure when no CUDA GPU or driver is
+/// available or shardtrain was built without CUDA.
+std::unique_ptr<Backend> make_cuda_backend(int device_index);
+
+/// True when shardtrain was built with CUDA and a GPU is visible.
+bool cuda_available();
+
+}  // namespace shardtrain

@@ -1,0 +1,46 @@
+// FlatBuffer: one contiguous allocation on a backend's device, owned (RAII).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "backend/backend.h"
+#include "core/tensor.h"
+
+namespace shardtrain {
+
+class FlatBuffer {
+ public:
+  FlatBuffer() = default;
+  /// Allocates `numel` zeroed elements of `dtype` on `backend`. Throws RuntimeFailure (OOM).
+  FlatBuffer(Backend& backend, DType dtype, int64_t numel)
+      : backend_(&backend),
+        view_(backend.allocate(static_cast<size_t>(numel) * dtype_size(dtype)), dtype,
+              backend.kind(), {numel}) {}
+  FlatBuffer(const FlatBuffer&) = delete;
+  FlatBuffer& operator=(const FlatBuffer&) = delete;
+  FlatBuffer(FlatBuffer&& o) noexcept : backend_(o.backend_), view_(o.view_) { o.view_ = {}; }
+  FlatBuffer& operator=(FlatBuffer&& o) noexcept {
+    std::swap(backend_, o.backend_);
+    std::swap(view_, o.view_);
+    return *this;
+  }
+  ~FlatBuffer() {
+    if (backend_ && view_.data) backend_->deallocate(view_.data);
+  }
+
+  /// The whole buffer as a 1-D tensor [numel].
+  const Tensor& view() const { return view_; }
+  /// Elements [offset, offset + count) as a tensor of the given shape (or 1-D).
+  Tensor slice(int64_t offset, int64_t count) const { return view_.slice1d(offset, count); }
+  int64_t numel() const { return view_.data ? view_.numel() : 0; }
+  DType dtype() const { return view_.dtype; }
+  void* data() const { return view_.data; }
+  size_t bytes() const { return view_.data ? view_.bytes() : 0; }
+
+ private:
+  Backend* backend_ = nullptr;
+  Tensor view_;
+};
+
+}  // namespace shardtrain

@@ -1,0 +1,59 @@
+// ParamLayout: where every parameter tensor lives in the flat buffers.
+//
+// Parameters, gradients and optimizer state each live in ONE flat, contiguous buffer with the
+// same layout. The layout is an ordered list of layers (embedding, block 0..L-1, head), each a
+// contiguous range holding its named tensors. That makes the layer the natural unit for the
+// strategies to come: ZeRO shards the flat range [0, numel) across data-parallel ranks (any
+// boundary works), ZeRO-3 gathers one layer's range before its forward, and pipeline stages own
+// whole layers.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shardtrain {
+
+struct ParamTensor {
+  std::string name;  ///< Hugging Face GPT2LMHeadModel name, e.g. "transformer.h.0.ln_1.weight"
+  std::vector<int64_t> shape;  ///< our layout; linear weights are [out, in]
+  int64_t offset = 0;          ///< element offset in the flat buffer (multiple of kAlign)
+  int64_t numel = 0;
+  bool weight_decay = false;   ///< AdamW decays 2-D weights only (not biases, LayerNorm)
+  bool hf_transposed = false;  ///< stored as [in, out] by HF's Conv1D
+  float init_std = 0.0f;       ///< normal(0, init_std); 0 = constant init_value
+  float init_value = 0.0f;
+};
+
+struct LayerRange {
+  std::string name;    ///< "embed", "block.3", "head"
+  int64_t offset = 0;  ///< first element (multiple of kAlign)
+  int64_t numel = 0;   ///< elements up to the next layer's offset (includes alignment padding)
+  std::vector<ParamTensor> tensors;
+};
+
+class ParamLayout {
+ public:
+  /// Tensor offsets are aligned to 16 elements (64 bytes in fp32) for vector loads; the
+  /// padding elements are zero and stay zero (zero gradient, zero init).
+  static constexpr int64_t kAlign = 16;
+
+  /// Appends a layer whose tensors are given by name/shape/init; offsets are assigned here.
+  void add_layer(const std::string& name, std::vector<ParamTensor> tensors);
+
+  const std::vector<LayerRange>& layers() const { return layers_; }
+  /// Elements in the flat buffer (≥ num_parameters() because of alignment padding).
+  int64_t numel() const { return numel_; }
+  /// Real parameters (sum of tensor sizes).
+  int64_t num_parameters() const;
+  /// Finds a tensor by name; nullptr when absent.
+  const ParamTensor* find(const std::string& name) const;
+  /// All tensors in layout order.
+  std::vector<const ParamTensor*> tensors() const;
+
+ private:
+  std::vector<LayerRange> layers_;
+  int64_t numel_ = 0;
+};
+
+}  // namespace shardtrain

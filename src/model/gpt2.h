@@ -1,0 +1,123 @@
+// GPT-2 as an ordered list of layers with explicit forward and backward.
+//
+//   embed    : tokens [B,T] -> x0 [B,T,C]            (wte, wpe)
+//   block i  : x_i [B,T,C]  -> x_{i+1} [B,T,C]        pre-LN transformer block:
+//              x + attn(ln_1(x)), then + mlp(ln_2(·)), GELU (tanh approximation)
+//   head     : x_L -> loss                           (ln_f, LM head tied to wte, softmax-xent)
+//
+// Parameters live in the flat buffers described by ParamLayout; layers hold views into them
+// (bind()). The model knows nothing of strategies: a strategy observes it through LayerHooks and
+// acts on the flat buffers (parallel/strategy.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "memory/flat_buffer.h"
+#include "memory/param_layout.h"
+#include "model/gpt2_config.h"
+
+namespace shardtrain {
+
+/// Per-micro-batch state shared by the layers of one forward/backward.
+struct StepContext {
+  int64_t B = 0, T = 0;
+  Tensor tokens;         ///< [B,T] int32 on the device
+  Tensor targets;        ///< [B,T] int32 on the device; empty for inference
+  Tensor losses;         ///< [B*T] fp32 per-token losses written by the head
+  float grad_scale = 1;  ///< ∂(objective)/∂(per-token loss): 1/(B·T·accumulation) · loss scale
+  bool for_backward = true;  ///< keep what backward needs and compute ∂logits in the head
+};
+
+/// Callbacks a strategy registers to act around each layer (ZeRO-3 gathers parameters before
+/// a layer's forward/backward; data parallelism reduces a layer's gradients after its backward).
+class LayerHooks {
+ public:
+  virtual ~LayerHooks() = default;
+  virtual void before_forward(int /*layer*/) {}
+  virtual void after_forward(int /*layer*/) {}
+  virtual void before_backward(int /*layer*/) {}
+  virtual void after_backward(int /*layer*/) {}
+};
+
+class Layer {
+ public:
+  explicit Layer(std::string name) : name_(std::move(name)) {}
+  virtual ~Layer() = default;
+  const std::string& name() const { return name_; }
+
+  /// The layer's parameter tensors (names, shapes, init), in layout order.
+  virtual std::vector<ParamTensor> param_specs() const = 0;
+  /// Points the layer at its parameters and gradients. `params`/`grads` are this layer's
+  /// slices of the flat buffers (offsets inside are relative to the layer's first element);
+  /// `grads` may be empty for inference.
+  virtual void bind(const LayerRange& range, Tensor params, Tensor grads) = 0;
+  /// Sizes the activation buffers for a micro-batch of [B, T].
+  virtual void reserve(Backend& be, int64_t B, int64_t T) = 0;
+  /// in [B,T,C] (unused by the embedding), out [B,T,C] (unused by the head).
+  virtual void forward(Backend& be, StepContext& ctx, Tensor in, Tensor out) = 0;
+  /// dresid [B,T,C]: ∂L/∂out on entry, ∂L/∂in on return (the head writes it, the embedding
+  /// consumes it). `in` is the input given to forward().
+  virtual void backward(Backend& be, StepContext& ctx, Tensor in, Tensor dresid) = 0;
+
+ private:
+  std::string name_;
+};
+
+class GPT2Model {
+ public:
+  /// Builds the layers and the parameter layout; allocates nothing on the device yet.
+  GPT2Model(const GPT2Config& config, Backend& backend, bool activation_checkpointing = false);
+  ~GPT2Model();
+
+  const GPT2Config& config() const { return config_; }
+  const ParamLayout& layout() const { return layout_; }
+  int num_layers() const { return static_cast<int>(layers_.size()); }
+  Layer& layer(int i) { return *layers_[static_cast<size_t>(i)]; }
+  Backend& backend() { return backend_; }
+
+  /// Binds every layer to the whole flat buffers (params [numel], grads [numel] or empty),
+  /// both in the backend's compute dtype.
+  void bind(const Tensor& params, const Tensor& grads);
+
+  /// GPT-2 initialization into a host fp32 buffer of layout().numel() elements: weights
+  /// normal(0, 0.02), residual projections normal(0, 0.02/sqrt(2·n_layer)) (Radford et al. 2019,
+  /// §2.3), biases 0, LayerNorm weight 1. Each tensor draws from its own stream seeded by
+  /// (seed, tensor name), so the result does not depend on how the buffer is sharded.
+  void init_parameters(float* host_params, uint64_t seed) const;
+
+  void set_hooks(LayerHooks* hooks) { hooks_ = hooks; }
+
+  /// Runs forward over all layers for tokens/targets (host int32, [B*T] each; targets may be
+  /// null for inference). Returns the mean loss over the micro-batch's tokens (0 without
+  /// targets). With for_backward, keeps the activations backward() needs and leaves ∂logits.
+  double forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
+                 float grad_scale, bool for_backward);
+  /// Backward over all layers after forward(..., for_backward=true); accumulates into grads.
+  void backward();
+
+  /// Logits [B*T, V] of the last forward without targets... for generation: returns the
+  /// logits row of position `t` of batch row `b` (host copy, V floats).
+  std::vector<float> logits_at(int64_t b, int64_t t);
+
+ private:
+  void reserve(int64_t B, int64_t T);
+
+  GPT2Config config_;
+  Backend& backend_;
+  bool checkpointing_;
+  ParamLayout layout_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  LayerHooks* hooks_ = nullptr;
+
+  // Activations between layers: residual_[i] is the input of layer i (residual_[0] unused).
+  int64_t B_ = 0, T_ = 0;
+  std::vector<FlatBuffer> residual_;
+  FlatBuffer dresid_, tokens_, targets_, losses_;
+  StepContext ctx_;
+};
+
+}  // namespace shardtrain

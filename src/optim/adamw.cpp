@@ -1,0 +1,74 @@
+#include "optim/adamw.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+#include "io/config.h"
+
+namespace shardtrain {
+
+AdamW::AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_t numel,
+             AdamWHyper hyper)
+    : backend_(backend),
+      offset_(offset),
+      numel_(numel),
+      hyper_(hyper),
+      m_(backend, DType::kF32, numel),
+      v_(backend, DType::kF32, numel) {
+  // Cut [offset, offset+numel) into runs of equal decay; padding between tensors is "no decay"
+  // (it is zero and stays zero either way).
+  const int64_t end = offset + numel;
+  int64_t pos = offset;
+  auto push = [&](int64_t b, int64_t e, bool decay) {
+    if (e <= b) return;
+    if (!segments_.empty() && segments_.back().decay == decay &&
+        segments_.back().begin + segments_.back().count == b - offset)
+      segments_.back().count += e - b;
+    else
+      segments_.push_back({b - offset, e - b, decay});
+  };
+  for (const ParamTensor* t : layout.tensors()) {
+    const int64_t b = std::max(t->offset, offset), e = std::min(t->offset + t->numel, end);
+    if (e <= b) continue;
+    push(pos, b, false);
+    push(b, e, t->weight_decay);
+    pos = e;
+  }
+  push(pos, end, false);
+}
+
+void AdamW::step(Tensor master, Tensor grads, Tensor params_out, double lr, double grad_scale) {
+  ++t_;
+  Backend::AdamWArgs a{};
+  a.lr = static_cast<float>(lr);
+  a.beta1 = static_cast<float>(hyper_.beta1);
+  a.beta2 = static_cast<float>(hyper_.beta2);
+  a.eps = static_cast<float>(hyper_.eps);
+  a.grad_scale = static_cast<float>(grad_scale);
+  a.bias_correction1 = static_cast<float>(1.0 - std::pow(hyper_.beta1, static_cast<double>(t_)));
+  a.bias_correction2 = static_cast<float>(1.0 - std::pow(hyper_.beta2, static_cast<double>(t_)));
+  for (const Segment& s : segments_) {
+    a.weight_decay = s.decay ? static_cast<float>(hyper_.weight_decay) : 0.0f;
+    backend_.adamw(master.slice1d(s.begin, s.count), grads.slice1d(s.begin, s.count),
+                   m_.slice(s.begin, s.count), v_.slice(s.begin, s.count),
+                   params_out.empty() ? Tensor() : params_out.slice1d(s.begin, s.count), a);
+  }
+}
+
+double learning_rate(int64_t step, double lr, int64_t warmup, int64_t total, LrSchedule schedule,
+                     double min_ratio, double warmup_min_ratio) {
+  if (warmup > 0 && step < warmup) {
+    const double frac = static_cast<double>(step + 1) / static_cast<double>(warmup);
+    return lr * (warmup_min_ratio + (1.0 - warmup_min_ratio) * frac);
+  }
+  const LrSchedule kind = schedule;
+  if (kind == LrSchedule::kConstant || total <= warmup) return lr;
+  const double progress = std::clamp(
+      static_cast<double>(step - warmup) / static_cast<double>(total - warmup), 0.0, 1.0);
+  const double min_lr = lr * min_ratio;
+  if (kind == LrSchedule::kLinear) return lr - (lr - min_lr) * progress;
+  return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(std::numbers::pi * progress));
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,63 @@
+// AdamW over one contiguous range of the flat buffers (the whole model, or a ZeRO shard).
+//
+// Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (arXiv 1711.05101), Algorithm 2,
+// with Adam's bias correction (Kingma & Ba, arXiv 1412.6980, Algorithm 1). Weight decay applies
+// to the tensors the layout marks (2-D weights), not to biases or LayerNorm parameters.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "backend/backend.h"
+#include "io/config.h"
+#include "memory/flat_buffer.h"
+#include "memory/param_layout.h"
+
+namespace shardtrain {
+
+struct AdamWHyper {
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
+};
+
+class AdamW {
+ public:
+  /// Optimizer state for elements [offset, offset + numel) of the flat layout: exp_avg (m) and
+  /// exp_avg_sq (v), fp32, allocated on `backend`. The fp32 master weights are owned by the
+  /// caller (they alias the parameters when those are fp32).
+  AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_t numel,
+        AdamWHyper hyper);
+
+  /// One update: master [numel] fp32, grads [numel] (grad dtype); `grad_scale` multiplies the
+  /// gradients first (gradient averaging, clipping and loss-scale removal folded into one
+  /// factor). `params_out`, when non-empty, receives the updated weights in its dtype.
+  void step(Tensor master, Tensor grads, Tensor params_out, double lr, double grad_scale);
+
+  int64_t step_count() const { return t_; }
+  void set_step_count(int64_t t) { t_ = t; }
+  FlatBuffer& exp_avg() { return m_; }
+  FlatBuffer& exp_avg_sq() { return v_; }
+  int64_t offset() const { return offset_; }
+  int64_t numel() const { return numel_; }
+  const AdamWHyper& hyper() const { return hyper_; }
+
+ private:
+  struct Segment {
+    int64_t begin, count;  ///< relative to offset_
+    bool decay;
+  };
+  Backend& backend_;
+  int64_t offset_, numel_;
+  AdamWHyper hyper_;
+  std::vector<Segment> segments_;
+  FlatBuffer m_, v_;
+  int64_t t_ = 0;
+};
+
+/// Learning rate at optimizer step `step` (0-based): linear warmup over `warmup` steps from
+/// warmup_min_ratio·lr towards lr (step s gets the value at (s+1)/warmup of the way, so step
+/// warmup-1 reaches lr), then constant, linear or cosine decay to min_ratio·lr at `total` steps
+/// (cosine: Loshchilov & Hutter, SGDR, arXiv 1608.03983, eq. 5).
+double learning_rate(int64_t step, double lr, int64_t warmup, int64_t total, LrSchedule schedule,
+                     double min_ratio, double warmup_min_ratio = 0.0);
+
+}  // namespace shardtrain

@@ -1,0 +1,253 @@
+// Finite-difference gradient checks: every CPU op's backward against central differences of its
+// forward, then the whole GPT-2 model (every parameter tensor) on a tiny configuration.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/rng.h"
+#include "model/gpt2.h"
+
+using namespace shardtrain;
+
+namespace {
+
+std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f) {
+  SplitMix64 g{seed};
+  std::vector<float> v(n);
+  for (auto& x : v) x = static_cast<float>((g.uniform() * 2.0 - 1.0) * scale);
+  return v;
+}
+
+Tensor T(std::vector<float>& v, std::initializer_list<int64_t> dims) {
+  return Tensor(v.data(), DType::kF32, DeviceKind::kCPU, dims);
+}
+
+double dot(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
+  return s;
+}
+
+/// Compares analytic d(objective)/d(x) with central differences of `objective` at a sample of
+/// the entries of x.
+void expect_grad_close(std::vector<float>& x, const std::vector<float>& analytic,
+                       const std::function<double()>& objective, const char* what, float h = 1e-2f,
+                       double rtol = 2e-2, double atol = 2e-3) {
+  ASSERT_EQ(x.size(), analytic.size());
+  const size_t step = std::max<size_t>(1, x.size() / 40);
+  int checked = 0;
+  for (size_t i = 0; i < x.size(); i += step) {
+    const float orig = x[i];
+    x[i] = orig + h;
+    const double lp = objective();
+    x[i] = orig - h;
+    const double lm = objective();
+    x[i] = orig;
+    const double numeric = (lp - lm) / (2.0 * h);
+    EXPECT_NEAR(analytic[i], numeric, atol + rtol * std::abs(numeric)) << what << " element " << i;
+    ++checked;
+  }
+  EXPECT_GT(checked, 0);
+}
+
+class OpGradTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<Backend> be = make_cpu_backend();
+};
+
+}  // namespace
+
+TEST_F(OpGradTest, LayerNorm) {
+  const int64_t N = 6, C = 10;
+  auto x = randn(N * C, 1), w = randn(C, 2), b = randn(C, 3), r = randn(N * C, 4);
+  std::vector<float> y(N * C), mean(N), rstd(N);
+  auto f = [&] {
+    be->layernorm_forward(T(y, {N, C}), T(mean, {N}), T(rstd, {N}), T(x, {N, C}), T(w, {C}),
+                          T(b, {C}));
+    return dot(y, r);
+  };
+  f();
+  std::vector<float> dx(N * C, 0.f), dw(C, 0.f), db(C, 0.f);
+  be->layernorm_backward(T(dx, {N, C}), T(dw, {C}), T(db, {C}), T(r, {N, C}), T(x, {N, C}),
+                         T(w, {C}), T(mean, {N}), T(rstd, {N}));
+  expect_grad_close(x, dx, f, "layernorm dinp");
+  expect_grad_close(w, dw, f, "layernorm dweight");
+  expect_grad_close(b, db, f, "layernorm dbias");
+}
+
+TEST_F(OpGradTest, LayerNormBackwardAccumulatesIntoDinp) {
+  const int64_t N = 3, C = 8;
+  auto x = randn(N * C, 5), w = randn(C, 6), b = randn(C, 7), r = randn(N * C, 8);
+  std::vector<float> y(N * C), mean(N), rstd(N);
+  be->layernorm_forward(T(y, {N, C}), T(mean, {N}), T(rstd, {N}), T(x, {N, C}), T(w, {C}),
+                        T(b, {C}));
+  std::vector<float> dx0(N * C, 0.f), dx1(N * C, 1.5f), dw(C), db(C);
+  be->layernorm_backward(T(dx0, {N, C}), T(dw, {C}), T(db, {C}), T(r, {N, C}), T(x, {N, C}),
+                         T(w, {C}), T(mean, {N}), T(rstd, {N}));
+  be->layernorm_backward(T(dx1, {N, C}), T(dw, {C}), T(db, {C}), T(r, {N, C}), T(x, {N, C}),
+                         T(w, {C}), T(mean, {N}), T(rstd, {N}));
+  for (size_t i = 0; i < dx0.size(); ++i) EXPECT_FLOAT_EQ(dx1[i], dx0[i] + 1.5f);
+}
+
+TEST_F(OpGradTest, MatmulWithBiasAndGelu) {
+  const int64_t N = 5, IC = 7, OC = 9;
+  auto x = randn(N * IC, 11), w = randn(OC * IC, 12, 0.5f), b = randn(OC, 13),
+       r = randn(N * OC, 14);
+  std::vector<float> y(N * OC), pre(N * OC);
+  for (bool gelu : {false, true}) {
+    auto f = [&] {
+      be->matmul_forward(T(y, {N, OC}), T(x, {N, IC}), T(w, {OC, IC}), T(b, {OC}),
+                         gelu ? Epilogue::kGelu : Epilogue::kNone, T(pre, {N, OC}));
+      return dot(y, r);
+    };
+    f();
+    std::vector<float> dy = r;
+    if (gelu) be->gelu_backward(T(dy, {N, OC}), T(pre, {N, OC}), T(dy, {N, OC}));
+    std::vector<float> dx(N * IC, 0.f), dw(OC * IC, 0.f), db(OC, 0.f);
+    be->matmul_backward(T(dx, {N, IC}), T(dw, {OC, IC}), T(db, {OC}), T(dy, {N, OC}), T(x, {N, IC}),
+                        T(w, {OC, IC}));
+    expect_grad_close(x, dx, f, gelu ? "matmul+gelu dinp" : "matmul dinp");
+    expect_grad_close(w, dw, f, gelu ? "matmul+gelu dweight" : "matmul dweight");
+    expect_grad_close(b, db, f, gelu ? "matmul+gelu dbias" : "matmul dbias");
+  }
+}
+
+TEST_F(OpGradTest, CausalAttention) {
+  const int64_t B = 2, Tn = 5, NH = 2, C = 8;
+  auto qkv = randn(B * Tn * 3 * C, 21), r = randn(B * Tn * C, 22);
+  std::vector<float> y(B * Tn * C), probs(B * NH * Tn * Tn);
+  auto f = [&] {
+    AttentionSaved s{T(probs, {B, NH, Tn, Tn}), {}};
+    be->attention_forward(T(y, {B, Tn, C}), s, T(qkv, {B, Tn, 3 * C}), NH);
+    return dot(y, r);
+  };
+  f();
+  // Causality: the first position's output depends only on the first position's value.
+  std::vector<float> dqkv(qkv.size(), 0.f);
+  AttentionSaved s{T(probs, {B, NH, Tn, Tn}), {}};
+  be->attention_backward(T(dqkv, {B, Tn, 3 * C}), T(r, {B, Tn, C}), T(qkv, {B, Tn, 3 * C}),
+                         T(y, {B, Tn, C}), s, NH);
+  expect_grad_close(qkv, dqkv, f, "attention dqkv", 1e-2f);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < NH; ++h)
+      for (int64_t t = 0; t < Tn; ++t)
+        for (int64_t t2 = t + 1; t2 < Tn; ++t2)
+          EXPECT_EQ(probs[((b * NH + h) * Tn + t) * Tn + t2], 0.f);
+}
+
+TEST_F(OpGradTest, Embedding) {
+  const int64_t B = 2, Tn = 3, V = 7, C = 4, maxT = 5;
+  auto wte = randn(V * C, 31), wpe = randn(maxT * C, 32), r = randn(B * Tn * C, 33);
+  std::vector<int32_t> tok = {1, 3, 1, 6, 0, 3};
+  Tensor tokens(tok.data(), DType::kI32, DeviceKind::kCPU, {B, Tn});
+  std::vector<float> y(B * Tn * C);
+  auto f = [&] {
+    be->embedding_forward(T(y, {B, Tn, C}), tokens, T(wte, {V, C}), T(wpe, {maxT, C}));
+    return dot(y, r);
+  };
+  f();
+  std::vector<float> dwte(V * C, 0.f), dwpe(maxT * C, 0.f);
+  be->embedding_backward(T(dwte, {V, C}), T(dwpe, {maxT, C}), T(r, {B, Tn, C}), tokens);
+  expect_grad_close(wte, dwte, f, "embedding dwte");
+  expect_grad_close(wpe, dwpe, f, "embedding dwpe");
+}
+
+TEST_F(OpGradTest, SoftmaxCrossEntropy) {
+  const int64_t N = 4, V = 11;
+  auto logits = randn(N * V, 41, 3.0f);
+  std::vector<int32_t> tg = {3, 0, 10, -1};  // the last row is ignored
+  Tensor targets(tg.data(), DType::kI32, DeviceKind::kCPU, {N});
+  std::vector<float> losses(N);
+  auto f = [&] {
+    be->cross_entropy_forward(T(losses, {N}), T(logits, {N, V}), targets);
+    double s = 0;
+    for (float l : losses) s += l;
+    return s * 0.5;
+  };
+  const double l0 = f();
+  std::vector<float> g = logits, losses2(N);
+  be->softmax_cross_entropy(T(losses2, {N}), T(g, {N, V}), targets, 0.5f);
+  double s2 = 0;
+  for (float l : losses2) s2 += l;
+  EXPECT_NEAR(s2 * 0.5, l0, 1e-5);
+  EXPECT_EQ(losses2[3], 0.f);
+  expect_grad_close(logits, g, f, "cross-entropy dlogits", 1e-2f);
+}
+
+TEST(ModelGradTest, WholeModelEveryParameterTensor) {
+  auto be = make_cpu_backend();
+  GPT2Config c;
+  c.name = "gradcheck";
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 16;
+  c.vocab_size = 29;
+  c.n_positions = 8;
+  GPT2Model model(c, *be);
+  const int64_t n = model.layout().numel();
+  std::vector<float> params(static_cast<size_t>(n)), grads(static_cast<size_t>(n), 0.f);
+  model.init_parameters(params.data(), 7);
+  // Larger weights than GPT-2's init, so that every path carries a visible gradient.
+  for (auto& p : params) p *= 2.0f;
+  for (const ParamTensor* t : model.layout().tensors())
+    if (t->init_std == 0.f)
+      for (int64_t i = 0; i < t->numel; ++i)
+        params[static_cast<size_t>(t->offset + i)] += 0.1f * static_cast<float>(i % 3);
+  model.bind(Tensor(params.data(), DType::kF32, DeviceKind::kCPU, {n}),
+             Tensor(grads.data(), DType::kF32, DeviceKind::kCPU, {n}));
+  const int64_t B = 2, Tn = 6;
+  std::vector<int32_t> tokens = {1, 5, 9, 2, 28, 3, 4, 4, 0, 17, 11, 6};
+  std::vector<int32_t> targets = {5, 9, 2, 28, 3, 7, 4, 0, 17, 11, 6, 1};
+  const float scale = 1.0f / static_cast<float>(B * Tn);
+  model.forward(tokens.data(), targets.data(), B, Tn, scale, true);
+  model.backward();
+  auto objective = [&] {
+    return model.forward(tokens.data(), targets.data(), B, Tn, scale, false);
+  };
+  for (const ParamTensor* t : model.layout().tensors()) {
+    std::vector<float> x(params.begin() + t->offset, params.begin() + t->offset + t->numel);
+    std::vector<float> g(grads.begin() + t->offset, grads.begin() + t->offset + t->numel);
+    double gnorm = 0;
+    for (float v : g) gnorm += v * v;
+    EXPECT_GT(gnorm, 0.0) << t->name << " has an all-zero gradient";
+    // Perturb through the flat buffer the model reads.
+    auto obj = [&] {
+      std::copy(x.begin(), x.end(), params.begin() + t->offset);
+      return objective();
+    };
+    expect_grad_close(x, g, obj, t->name.c_str(), 1e-2f, 3e-2, 3e-3);
+    std::copy(x.begin(), x.end(), params.begin() + t->offset);
+  }
+}
+
+TEST(ModelGradTest, ActivationCheckpointingGivesIdenticalGradients) {
+  auto be = make_cpu_backend();
+  GPT2Config c;
+  c.name = "ckpt";
+  c.n_layer = 3;
+  c.n_head = 2;
+  c.n_embd = 16;
+  c.vocab_size = 31;
+  c.n_positions = 8;
+  GPT2Model plain(c, *be, false), ckpt(c, *be, true);
+  const int64_t n = plain.layout().numel();
+  std::vector<float> params(static_cast<size_t>(n));
+  plain.init_parameters(params.data(), 3);
+  std::vector<float> g1(static_cast<size_t>(n), 0.f), g2(static_cast<size_t>(n), 0.f);
+  auto view = [n](std::vector<float>& v) {
+    return Tensor(v.data(), DType::kF32, DeviceKind::kCPU, {n});
+  };
+  plain.bind(view(params), view(g1));
+  ckpt.bind(view(params), view(g2));
+  std::vector<int32_t> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+  std::vector<int32_t> targets = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17};
+  const double l1 = plain.forward(tokens.data(), targets.data(), 2, 8, 1.0f / 16, true);
+  plain.backward();
+  const double l2 = ckpt.forward(tokens.data(), targets.data(), 2, 8, 1.0f / 16, true);
+  ckpt.backward();
+  EXPECT_EQ(l1, l2);
+  for (size_t i = 0; i < g1.size(); ++i) ASSERT_EQ(g1[i], g2[i]) << "element " << i;
+}
