@@ -1,0 +1,14 @@
+// The `shardtrain` subcommands. Each register_* function adds one subcommand to the CLI11 app
+// with a callback that does the work; callbacks throw shardtrain::Error on bad input, which
+// main() prints as "error: ..." and turns into exit status 2.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace shardtrain {
+
+void register_train_command(CLI::App& app);     // app/cmd_train.cpp
+void register_tokenize_command(CLI::App& app);  // app/cmd_tokenize.cpp
+void register_generate_command(CLI::App& app);  // app/cmd_generate.cpp
+
+}  // namespace shardtrain

@@ -1,0 +1,69 @@
+// shardtrain: the command-line program. Thin: parses, then calls the library.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+
+#include "app/commands.h"
+#include "core/error.h"
+
+namespace {
+
+// Debian's OpenBLAS 0.3.21 picks its kernels from the CPU model number, and falls back to its
+// slowest (SSE3 "Prescott") kernels on CPUs newer than its table — 4× slower sgemm on a
+// Sapphire Rapids VM. The kernel choice is made when the library loads, before main(), so when
+// the user has not chosen one we pick it from the CPU's features and re-execute ourselves once.
+void select_openblas_kernels(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
+  const char* core = nullptr;
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    core = "SkylakeX";
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    core = "Haswell";
+  if (core == nullptr) return;
+  setenv("OPENBLAS_CORETYPE", core, 1);
+  execv("/proc/self/exe", argv);  // returns only on failure: carry on with the default kernels
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  select_openblas_kernels(argv);
+  CLI::App app{
+      "shardtrain — train GPT-2-family models on CPUs and GPUs with data parallelism, "
+      "ZeRO and pipeline parallelism"};
+  app.set_version_flag("--version", std::string("shardtrain ") + SHARDTRAIN_VERSION);
+  app.require_subcommand(1);
+  shardtrain::register_train_command(app);
+  shardtrain::register_tokenize_command(app);
+  shardtrain::register_generate_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const shardtrain::ConfigError& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  } catch (const shardtrain::DataError& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  } catch (const shardtrain::CheckpointError& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  } catch (const shardtrain::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr,
+                 "error: out of host memory; use a smaller model, --batch-size or --max-length\n");
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

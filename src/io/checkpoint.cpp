@@ -1,0 +1,279 @@
+#include "io/checkpoint.h"
+
+#include <fmt/ranges.h>
+#include <unistd.h>
+
+#include <fstream>
+
+#include "core/error.h"
+#include "core/hash.h"
+#include "io/atomic_file.h"
+#include "io/safetensors.h"
+
+namespace shardtrain {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kFormat = "shardtrain-checkpoint";
+constexpr int kVersion = 1;
+
+uint64_t hash_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) throw CheckpointError(fmt::format("checkpoint file {} is missing", p.string()));
+  std::vector<char> buf(1 << 20);
+  uint64_t h = fnv1a64(nullptr, 0);
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    h = fnv1a64(buf.data(), static_cast<size_t>(in.gcount()), h);
+  }
+  return h;
+}
+
+json model_json(const GPT2Config& c) {
+  return {{"name", c.name},     {"n_layer", c.n_layer},       {"n_head", c.n_head},
+          {"n_embd", c.n_embd}, {"vocab_size", c.vocab_size}, {"n_positions", c.n_positions}};
+}
+
+// HF name without the "transformer." prefix (GPT2Model checkpoints on the hub use these).
+std::string short_name(const std::string& n) {
+  const std::string prefix = "transformer.";
+  return n.rfind(prefix, 0) == 0 ? n.substr(prefix.size()) : n;
+}
+
+}  // namespace
+
+void save_hf_weights(const fs::path& file, const ParamLayout& layout, const float* flat) {
+  std::vector<std::vector<float>> transposed;
+  std::vector<SafetensorEntry> entries;
+  for (const ParamTensor* t : layout.tensors()) {
+    SafetensorEntry e;
+    e.name = t->name;
+    e.dtype = "F32";
+    e.bytes = static_cast<size_t>(t->numel) * sizeof(float);
+    if (t->hf_transposed) {
+      const int64_t rows = t->shape[0], cols = t->shape[1];  // ours [out, in]
+      auto& buf = transposed.emplace_back(static_cast<size_t>(t->numel));
+      const float* src = flat + t->offset;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c)
+          buf[static_cast<size_t>(c * rows + r)] = src[r * cols + c];
+      e.shape = {cols, rows};
+      e.data = buf.data();
+    } else {
+      e.shape = t->shape;
+      e.data = flat + t->offset;
+    }
+    entries.push_back(std::move(e));
+  }
+  write_safetensors(file, entries, {{"format", "pt"}});
+}
+
+void load_hf_weights(const fs::path& file, const ParamLayout& layout, float* flat) {
+  SafetensorsFile st(file);
+  std::vector<std::string> problems;
+  std::vector<float> tmp;
+  for (const ParamTensor* t : layout.tensors()) {
+    std::string name = t->name;
+    if (!st.contains(name)) name = short_name(t->name);
+    if (!st.contains(name)) {
+      problems.push_back(fmt::format("missing tensor '{}'", t->name));
+      continue;
+    }
+    const SafetensorEntry& e = st.entry(name);
+    std::vector<int64_t> want = t->shape;
+    if (t->hf_transposed) std::swap(want[0], want[1]);
+    if (e.shape != want) {
+      problems.push_back(fmt::format("tensor '{}' has shape [{}] but the model needs [{}]", name,
+                                     fmt::join(e.shape, ", "), fmt::join(want, ", ")));
+      continue;
+    }
+    if (e.dtype != "F32") {
+      problems.push_back(fmt::format("tensor '{}' is {} (only F32 is read here)", name, e.dtype));
+      continue;
+    }
+    if (!t->hf_transposed) {
+      st.read(name, flat + t->offset);
+      continue;
+    }
+    tmp.resize(static_cast<size_t>(t->numel));
+    st.read(name, tmp.data());
+    const int64_t rows = t->shape[0], cols = t->shape[1];
+    float* dst = flat + t->offset;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = tmp[static_cast<size_t>(c * rows + r)];
+  }
+  if (!problems.empty()) {
+    throw CheckpointError(
+        fmt::format("{} does not match the model: {}", file.string(), fmt::join(problems, "; ")));
+  }
+}
+
+fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
+                         const ParamLayout& layout, const FullState& state,
+                         const CheckpointInfo& info) {
+  std::error_code ec;
+  fs::create_directories(output_dir, ec);
+  if (ec)
+    throw RuntimeFailure(
+        fmt::format("cannot create output directory {}: {}", output_dir.string(), ec.message()));
+  const fs::path final_dir = output_dir / name;
+  const fs::path tmp_dir = output_dir / fmt::format(".{}.tmp.{}", name, ::getpid());
+  fs::remove_all(tmp_dir, ec);
+  fs::create_directories(tmp_dir, ec);
+  if (ec) throw RuntimeFailure(fmt::format("cannot create {}: {}", tmp_dir.string(), ec.message()));
+
+  save_hf_weights(tmp_dir / "model.safetensors", layout, state.params.data());
+  const size_t bytes = state.exp_avg.size() * sizeof(float);
+  write_safetensors(tmp_dir / "optimizer.safetensors",
+                    {{"exp_avg",
+                      "F32",
+                      {static_cast<int64_t>(state.exp_avg.size())},
+                      state.exp_avg.data(),
+                      bytes},
+                     {"exp_avg_sq",
+                      "F32",
+                      {static_cast<int64_t>(state.exp_avg_sq.size())},
+                      state.exp_avg_sq.data(),
+                      bytes}});
+
+  json files = json::object();
+  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+    fsync_path(tmp_dir / f);
+    files[f] = {{"bytes", fs::file_size(tmp_dir / f)},
+                {"fnv1a64", fmt::format("{:016x}", hash_file(tmp_dir / f))}};
+  }
+  const TrainingProgress& p = info.progress;
+  json manifest = {
+      {"format", kFormat},
+      {"version", kVersion},
+      {"model", model_json(info.model)},
+      {"progress",
+       {{"step", p.step},
+        {"epoch", p.epoch},
+        {"step_in_epoch", p.step_in_epoch},
+        {"tokens_seen", p.tokens_seen},
+        {"rng", {{"algorithm", "splitmix64(seed, epoch)"}, {"seed", p.seed}}}}},
+      {"optimizer",
+       {{"type", "AdamW"}, {"step", state.optimizer_steps}, {"flat_numel", layout.numel()}}},
+      {"config", info.config},
+      {"files", files}};
+  write_file_atomic(tmp_dir / "manifest.json", manifest.dump(2) + "\n");
+
+  // Swap the finished directory in; an older checkpoint of the same name goes last.
+  if (fs::exists(final_dir)) {
+    const fs::path old = output_dir / fmt::format(".{}.old.{}", name, ::getpid());
+    fs::rename(final_dir, old, ec);
+    if (ec)
+      throw RuntimeFailure(fmt::format("cannot replace {}: {}", final_dir.string(), ec.message()));
+    fs::rename(tmp_dir, final_dir, ec);
+    fs::remove_all(old);
+  } else {
+    fs::rename(tmp_dir, final_dir, ec);
+  }
+  if (ec)
+    throw RuntimeFailure(
+        fmt::format("cannot move checkpoint into {}: {}", final_dir.string(), ec.message()));
+  fsync_path(output_dir);
+  write_file_atomic(output_dir / "latest", name + "\n");
+  return final_dir;
+}
+
+fs::path resolve_checkpoint(const fs::path& dir) {
+  if (fs::exists(dir / "manifest.json")) return dir;
+  if (fs::exists(dir / "latest")) {
+    std::string name = read_file(dir / "latest");
+    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    const fs::path p = dir / name;
+    if (fs::exists(p / "manifest.json")) return p;
+    throw CheckpointError(
+        fmt::format("{}/latest names '{}', which has no manifest.json: the "
+                    "checkpoint was removed; pass a checkpoint directory instead",
+                    dir.string(), name));
+  }
+  throw CheckpointError(fmt::format(
+      "no checkpoint at {}: expected a checkpoint directory (with manifest.json) or an output "
+      "directory with a 'latest' file",
+      dir.string()));
+}
+
+CheckpointInfo read_checkpoint_info(const fs::path& path) {
+  CheckpointInfo info;
+  info.dir = resolve_checkpoint(path);
+  json m;
+  try {
+    m = json::parse(read_file(info.dir / "manifest.json"));
+    if (m.at("format") != kFormat)
+      throw CheckpointError(fmt::format("{}/manifest.json is not a shardtrain checkpoint manifest",
+                                        info.dir.string()));
+    if (m.at("version").get<int>() > kVersion)
+      throw CheckpointError(
+          fmt::format("{} was written by a newer shardtrain (format version {}); "
+                      "upgrade shardtrain to read it",
+                      info.dir.string(), m.at("version").get<int>()));
+    const json& mj = m.at("model");
+    info.model.name = mj.at("name");
+    info.model.n_layer = mj.at("n_layer");
+    info.model.n_head = mj.at("n_head");
+    info.model.n_embd = mj.at("n_embd");
+    info.model.vocab_size = mj.at("vocab_size");
+    info.model.n_positions = mj.at("n_positions");
+    const json& pj = m.at("progress");
+    info.progress.step = pj.at("step");
+    info.progress.epoch = pj.at("epoch");
+    info.progress.step_in_epoch = pj.at("step_in_epoch");
+    info.progress.tokens_seen = pj.at("tokens_seen");
+    info.progress.seed = pj.at("rng").at("seed");
+    info.config = m.value("config", json::object());
+    info.files = m.at("files");
+    info.optimizer_step = m.at("optimizer").at("step");
+  } catch (const json::exception& e) {
+    throw CheckpointError(
+        fmt::format("{}/manifest.json is corrupt: {}", info.dir.string(), e.what()));
+  }
+  return info;
+}
+
+FullState load_checkpoint_state(const CheckpointInfo& info, const ParamLayout& layout,
+                                bool with_optimizer) {
+  const json& files = info.files;
+  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+    if (!with_optimizer && std::string(f) == "optimizer.safetensors") continue;
+    const fs::path p = info.dir / f;
+    if (!fs::exists(p))
+      throw CheckpointError(
+          fmt::format("checkpoint {} is incomplete: {} is missing", info.dir.string(), f));
+    const auto want_bytes = files.at(f).at("bytes").get<uint64_t>();
+    if (fs::file_size(p) != want_bytes)
+      throw CheckpointError(
+          fmt::format("{} is {} bytes but the manifest says {}: the file is "
+                      "truncated or was replaced",
+                      p.string(), fs::file_size(p), want_bytes));
+    if (fmt::format("{:016x}", hash_file(p)) != files.at(f).at("fnv1a64").get<std::string>())
+      throw CheckpointError(
+          fmt::format("{} fails its checksum: the checkpoint is corrupt; resume "
+                      "from an earlier one",
+                      p.string()));
+  }
+  FullState s;
+  const auto n = static_cast<size_t>(layout.numel());
+  s.params.assign(n, 0.0f);
+  load_hf_weights(info.dir / "model.safetensors", layout, s.params.data());
+  if (!with_optimizer) return s;
+  SafetensorsFile opt(info.dir / "optimizer.safetensors");
+  for (const char* key : {"exp_avg", "exp_avg_sq"}) {
+    const auto& e = opt.entry(key);
+    if (e.bytes != n * sizeof(float))
+      throw CheckpointError(fmt::format("{}: '{}' holds {} elements but the model's layout has {}",
+                                        info.dir.string(), key, e.bytes / sizeof(float), n));
+  }
+  s.exp_avg.resize(n);
+  s.exp_avg_sq.resize(n);
+  opt.read("exp_avg", s.exp_avg.data());
+  opt.read("exp_avg_sq", s.exp_avg_sq.data());
+  s.optimizer_steps = info.optimizer_step;
+  return s;
+}
+
+}  // namespace shardtrain

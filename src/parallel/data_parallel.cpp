@@ -1,0 +1,158 @@
+// Data parallelism: every rank holds all parameters, gradients and optimizer state (16Ψ bytes
+// in mixed precision, ZeRO paper §5); gradients are all-reduced in buckets of whole layers,
+// launched from the backward hook of the last micro-step as soon as a bucket's layers are done,
+// so communication overlaps the rest of backward (Li et al., "PyTorch Distributed", VLDB 2020,
+// §3.2.3).
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "parallel/strategy.h"
+
+namespace shardtrain {
+namespace {
+
+class DataParallel final : public Strategy {
+ public:
+  DataParallel(const TrainConfig& cfg, Backend& backend, Communicator& comm)
+      : cfg_(cfg), backend_(backend), comm_(comm) {}
+
+  std::string name() const override { return "dp"; }
+
+  void setup(GPT2Model& model, const std::vector<float>& init) override {
+    model_ = &model;
+    const ParamLayout& layout = model.layout();
+    const int64_t n = layout.numel();
+    ST_ASSERT(static_cast<int64_t>(init.size()) == n);
+    const DType dt = backend_.compute_dtype();
+    params_ = FlatBuffer(backend_, dt, n);
+    grads_ = FlatBuffer(backend_, dt, n);
+    if (dt == DType::kF32) {
+      backend_.copy_from_host(params_.data(), init.data(), init.size() * sizeof(float));
+    } else {
+      master_ = FlatBuffer(backend_, DType::kF32, n);
+      backend_.copy_from_host(master_.data(), init.data(), init.size() * sizeof(float));
+      backend_.convert(params_.view(), master_.view());
+    }
+    optimizer_ = std::make_unique<AdamW>(
+        backend_, layout, 0, n,
+        AdamWHyper{cfg_.beta1, cfg_.beta2, cfg_.adam_eps, cfg_.weight_decay});
+    model.bind(params_.view(), grads_.view());
+    model.set_hooks(this);
+    build_buckets(layout);
+  }
+
+  void zero_grad() override { backend_.fill_zero(grads_.view()); }
+
+  void begin_micro_step(int64_t index, int64_t count) override {
+    last_micro_ = index + 1 == count;
+    if (last_micro_) std::fill(layers_done_.begin(), layers_done_.end(), 0);
+  }
+
+  void after_backward(int layer) override {
+    if (!last_micro_ || comm_.world_size() == 1) return;
+    const int b = bucket_of_layer_[static_cast<size_t>(layer)];
+    if (++layers_done_[static_cast<size_t>(b)] == buckets_[static_cast<size_t>(b)].layers) {
+      const Bucket& bk = buckets_[static_cast<size_t>(b)];
+      pending_.push_back(comm_.all_reduce(grads_.slice(bk.offset, bk.numel), ReduceOp::kSum));
+    }
+  }
+
+  void finish_gradients() override {
+    for (auto& w : pending_) w->wait();
+    pending_.clear();
+  }
+
+  double grad_norm(double scale) override {
+    return std::sqrt(backend_.sum_squares(grads_.view())) * scale;
+  }
+
+  void step(double lr, double grad_scale) override {
+    Tensor master = master_.numel() ? master_.view() : params_.view();
+    optimizer_->step(master, grads_.view(), master_.numel() ? params_.view() : Tensor(), lr,
+                     grad_scale);
+  }
+
+  FullState gather_state() override {
+    FullState s;
+    const auto n = static_cast<size_t>(params_.numel());
+    s.params.resize(n);
+    s.exp_avg.resize(n);
+    s.exp_avg_sq.resize(n);
+    const FlatBuffer& master = master_.numel() ? master_ : params_;
+    backend_.copy_to_host(s.params.data(), master.data(), n * sizeof(float));
+    backend_.copy_to_host(s.exp_avg.data(), optimizer_->exp_avg().data(), n * sizeof(float));
+    backend_.copy_to_host(s.exp_avg_sq.data(), optimizer_->exp_avg_sq().data(), n * sizeof(float));
+    s.optimizer_steps = optimizer_->step_count();
+    return s;
+  }
+
+  void load_state(const FullState& s) override {
+    const auto n = static_cast<size_t>(params_.numel());
+    ST_ASSERT(s.params.size() == n && s.exp_avg.size() == n && s.exp_avg_sq.size() == n);
+    FlatBuffer& master = master_.numel() ? master_ : params_;
+    backend_.copy_from_host(master.data(), s.params.data(), n * sizeof(float));
+    if (master_.numel()) backend_.convert(params_.view(), master_.view());
+    backend_.copy_from_host(optimizer_->exp_avg().data(), s.exp_avg.data(), n * sizeof(float));
+    backend_.copy_from_host(optimizer_->exp_avg_sq().data(), s.exp_avg_sq.data(),
+                            n * sizeof(float));
+    optimizer_->set_step_count(s.optimizer_steps);
+  }
+
+  size_t model_state_bytes() const override {
+    return params_.bytes() + grads_.bytes() + master_.bytes() + 2 * params_.numel() * sizeof(float);
+  }
+
+ private:
+  struct Bucket {
+    int64_t offset = 0, numel = 0;
+    int layers = 0;
+  };
+
+  // Buckets of consecutive layers, filled from the last layer backwards (backward order), each
+  // up to zero.reduce_bucket_size elements (a larger single layer forms its own bucket).
+  void build_buckets(const ParamLayout& layout) {
+    const auto& layers = layout.layers();
+    bucket_of_layer_.assign(layers.size(), 0);
+    buckets_.clear();
+    for (int i = static_cast<int>(layers.size()) - 1; i >= 0; --i) {
+      const LayerRange& l = layers[static_cast<size_t>(i)];
+      if (buckets_.empty() || buckets_.back().numel + l.numel > cfg_.zero.reduce_bucket_size) {
+        buckets_.push_back({l.offset, 0, 0});
+      }
+      Bucket& b = buckets_.back();
+      b.offset = l.offset;
+      b.numel += l.numel;
+      b.layers += 1;
+      bucket_of_layer_[static_cast<size_t>(i)] = static_cast<int>(buckets_.size()) - 1;
+    }
+    layers_done_.assign(buckets_.size(), 0);
+  }
+
+  TrainConfig cfg_;
+  Backend& backend_;
+  Communicator& comm_;
+  GPT2Model* model_ = nullptr;
+  FlatBuffer params_, grads_, master_;
+  std::unique_ptr<AdamW> optimizer_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_layer_, layers_done_;
+  std::vector<std::unique_ptr<Work>> pending_;
+  bool last_micro_ = true;
+};
+
+}  // namespace
+
+std::unique_ptr<Strategy> make_strategy(const TrainConfig& cfg, Backend& backend,
+                                        Communicator& comm) {
+  switch (cfg.strategy) {
+    case StrategyKind::kDataParallel:
+      return std::make_unique<DataParallel>(cfg, backend, comm);
+    default:
+      throw ConfigError(
+          fmt::format("strategy '{}' is not available yet in this release: use --strategy dp",
+                      to_string(cfg.strategy)));
+  }
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,138 @@
+// The `shardtrain` program as a user meets it: bad input gets a clear error (exit status 2) that
+// names the problem and the fix; a short real run writes metrics and a checkpoint that
+// `generate` and `--resume` accept.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int status = -1;
+  std::string output;  // stdout and stderr together
+};
+
+Result run(const std::string& args) {
+  const std::string cmd = std::string(SHARDTRAIN_BINARY) + " " + args + " 2>&1";
+  Result r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int st = pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path p =
+      fs::temp_directory_path() / ("shardtrain_cli_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+const std::string kData = std::string("--train-file ") + SHARDTRAIN_DEFAULT_DATA_DIR +
+                          "/wikitext-2/wiki.valid.tokens --device cpu";
+
+void expect_error(const std::string& args, const std::string& needle) {
+  const Result r = run("train " + args);
+  EXPECT_NE(r.status, 0) << args;
+  EXPECT_NE(r.output.find(needle), std::string::npos)
+      << "args: " << args << "\noutput: " << r.output;
+  EXPECT_EQ(r.output.find("terminate called"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("Assertion"), std::string::npos) << r.output;
+}
+
+}  // namespace
+
+TEST(Cli, UnknownModelAndStrategy) {
+  expect_error("--model gpt3 --dataset wikitext-2", "gpt3");
+  expect_error("--model gpt2-tiniest --dataset wikitext-2", "did you mean 'gpt2-tiny'");
+  expect_error("--strategy zero2 --dataset wikitext-2", "not available yet");
+  expect_error("--strategy zero9 --dataset wikitext-2", "zero9");
+}
+
+TEST(Cli, MaxLengthBeyondContextAndInvalidNumbers) {
+  expect_error("--model gpt2-tiny --max-length 2048 --dataset wikitext-2", "1024");
+  expect_error("--lr abc --dataset wikitext-2", "--lr");
+  expect_error("--batch-size 0 --dataset wikitext-2", "--batch-size");
+  expect_error("--lr -1 --dataset wikitext-2", "lr");
+}
+
+TEST(Cli, MissingDataAndDatasets) {
+  expect_error("--train-file /nonexistent/file.txt --device cpu", "/nonexistent/file.txt");
+  expect_error("--dataset wikitext-3", "wikitext-3");
+  expect_error("--device cpu", "--dataset");
+  expect_error(kData + " --num-samples 1000000", "--num-samples");
+}
+
+TEST(Cli, DeepSpeedConfigErrors) {
+  const fs::path dir = temp_dir("ds");
+  auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir / name) << text;
+    return (dir / name).string();
+  };
+  expect_error(
+      "--dataset wikitext-2 --deepspeed-config " + write("bad.json", "{ \"train_batch_size\": 8,"),
+      "bad.json");
+  expect_error("--dataset wikitext-2 --deepspeed-config " +
+                   write("typo.json", R"({"train_micro_batch_size_per_gpus": 4})"),
+               "did you mean 'train_micro_batch_size_per_gpu'");
+  expect_error(
+      "--dataset wikitext-2 --deepspeed-config " +
+          write("batch.json", R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8,
+                                          "gradient_accumulation_steps": 2})"),
+      "16");
+  expect_error("--dataset wikitext-2 --deepspeed-config " + (dir / "absent.json").string(),
+               "absent.json");
+  fs::remove_all(dir);
+}
+
+TEST(Cli, CorruptTokenizerAndCheckpointAreReported) {
+  const fs::path dir = temp_dir("tok");
+  fs::create_directories(dir / "tok");
+  std::ofstream(dir / "tok" / "encoder.json") << "{ broken";
+  std::ofstream(dir / "tok" / "vocab.bpe") << "#version: 0.2\n";
+  const Result r = run("tokenize " + (dir / "tok" / "vocab.bpe").string() + " --tokenizer-dir " +
+                       (dir / "tok").string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("encoder.json"), std::string::npos) << r.output;
+  const Result g = run("generate --checkpoint " + (dir / "nothing").string());
+  EXPECT_EQ(g.status, 2) << g.output;
+  EXPECT_NE(g.output.find("no checkpoint"), std::string::npos) << g.output;
+  fs::remove_all(dir);
+}
+
+TEST(Cli, TrainGenerateAndResume) {
+  const fs::path dir = temp_dir("run");
+  const std::string common = "--model gpt2-micro " + kData +
+                             " --max-length 32 --batch-size 2 --eval-samples 8 " + "--cache-dir " +
+                             (dir / "cache").string() + " --output-dir " + (dir / "out").string();
+  Result r = run("train " + common + " --max-steps 3");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("validation"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("perplexity"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "out" / "metrics.jsonl"));
+  EXPECT_TRUE(fs::exists(dir / "out" / "checkpoint-000003" / "model.safetensors"));
+
+  r = run("generate --checkpoint " + (dir / "out").string() +
+          " --prompt \"The game\" --max-new-tokens 5 --device cpu");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.rfind("The game", 0), 0u) << r.output;
+  EXPECT_GT(r.output.size(), std::string("The game").size() + 1);
+
+  r = run("train " + common + " --max-steps 5 --resume " + (dir / "out").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "out" / "checkpoint-000005"));
+  fs::remove_all(dir);
+}
