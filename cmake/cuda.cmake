@@ -6,7 +6,8 @@ if(NOT SHARDTRAIN_CUDA STREQUAL "OFF")
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER AND EXISTS "${CMAKE_SOURCE_DIR}/src/backend/cuda")
     file(GLOB_RECURSE _cuda_sources CONFIGURE_DEPENDS
-      "${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cu" "${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cpp")
+      "${CMAKE_SOURCE_DIR}/src/*.cu" "${CMAKE_SOURCE_DIR}/src/*_cuda.cpp"
+      "${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cpp")
     if(_cuda_sources)
       set(SHARDTRAIN_HAVE_CUDA ON)
     endif()
@@ -27,7 +28,11 @@ if(SHARDTRAIN_HAVE_CUDA)
   target_include_directories(shardtrain_cuda PUBLIC "${CMAKE_SOURCE_DIR}/src")
   set_target_properties(shardtrain_cuda PROPERTIES CUDA_STANDARD 20 CUDA_SEPARABLE_COMPILATION OFF
                                                    POSITION_INDEPENDENT_CODE ON)
-  target_link_libraries(shardtrain_cuda PUBLIC CUDA::cudart CUDA::cublasLt CUDA::cublas fmt::fmt
+  find_library(SHARDTRAIN_NCCL NAMES nccl HINTS ${CUDAToolkit_LIBRARY_DIR} REQUIRED)
+  find_path(SHARDTRAIN_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} REQUIRED)
+  target_include_directories(shardtrain_cuda PUBLIC "${SHARDTRAIN_NCCL_INCLUDE}")
+  target_link_libraries(shardtrain_cuda PUBLIC CUDA::cudart CUDA::cublasLt CUDA::cublas
+                                               ${SHARDTRAIN_NCCL} fmt::fmt
                                                nlohmann_json::nlohmann_json)
   target_link_libraries(shardtrain_lib PUBLIC shardtrain_cuda)
   target_compile_definitions(shardtrain_lib PUBLIC SHARDTRAIN_WITH_CUDA=1)

@@ -27,7 +27,7 @@ enum class Epilogue { kNone, kGelu };
 /// What attention_forward saves for attention_backward: the softmax probabilities
 /// [B, NH, T, T] (CPU reference) or the per-row log-sum-exp [B, NH, T] (flash attention).
 struct AttentionSaved {
-  Tensor probs;  ///< [B, NH, T, T] fp32, or empty
+  Tensor probs;  ///< [B, NH, T, T] in attention_probs_dtype(), or empty
   Tensor lse;    ///< [B, NH, T] fp32, or empty
 };
 
@@ -81,9 +81,11 @@ class Backend {
   virtual void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
                               Epilogue epilogue = Epilogue::kNone, Tensor pre_gelu = {}) = 0;
   /// dinp [N,IC] = dout · weight (overwrites; may be empty to skip); dweight [OC,IC] += doutᵀ·inp;
-  /// dbias [OC] += Σ_rows dout (may be empty).
+  /// dbias [OC] += Σ_rows dout (may be empty). When `dinp_gelu_input` [N,IC] is given, dinp is
+  /// further multiplied by gelu'(dinp_gelu_input) — the backward of a GELU that produced `inp`
+  /// (fused into the matmul's epilogue on GPU).
   virtual void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                               Tensor weight) = 0;
+                               Tensor weight, Tensor dinp_gelu_input = {}) = 0;
 
   // ---- GELU, tanh approximation (Hendrycks & Gimpel, arXiv 1606.08415, §2) -------------------
   virtual void gelu_forward(Tensor out, Tensor inp) = 0;
@@ -103,6 +105,8 @@ class Backend {
                                   AttentionSaved saved, int num_heads) = 0;
   /// Whether this backend saves probabilities [B,NH,T,T] (true) or log-sum-exp [B,NH,T].
   virtual bool attention_saves_probs() const = 0;
+  /// The dtype of saved probabilities (fp32 on CPU; the compute dtype on GPU).
+  virtual DType attention_probs_dtype() const { return DType::kF32; }
 
   // ---- fused softmax + cross-entropy over the vocabulary ------------------------------------
   /// logits [N,V] (overwritten with ∂L/∂logits = (softmax - onehot(target)) * grad_scale);
@@ -138,9 +142,10 @@ class Backend {
 /// The CPU backend (fp32, OpenMP threads, BLAS matmuls).
 std::unique_ptr<Backend> make_cpu_backend();
 
-/// The CUDA backend on device `device_index`; throws RuntimeFailure when no CUDA GPU or driver is
-/// available or shardtrain was built without CUDA.
-std::unique_ptr<Backend> make_cuda_backend(int device_index);
+/// The CUDA backend on device `device_index`, computing in `compute_dtype` (kBF16 by default; kF16
+/// for fp16 mixed precision; kF32 for testing). Throws RuntimeFailure when no CUDA GPU or driver
+/// is available or shardtrain was built without CUDA.
+std::unique_ptr<Backend> make_cuda_backend(int device_index, DType compute_dtype = DType::kBF16);
 
 /// True when shardtrain was built with CUDA and a GPU is visible.
 bool cuda_available();

@@ -95,7 +95,7 @@ struct BlockActivations {
     qkv = FlatBuffer(be, dt, N * 3 * C);
     atty = FlatBuffer(be, dt, N * C);
     if (be.attention_saves_probs())
-      att_probs = FlatBuffer(be, DType::kF32, B_ * NH * T_ * T_);
+      att_probs = FlatBuffer(be, be.attention_probs_dtype(), B_ * NH * T_ * T_);
     else
       att_lse = FlatBuffer(be, DType::kF32, B_ * NH * T_);
     x2 = FlatBuffer(be, dt, N * C);
@@ -191,8 +191,7 @@ class BlockLayer final : public Layer {
 
     // MLP: x3 = x2 + c_proj(gelu(c_fc(ln_2(x2))))
     be.matmul_backward(d4c, g_[kFcProjW], g_[kFcProjB], dres2, view(a.fch_gelu, {N, 4 * C}),
-                       w_[kFcProjW]);
-    be.gelu_backward(d4c, view(a.fch, {N, 4 * C}), d4c);
+                       w_[kFcProjW], view(a.fch, {N, 4 * C}));
     be.matmul_backward(dc, g_[kFcW], g_[kFcB], d4c, view(a.ln2, {N, C}), w_[kFcW]);
     be.layernorm_backward(dres2, g_[kLn2W], g_[kLn2B], dc, view(a.x2, {N, C}), w_[kLn2W],
                           view(a.ln2_mean, {N}), view(a.ln2_rstd, {N}));
@@ -228,7 +227,7 @@ class BlockLayer final : public Layer {
     AttentionSaved s;
     const int64_t NH = c_.n_head;
     if (be.attention_saves_probs())
-      s.probs = Tensor(acts_->att_probs.data(), DType::kF32, be.kind(), {B, NH, T, T});
+      s.probs = Tensor(acts_->att_probs.data(), be.attention_probs_dtype(), be.kind(), {B, NH, T, T});
     else
       s.lse = Tensor(acts_->att_lse.data(), DType::kF32, be.kind(), {B, NH, T});
     return s;

@@ -267,7 +267,7 @@ class CpuBackend final : public Backend {
   }
 
   void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                       Tensor weight) override {
+                       Tensor weight, Tensor dinp_gelu_input) override {
     const int64_t OC = weight.dim(0), IC = weight.dim(1), N = inp.numel() / IC;
     const float* dy = dout.f32();
     if (!dinp.empty()) {
@@ -275,6 +275,7 @@ class CpuBackend final : public Backend {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(N),
                   static_cast<int>(IC), static_cast<int>(OC), 1.0f, dy, static_cast<int>(OC),
                   weight.f32(), static_cast<int>(IC), 0.0f, dinp.f32(), static_cast<int>(IC));
+      if (!dinp_gelu_input.empty()) gelu_backward(dinp, dinp_gelu_input, dinp);
     }
     // dW [OC,IC] += doutᵀ [OC,N] · inp [N,IC]
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(OC), static_cast<int>(IC),
@@ -545,7 +546,7 @@ class CpuBackend final : public Backend {
 std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
 
 #ifndef SHARDTRAIN_WITH_CUDA
-std::unique_ptr<Backend> make_cuda_backend(int /*device_index*/) {
+std::unique_ptr<Backend> make_cuda_backend(int /*device_index*/, DType /*compute_dtype*/) {
   throw RuntimeFailure(
       "--device cuda: this shardtrain was built without CUDA (no nvcc at configure time); "
       "rebuild with the CUDA toolkit installed, or use --device cpu");
