@@ -19,6 +19,12 @@ endif()
 message(STATUS "shardtrain CUDA backend: ${SHARDTRAIN_HAVE_CUDA}")
 if(SHARDTRAIN_HAVE_CUDA)
   enable_language(CUDA)
+  # CMake 3.25's tables stop before nvcc 13: tell it how nvcc selects C++20.
+  if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+    set(CMAKE_CUDA_STANDARD_COMPUTED_DEFAULT 17)
+  endif()
   find_package(CUDAToolkit REQUIRED)
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "52")
     # sm_90a machine code for Hopper plus compute_90 PTX for newer GPUs.
@@ -26,8 +32,11 @@ if(SHARDTRAIN_HAVE_CUDA)
   endif()
   add_library(shardtrain_cuda STATIC ${_cuda_sources})
   target_include_directories(shardtrain_cuda PUBLIC "${CMAKE_SOURCE_DIR}/src")
-  set_target_properties(shardtrain_cuda PROPERTIES CUDA_STANDARD 20 CUDA_SEPARABLE_COMPILATION OFF
+  set_target_properties(shardtrain_cuda PROPERTIES CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON
+                                                   CUDA_SEPARABLE_COMPILATION OFF
                                                    POSITION_INDEPENDENT_CODE ON)
+  target_compile_options(shardtrain_cuda PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Xcompiler=-Wall,-Wextra>)
   find_library(SHARDTRAIN_NCCL NAMES nccl HINTS ${CUDAToolkit_LIBRARY_DIR} REQUIRED)
   find_path(SHARDTRAIN_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} REQUIRED)
   target_include_directories(shardtrain_cuda PUBLIC "${SHARDTRAIN_NCCL_INCLUDE}")

@@ -56,6 +56,10 @@ class Backend {
   virtual size_t allocated_bytes() const = 0;
   virtual size_t peak_allocated_bytes() const = 0;
   virtual void reset_peak_memory() = 0;
+  /// Bytes obtained from the device (a caching allocator's cached blocks included) and their
+  /// peak; equal to the allocated bytes for backends without a cache.
+  virtual size_t reserved_bytes() const { return allocated_bytes(); }
+  virtual size_t peak_reserved_bytes() const { return peak_allocated_bytes(); }
 
   // ---- dtype conversion ----------------------------------------------------------------------
   /// dst = src element-wise with dtype conversion (round-to-nearest-even for bf16/fp16).

@@ -6,7 +6,9 @@
 // failure). Internal invariant violations use ST_ASSERT and are reported as bugs.
 #pragma once
 
+#if !defined(__CUDACC__)
 #include <fmt/core.h>
+#endif
 
 #include <stdexcept>
 #include <string>
@@ -44,11 +46,15 @@ class RuntimeFailure : public Error {
   using Error::Error;
 };
 
+#if !defined(__CUDACC__)
+// nvcc 13 cannot compile fmt 9 in C++20 mode (its consteval format strings), so code that nvcc
+// compiles (*.cu) builds messages with std::string instead and never sees fmt.
 /// Throws E with a fmt-formatted message when `cond` is false.
 template <typename E = Error, typename... Args>
 inline void check(bool cond, fmt::format_string<Args...> f, Args&&... args) {
   if (!cond) throw E(fmt::format(f, std::forward<Args>(args)...));
 }
+#endif
 
 [[noreturn]] void assertion_failed(const char* expr, const char* file, int line);
 

@@ -1,0 +1,28 @@
+// Launchers of the CUDA backend's heavy ops, in their own files so each can be tuned apart:
+//   cuda_matmul.cu    — cuBLASLt GEMMs with fused bias / GELU / dGELU / bias-gradient epilogues
+//   cuda_attention.cu — causal self-attention forward/backward
+// Semantics are exactly those of the same-named Backend methods (backend/backend.h); every
+// launcher enqueues on ctx.stream and never synchronizes. Tensors are device memory in fp32,
+// bf16 or fp16 (all floating operands of one call share a dtype), fp32 accumulation throughout.
+#pragma once
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_common.h"
+
+namespace shardtrain::cuda {
+
+void matmul_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                    Epilogue epilogue, Tensor pre_gelu);
+
+void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor dbias,
+                     Tensor dout, Tensor inp, Tensor weight, Tensor dinp_gelu_input);
+
+/// saved.probs [B,NH,T,T] in the compute dtype (this implementation materializes the causal
+/// softmax probabilities; a flash-attention kernel would save saved.lse instead).
+void attention_forward(const CudaContext& ctx, Tensor out, AttentionSaved saved, Tensor qkv,
+                       int num_heads);
+
+void attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
+                        AttentionSaved saved, int num_heads);
+
+}  // namespace shardtrain::cuda
