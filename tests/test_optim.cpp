@@ -7,6 +7,7 @@
 
 #include "backend/backend.h"
 #include "optim/adamw.h"
+#include "optim/loss_scaler.h"
 
 using namespace shardtrain;
 
@@ -85,4 +86,32 @@ TEST(LearningRate, WarmupThenCosineAndLinear) {
   EXPECT_DOUBLE_EQ(learning_rate(0, lr, 0, 110, LrSchedule::kConstant, 0.0), lr);
   // DeepSpeed's warmup_min_lr: warmup starts from a fraction of lr.
   EXPECT_NEAR(learning_rate(0, lr, 10, 110, LrSchedule::kCosine, 0.1, 0.5), lr * 0.55, 1e-15);
+}
+
+TEST(LossScaler, DeepSpeedDynamicScaling) {
+  LossScaleConfig c;
+  c.initial_scale_power = 4;  // 16
+  c.loss_scale_window = 3;
+  c.hysteresis = 2;
+  c.min_loss_scale = 2;
+  LossScaler s(c, true);
+  EXPECT_EQ(s.scale(), 16.0);
+  EXPECT_TRUE(s.update(true));  // first overflow: hysteresis budget 2 -> 1, scale kept
+  EXPECT_EQ(s.scale(), 16.0);
+  EXPECT_TRUE(s.update(true));  // budget exhausted: halve
+  EXPECT_EQ(s.scale(), 8.0);
+  EXPECT_TRUE(s.update(true));
+  EXPECT_EQ(s.scale(), 4.0);
+  EXPECT_TRUE(s.update(true));
+  EXPECT_TRUE(s.update(true));
+  EXPECT_EQ(s.scale(), 2.0);  // clamped at min_loss_scale
+  EXPECT_FALSE(s.update(false));
+  EXPECT_FALSE(s.update(false));
+  EXPECT_EQ(s.scale(), 2.0);
+  EXPECT_FALSE(s.update(false));  // third clean step in a row: double
+  EXPECT_EQ(s.scale(), 4.0);
+  EXPECT_EQ(s.skipped_steps(), 5);
+  LossScaler off(c, false);
+  EXPECT_EQ(off.scale(), 1.0);
+  EXPECT_FALSE(off.update(true));
 }

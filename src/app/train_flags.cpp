@@ -130,7 +130,7 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
   cmd.add_option("--strategy", cfg.strategy_name,
                  fmt::format("parallelism strategy: dp|ddp (data parallel), zero1, "
                              "zero2|fsdp_stage2, zero3|fsdp_stage3, offload, infinity, pipeline; "
-                             "only dp is available in this release (default: {})",
+                             "dp, zero1 and zero2 are available in this release (default: {})",
                              cfg.strategy_name))
       ->type_name("NAME")
       ->check(strategy_name());
@@ -147,13 +147,21 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->type_name("PREC")
       ->check(one_of({"auto", "fp32", "bf16", "fp16"}));
   cmd.add_option("--zero-stage", cfg.zero.stage,
-                 fmt::format("ZeRO stage 0|1|2|3 (DeepSpeed zero_optimization.stage); only 0 is "
-                             "available in this release (default: {})",
+                 fmt::format("ZeRO stage 0|1|2|3 (DeepSpeed zero_optimization.stage); 0, 1 and 2 "
+                             "are available in this release (default: {})",
                              cfg.zero.stage))
       ->type_name("N")
       ->check(one_of({"0", "1", "2", "3"}));
   cmd.add_flag("--activation-checkpointing", cfg.activation_checkpointing,
                "recompute activations in the backward pass to save memory (default: off)");
+  cmd.add_flag("--no-save{false}", cfg.save_checkpoints,
+               "write no checkpoint, not even at the end (for benchmarks)");
+  cmd.add_option("--peak-tflops", cfg.peak_tflops,
+                 fmt::format("the GPU's dense bf16 peak in TFLOP/s, for the MFU in the log "
+                             "(default: {:g}, H100/H200 SXM)",
+                             cfg.peak_tflops))
+      ->type_name("TFLOPS")
+      ->check(number_in(0.0, true, kInf, false));
 
   // ---- batch ----
   cmd.add_option("--batch-size", cfg.micro_batch_size,

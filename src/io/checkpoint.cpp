@@ -3,6 +3,9 @@
 #include <fmt/ranges.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <bit>
+#include <cmath>
 #include <fstream>
 
 #include "core/error.h"
@@ -40,6 +43,36 @@ json model_json(const GPT2Config& c) {
 std::string short_name(const std::string& n) {
   const std::string prefix = "transformer.";
   return n.rfind(prefix, 0) == 0 ? n.substr(prefix.size()) : n;
+}
+
+/// Reads a tensor stored as F32, BF16 or F16 into fp32.
+void read_as_f32(const SafetensorsFile& st, const std::string& name, const std::string& dtype,
+                 float* out) {
+  if (dtype == "F32") {
+    st.read(name, out);
+    return;
+  }
+  const size_t n = st.entry(name).bytes / 2;
+  std::vector<uint16_t> half(n);
+  st.read(name, half.data());
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    if (dtype == "BF16") {
+      bits = static_cast<uint32_t>(half[i]) << 16;
+    } else {  // IEEE fp16 -> fp32
+      const uint32_t sign = (half[i] & 0x8000u) << 16, exp = (half[i] >> 10) & 0x1f,
+                     mant = half[i] & 0x3ffu;
+      if (exp == 0) {
+        const float v = std::ldexp(static_cast<float>(mant), -24);
+        bits = std::bit_cast<uint32_t>(v) | sign;
+      } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+      } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+      }
+    }
+    out[i] = std::bit_cast<float>(bits);
+  }
 }
 
 }  // namespace
@@ -89,16 +122,17 @@ void load_hf_weights(const fs::path& file, const ParamLayout& layout, float* fla
                                      fmt::join(e.shape, ", "), fmt::join(want, ", ")));
       continue;
     }
-    if (e.dtype != "F32") {
-      problems.push_back(fmt::format("tensor '{}' is {} (only F32 is read here)", name, e.dtype));
-      continue;
-    }
-    if (!t->hf_transposed) {
-      st.read(name, flat + t->offset);
+    if (e.dtype != "F32" && e.dtype != "BF16" && e.dtype != "F16") {
+      problems.push_back(
+          fmt::format("tensor '{}' is {}; F32, BF16 and F16 can be read", name, e.dtype));
       continue;
     }
     tmp.resize(static_cast<size_t>(t->numel));
-    st.read(name, tmp.data());
+    read_as_f32(st, name, e.dtype, tmp.data());
+    if (!t->hf_transposed) {
+      std::copy(tmp.begin(), tmp.end(), flat + t->offset);
+      continue;
+    }
     const int64_t rows = t->shape[0], cols = t->shape[1];
     float* dst = flat + t->offset;
     for (int64_t r = 0; r < rows; ++r)
@@ -108,6 +142,49 @@ void load_hf_weights(const fs::path& file, const ParamLayout& layout, float* fla
     throw CheckpointError(
         fmt::format("{} does not match the model: {}", file.string(), fmt::join(problems, "; ")));
   }
+}
+
+void save_hf_config(const fs::path& dir, const GPT2Config& c) {
+  const json cfg = {{"architectures", {"GPT2LMHeadModel"}},
+                    {"model_type", "gpt2"},
+                    {"vocab_size", c.vocab_size},
+                    {"n_positions", c.n_positions},
+                    {"n_ctx", c.n_positions},
+                    {"n_embd", c.n_embd},
+                    {"n_layer", c.n_layer},
+                    {"n_head", c.n_head},
+                    {"n_inner", nullptr},
+                    {"activation_function", "gelu_new"},
+                    {"layer_norm_epsilon", 1e-5},
+                    {"initializer_range", 0.02},
+                    {"resid_pdrop", 0.0},
+                    {"embd_pdrop", 0.0},
+                    {"attn_pdrop", 0.0},
+                    {"scale_attn_weights", true},
+                    {"tie_word_embeddings", true},
+                    {"bos_token_id", 50256},
+                    {"eos_token_id", 50256},
+                    {"torch_dtype", "float32"}};
+  write_file_atomic(dir / "config.json", cfg.dump(2) + "\n");
+}
+
+void export_hf_model(const CheckpointInfo& info, const fs::path& out_dir,
+                     const fs::path& tokenizer_dir) {
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (ec)
+    throw RuntimeFailure(
+        fmt::format("cannot create export directory {}: {}", out_dir.string(), ec.message()));
+  const auto copy = [&](const fs::path& from, const fs::path& to) {
+    fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
+    if (ec)
+      throw RuntimeFailure(
+          fmt::format("cannot copy {} to {}: {}", from.string(), to.string(), ec.message()));
+  };
+  copy(info.dir / "model.safetensors", out_dir / "model.safetensors");
+  save_hf_config(out_dir, info.model);
+  copy(tokenizer_dir / "encoder.json", out_dir / "vocab.json");
+  copy(tokenizer_dir / "vocab.bpe", out_dir / "merges.txt");
 }
 
 fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
@@ -138,6 +215,7 @@ fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
                       state.exp_avg_sq.data(),
                       bytes}});
 
+  save_hf_config(tmp_dir, info.model);
   json files = json::object();
   for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
     fsync_path(tmp_dir / f);

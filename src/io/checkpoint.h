@@ -73,4 +73,14 @@ void load_hf_weights(const std::filesystem::path& file, const ParamLayout& layou
 void save_hf_weights(const std::filesystem::path& file, const ParamLayout& layout,
                      const float* flat);
 
+/// Writes a Hugging Face GPT2Config (config.json) for `model` into `dir`, so that
+/// GPT2LMHeadModel.from_pretrained(dir) loads the model.safetensors beside it.
+void save_hf_config(const std::filesystem::path& dir, const GPT2Config& model);
+
+/// Copies a checkpoint's weights as a Hugging Face model directory: model.safetensors,
+/// config.json and the GPT-2 tokenizer files (vocab.json = encoder.json, merges.txt =
+/// vocab.bpe). Throws CheckpointError / RuntimeFailure naming the file on failure.
+void export_hf_model(const CheckpointInfo& info, const std::filesystem::path& out_dir,
+                     const std::filesystem::path& tokenizer_dir);
+
 }  // namespace shardtrain

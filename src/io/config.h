@@ -15,8 +15,8 @@
 
 namespace shardtrain {
 
-/// Parallelism strategy. Only kDataParallel is available in this release; the others are
-/// recognised so that asking for them gives a clear "not available yet" error.
+/// Parallelism strategy. kDataParallel, kZero1 and kZero2 are available in this release; the
+/// others are recognised so that asking for them gives a clear "not available yet" error.
 enum class StrategyKind { kDataParallel, kZero1, kZero2, kZero3, kOffload, kInfinity, kPipeline };
 
 enum class LrSchedule { kConstant, kLinear, kCosine };
@@ -109,6 +109,8 @@ struct TrainConfig {
   std::string init_from;      ///< initial weights (checkpoint or HF safetensors)
 
   std::string deepspeed_config;  ///< path of the DeepSpeed JSON, if any
+  double peak_tflops = 989.0;    ///< the GPU's dense bf16 peak (TFLOP/s) for MFU; H100/H200 SXM
+  bool save_checkpoints = true;  ///< false (--no-save): write no checkpoint at all (benchmarks)
 };
 
 /// Canonical name of a strategy ("dp", "zero1", ...).
@@ -170,8 +172,9 @@ void apply_deepspeed_config(const std::string& path, TrainConfig& cfg,
 /// train_batch_size 0 it is derived; otherwise the sizes not given explicitly
 /// (micro_batch_set / accumulation_set) are derived from it (both missing: accumulation 1),
 /// and the identity is checked. warmup_steps -1 is left as is: the trainer resolves it once it
-/// knows the total number of steps. Only strategy dp with ZeRO stage 0 and no offload is
-/// available in this release; anything else is a ConfigError saying so.
+/// knows the total number of steps. Only strategies dp, zero1 and zero2 (ZeRO stage 0, 1, 2,
+/// matching the strategy) without offload are available in this release; anything else is a
+/// ConfigError saying so.
 /// `model_context` is the model's maximum sequence length (n_positions); <= 0 skips that check.
 /// Throws ConfigError naming the flag or key, its value and the fix.
 void validate(TrainConfig& cfg, int64_t model_context);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 
@@ -17,6 +18,7 @@
 #include "io/metrics.h"
 #include "model/gpt2.h"
 #include "optim/adamw.h"
+#include "optim/loss_scaler.h"
 #include "parallel/strategy.h"
 
 namespace shardtrain {
@@ -135,12 +137,31 @@ Evaluation evaluate(GPT2Model& model, const PackedDataset& data, int64_t batch,
   return ev;
 }
 
+/// The GPU index of this rank: LOCAL_RANK as set by launchers (torchrun, shardtrain launch,
+/// SLURM, mpirun), else the rank.
+int local_rank_of(const Communicator& comm) {
+  for (const char* var : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
+    if (const char* v = std::getenv(var)) return std::atoi(v);
+  }
+  return comm.rank();
+}
+
 }  // namespace
 
-std::unique_ptr<Backend> make_backend(const std::string& device, int local_rank) {
-  if (device == "cpu") return make_cpu_backend();
-  if (device == "cuda") return make_cuda_backend(local_rank);
-  return cuda_available() ? make_cuda_backend(local_rank) : make_cpu_backend();
+std::unique_ptr<Backend> make_backend(const std::string& device, int local_rank,
+                                      Precision precision) {
+  const bool cuda = device == "cuda" || (device != "cpu" && cuda_available());
+  if (!cuda) {
+    check<ConfigError>(precision == Precision::kAuto || precision == Precision::kFp32,
+                       "--precision {} needs --device cuda; the CPU path computes in fp32 (use "
+                       "--precision fp32 or leave it unset)",
+                       to_string(precision));
+    return make_cpu_backend();
+  }
+  const DType dt = precision == Precision::kFp32   ? DType::kF32
+                   : precision == Precision::kFp16 ? DType::kF16
+                                                   : DType::kBF16;
+  return make_cuda_backend(local_rank, dt);
 }
 
 TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
@@ -151,11 +172,9 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
 
   // ---- model and device ----
   GPT2Config model_cfg = gpt2_preset(cfg.model);
-  std::unique_ptr<Backend> backend = make_backend(cfg.device, comm.rank());
-  check<ConfigError>(cfg.precision == Precision::kAuto || cfg.precision == Precision::kFp32 ||
-                         backend->kind() == DeviceKind::kCUDA,
-                     "--precision {} needs --device cuda; the CPU path computes in fp32",
-                     to_string(cfg.precision));
+  std::unique_ptr<Backend> backend = make_backend(cfg.device, local_rank_of(comm), cfg.precision);
+  const bool on_gpu = backend->kind() == DeviceKind::kCUDA;
+  LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
   GPT2Model model(model_cfg, *backend, cfg.activation_checkpointing);
 
   // ---- resume: read the checkpoint first so a mismatch fails before any work ----
@@ -261,9 +280,19 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                         : fmt::format(", {} epochs", cfg.epochs),
       warmup, to_string(cfg.lr_schedule), cfg.lr, cfg.beta1, cfg.beta2, cfg.weight_decay,
       cfg.gradient_clipping);
-  out.line("  precision: {} | model states {} per rank | output: {}",
-           backend->kind() == DeviceKind::kCPU ? "fp32" : to_string(cfg.precision),
-           human_bytes(static_cast<double>(strategy->model_state_bytes())), out_dir.string());
+  out.line(
+      "  precision: {}{} | model states {} per rank | activation checkpointing {} | "
+      "output: {}",
+      dtype_name(backend->compute_dtype()),
+      on_gpu && backend->compute_dtype() != DType::kF32
+          ? " compute, fp32 master weights and AdamW state"
+          : "",
+      human_bytes(static_cast<double>(strategy->model_state_bytes())),
+      cfg.activation_checkpointing ? "on" : "off", out_dir.string());
+  if (scaler.enabled())
+    out.line("  fp16 dynamic loss scaling: initial scale {:g}, window {}, hysteresis {}, min {:g}",
+             scaler.scale(), cfg.loss_scale.loss_scale_window, cfg.loss_scale.hysteresis,
+             cfg.loss_scale.min_loss_scale);
   if (resume)
     out.line("  resumed from {} at step {} (epoch {}, step {} of the epoch)", resume->dir.string(),
              progress.step, progress.epoch + 1, progress.step_in_epoch);
@@ -276,6 +305,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   ck.model = model_cfg;
   ck.config = config_snapshot(cfg);
   auto save = [&]() {
+    if (!cfg.save_checkpoints) return;
     FullState state = strategy->gather_state();
     if (!rank0) return;
     ck.progress = progress;
@@ -322,20 +352,35 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
           std::copy(sample.begin() + 1, sample.end(), targets.begin() + i * T);
         }
         strategy->begin_micro_step(k, accum);
-        loss += model.forward(tokens.data(), targets.data(), B, T, 1.0f / static_cast<float>(B * T),
-                              true);
+        loss +=
+            model.forward(tokens.data(), targets.data(), B, T,
+                          static_cast<float>(scaler.scale() / static_cast<double>(B * T)), true);
         model.backward();
       }
       loss /= static_cast<double>(accum);
       strategy->finish_gradients();
-      const double mean_scale = 1.0 / static_cast<double>(accum * comm.world_size());
+      // Gradients hold Σ over micro-steps and ranks of ∂(loss_scale · mean micro-batch loss)/∂θ.
+      const double mean_scale =
+          1.0 / (static_cast<double>(accum * comm.world_size()) * scaler.scale());
       const double norm = strategy->grad_norm(mean_scale);
-      const double clip = cfg.gradient_clipping > 0 && norm > cfg.gradient_clipping
-                              ? cfg.gradient_clipping / (norm + 1e-6)
-                              : 1.0;
+      const bool overflow = !std::isfinite(norm);
       const double lr = learning_rate(progress.step, cfg.lr, warmup, total_steps, cfg.lr_schedule,
                                       cfg.min_lr_ratio, cfg.warmup_min_ratio);
-      strategy->step(lr, mean_scale * clip);
+      const double used_scale = scaler.scale();
+      if (scaler.update(overflow)) {
+        out.line(
+            "step {}: fp16 gradients overflowed at loss scale {:g}: step skipped, scale now {:g}",
+            progress.step + 1, used_scale, scaler.scale());
+      } else {
+        check<RuntimeFailure>(!overflow,
+                              "gradients became non-finite (norm {}) at step {}: training "
+                              "diverged; lower --lr (now {:g}) or raise --warmup-steps",
+                              norm, progress.step + 1, cfg.lr);
+        const double clip = cfg.gradient_clipping > 0 && norm > cfg.gradient_clipping
+                                ? cfg.gradient_clipping / (norm + 1e-6)
+                                : 1.0;
+        strategy->step(lr, mean_scale * clip);
+      }
       backend->synchronize();
       const double dt = seconds_since(t_step);
       ++progress.step;
@@ -358,20 +403,28 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
       if (progress.step % cfg.log_interval == 0 || progress.step == total_steps ||
           progress.step == 1) {
         const double tok_s = static_cast<double>(tokens_per_step * window_steps) / window_time;
+        // MFU: model FLOPs per token (6N + 12·L·d·T) at the measured rate, against the dense
+        // bf16 peak of the ranks' GPUs (--peak-tflops each).
+        const double mfu = model_cfg.flops_per_token(T) * tok_s /
+                           (cfg.peak_tflops * 1e12 * static_cast<double>(comm.world_size()));
         out.line(
             "epoch {} | step {:>{}}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} "
-            "tokens/s | {:.3f} s/step",
+            "tokens/s{} | {:.3f} s/step",
             epoch + 1, progress.step, fmt::formatted_size("{}", total_steps), total_steps, loss, lr,
-            norm, tok_s, window_time / static_cast<double>(window_steps));
-        metrics.write({{"step", progress.step},
-                       {"epoch", epoch + 1},
-                       {"loss", loss},
-                       {"avg_loss", window_loss / static_cast<double>(window_steps)},
-                       {"lr", lr},
-                       {"grad_norm", norm},
-                       {"tokens_per_s", tok_s},
-                       {"step_time_s", window_time / static_cast<double>(window_steps)},
-                       {"tokens_seen", progress.tokens_seen}});
+            norm, tok_s, on_gpu ? fmt::format(" | MFU {:.1f}%", 100.0 * mfu) : std::string(),
+            window_time / static_cast<double>(window_steps));
+        json rec = {{"step", progress.step},
+                    {"epoch", epoch + 1},
+                    {"loss", loss},
+                    {"avg_loss", window_loss / static_cast<double>(window_steps)},
+                    {"lr", lr},
+                    {"grad_norm", norm},
+                    {"tokens_per_s", tok_s},
+                    {"step_time_s", window_time / static_cast<double>(window_steps)},
+                    {"tokens_seen", progress.tokens_seen}};
+        if (on_gpu) rec["mfu"] = mfu;
+        if (scaler.enabled()) rec["loss_scale"] = scaler.scale();
+        metrics.write(rec);
         window_time = window_loss = 0;
         window_steps = 0;
       }
@@ -389,14 +442,19 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     const bool complete = progress.step_in_epoch >= steps_per_epoch;
     if (epoch_steps > 0) {
       const double samples = static_cast<double>(epoch_steps * sampler.global_batch());
-      const size_t peak =
-          backend->kind() == DeviceKind::kCPU ? peak_rss_bytes() : backend->peak_allocated_bytes();
+      // Peak memory: the GPU's peak allocated bytes, or the process's peak resident set on CPU.
+      const size_t peak = on_gpu ? backend->peak_allocated_bytes() : peak_rss_bytes();
+      const std::string mem =
+          on_gpu ? fmt::format("peak memory {} allocated, {} reserved",
+                               human_bytes(static_cast<double>(peak)),
+                               human_bytes(static_cast<double>(backend->peak_reserved_bytes())))
+                 : fmt::format("peak memory {}", human_bytes(static_cast<double>(peak)));
       out.line(
-          "epoch {}{} | {} steps | avg loss {:.4f} | {:.1f} s | {:.1f} samples/s | {:.0f} tokens/s "
-          "| peak memory {}",
+          "epoch {}{} | {} steps | avg loss {:.4f} | {:.1f} s | {:.1f} samples/s | {:.0f} "
+          "tokens/s | {}",
           epoch + 1, complete ? "" : " (partial)", epoch_steps,
           epoch_loss / static_cast<double>(epoch_steps), epoch_time, samples / epoch_time,
-          samples * static_cast<double>(T) / epoch_time, human_bytes(static_cast<double>(peak)));
+          samples * static_cast<double>(T) / epoch_time, mem);
       metrics.write({{"epoch", epoch + 1},
                      {"epoch_complete", complete},
                      {"steps", epoch_steps},
@@ -405,7 +463,11 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                      {"samples_per_s", samples / epoch_time},
                      {"tokens_per_s", samples * static_cast<double>(T) / epoch_time},
                      {"peak_memory_bytes", peak},
-                     {"device_peak_allocated_bytes", backend->peak_allocated_bytes()}});
+                     {"device_allocated_bytes", backend->allocated_bytes()},
+                     {"device_reserved_bytes", backend->reserved_bytes()},
+                     {"device_peak_allocated_bytes", backend->peak_allocated_bytes()},
+                     {"device_peak_reserved_bytes", backend->peak_reserved_bytes()},
+                     {"skipped_steps", scaler.skipped_steps()}});
       if (cfg.eval_interval == 0 && !validated_at_end) {
         validate_now(epoch);
         validated_at_end = true;

@@ -28,7 +28,10 @@ struct TrainSummary {
 /// metrics.jsonl and checkpoints under cfg.output_dir. Throws Error subclasses on bad input.
 TrainSummary train(const TrainConfig& cfg, Communicator& comm);
 
-/// Picks the backend for cfg.device ("auto": CUDA when available, else CPU).
-std::unique_ptr<Backend> make_backend(const std::string& device, int local_rank);
+/// Picks the backend for `device` ("auto": CUDA when available, else CPU) on GPU `local_rank`,
+/// computing in the dtype `precision` asks for (auto: bf16 on GPU, fp32 on CPU). Throws
+/// ConfigError for a precision the device cannot run and RuntimeFailure when CUDA is unavailable.
+std::unique_ptr<Backend> make_backend(const std::string& device, int local_rank,
+                                      Precision precision = Precision::kAuto);
 
 }  // namespace shardtrain

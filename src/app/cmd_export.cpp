@@ -1,0 +1,30 @@
+// `shardtrain export`: a checkpoint's weights as a Hugging Face model directory.
+#include <fmt/core.h>
+
+#include "app/commands.h"
+#include "data/bpe_tokenizer.h"
+#include "data/dataset.h"
+#include "io/checkpoint.h"
+
+namespace shardtrain {
+
+void register_export_command(CLI::App& app) {
+  auto checkpoint = std::make_shared<std::string>();
+  auto output = std::make_shared<std::string>();
+  CLI::App* cmd = app.add_subcommand(
+      "export",
+      "write a checkpoint as a Hugging Face GPT-2 directory (model.safetensors, config.json, "
+      "vocab.json, merges.txt) that transformers' GPT2LMHeadModel.from_pretrained loads");
+  cmd->add_option("--checkpoint", *checkpoint,
+                  "checkpoint directory, or an output directory (its latest checkpoint)")
+      ->required();
+  cmd->add_option("--output", *output, "directory to write")->required();
+  cmd->callback([checkpoint, output]() {
+    const CheckpointInfo info = read_checkpoint_info(*checkpoint);
+    export_hf_model(info, *output, default_data_dir() / "gpt2-tokenizer");
+    fmt::print("exported {} (model {}, step {}) to {}\n", info.dir.string(), info.model.name,
+               info.progress.step, *output);
+  });
+}
+
+}  // namespace shardtrain
