@@ -1,27 +1,84 @@
 // `shardtrain train`: flags (and an optional DeepSpeed JSON) → TrainConfig → train().
+// The rank layout comes from the launcher's variables (comm/dist_env.h): the world size enters
+// the config before it is validated (batch identity), and the communicator of the job is built
+// from it (MPI on CPU, NCCL on GPU; docs/LAUNCHING.md).
 #include <fmt/core.h>
 
 #include "app/commands.h"
 #include "app/train_flags.h"
+#include "backend/backend.h"
 #include "comm/communicator.h"
+#include "comm/dist_env.h"
 #include "core/strings.h"
 #include "model/gpt2_config.h"
 #include "train/trainer.h"
 
 namespace shardtrain {
+namespace {
+
+/// The device the job's tensors live on, as make_backend() will pick it.
+DeviceKind job_device(const std::string& device) {
+  if (device == "cpu") return DeviceKind::kCPU;
+  if (device == "cuda") return DeviceKind::kCUDA;
+  return cuda_available() ? DeviceKind::kCUDA : DeviceKind::kCPU;
+}
+
+/// Runs `f`; in a job of several ranks, errors are rethrown with "rank R: " in front (same
+/// type, so the exit status stays), so the output of many ranks says which one failed.
+template <typename F>
+void with_rank_in_errors(int rank, int world, F&& f) {
+  if (world == 1) {
+    f();
+    return;
+  }
+  auto prefix = [rank](const std::exception& e) {
+    return fmt::format("rank {}: {}", rank, e.what());
+  };
+  try {
+    f();
+  } catch (const CommTimeoutError&) {
+    throw;  // names its rank already
+  } catch (const ConfigError& e) {
+    throw ConfigError(prefix(e));
+  } catch (const DataError& e) {
+    throw DataError(prefix(e));
+  } catch (const CheckpointError& e) {
+    throw CheckpointError(prefix(e));
+  } catch (const RuntimeFailure& e) {
+    throw RuntimeFailure(prefix(e));
+  } catch (const Error& e) {
+    throw Error(prefix(e));
+  }
+}
+
+}  // namespace
 
 void register_train_command(CLI::App& app) {
   auto cfg = std::make_shared<TrainConfig>();
+  auto comm_timeout = std::make_shared<double>(0);
   CLI::App* cmd = app.add_subcommand("train", "train a GPT-2 model (see --help for the flags)");
   add_train_flags(*cmd, *cfg);
-  cmd->callback([cmd, cfg]() {
-    std::vector<std::string> warnings;
-    // The model's context bounds --max-length; an unknown model name fails here, clearly.
-    const int64_t context = gpt2_preset(cfg->model).n_positions;
-    TrainConfig final_cfg = finalize_train_config(*cmd, *cfg, context, warnings);
-    for (const auto& w : warnings) fmt::print(stderr, "warning: {}\n", w);
-    auto comm = make_local_communicator();
-    train(final_cfg, *comm);
+  cmd->add_option("--comm-timeout", *comm_timeout,
+                  "seconds a collective may wait for the other ranks before the job stops with a "
+                  "message naming them (default: $SHARDTRAIN_COMM_TIMEOUT or 300)")
+      ->check(CLI::PositiveNumber);
+  cmd->callback([cmd, cfg, comm_timeout]() {
+    const DistributedEnv env = read_distributed_env();
+    with_rank_in_errors(env.rank, env.world_size, [&]() {
+      std::vector<std::string> warnings;
+      // The model's context bounds --max-length; an unknown model name fails here, clearly.
+      const int64_t context = gpt2_preset(cfg->model).n_positions;
+      cfg->world_size = env.world_size;  // before validation: the batch identity needs it
+      TrainConfig final_cfg = finalize_train_config(*cmd, *cfg, context, warnings);
+      if (env.rank == 0)
+        for (const auto& w : warnings) fmt::print(stderr, "warning: {}\n", w);
+      CommOptions options;
+      options.timeout_s = comm_timeout_seconds(*comm_timeout);
+      auto comm = make_world_communicator(env, job_device(final_cfg.device), nullptr, options);
+      train(final_cfg, *comm);
+      comm.reset();
+      finalize_mpi(options.timeout_s);
+    });
   });
 }
 

@@ -1,0 +1,222 @@
+// `shardtrain launch [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A]
+// [--hostfile FILE] -- train ...`: starts the ranks of a job, as torchrun and
+// `deepspeed --num_gpus` do. docs/LAUNCHING.md describes it; in short:
+//  * GPU jobs (--device cuda, or auto on a node with GPUs): N processes of this program with
+//    RANK, WORLD_SIZE, LOCAL_RANK, ... set; NCCL meets through rank 0's TCP store.
+//  * CPU jobs of several ranks: mpirun starts the ranks (the CPU communicator is MPI).
+//  * --hostfile: one `shardtrain launch` per host (ssh; directly for this host) for GPU jobs, or
+//    one mpirun over all hosts for CPU jobs.
+// When a rank fails, the others are stopped and launch exits with that rank's status.
+#include <fmt/core.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "app/commands.h"
+#include "comm/launch.h"
+#include "comm/nccl_communicator.h"
+#include "core/error.h"
+
+namespace shardtrain {
+namespace {
+
+struct LaunchOptions {
+  LaunchPlan plan;
+  std::string hostfile;
+  double grace_s = 10;
+  bool watch_stdin = false;
+  bool dry_run = false;
+  CLI::Option* nproc = nullptr;
+  CLI::Option* master_addr = nullptr;
+};
+
+std::string self_exe() {
+  std::error_code ec;
+  const auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  check<RuntimeFailure>(!ec, "launch: cannot find this program (/proc/self/exe): {}", ec.message());
+  return p.string();
+}
+
+std::string quoted(const std::vector<std::string>& words) {
+  std::string s;
+  for (const auto& w : words) {
+    if (!s.empty()) s += " ";
+    s += shell_quote(w);
+  }
+  return s;
+}
+
+void print_plan(const std::vector<ChildSpec>& children) {
+  for (const auto& c : children) {
+    std::string line;
+    for (const auto& [k, v] : c.env) line += shell_quote(k + "=" + v) + " ";
+    fmt::print("{}{}\n", line, quoted(c.argv));
+  }
+}
+
+int run(const std::vector<ChildSpec>& children, const LaunchOptions& o, const std::string& unit,
+        bool describe = true) {
+  if (o.dry_run) {
+    print_plan(children);
+    return 0;
+  }
+  MonitorOptions m;
+  m.grace_s = o.grace_s;
+  m.watch_stdin = o.watch_stdin;
+  m.unit = unit;
+  m.describe_failure = describe;
+  return run_processes(children, m).status;
+}
+
+/// Runs a CPU job through mpirun; `hosts` empty: this node only.
+int run_mpirun(const LaunchOptions& o, const std::vector<HostSlots>& hosts) {
+  const char* override_path = std::getenv("SHARDTRAIN_MPIRUN");
+  const std::string mpirun = find_on_path(override_path ? override_path : "mpirun");
+  check<ConfigError>(!mpirun.empty(),
+                     "CPU jobs of several ranks communicate through MPI and start through mpirun, "
+                     "which is not on PATH: install Open MPI (apt install openmpi-bin), or pass "
+                     "--device cuda on GPU nodes");
+  if (hosts.empty() && std::getenv("OMP_NUM_THREADS") == nullptr) {
+    const int cores = static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+    setenv("OMP_NUM_THREADS", std::to_string(std::max(1, cores / o.plan.nproc_per_node)).c_str(),
+           1);
+  }
+  if (o.plan.comm_timeout_s > 0)
+    setenv("SHARDTRAIN_COMM_TIMEOUT", fmt::format("{:g}", o.plan.comm_timeout_s).c_str(), 1);
+  ChildSpec c;
+  c.label = "mpirun";
+  c.argv = mpirun_command(o.plan, hosts, mpirun, self_exe());
+  const int status = run({c}, o, "process", false);
+  if (status != 0 && !o.dry_run) {
+    std::fprintf(stderr,
+                 "error: the job failed (mpirun exited with status %d): the messages above name "
+                 "the rank that failed first (mpirun writes 'process rank N' or 'Process name: "
+                 "[[job,1],N]')\n",
+                 status);
+  }
+  return status;
+}
+
+int launch(LaunchOptions& o) {
+  LaunchPlan& plan = o.plan;
+  check<ConfigError>(!plan.command.empty(),
+                     "nothing to launch: put the command after '--', e.g. `shardtrain launch "
+                     "--nproc-per-node 2 -- train --dataset wikitext-2`");
+  check<ConfigError>(plan.exec || plan.command[0] != "launch",
+                     "`launch -- launch` nests launchers: give the training command after '--'");
+  const std::string device = plan.exec ? "" : device_flag(plan.command);
+  const int gpus = plan.exec || device == "cpu" ? 0 : cuda_device_count();
+  const bool gpu_job = !plan.exec && (device == "cuda" || (device == "auto" && gpus > 0));
+
+  if (!o.hostfile.empty()) {
+    const std::vector<HostSlots> hosts = read_hostfile(o.hostfile);
+    if (o.master_addr->count() == 0) {
+      plan.master_addr = hosts[0].host;
+      if (is_local_host(hosts[0].host) && hosts.size() > 1) {
+        char name[HOST_NAME_MAX + 1] = {};
+        if (gethostname(name, sizeof name - 1) == 0) plan.master_addr = name;
+      }
+    }
+    if (!plan.exec && !gpu_job) return run_mpirun(o, hosts);
+    const char* ssh_env = std::getenv("SHARDTRAIN_SSH");
+    std::vector<std::string> ssh;
+    std::istringstream words(ssh_env ? ssh_env : "ssh -o BatchMode=yes");
+    for (std::string w; words >> w;) ssh.push_back(w);
+    std::error_code ec;
+    const std::string cwd = std::filesystem::current_path(ec).string();
+    return run(node_processes(plan, hosts, self_exe(), cwd, ssh), o, "node");
+  }
+
+  check<ConfigError>(plan.node_rank < plan.nnodes, "--node-rank {} must be below --nnodes {}",
+                     plan.node_rank, plan.nnodes);
+  check<ConfigError>(plan.nnodes == 1 || o.master_addr->count() > 0,
+                     "--nnodes {} needs --master-addr: the address of node 0 (where rank 0 runs), "
+                     "reachable from every node",
+                     plan.nnodes);
+  if (gpu_job) {
+    if (o.nproc->count() == 0) plan.nproc_per_node = std::max(1, gpus);
+    check<ConfigError>(
+        plan.nproc_per_node <= gpus,
+        "--nproc-per-node {} asks for {} GPUs but this node has {} visible{}: pass "
+        "--nproc-per-node {} or fewer, or --device cpu",
+        plan.nproc_per_node, plan.nproc_per_node, gpus,
+        std::getenv("CUDA_VISIBLE_DEVICES")
+            ? fmt::format(" (CUDA_VISIBLE_DEVICES={})", std::getenv("CUDA_VISIBLE_DEVICES"))
+            : std::string(),
+        gpus);
+  }
+  check<ConfigError>(
+      plan.rank_offset < 0 || plan.rank_offset + plan.nproc_per_node <= plan.total_ranks(),
+      "--rank-offset {} + --nproc-per-node {} exceeds --world-size {}", plan.rank_offset,
+      plan.nproc_per_node, plan.total_ranks());
+  if (!plan.exec && !gpu_job && plan.total_ranks() > 1) {
+    check<ConfigError>(plan.nnodes == 1,
+                       "CPU jobs over several nodes start through mpirun: pass --hostfile (lines "
+                       "'HOST slots=N') instead of --nnodes, or run mpirun / srun yourself");
+    return run_mpirun(o, {});
+  }
+  return run(rank_processes(plan, self_exe()), o, "rank");
+}
+
+}  // namespace
+
+void register_launch_command(CLI::App& app) {
+  auto o = std::make_shared<LaunchOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "launch",
+      "start the ranks of a distributed job on this node or on several "
+      "(`shardtrain launch --nproc-per-node 2 -- train ...`; see docs/LAUNCHING.md)");
+  LaunchPlan& p = o->plan;
+  o->nproc = cmd->add_option("--nproc-per-node,--num-gpus,--num_gpus", p.nproc_per_node,
+                             "ranks on this node (default: its GPUs for GPU jobs, else 1)")
+                 ->check(CLI::Range(1, 4096));
+  cmd->add_option("--nnodes", p.nnodes, "nodes of the job, each running its own launch (default 1)")
+      ->check(CLI::Range(1, 65536));
+  cmd->add_option("--node-rank", p.node_rank, "index of this node, 0 ≤ R < --nnodes (default 0)")
+      ->check(CLI::Range(0, 65535));
+  o->master_addr = cmd->add_option("--master-addr", p.master_addr,
+                                   "address of node 0, where rank 0 serves the rendezvous store "
+                                   "(default 127.0.0.1; with --hostfile the first host)");
+  cmd->add_option("--master-port", p.master_port, "port of the rendezvous store (default 29500)")
+      ->check(CLI::Range(1, 65535));
+  cmd->add_option("--hostfile", o->hostfile,
+                  "hosts of a multi-node job, one 'HOST slots=N' per line (DeepSpeed's format): "
+                  "GPU jobs start over ssh (SHARDTRAIN_SSH overrides 'ssh -o BatchMode=yes'), CPU "
+                  "jobs through mpirun")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--comm-timeout", p.comm_timeout_s,
+                  "seconds a collective may wait for the other ranks before the job stops with a "
+                  "message naming them (default: $SHARDTRAIN_COMM_TIMEOUT or 300)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--exec", p.exec,
+                "the words after -- are a program and its arguments, not a shardtrain subcommand "
+                "(as torchrun --no-python); it runs once per rank with the rank variables set");
+  cmd->add_option("--stop-grace", o->grace_s,
+                  "seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--dry-run", o->dry_run, "print the commands it would run, and exit");
+  // Set by a --hostfile launch for the launches it starts on each host.
+  cmd->add_option("--rank-offset", p.rank_offset)->group("")->check(CLI::Range(0, 1 << 24));
+  cmd->add_option("--world-size", p.world_size)->group("")->check(CLI::Range(1, 1 << 24));
+  cmd->add_flag("--watch-stdin", o->watch_stdin)->group("");
+  cmd->add_option("command", p.command,
+                  "the shardtrain subcommand every rank runs (after '--'; the first word that is "
+                  "not a launch option starts it)")
+      ->expected(-1);
+  cmd->positionals_at_end();  // `launch --nproc-per-node 2 train ...` works without "--" too
+  cmd->callback([o]() {
+    const int status = launch(*o);
+    std::fflush(stdout);
+    if (status != 0) std::exit(status);
+  });
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,572 @@
+// NCCL communicator for CUDA tensors (PyTorch c10d ProcessGroupNCCL's design, simplified):
+//  * every communicator has its own communication stream;
+//  * an operation records an event on the caller's compute stream, makes the communication stream
+//    wait for it, enqueues the NCCL call there and records a completion event;
+//  * Work::wait() makes the compute stream wait for the completion event (cudaStreamWaitEvent):
+//    the host does not block and communication overlaps the compute enqueued in between;
+//  * a watchdog thread per communicator polls the completion events and ncclCommGetAsyncError;
+//    an operation not done within the timeout (or an asynchronous NCCL error) prints a message
+//    naming the operation and the ranks that have not joined it (from the progress every rank
+//    publishes to the TCP store), aborts the communicator (ncclCommAbort) and ends the process
+//    with exit status 1, so the launcher stops the other ranks.
+// Compiled only with the CUDA toolkit (shardtrain_cuda). It uses shardtrain_lib only through
+// header-only code and the Bootstrap interface (comm/comm_support.h).
+#include <cuda_runtime.h>
+#include <fmt/core.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/comm_support.h"
+#include "comm/communicator.h"
+#include "comm/dist_env.h"
+#include "comm/nccl_communicator.h"
+#include "core/error.h"
+
+namespace shardtrain {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw RuntimeFailure(fmt::format("CUDA: {} failed: {}", what, cudaGetErrorString(e)));
+}
+
+void nccl_check(ncclResult_t r, const char* what, ncclComm_t comm = nullptr) {
+  if (r == ncclSuccess) return;
+  const char* detail = ncclGetLastError(comm);
+  throw RuntimeFailure(fmt::format("NCCL: {} failed: {}{}{}", what, ncclGetErrorString(r),
+                                   detail && *detail ? ": " : "", detail ? detail : ""));
+}
+
+const char* type_name(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "fp32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "fp16";
+    case DType::kI32:
+      return "int32";
+    case DType::kU16:
+      return "uint16";
+  }
+  return "?";
+}
+
+/// NCCL element type and count. uint16 (no reductions) travels as bytes.
+std::pair<ncclDataType_t, size_t> nccl_type(const Tensor& t) {
+  const auto n = static_cast<size_t>(t.numel());
+  switch (t.dtype) {
+    case DType::kF32:
+      return {ncclFloat32, n};
+    case DType::kBF16:
+      return {ncclBfloat16, n};
+    case DType::kF16:
+      return {ncclFloat16, n};
+    case DType::kI32:
+      return {ncclInt32, n};
+    case DType::kU16:
+      return {ncclUint8, 2 * n};
+  }
+  return {ncclUint8, t.bytes()};
+}
+
+ncclRedOp_t nccl_op(DType t, ReduceOp op, const char* what) {
+  check<RuntimeFailure>(t != DType::kU16, "{}: cannot reduce uint16 tensors", what);
+  check<RuntimeFailure>(op != ReduceOp::kAvg || t != DType::kI32,
+                        "{}: kAvg needs a floating dtype, got int32", what);
+  switch (op) {
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kAvg:
+      return ncclAvg;
+    case ReduceOp::kMax:
+      return ncclMax;
+  }
+  return ncclSum;
+}
+
+void check_cuda_tensor(const Tensor& t, const char* what) {
+  check<RuntimeFailure>(t.device == DeviceKind::kCUDA,
+                        "{}: the NCCL communicator works on CUDA tensors, got a CPU tensor", what);
+}
+
+/// A completion event with what it completes.
+struct Pending {
+  cudaEvent_t event = nullptr;
+  std::string name;  ///< "all_reduce #17", "send #3 to rank 1"
+  int64_t seq = 0;   ///< collective number, 0 for send/recv
+  int peer = -1;     ///< world rank of the peer of a send/recv
+  Clock::time_point start;
+  ~Pending() {
+    if (event) cudaEventDestroy(event);
+  }
+};
+
+/// Member lists → how many communicators over them this process created (main thread only):
+/// names the progress keys of communicators identically on every member.
+std::map<std::vector<int>, int>& created_counts() {
+  static std::map<std::vector<int>, int> m;
+  return m;
+}
+
+class NcclState {
+ public:
+  NcclState(ncclComm_t comm, std::vector<int> world_ranks, int world_rank, int device,
+            cudaStream_t compute, const CommOptions& options, std::shared_ptr<Bootstrap> bootstrap,
+            bool is_world)
+      : comm_(comm),
+        world_ranks_(std::move(world_ranks)),
+        world_rank_(world_rank),
+        device_(device),
+        compute_(compute ? compute : cudaStreamLegacy),
+        options_(options),
+        bootstrap_(std::move(bootstrap)),
+        fault_(FaultInjection::from_env(world_rank)) {
+    // enqueue() runs on the caller's thread, the watchdog on its own: both are guarded by mutex_
+    // where they share state (pending_, failure_); launched_ and failed_ are atomics.
+    nccl_check(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank", comm_);
+    nccl_check(ncclCommCount(comm_, &size_), "ncclCommCount", comm_);
+    if (!is_world) group_ = " in group " + rank_list(world_ranks_);
+    std::string key;
+    for (int r : world_ranks_) key += std::to_string(r) + ".";
+    key += std::to_string(created_counts()[world_ranks_]++);
+    board_prefix_ = "progress/" + key + "/";
+    cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+    cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    cuda_check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate");
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  NcclState(const NcclState&) = delete;
+  NcclState& operator=(const NcclState&) = delete;
+
+  ~NcclState() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+    bool clean = !failed_.load();
+    for (auto& p : pending_) clean = clean && cudaEventQuery(p->event) == cudaSuccess;
+    pending_.clear();
+    if (comm_aborted_) {
+      // fail() aborted it already
+    } else if (clean) {
+      ncclCommDestroy(comm_);
+    } else {
+      ncclCommAbort(comm_);  // never wait for operations that will not complete
+    }
+    cudaEventDestroy(ready_);
+    cudaStreamDestroy(stream_);
+  }
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int world_rank() const { return world_rank_; }
+  int device() const { return device_; }
+  ncclComm_t comm() const { return comm_; }
+  cudaStream_t compute() const { return compute_; }
+  const std::vector<int>& world_ranks() const { return world_ranks_; }
+  const CommOptions& options() const { return options_; }
+  const std::shared_ptr<Bootstrap>& bootstrap() const { return bootstrap_; }
+  void set_compute(cudaStream_t s) { compute_ = s ? s : cudaStreamLegacy; }
+
+  /// Throws CommTimeoutError when the watchdog found a failure (abort_on_timeout false).
+  void rethrow() const {
+    if (failed_.load()) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      throw CommTimeoutError(failure_);
+    }
+  }
+
+  /// Runs `launch(stream)` (the NCCL call) ordered after the compute stream's work so far and
+  /// returns its completion event. `collective` ops take the next sequence number.
+  std::shared_ptr<Pending> enqueue(const char* op, bool collective, int peer,
+                                   const std::function<ncclResult_t(cudaStream_t)>& launch) {
+    rethrow();
+    auto p = std::make_shared<Pending>();
+    if (collective) {
+      p->seq = launched_.load() + 1;
+      fault_.before_collective(p->seq, op);
+      p->name = fmt::format("{} #{}", op, p->seq);
+    } else {
+      p->name = fmt::format("{} #{} {} rank {}", op, ++p2p_,
+                            std::string(op) == "send" ? "to" : "from", peer);
+      p->peer = peer < 0 ? -1 : world_ranks_[static_cast<size_t>(peer)];
+    }
+    cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+    cuda_check(cudaEventRecord(ready_, compute_), "cudaEventRecord");
+    cuda_check(cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent");
+    nccl_check(launch(stream_), op, comm_);
+    cuda_check(cudaEventCreateWithFlags(&p->event, cudaEventDisableTiming), "cudaEventCreate");
+    cuda_check(cudaEventRecord(p->event, stream_), "cudaEventRecord");
+    p->start = Clock::now();
+    if (collective) launched_.store(p->seq);
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_.push_back(p);
+    return p;
+  }
+
+  /// Blocks the host until `p` completed, with the timeout (barrier()).
+  void host_wait(const Pending& p) {
+    const auto start = Clock::now();
+    for (;;) {
+      rethrow();
+      const cudaError_t e = cudaEventQuery(p.event);
+      if (e == cudaSuccess) return;
+      if (e != cudaErrorNotReady) cuda_check(e, "cudaEventQuery");
+      // The watchdog enforces the deadline (and ends the process); this loop only sleeps.
+      std::this_thread::sleep_for(Clock::now() - start < std::chrono::milliseconds(1)
+                                      ? std::chrono::microseconds(0)
+                                      : std::chrono::microseconds(100));
+    }
+  }
+
+ private:
+  /// The watchdog: every 100 ms drops completed operations, checks the oldest one's age and NCCL's
+  /// asynchronous error, and publishes this rank's progress about once a second.
+  void watch() {
+    cudaSetDevice(device_);
+    std::unique_ptr<ProgressBoard> board;
+    try {
+      if (bootstrap_) board = bootstrap_->connect_board();
+    } catch (const std::exception&) {
+    }
+    int64_t published = -1;
+    auto last_publish = Clock::now() - std::chrono::seconds(10);
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stop_) {
+      cv_.wait_for(lock, std::chrono::milliseconds(100));
+      if (stop_ || failed_.load()) break;
+      while (!pending_.empty() && cudaEventQuery(pending_.front()->event) == cudaSuccess) {
+        if (pending_.front()->seq > 0) completed_ = pending_.front()->seq;
+        pending_.pop_front();
+      }
+      std::string failure;
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &async);
+      std::shared_ptr<Pending> late;
+      if (!pending_.empty() &&
+          std::chrono::duration<double>(Clock::now() - pending_.front()->start).count() >
+              options_.timeout_s)
+        late = pending_.front();
+      const int64_t launched = launched_.load();
+      if (board && launched != published && Clock::now() - last_publish > std::chrono::seconds(1)) {
+        lock.unlock();
+        board->publish(board_prefix_ + std::to_string(world_rank_),
+                       fmt::format("{} {}", launched, completed_));
+        lock.lock();
+        published = launched;
+        last_publish = Clock::now();
+      }
+      if (async != ncclSuccess && async != ncclInProgress) {
+        failure = fmt::format("rank {}: NCCL reported an asynchronous error{}: {}", world_rank_,
+                              group_, ncclGetErrorString(async));
+      } else if (late) {
+        lock.unlock();
+        failure = fmt::format("rank {}: {}{} did not complete within {:g} s: {}", world_rank_,
+                              late->name, group_, options_.timeout_s, laggards(*late, board.get()));
+        lock.lock();
+      }
+      if (!failure.empty()) {
+        fail(failure);
+        break;
+      }
+    }
+  }
+
+  /// Names the ranks that have not joined `p`, from the progress board.
+  std::string laggards(const Pending& p, ProgressBoard* board) {
+    if (board == nullptr)
+      return "a rank that has not joined it is stuck or dead (the ranks that report no timeout "
+             "are the stuck ones)";
+    std::vector<int> silent;
+    std::vector<std::string> behind;
+    std::vector<int> peers;
+    if (p.seq > 0) {
+      for (int w : world_ranks_)
+        if (w != world_rank_) peers.push_back(w);
+    } else if (p.peer >= 0) {
+      peers.push_back(p.peer);
+    }
+    for (int w : peers) {
+      const auto v = board->read(board_prefix_ + std::to_string(w));
+      long long launched = -1, done = -1;
+      if (!v || std::sscanf(v->c_str(), "%lld %lld", &launched, &done) != 2) {
+        silent.push_back(w);
+      } else if (p.seq > 0 && launched < p.seq) {
+        behind.push_back(
+            fmt::format("rank {} has not joined it (its last collective is #{})", w, launched));
+      }
+    }
+    std::string why;
+    if (!silent.empty())
+      why = fmt::format("{} {} not reported progress ({} stuck or dead)", name_ranks(silent),
+                        silent.size() == 1 ? "has" : "have",
+                        silent.size() == 1 ? "it is" : "they are");
+    for (const auto& b : behind) {
+      if (!why.empty()) why += "; ";
+      why += b;
+    }
+    if (why.empty())
+      why = p.seq > 0 ? "every rank has joined it: NCCL is stalled (run with NCCL_DEBUG=WARN)"
+                      : fmt::format("rank {} did not post the matching send/recv", p.peer);
+    return why;
+  }
+
+  /// Called with mutex_ held by the watchdog thread.
+  void fail(const std::string& message) {
+    failure_ = message;
+    failed_.store(true);
+    std::fprintf(stderr, "error: %s\n", message.c_str());
+    std::fflush(stderr);
+    ncclCommAbort(comm_);  // makes NCCL kernels in flight return
+    comm_aborted_ = true;
+    if (options_.abort_on_timeout) std::_Exit(1);
+  }
+
+  ncclComm_t comm_;
+  std::vector<int> world_ranks_;
+  int world_rank_;
+  int device_;
+  int rank_ = 0, size_ = 1;
+  cudaStream_t compute_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t ready_ = nullptr;
+  CommOptions options_;
+  std::shared_ptr<Bootstrap> bootstrap_;
+  FaultInjection fault_;
+  std::string group_;
+  std::string board_prefix_;
+  std::atomic<int64_t> launched_{0};
+  int64_t completed_ = 0;
+  int64_t p2p_ = 0;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Pending>> pending_;
+  bool stop_ = false;
+  std::atomic<bool> failed_{false};
+  bool comm_aborted_ = false;
+  std::string failure_;
+  std::thread watchdog_;
+};
+
+class NcclWork final : public Work {
+ public:
+  NcclWork(std::shared_ptr<NcclState> state, std::shared_ptr<Pending> pending)
+      : state_(std::move(state)), pending_(std::move(pending)) {}
+
+  /// Orders the compute stream after the operation; does not block the host.
+  void wait() override {
+    state_->rethrow();
+    cuda_check(cudaStreamWaitEvent(state_->compute(), pending_->event, 0), "cudaStreamWaitEvent");
+  }
+
+  bool completed() override {
+    state_->rethrow();
+    const cudaError_t e = cudaEventQuery(pending_->event);
+    if (e == cudaErrorNotReady) return false;
+    cuda_check(e, "cudaEventQuery");
+    return true;
+  }
+
+ private:
+  std::shared_ptr<NcclState> state_;
+  std::shared_ptr<Pending> pending_;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  explicit NcclCommunicator(std::shared_ptr<NcclState> state) : st_(std::move(state)) {}
+
+  int rank() const override { return st_->rank(); }
+  int world_size() const override { return st_->size(); }
+  std::string backend_name() const override { return "nccl"; }
+  void set_compute_stream(void* stream) override {
+    st_->set_compute(static_cast<cudaStream_t>(stream));
+  }
+
+  std::unique_ptr<Work> all_reduce(Tensor t, ReduceOp op) override {
+    check_cuda_tensor(t, "all_reduce");
+    const ncclRedOp_t rop = nccl_op(t.dtype, op, "all_reduce");
+    const auto [type, n] = nccl_type(t);
+    return submit("all_reduce", true, -1, [&](cudaStream_t s) {
+      return ncclAllReduce(t.data, t.data, n, type, rop, st_->comm(), s);
+    });
+  }
+
+  std::unique_ptr<Work> reduce_scatter(Tensor output, Tensor input, ReduceOp op) override {
+    check_cuda_tensor(output, "reduce_scatter");
+    check_cuda_tensor(input, "reduce_scatter");
+    check<RuntimeFailure>(
+        output.dtype == input.dtype && input.numel() == output.numel() * st_->size(),
+        "reduce_scatter: input {} {} must hold world size {} × output {} {}",
+        type_name(input.dtype), input.numel(), st_->size(), type_name(output.dtype),
+        output.numel());
+    const ncclRedOp_t rop = nccl_op(input.dtype, op, "reduce_scatter");
+    const auto [type, n] = nccl_type(output);
+    return submit("reduce_scatter", true, -1, [&](cudaStream_t s) {
+      return ncclReduceScatter(input.data, output.data, n, type, rop, st_->comm(), s);
+    });
+  }
+
+  std::unique_ptr<Work> all_gather(Tensor output, Tensor input) override {
+    check_cuda_tensor(output, "all_gather");
+    check_cuda_tensor(input, "all_gather");
+    check<RuntimeFailure>(
+        output.dtype == input.dtype && output.numel() == input.numel() * st_->size(),
+        "all_gather: output {} {} must hold world size {} × input {} {} (every rank contributes "
+        "the same count; pad uneven shards)",
+        type_name(output.dtype), output.numel(), st_->size(), type_name(input.dtype),
+        input.numel());
+    const auto [type, n] = nccl_type(input);
+    return submit("all_gather", true, -1, [&](cudaStream_t s) {
+      return ncclAllGather(input.data, output.data, n, type, st_->comm(), s);
+    });
+  }
+
+  std::unique_ptr<Work> broadcast(Tensor t, int root) override {
+    check_cuda_tensor(t, "broadcast");
+    check<ConfigError>(root >= 0 && root < st_->size(), "broadcast: root {} is outside [0, {})",
+                       root, st_->size());
+    const auto [type, n] = nccl_type(t);
+    return submit("broadcast", true, -1, [&](cudaStream_t s) {
+      return ncclBroadcast(t.data, t.data, n, type, root, st_->comm(), s);
+    });
+  }
+
+  std::unique_ptr<Work> send(Tensor t, int peer) override {
+    check_cuda_tensor(t, "send");
+    check_peer(peer, "send");
+    const auto [type, n] = nccl_type(t);
+    return submit("send", false, peer,
+                  [&](cudaStream_t s) { return ncclSend(t.data, n, type, peer, st_->comm(), s); });
+  }
+
+  std::unique_ptr<Work> recv(Tensor t, int peer) override {
+    check_cuda_tensor(t, "recv");
+    check_peer(peer, "recv");
+    const auto [type, n] = nccl_type(t);
+    return submit("recv", false, peer,
+                  [&](cudaStream_t s) { return ncclRecv(t.data, n, type, peer, st_->comm(), s); });
+  }
+
+  /// NCCL has no barrier: an all_reduce of one int on the device, then the host waits for it.
+  void barrier() override {
+    if (scratch_ == nullptr) {
+      cuda_check(cudaSetDevice(st_->device()), "cudaSetDevice");
+      cuda_check(cudaMalloc(&scratch_, sizeof(int32_t)), "cudaMalloc");
+    }
+    auto p = st_->enqueue("barrier", true, -1, [&](cudaStream_t s) {
+      return ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, st_->comm(), s);
+    });
+    st_->host_wait(*p);
+  }
+
+  std::unique_ptr<Communicator> split(const std::vector<int>& ranks) override {
+    const std::vector<int>& mine = st_->world_ranks();
+    int key = -1;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      check<ConfigError>(std::find(mine.begin(), mine.end(), ranks[i]) != mine.end(),
+                         "split: rank {} is not in this group {}", ranks[i], rank_list(mine));
+      check<ConfigError>(std::count(ranks.begin(), ranks.end(), ranks[i]) == 1,
+                         "split: rank {} appears twice in {}", ranks[i], rank_list(ranks));
+      if (ranks[i] == st_->world_rank()) key = static_cast<int>(i);
+    }
+    check<ConfigError>(key >= 0, "split: rank {} must be in the group it creates, got {}",
+                       st_->world_rank(), rank_list(ranks));
+    const int color = *std::min_element(ranks.begin(), ranks.end());
+    ncclComm_t comm = nullptr;
+    {
+      Watchdog dog(st_->options().timeout_s,
+                   fmt::format("rank {}: split into group {} (ncclCommSplit) did not complete "
+                               "within {:g} s: a rank has not called split() (it is stuck or dead)",
+                               st_->world_rank(), rank_list(ranks), st_->options().timeout_s));
+      nccl_check(ncclCommSplit(st_->comm(), color, key, &comm, nullptr), "ncclCommSplit",
+                 st_->comm());
+    }
+    return std::make_unique<NcclCommunicator>(
+        std::make_shared<NcclState>(comm, ranks, st_->world_rank(), st_->device(), st_->compute(),
+                                    st_->options(), st_->bootstrap(), false));
+  }
+
+  ~NcclCommunicator() override {
+    if (scratch_ != nullptr) cudaFree(scratch_);
+  }
+
+ private:
+  std::unique_ptr<Work> submit(const char* op, bool collective, int peer,
+                               const std::function<ncclResult_t(cudaStream_t)>& launch) {
+    return std::make_unique<NcclWork>(st_, st_->enqueue(op, collective, peer, launch));
+  }
+
+  void check_peer(int peer, const char* what) const {
+    check<ConfigError>(peer >= 0 && peer < st_->size() && peer != st_->rank(),
+                       "{}: peer {} must be another rank of [0, {})", what, peer, st_->size());
+  }
+
+  std::shared_ptr<NcclState> st_;
+  void* scratch_ = nullptr;
+};
+
+}  // namespace
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+std::unique_ptr<Communicator> make_nccl_communicator(const DistributedEnv& env, void* cuda_stream,
+                                                     const CommOptions& options,
+                                                     std::shared_ptr<Bootstrap> bootstrap) {
+  check<ConfigError>(options.timeout_s > 0, "the communication timeout must be > 0 s, got {:g}",
+                     options.timeout_s);
+  // NVLink SHARP (multicast) stays off unless the user chose otherwise.
+  setenv("NCCL_NVLS_ENABLE", "0", 0);
+  const int gpus = cuda_device_count();
+  check<ConfigError>(
+      env.local_rank < gpus,
+      "rank {} is local rank {} on its node and needs GPU {}, but the node has {} "
+      "visible GPU{} (CUDA_VISIBLE_DEVICES={}): start at most {} ranks per node",
+      env.rank, env.local_rank, env.local_rank, gpus, gpus == 1 ? "" : "s",
+      std::getenv("CUDA_VISIBLE_DEVICES") ? std::getenv("CUDA_VISIBLE_DEVICES") : "unset", gpus);
+  cuda_check(cudaSetDevice(env.local_rank), "cudaSetDevice");
+  ncclUniqueId id{};
+  if (env.rank == 0) nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  bootstrap->broadcast(&id, sizeof id, 0);
+  ncclComm_t comm = nullptr;
+  {
+    Watchdog dog(options.timeout_s,
+                 fmt::format("rank {}: ncclCommInitRank did not complete within {:g} s: a rank is "
+                             "stuck or dead (or the network between the nodes is blocked; run "
+                             "with NCCL_DEBUG=WARN)",
+                             env.rank, options.timeout_s));
+    nccl_check(ncclCommInitRank(&comm, env.world_size, id, env.rank), "ncclCommInitRank");
+  }
+  std::vector<int> ranks(static_cast<size_t>(env.world_size));
+  for (int i = 0; i < env.world_size; ++i) ranks[static_cast<size_t>(i)] = i;
+  return std::make_unique<NcclCommunicator>(std::make_shared<NcclState>(
+      comm, std::move(ranks), env.rank, env.local_rank, static_cast<cudaStream_t>(cuda_stream),
+      options, std::move(bootstrap), true));
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,311 @@
+// `shardtrain launch` and multi-rank training as a user meets them, on CPU: ranks get their
+// variables, a failed or killed rank stops the job with a message naming it, a rank that hangs
+// makes the others stop within the communication timeout with a message naming it (under the
+// launcher and under a plain mpirun), and asking for absent GPUs fails clearly. Every test is
+// bounded well under a minute.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace fs = std::filesystem;
+
+#ifndef SHARDTRAIN_MPIEXEC
+#define SHARDTRAIN_MPIEXEC "mpirun"
+#endif
+
+namespace {
+
+struct Result {
+  int status = -1;
+  std::string output;  // stdout and stderr together
+  double seconds = 0;
+};
+
+Result run_shell(const std::string& cmd) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Result r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int st = pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+/// `shardtrain ARGS` with OMP_NUM_THREADS=1 and extra `env` arguments ("-u X A=1 B=2").
+Result run(const std::string& args, const std::string& env = "") {
+  return run_shell("env " + env + " OMP_NUM_THREADS=1 " + SHARDTRAIN_BINARY + " " + args);
+}
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path p =
+      fs::temp_directory_path() / ("shardtrain_launch_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+/// A short CPU training command (gpt2-micro, 3 steps of 2 × 32 tokens) writing under `dir`.
+std::string train_args(const fs::path& dir) {
+  return std::string("train --model gpt2-micro --device cpu --train-file ") +
+         SHARDTRAIN_DEFAULT_DATA_DIR +
+         "/wikitext-2/wiki.valid.tokens --num-samples 64 --max-length 32 --batch-size 2 "
+         "--max-steps 3 --cache-dir " +
+         (dir / "cache").string() + " --output-dir " + (dir / "out").string();
+}
+
+size_t count(const std::string& haystack, const std::string& needle) {
+  size_t n = 0;
+  for (size_t pos = haystack.find(needle); pos != std::string::npos;
+       pos = haystack.find(needle, pos + 1))
+    ++n;
+  return n;
+}
+
+}  // namespace
+
+// ---- the launcher's own process handling (--exec: any program) ---------------------------------
+
+TEST(Launch, RanksGetTheirVariables) {
+  const Result r =
+      run("launch --nproc-per-node 3 --master-port 29777 --comm-timeout 45 --exec -- sh -c 'echo "
+          "\"r=$RANK/$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE n=$GROUP_RANK "
+          "m=$MASTER_ADDR:$MASTER_PORT t=$SHARDTRAIN_COMM_TIMEOUT\"'",
+          "-u NCCL_NVLS_ENABLE");
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (int i = 0; i < 3; ++i)
+    EXPECT_NE(r.output.find("r=" + std::to_string(i) + "/3 l=" + std::to_string(i) +
+                            "/3 n=0 m=127.0.0.1:29777 t=45"),
+              std::string::npos)
+        << r.output;
+  const Result nvls =
+      run("launch --exec -- sh -c 'echo nvls=$NCCL_NVLS_ENABLE'", "-u NCCL_NVLS_ENABLE");
+  EXPECT_NE(nvls.output.find("nvls=0"), std::string::npos) << nvls.output;
+}
+
+TEST(Launch, SecondNodeOfTwo) {
+  const Result r = run(
+      "launch --nproc-per-node 2 --nnodes 2 --node-rank 1 --master-addr 10.1.2.3 --exec -- sh -c "
+      "'echo r=$RANK/$WORLD_SIZE l=$LOCAL_RANK n=$GROUP_RANK m=$MASTER_ADDR'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("r=2/4 l=0 n=1 m=10.1.2.3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("r=3/4 l=1 n=1 m=10.1.2.3"), std::string::npos) << r.output;
+  const Result no_master = run("launch --nnodes 2 --exec -- true");
+  EXPECT_EQ(no_master.status, 2) << no_master.output;
+  EXPECT_NE(no_master.output.find("--nnodes 2 needs --master-addr"), std::string::npos)
+      << no_master.output;
+}
+
+TEST(Launch, FailedRankStopsTheOthers) {
+  const Result r = run(
+      "launch --nproc-per-node 4 --exec -- sh -c 'if [ \"$RANK\" = 3 ]; then sleep 0.5; exit 7; "
+      "fi; exec sleep 60'");
+  EXPECT_EQ(r.status, 7) << r.output;
+  EXPECT_NE(r.output.find("error: rank 3 (pid "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(") exited with status 7; stopped the other 3 ranks"), std::string::npos)
+      << r.output;
+  EXPECT_LT(r.seconds, 15) << r.output;
+}
+
+TEST(Launch, KilledRankStopsTheOthers) {
+  const Result r = run(
+      "launch --nproc-per-node 2 --exec -- sh -c 'if [ \"$RANK\" = 1 ]; then sleep 0.5; kill -9 "
+      "$$; fi; exec sleep 60'");
+  EXPECT_EQ(r.status, 128 + 9) << r.output;
+  EXPECT_NE(r.output.find("error: rank 1 (pid "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("was killed by signal 9"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("stopped the other 1 rank"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 15) << r.output;
+}
+
+TEST(Launch, RankIgnoringSigtermIsKilledAfterTheGrace) {
+  const Result r =
+      run("launch --nproc-per-node 2 --stop-grace 1 --exec -- sh -c 'if [ \"$RANK\" = 0 ]; then "
+          "sleep 0.5; exit 1; fi; trap \"\" TERM; while true; do sleep 0.1; done'");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("error: rank 0 (pid "), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 15) << r.output;
+}
+
+TEST(Launch, SignalsAreForwardedToTheRanks) {
+  const Result r =
+      run_shell(std::string("timeout --preserve-status -s TERM 1 env OMP_NUM_THREADS=1 ") +
+                SHARDTRAIN_BINARY + " launch --nproc-per-node 2 --exec -- sleep 60");
+  EXPECT_EQ(r.status, 128 + 15) << r.output;
+  EXPECT_NE(r.output.find("launch was interrupted by signal 15"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("stopped 2 ranks"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 15) << r.output;
+}
+
+TEST(Launch, NodeLaunchStopsWhenItsSshSessionEnds) {
+  // A --hostfile launch watches the stdin of each node's launch: EOF means the session is gone.
+  const Result r = run_shell(std::string("sleep 0.5 | env OMP_NUM_THREADS=1 ") + SHARDTRAIN_BINARY +
+                             " launch --watch-stdin --nproc-per-node 2 --exec -- sleep 60");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("the node that started this launch went away"), std::string::npos)
+      << r.output;
+  EXPECT_LT(r.seconds, 15) << r.output;
+}
+
+TEST(Launch, HostfileStartsOneLaunchPerHost) {
+  const fs::path dir = temp_dir("hostfile");
+  {
+    std::ofstream f(dir / "hosts");
+    f << "# both are this machine, so no ssh is needed\nlocalhost slots=2\n127.0.0.1 slots=1\n";
+  }
+  const Result r = run("launch --hostfile " + (dir / "hosts").string() +
+                       " --exec -- sh -c 'echo r=$RANK/$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE "
+                       "n=$GROUP_RANK'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("r=0/3 l=0/2 n=0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("r=1/3 l=1/2 n=0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("r=2/3 l=0/1 n=1"), std::string::npos) << r.output;
+
+  // A failing rank on the second host stops the first host's launch too.
+  const Result f = run("launch --hostfile " + (dir / "hosts").string() +
+                       " --exec -- sh -c 'if [ \"$RANK\" = 2 ]; then sleep 0.5; exit 4; fi; exec "
+                       "sleep 60'");
+  EXPECT_EQ(f.status, 4) << f.output;
+  EXPECT_NE(f.output.find("error: rank 2 (pid "), std::string::npos) << f.output;
+  EXPECT_NE(f.output.find("error: node 1 (127.0.0.1) (pid "), std::string::npos) << f.output;
+  EXPECT_NE(f.output.find("stopped the other 1 node"), std::string::npos) << f.output;
+  EXPECT_LT(f.seconds, 20) << f.output;
+
+  {
+    std::ofstream bad(dir / "bad");
+    bad << "localhost slots=2\nnode7 slots:4\n";
+  }
+  const Result b = run("launch --hostfile " + (dir / "bad").string() + " --exec -- true");
+  EXPECT_EQ(b.status, 2) << b.output;
+  EXPECT_NE(b.output.find("line 2: 'node7 slots:4'"), std::string::npos) << b.output;
+  fs::remove_all(dir);
+}
+
+TEST(Launch, DryRunShowsMpirunForCpuJobs) {
+  const Result r = run("launch --nproc-per-node 2 --dry-run -- train --device cpu --max-steps 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("mpirun"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--bind-to none"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("-np 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("train --device cpu --max-steps 1"), std::string::npos) << r.output;
+}
+
+TEST(Launch, BadRequestsFailClearly) {
+  Result r = run("launch --nproc-per-node 2");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("nothing to launch"), std::string::npos) << r.output;
+  // This machine has no GPU (or fewer than 4096): asking for them names both counts.
+  r = run("launch --nproc-per-node 4096 -- train --device cuda");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--nproc-per-node 4096 asks for 4096 GPUs but this node has"),
+            std::string::npos)
+      << r.output;
+  r = run("launch --node-rank 2 --nnodes 2 --master-addr h --exec -- true");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--node-rank 2 must be below --nnodes 2"), std::string::npos) << r.output;
+  r = run("launch --nnodes 2 --node-rank 0 --master-addr h -- train --device cpu");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--hostfile"), std::string::npos) << r.output;
+}
+
+// ---- CPU training with several ranks ---------------------------------------------------------
+
+TEST(LaunchTrain, TwoRanksTrainThroughMpirun) {
+  const fs::path dir = temp_dir("train2");
+  const Result r = run("launch --nproc-per-node 2 -- " + train_args(dir));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("× 2 ranks"), std::string::npos) << r.output;
+  EXPECT_EQ(count(r.output, "done | 3 steps"), 1u) << "only rank 0 prints\n" << r.output;
+  EXPECT_TRUE(fs::exists(dir / "out" / "checkpoint-000003" / "model.safetensors"));
+  fs::remove_all(dir);
+}
+
+TEST(LaunchTrain, RanksWithoutMpiFailClearly) {
+  const fs::path dir = temp_dir("nompi");
+  // Variables as torchrun sets them, but no mpirun behind them: CPU ranks need MPI.
+  const Result r = run(train_args(dir), "RANK=0 WORLD_SIZE=2 LOCAL_RANK=0");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("error: rank 0: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("CPU ranks communicate through MPI"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
+// ---- failures: (a) a rank hangs, (b) a rank exits or dies -----------------------------------
+
+TEST(LaunchFailure, HangingRankIsNamedUnderTheLauncher) {
+  const fs::path dir = temp_dir("hang_launch");
+  const Result r = run("launch --nproc-per-node 2 --comm-timeout 3 -- " + train_args(dir),
+                       "SHARDTRAIN_TEST_HANG_RANK=1");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("error: rank 0: all_reduce #1 did not complete within 3 s: rank 1 has "
+                          "not joined it (it is stuck or dead)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("error: the job failed"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
+  fs::remove_all(dir);
+}
+
+TEST(LaunchFailure, HangingRankIsNamedUnderMpirun) {
+  const fs::path dir = temp_dir("hang_mpirun");
+  const Result r =
+      run_shell(std::string("env OMP_NUM_THREADS=1 SHARDTRAIN_TEST_HANG_RANK=0 ") +
+                SHARDTRAIN_MPIEXEC + " --oversubscribe --allow-run-as-root --bind-to none -np 3 " +
+                SHARDTRAIN_BINARY + " " + train_args(dir) + " --comm-timeout 3");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("did not complete within 3 s: rank 0 has not joined it (it is stuck or "
+                          "dead)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
+  fs::remove_all(dir);
+}
+
+TEST(LaunchFailure, ExitingRankStopsTheJobUnderTheLauncher) {
+  const fs::path dir = temp_dir("exit_launch");
+  const Result r =
+      run("launch --nproc-per-node 2 -- " + train_args(dir), "SHARDTRAIN_TEST_EXIT_RANK=1");
+  EXPECT_EQ(r.status, 3) << r.output;
+  // mpirun names the process by its rank: "Process name: [[job,1],1]", exit code 3.
+  EXPECT_NE(r.output.find(",1],1]"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("error: the job failed (mpirun exited with status 3)"), std::string::npos)
+      << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
+  fs::remove_all(dir);
+}
+
+TEST(LaunchFailure, KilledRankStopsTheJobUnderMpirun) {
+  const fs::path dir = temp_dir("kill_mpirun");
+  const Result r =
+      run_shell(std::string("env OMP_NUM_THREADS=1 SHARDTRAIN_TEST_KILL_RANK=1 ") +
+                SHARDTRAIN_MPIEXEC + " --oversubscribe --allow-run-as-root --bind-to none -np 2 " +
+                SHARDTRAIN_BINARY + " " + train_args(dir));
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("process rank 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("signal 9"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
+  fs::remove_all(dir);
+}
+
+TEST(LaunchFailure, RankErrorsNameTheRank) {
+  const fs::path dir = temp_dir("rank_error");
+  // A missing data file fails on every rank, each naming itself; the job stops.
+  std::string args = train_args(dir);
+  args.replace(args.find("--train-file ") + 13, 0, "/nonexistent");
+  const Result r = run("launch --nproc-per-node 2 -- " + args);
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("error: rank "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("/nonexistent"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
+  fs::remove_all(dir);
+}
