@@ -158,13 +158,29 @@ TEST(ZeroStages, StrategyForZero) {
 
 TEST_F(ConfigTest, StrategyFlagAliasesResolve) {
   EXPECT_EQ(finalize({"--strategy", "ddp"}).strategy, StrategyKind::kDataParallel);
-  const std::string msg = config_error([&] { finalize({"--strategy", "fsdp_stage2"}); });
-  EXPECT_CONTAINS(msg, "strategy 'zero2'");
-  EXPECT_CONTAINS(msg, "fsdp_stage2");
+  EXPECT_EQ(finalize({"--strategy", "fsdp_stage2"}).strategy, StrategyKind::kZero2);
+  const std::string msg = config_error([&] { finalize({"--strategy", "fsdp_stage3"}); });
+  EXPECT_CONTAINS(msg, "strategy 'zero3'");
+  EXPECT_CONTAINS(msg, "fsdp_stage3");
+}
+
+TEST_F(ConfigTest, ZeroStagesOneAndTwoAreAvailable) {
+  TrainConfig cfg = finalize({"--strategy", "zero1"});
+  EXPECT_EQ(cfg.strategy, StrategyKind::kZero1);
+  EXPECT_EQ(cfg.zero.stage, 1);
+  cfg = finalize({"--strategy", "zero2"});
+  EXPECT_EQ(cfg.strategy, StrategyKind::kZero2);
+  EXPECT_EQ(cfg.zero.stage, 2);
+  EXPECT_EQ(finalize({"--zero-stage", "1"}).strategy, StrategyKind::kZero1);
+  EXPECT_EQ(finalize({"--zero-stage", "2"}).strategy, StrategyKind::kZero2);
+  const std::string path = write("zero2.json", R"({"zero_optimization": {"stage": 2}})");
+  cfg = finalize({"--deepspeed-config", path});
+  EXPECT_EQ(cfg.strategy, StrategyKind::kZero2);
+  EXPECT_EQ(cfg.zero.stage, 2);
 }
 
 TEST_F(ConfigTest, OtherStrategiesAreNotAvailableYet) {
-  for (const char* s : {"zero1", "zero2", "zero3", "offload", "infinity", "pipeline"}) {
+  for (const char* s : {"zero3", "offload", "infinity", "pipeline"}) {
     const std::string msg = config_error([&] { finalize({"--strategy", s}); });
     EXPECT_CONTAINS(msg, fmt::format("strategy '{}'", s));
     EXPECT_CONTAINS(msg, "not available yet in this release");
@@ -198,9 +214,9 @@ TEST_F(ConfigTest, UnknownStrategyFlagFailsWhileParsing) {
 }
 
 TEST_F(ConfigTest, JsonZeroStageNotAvailableYet) {
-  const std::string path = write("zero2.json", R"({"zero_optimization": {"stage": 2}})");
+  const std::string path = write("zero3.json", R"({"zero_optimization": {"stage": 3}})");
   const std::string msg = config_error([&] { finalize({"--deepspeed-config", path}); });
-  EXPECT_CONTAINS(msg, "zero_optimization.stage 2");
+  EXPECT_CONTAINS(msg, "zero_optimization.stage 3");
   EXPECT_CONTAINS(msg, path);
   EXPECT_CONTAINS(msg, "not available yet");
   EXPECT_CONTAINS(msg, "\"stage\": 0");
@@ -748,7 +764,9 @@ TEST_F(ConfigTest, ValidateChecksEveryField) {
          c.strategy_name = "zero3";
        },
        {"strategy 'zero3'", "not available yet", "--strategy dp"}},
-      {[](TrainConfig& c) { c.zero.stage = 1; }, {"ZeRO stage 1", "not available yet"}},
+      {[](TrainConfig& c) { c.zero.stage = 3; }, {"ZeRO stage 3", "not available yet"}},
+      {[](TrainConfig& c) { c.zero.stage = 1; },
+       {"ZeRO stage 1", "contradicts strategy 'dp'", "pick strategy 'zero1'"}},
       {[](TrainConfig& c) { c.zero.offload_param_device = "cpu"; },
        {"offload_param.device \"cpu\"", "not available yet"}},
       {[](TrainConfig& c) { c.loss_scale.hysteresis = 0; }, {"fp16.hysteresis 0"}},

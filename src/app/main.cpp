@@ -41,6 +41,9 @@ int main(int argc, char** argv) {
   shardtrain::register_train_command(app);
   shardtrain::register_tokenize_command(app);
   shardtrain::register_generate_command(app);
+  shardtrain::register_launch_command(app);
+  shardtrain::register_export_command(app);
+  shardtrain::register_estimate_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -981,38 +981,51 @@ json parse_json_file(const std::string& path) {
 
 // ---- validation helpers ---------------------------------------------------------------------
 
+bool strategy_available(StrategyKind s) {
+  return s == StrategyKind::kDataParallel || s == StrategyKind::kZero1 || s == StrategyKind::kZero2;
+}
+
 void check_strategy(const TrainConfig& c) {
   const std::string file = c.deepspeed_config.empty() ? std::string("the DeepSpeed config")
                                                       : fmt::format("'{}'", c.deepspeed_config);
   const bool any_offload =
       c.zero.offload_optimizer_device != "none" || c.zero.offload_param_device != "none";
-  if (c.strategy != StrategyKind::kDataParallel) {
+  if (!strategy_available(c.strategy)) {
     const std::string canonical = to_string(c.strategy);
     if (c.strategy_source == "deepspeed") {
       throw ConfigError(fmt::format(
           "zero_optimization.stage {} in {} selects strategy '{}' ({}), which is not available "
-          "yet in this release: only data parallelism (strategy 'dp', ZeRO stage 0) is "
-          "implemented; set \"stage\": 0{} in {}",
+          "yet in this release: only data parallelism and ZeRO stages 1 and 2 (strategies 'dp', "
+          "'zero1', 'zero2') are implemented; set \"stage\": 0, 1 or 2{} in {}",
           c.zero.stage, file, canonical, describe(c.strategy),
           any_offload ? " and the offload devices to \"none\"" : "", file));
     }
     if (c.strategy_source == "--zero-stage") {
       throw ConfigError(fmt::format(
           "--zero-stage {} selects strategy '{}' ({}), which is not available yet in this "
-          "release: only data parallelism is implemented; use --zero-stage 0 (or --strategy dp)",
+          "release: only data parallelism and ZeRO stages 1 and 2 are implemented; use "
+          "--zero-stage 0, 1 or 2 (or --strategy dp, zero1 or zero2)",
           c.zero.stage, canonical, describe(c.strategy)));
     }
     const std::string given = c.strategy_name.empty() ? canonical : c.strategy_name;
     throw ConfigError(fmt::format(
         "--strategy {}: strategy '{}' ({}) is not available yet in this release: only data "
-        "parallelism is implemented; use --strategy dp",
+        "parallelism and ZeRO stages 1 and 2 are implemented; use --strategy dp, zero1 or zero2",
         given, canonical, describe(c.strategy)));
   }
-  if (c.zero.stage != 0) {
+  if (c.zero.stage < 0 || c.zero.stage > 2) {
     throw ConfigError(fmt::format(
         "ZeRO stage {} (--zero-stage / zero_optimization.stage) is not available yet in this "
-        "release: only stage 0 (data parallelism, --strategy dp) is implemented; use stage 0",
+        "release: only stages 0 (--strategy dp), 1 (zero1) and 2 (zero2) are implemented; use "
+        "stage 0, 1 or 2",
         c.zero.stage));
+  }
+  if (c.zero.stage != zero_stage_of(c.strategy)) {
+    throw ConfigError(fmt::format(
+        "ZeRO stage {} (--zero-stage / zero_optimization.stage) contradicts strategy '{}', which "
+        "runs at ZeRO stage {}: set the stage to {} or pick strategy '{}'",
+        c.zero.stage, to_string(c.strategy), zero_stage_of(c.strategy), zero_stage_of(c.strategy),
+        to_string(strategy_for_zero(c.zero.stage))));
   }
   if (c.zero.offload_optimizer_device != "none") {
     throw ConfigError(fmt::format(
@@ -1184,7 +1197,7 @@ StrategyKind parse_strategy(const std::string& name) {
   std::string hint;
   if (auto best = closest_match(key, names)) hint = fmt::format(": did you mean '{}'?", *best);
   throw ConfigError(
-      fmt::format("unknown strategy '{}'{} Valid strategies: {} (only dp is "
+      fmt::format("unknown strategy '{}'{} Valid strategies: {} (dp, zero1 and zero2 are "
                   "available in this release)",
                   name, hint.empty() ? "." : hint, kValidStrategies));
 }

@@ -7,7 +7,9 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "parallel/buckets.h"
 #include "parallel/strategy.h"
+#include "parallel/zero.h"
 
 namespace shardtrain {
 namespace {
@@ -39,21 +41,22 @@ class DataParallel final : public Strategy {
         AdamWHyper{cfg_.beta1, cfg_.beta2, cfg_.adam_eps, cfg_.weight_decay});
     model.bind(params_.view(), grads_.view());
     model.set_hooks(this);
-    build_buckets(layout);
+    buckets_ = build_grad_buckets(layout, cfg_.zero.reduce_bucket_size);
+    readiness_ = BucketReadiness(buckets_, model.num_layers());
   }
 
   void zero_grad() override { backend_.fill_zero(grads_.view()); }
 
   void begin_micro_step(int64_t index, int64_t count) override {
     last_micro_ = index + 1 == count;
-    if (last_micro_) std::fill(layers_done_.begin(), layers_done_.end(), 0);
+    if (last_micro_) readiness_.reset();
   }
 
   void after_backward(int layer) override {
     if (!last_micro_ || comm_.world_size() == 1) return;
-    const int b = bucket_of_layer_[static_cast<size_t>(layer)];
-    if (++layers_done_[static_cast<size_t>(b)] == buckets_[static_cast<size_t>(b)].layers) {
-      const Bucket& bk = buckets_[static_cast<size_t>(b)];
+    const int b = readiness_.layer_done(layer);
+    if (b >= 0) {
+      const GradBucket& bk = buckets_[static_cast<size_t>(b)];
       pending_.push_back(comm_.all_reduce(grads_.slice(bk.offset, bk.numel), ReduceOp::kSum));
     }
   }
@@ -104,39 +107,15 @@ class DataParallel final : public Strategy {
   }
 
  private:
-  struct Bucket {
-    int64_t offset = 0, numel = 0;
-    int layers = 0;
-  };
-
-  // Buckets of consecutive layers, filled from the last layer backwards (backward order), each
-  // up to zero.reduce_bucket_size elements (a larger single layer forms its own bucket).
-  void build_buckets(const ParamLayout& layout) {
-    const auto& layers = layout.layers();
-    bucket_of_layer_.assign(layers.size(), 0);
-    buckets_.clear();
-    for (int i = static_cast<int>(layers.size()) - 1; i >= 0; --i) {
-      const LayerRange& l = layers[static_cast<size_t>(i)];
-      if (buckets_.empty() || buckets_.back().numel + l.numel > cfg_.zero.reduce_bucket_size) {
-        buckets_.push_back({l.offset, 0, 0});
-      }
-      Bucket& b = buckets_.back();
-      b.offset = l.offset;
-      b.numel += l.numel;
-      b.layers += 1;
-      bucket_of_layer_[static_cast<size_t>(i)] = static_cast<int>(buckets_.size()) - 1;
-    }
-    layers_done_.assign(buckets_.size(), 0);
-  }
-
   TrainConfig cfg_;
   Backend& backend_;
   Communicator& comm_;
   GPT2Model* model_ = nullptr;
   FlatBuffer params_, grads_, master_;
   std::unique_ptr<AdamW> optimizer_;
-  std::vector<Bucket> buckets_;
-  std::vector<int> bucket_of_layer_, layers_done_;
+  // Buckets of whole layers up to zero.reduce_bucket_size elements (parallel/buckets.h).
+  std::vector<GradBucket> buckets_;
+  BucketReadiness readiness_;
   std::vector<std::unique_ptr<Work>> pending_;
   bool last_micro_ = true;
 };
@@ -148,10 +127,13 @@ std::unique_ptr<Strategy> make_strategy(const TrainConfig& cfg, Backend& backend
   switch (cfg.strategy) {
     case StrategyKind::kDataParallel:
       return std::make_unique<DataParallel>(cfg, backend, comm);
+    case StrategyKind::kZero1:
+    case StrategyKind::kZero2:
+      return make_zero_strategy(cfg, backend, comm);
     default:
-      throw ConfigError(
-          fmt::format("strategy '{}' is not available yet in this release: use --strategy dp",
-                      to_string(cfg.strategy)));
+      throw ConfigError(fmt::format(
+          "strategy '{}' is not available yet in this release: use --strategy dp, zero1 or zero2",
+          to_string(cfg.strategy)));
   }
 }
 

@@ -4,8 +4,8 @@
 // parameters before it runs) and performs the optimizer step on what its rank owns. The model
 // never knows which strategy runs it (torchtitan's habit: parallelism applied to a plain model).
 //
-// Strategies: dp (this file's DataParallel); zero1/zero2/zero3, offload and pipeline arrive in
-// later releases behind the same interface.
+// Strategies: dp (parallel/data_parallel.cpp), zero1 and zero2 (parallel/zero.cpp); zero3,
+// offload and pipeline arrive in later releases behind the same interface.
 #pragma once
 
 #include <cstdint>

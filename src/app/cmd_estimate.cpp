@@ -1,0 +1,48 @@
+// `shardtrain estimate`: GPU memory per rank of a model under dp, zero1 and zero2, from the ZeRO
+// paper's model-state formulas and the activations GPT2Model allocates
+// (parallel/memory_estimator.h).
+#include <fmt/core.h>
+
+#include <memory>
+#include <string>
+
+#include "app/commands.h"
+#include "model/gpt2_config.h"
+#include "parallel/memory_estimator.h"
+
+namespace shardtrain {
+namespace {
+
+struct EstimateFlags {
+  std::string model = "gpt2";
+  MemoryEstimateOptions options;  ///< everything but the model
+};
+
+void run_estimate(const EstimateFlags& f) {
+  MemoryEstimateOptions o = f.options;
+  o.model = gpt2_preset(f.model);
+  fmt::print("{}", format_memory_estimate(estimate_memory(o), o));
+}
+
+}  // namespace
+
+void register_estimate_command(CLI::App& app) {
+  auto f = std::make_shared<EstimateFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "estimate", "estimate GPU memory per rank for dp, zero1 and zero2 (ZeRO paper formulas)");
+  cmd->add_option("--model", f->model, fmt::format("model preset (default {})", f->model));
+  MemoryEstimateOptions& o = f->options;
+  cmd->add_option("--gpus", o.gpus, "data-parallel GPUs N (default 1)");
+  cmd->add_option("--micro-batch", o.micro_batch,
+                  fmt::format("sequences per GPU per micro-step (default {})", o.micro_batch));
+  cmd->add_option("--max-length", o.max_length,
+                  fmt::format("tokens per sequence (default {})", o.max_length));
+  cmd->add_flag("--activation-checkpointing", o.activation_checkpointing,
+                "recompute block activations in backward (keeps one block's set)");
+  cmd->add_option("--reduce-bucket-size", o.reduce_bucket_size,
+                  fmt::format("zero_optimization.reduce_bucket_size in elements (default {})",
+                              o.reduce_bucket_size));
+  cmd->callback([f]() { run_estimate(*f); });
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,175 @@
+#include "parallel/memory_estimator.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "core/strings.h"
+#include "model/gpt2.h"
+#include "parallel/buckets.h"
+
+namespace shardtrain {
+namespace {
+
+constexpr double kBf16 = 2, kF32 = 4, kI32 = 4;
+
+/// The model's flat layout (GPT2Model allocates nothing until it runs, so a CPU backend serves).
+ParamLayout layout_of(const GPT2Config& c) {
+  auto backend = make_cpu_backend();
+  GPT2Model model(c, *backend);
+  return model.layout();
+}
+
+std::string describe_unavailable(StrategyKind s) {
+  switch (s) {
+    case StrategyKind::kZero3:
+      return "ZeRO stage 3: parameters partitioned too, 16Ψ/N model states";
+    case StrategyKind::kOffload:
+      return "ZeRO-Offload: optimizer state in CPU memory";
+    case StrategyKind::kInfinity:
+      return "ZeRO-Infinity: stage 3 with CPU/NVMe offload";
+    default:
+      return to_string(s);
+  }
+}
+
+}  // namespace
+
+double zero_model_state_bytes(StrategyKind s, int64_t psi, int gpus) {
+  check<ConfigError>(gpus >= 1, "--gpus {} is not valid: use 1 or more", gpus);
+  const double P = static_cast<double>(psi), N = gpus;
+  switch (s) {
+    case StrategyKind::kDataParallel:
+      return 16 * P;  // 2Ψ bf16 params + 2Ψ bf16 grads + 12Ψ fp32 master/m/v
+    case StrategyKind::kZero1:
+      return 4 * P + 12 * P / N;  // P_os
+    case StrategyKind::kZero2:
+      return 2 * P + 14 * P / N;  // P_os+g
+    default:
+      throw ConfigError(
+          fmt::format("no memory model for strategy '{}' in this release", to_string(s)));
+  }
+}
+
+ActivationEstimate estimate_activations(const GPT2Config& c, int64_t micro_batch,
+                                        int64_t max_length, bool activation_checkpointing,
+                                        int compute_bytes) {
+  const double dt = compute_bytes;  // the compute dtype (bf16 on the CUDA backend)
+  const double B = static_cast<double>(micro_batch), T = static_cast<double>(max_length);
+  const double N = B * T, C = c.n_embd, V = c.vocab_size, NH = c.n_head, L = c.n_layer;
+  ActivationEstimate a;
+  // BlockActivations (model/gpt2.cpp): ln1, atty, x2, ln2 [N,C]; qkv [N,3C]; fch, fch_gelu [N,4C]
+  // in bf16; attention probabilities [B,NH,T,T] in bf16; ln1/ln2 mean and rstd [N] in fp32.
+  const double per_block = dt * (15 * N * C + B * NH * T * T) + kF32 * 4 * N;
+  a.blocks = (activation_checkpointing ? 1 : L) * per_block;
+  // residual_[1..L+2] (the inputs of layers 1..L+1 and the head's unused output) and dresid.
+  a.residual = dt * (L + 3) * N * C;
+  // HeadLayer: lnf [N,C], logits [N,V] (bf16), mean/rstd [N] (fp32).
+  a.head = dt * (N * C + N * V) + kF32 * 2 * N;
+  // BlockScratch tmp [N,C], d4c [N,4C], dc [N,C], dqkv [N,3C]; the head's dlnf [N,C].
+  a.scratch = dt * 10 * N * C;
+  a.io = 2 * kI32 * N + kF32 * N;
+  return a;
+}
+
+double gradient_bucket_bytes(StrategyKind s, const GPT2Config& model, int gpus,
+                             int64_t reduce_bucket_size) {
+  if (s != StrategyKind::kZero2) return 0;
+  const ParamLayout layout = layout_of(model);
+  const auto buckets = build_grad_buckets(layout, reduce_bucket_size, {0});
+  int64_t embed = 0, max_regular = 0;
+  int regular = 0;
+  for (const GradBucket& b : buckets) {
+    const int64_t padded = zero_padded_numel(b.numel, gpus);
+    if (b.first_layer == 0) {
+      embed = padded;
+    } else {
+      max_regular = std::max(max_regular, padded);
+      ++regular;
+    }
+  }
+  return kBf16 * static_cast<double>(embed + std::min(2, regular) * max_regular);
+}
+
+MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
+  check<ConfigError>(o.gpus >= 1, "--gpus {} is not valid: use 1 or more", o.gpus);
+  check<ConfigError>(o.micro_batch >= 1, "--micro-batch {} is not valid: use 1 or more",
+                     o.micro_batch);
+  check<ConfigError>(o.max_length >= 1 && o.max_length <= o.model.n_positions,
+                     "--max-length {} is not valid for model '{}': use 1 to {} (its context)",
+                     o.max_length, o.model.name, o.model.n_positions);
+  check<ConfigError>(o.reduce_bucket_size >= 1,
+                     "--reduce-bucket-size {} is not valid: use 1 or more elements",
+                     o.reduce_bucket_size);
+  MemoryEstimate e;
+  e.parameters = o.model.num_parameters();
+  e.activations =
+      estimate_activations(o.model, o.micro_batch, o.max_length, o.activation_checkpointing);
+  const std::pair<StrategyKind, const char*> available[] = {{StrategyKind::kDataParallel, "16Ψ"},
+                                                            {StrategyKind::kZero1, "4Ψ + 12Ψ/N"},
+                                                            {StrategyKind::kZero2, "2Ψ + 14Ψ/N"}};
+  for (const auto& [kind, formula] : available) {
+    StrategyEstimate s;
+    s.strategy = kind;
+    s.formula = formula;
+    s.model_states = zero_model_state_bytes(kind, e.parameters, o.gpus);
+    s.activations = e.activations.total();
+    s.buffers = gradient_bucket_bytes(kind, o.model, o.gpus, o.reduce_bucket_size) +
+                kCublasWorkspaceBytes + kCudaContextBytes;
+    e.strategies.push_back(s);
+  }
+  for (StrategyKind kind :
+       {StrategyKind::kZero3, StrategyKind::kOffload, StrategyKind::kInfinity}) {
+    StrategyEstimate s;
+    s.strategy = kind;
+    s.available = false;
+    e.strategies.push_back(s);
+  }
+  return e;
+}
+
+std::string format_memory_estimate(const MemoryEstimate& e, const MemoryEstimateOptions& o) {
+  const auto gib = [](double bytes) { return human_bytes(bytes); };
+  std::string out = fmt::format(
+      "Estimated GPU memory per rank: {} ({} parameters = Ψ) on {} GPU{} (N), micro-batch {} × "
+      "{} tokens, activation checkpointing {}\n\n",
+      o.model.name, with_commas(e.parameters), o.gpus, o.gpus == 1 ? "" : "s", o.micro_batch,
+      o.max_length, o.activation_checkpointing ? "on" : "off");
+  out += fmt::format("{:<9} {:>12} {:>12} {:>12} {:>12}   {}\n", "strategy", "model states",
+                     "activations", "buffers", "total", "model states formula");
+  for (const StrategyEstimate& s : e.strategies) {
+    if (!s.available) {
+      out += fmt::format("{:<9} not available yet in this release ({})\n", to_string(s.strategy),
+                         describe_unavailable(s.strategy));
+      continue;
+    }
+    out += fmt::format("{:<9} {:>12} {:>12} {:>12} {:>12}   {}\n", to_string(s.strategy),
+                       gib(s.model_states), gib(s.activations), gib(s.buffers), gib(s.total()),
+                       s.formula);
+  }
+  const ActivationEstimate& a = e.activations;
+  out += fmt::format(
+      "\nmodel states: ZeRO paper (arXiv 1910.02054) §5 for mixed-precision AdamW: bf16 "
+      "parameters and\n  gradients (2 + 2 bytes per parameter), fp32 master weights, m and v "
+      "(K = 12 bytes); zero1 partitions\n  the optimizer state over the N GPUs, zero2 the "
+      "gradients too\n");
+  out += fmt::format(
+      "activations (as GPT2Model allocates them on the CUDA backend, bf16): blocks {} ({}),\n  "
+      "residual stream {}, head {} (logits [B·T, V]), backward scratch {}, tokens/losses {}\n",
+      gib(a.blocks),
+      o.activation_checkpointing
+          ? "one recomputed set: activation checkpointing"
+          : fmt::format("{} × {}", o.model.n_layer, gib(a.blocks / o.model.n_layer)),
+      gib(a.residual), gib(a.head), gib(a.scratch), gib(a.io));
+  out += fmt::format(
+      "buffers: CUDA context ~{} (an assumption: it varies with the driver and GPU), cuBLASLt "
+      "workspace {},\n  and for zero2 the gradient bucket buffers (reduce_bucket_size {} "
+      "elements): the embedding's\n  bucket plus one or two transient buckets\n",
+      gib(kCudaContextBytes), gib(kCublasWorkspaceBytes), with_commas(o.reduce_bucket_size));
+  out += "not counted: NCCL buffers, allocator rounding and fragmentation, checkpoint copies\n";
+  return out;
+}
+
+}  // namespace shardtrain

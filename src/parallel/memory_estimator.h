@@ -1,0 +1,94 @@
+// Memory estimator: GPU memory per rank for a GPT-2 model under each strategy, before running it
+// (`shardtrain estimate`).
+//
+// Three terms, in bytes per GPU:
+//  * model states: parameters, gradients and AdamW state by the formulas of the ZeRO paper
+//    (Rajbhandari et al., arXiv 1910.02054, §3.1 and §5, Figure 1) for mixed-precision AdamW
+//    (bf16 parameters and gradients, fp32 master weights, m and v: K = 12) with Ψ parameters
+//    over N GPUs: dp 16Ψ, zero1 4Ψ + 12Ψ/N, zero2 2Ψ + 14Ψ/N;
+//  * activations: exactly what GPT2Model allocates on the CUDA backend (bf16, attention
+//    probabilities saved [B, NH, T, T] in bf16) for a micro-batch of B sequences of T tokens;
+//  * buffers: the strategy's gradient bucket buffers (zero2), the cuBLASLt workspace (32 MiB)
+//    and the CUDA context (~500 MiB, an assumption: it varies with the driver and the GPU).
+// Not counted: NCCL's internal buffers, the caching allocator's rounding and fragmentation, and
+// the transient copies made while writing a checkpoint.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "io/config.h"
+#include "model/gpt2_config.h"
+
+namespace shardtrain {
+
+inline constexpr double kCudaContextBytes = 500.0 * 1024 * 1024;     ///< assumption
+inline constexpr double kCublasWorkspaceBytes = 32.0 * 1024 * 1024;  ///< the CUDA backend's
+
+struct MemoryEstimateOptions {
+  GPT2Config model;
+  int gpus = 1;              ///< data-parallel ranks N (one GPU each)
+  int64_t micro_batch = 8;   ///< B, sequences per GPU per micro-step
+  int64_t max_length = 128;  ///< T, tokens per sequence
+  bool activation_checkpointing = false;
+  int64_t reduce_bucket_size = 500'000'000;  ///< elements (ZeroConfig's default)
+};
+
+/// Activation memory (bytes) of one micro-batch, by part.
+struct ActivationEstimate {
+  double blocks = 0;    ///< saved block activations: every block, or one set with checkpointing
+  double residual = 0;  ///< residual stream: inputs of layers 1..L+1, the head's output slot and
+                        ///< its gradient, [B, T, C] bf16 each
+  double head = 0;      ///< ln_f output, its mean/rstd, logits [B·T, V] bf16
+  double scratch = 0;   ///< buffers shared by the blocks and the head during backward
+  double io = 0;        ///< tokens, targets (int32) and per-token losses (fp32)
+  double total() const { return blocks + residual + head + scratch + io; }
+};
+
+/// One strategy on one GPU.
+struct StrategyEstimate {
+  StrategyKind strategy = StrategyKind::kDataParallel;
+  bool available = true;    ///< false: strategy not in this release (no numbers)
+  std::string formula;      ///< model-state formula, e.g. "4Ψ + 12Ψ/N"
+  double model_states = 0;  ///< bytes
+  double activations = 0;   ///< bytes
+  double buffers = 0;       ///< bytes: gradient buckets + cuBLASLt workspace + CUDA context
+  double total() const { return model_states + activations + buffers; }
+};
+
+struct MemoryEstimate {
+  int64_t parameters = 0;  ///< Ψ
+  ActivationEstimate activations;
+  std::vector<StrategyEstimate> strategies;  ///< dp, zero1, zero2, then the unavailable ones
+};
+
+/// Model-state bytes per GPU of strategy `s` (dp, zero1 or zero2) for `psi` parameters over
+/// `gpus` GPUs, by the ZeRO paper's formulas (§5, K = 12). Throws ConfigError for other
+/// strategies and gpus < 1.
+double zero_model_state_bytes(StrategyKind s, int64_t psi, int gpus);
+
+/// Activation bytes of a micro-batch [micro_batch, max_length] as GPT2Model allocates them on
+/// the CUDA backend in bf16 (see ActivationEstimate). `compute_bytes` is the size of the compute
+/// dtype, in which the attention probabilities are saved too: 2 for the CUDA backend in bf16, 4
+/// for the CPU backend (fp32), which the tests measure against.
+ActivationEstimate estimate_activations(const GPT2Config& model, int64_t micro_batch,
+                                        int64_t max_length, bool activation_checkpointing,
+                                        int compute_bytes = 2);
+
+/// Gradient bucket buffers (bytes, bf16) strategy `s` holds besides its model states: zero2's
+/// embedding bucket and one or two transient bucket buffers (parallel/zero.cpp); 0 for dp and
+/// zero1, which reduce in place.
+double gradient_bucket_bytes(StrategyKind s, const GPT2Config& model, int gpus,
+                             int64_t reduce_bucket_size);
+
+/// Everything above for dp, zero1 and zero2 (zero3, offload and infinity listed as not
+/// available). Throws ConfigError for gpus, micro_batch < 1 or a max_length outside
+/// [1, n_positions].
+MemoryEstimate estimate_memory(const MemoryEstimateOptions& options);
+
+/// The table `shardtrain estimate` prints, with its assumptions.
+std::string format_memory_estimate(const MemoryEstimate& estimate,
+                                   const MemoryEstimateOptions& options);
+
+}  // namespace shardtrain

@@ -1,0 +1,17 @@
+// ZeRO stages 1 and 2 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+// Parameter Models", arXiv 1910.02054, §5): the strategies `zero1` and `zero2` (zero.cpp).
+#pragma once
+
+#include <memory>
+
+#include "parallel/strategy.h"
+
+namespace shardtrain {
+
+/// Builds the ZeRO strategy for cfg.strategy (StrategyKind::kZero1 or kZero2; ST_ASSERTs
+/// otherwise) over the data-parallel group `comm`. Buckets come from cfg.zero.reduce_bucket_size
+/// and cfg.zero.allgather_bucket_size (elements). See zero.cpp for the design.
+std::unique_ptr<Strategy> make_zero_strategy(const TrainConfig& cfg, Backend& backend,
+                                             Communicator& comm);
+
+}  // namespace shardtrain

@@ -1,0 +1,159 @@
+// The memory estimator (parallel/memory_estimator.h): the ZeRO paper's model-state formulas for
+// gpt2, the activation term against what GPT2Model really allocates (measured on the CPU backend,
+// whose compute dtype is fp32), and the printed table.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "memory/flat_buffer.h"
+#include "model/gpt2.h"
+#include "parallel/memory_estimator.h"
+
+namespace shardtrain {
+namespace {
+
+constexpr int64_t kGpt2Params = 124'439'808;
+
+double states(const MemoryEstimate& e, StrategyKind s) {
+  for (const StrategyEstimate& x : e.strategies)
+    if (x.strategy == s) return x.model_states;
+  ADD_FAILURE() << "no estimate for " << to_string(s);
+  return 0;
+}
+
+TEST(Estimator, ModelStateFormulasForGpt2) {
+  const double psi = static_cast<double>(kGpt2Params);
+  ASSERT_EQ(gpt2_preset("gpt2").num_parameters(), kGpt2Params);
+  struct Case {
+    int gpus;
+    double dp, zero1, zero2;  // bytes
+  };
+  // 16Ψ; 4Ψ + 12Ψ/N; 2Ψ + 14Ψ/N (ZeRO paper §5, K = 12).
+  const Case cases[] = {{1, 1'991'036'928.0, 1'991'036'928.0, 1'991'036'928.0},
+                        {2, 1'991'036'928.0, 1'244'398'080.0, 1'119'958'272.0},
+                        {8, 1'991'036'928.0, 684'418'944.0, 466'649'280.0}};
+  for (const Case& c : cases) {
+    EXPECT_DOUBLE_EQ(zero_model_state_bytes(StrategyKind::kDataParallel, kGpt2Params, c.gpus),
+                     c.dp);
+    EXPECT_DOUBLE_EQ(zero_model_state_bytes(StrategyKind::kZero1, kGpt2Params, c.gpus), c.zero1);
+    EXPECT_DOUBLE_EQ(zero_model_state_bytes(StrategyKind::kZero2, kGpt2Params, c.gpus), c.zero2);
+    EXPECT_DOUBLE_EQ(c.zero1, 4 * psi + 12 * psi / c.gpus);
+    EXPECT_DOUBLE_EQ(c.zero2, 2 * psi + 14 * psi / c.gpus);
+
+    MemoryEstimateOptions o;
+    o.model = gpt2_preset("gpt2");
+    o.gpus = c.gpus;
+    const MemoryEstimate e = estimate_memory(o);
+    EXPECT_EQ(e.parameters, kGpt2Params);
+    EXPECT_DOUBLE_EQ(states(e, StrategyKind::kDataParallel), c.dp);
+    EXPECT_DOUBLE_EQ(states(e, StrategyKind::kZero1), c.zero1);
+    EXPECT_DOUBLE_EQ(states(e, StrategyKind::kZero2), c.zero2);
+    for (const StrategyEstimate& s : e.strategies) {
+      if (!s.available) continue;
+      EXPECT_DOUBLE_EQ(s.activations, e.activations.total());
+      EXPECT_GE(s.buffers, kCudaContextBytes + kCublasWorkspaceBytes);
+      EXPECT_DOUBLE_EQ(s.total(), s.model_states + s.activations + s.buffers);
+    }
+  }
+  EXPECT_THROW(zero_model_state_bytes(StrategyKind::kZero3, kGpt2Params, 8), ConfigError);
+  EXPECT_THROW(zero_model_state_bytes(StrategyKind::kZero1, kGpt2Params, 0), ConfigError);
+}
+
+TEST(Estimator, ActivationsGrowLinearlyInMicroBatch) {
+  const GPT2Config c = gpt2_preset("gpt2");
+  for (bool ckpt : {false, true}) {
+    const double one = estimate_activations(c, 1, 1024, ckpt).total();
+    EXPECT_GT(one, 0);
+    for (int64_t B : {2, 3, 8}) {
+      const ActivationEstimate a = estimate_activations(c, B, 1024, ckpt);
+      EXPECT_DOUBLE_EQ(a.total(), static_cast<double>(B) * one) << "B = " << B;
+    }
+  }
+  // gpt2, B = 1, T = 1024, bf16: the logits [1024, 50257] alone are 98.2 MiB.
+  EXPECT_GT(estimate_activations(c, 1, 1024, false).head, 1024.0 * 50257 * 2);
+}
+
+TEST(Estimator, CheckpointingLowersActivations) {
+  const GPT2Config c = gpt2_preset("gpt2");
+  const ActivationEstimate full = estimate_activations(c, 8, 1024, false);
+  const ActivationEstimate ckpt = estimate_activations(c, 8, 1024, true);
+  EXPECT_LT(ckpt.total(), full.total());
+  EXPECT_DOUBLE_EQ(ckpt.blocks * c.n_layer, full.blocks);  // one block set instead of n_layer
+  EXPECT_DOUBLE_EQ(ckpt.residual, full.residual);          // layer inputs are kept either way
+  EXPECT_DOUBLE_EQ(ckpt.head, full.head);
+}
+
+// The activation term counts exactly what GPT2Model allocates for a forward + backward: measured
+// with the CPU backend (fp32 compute and probabilities: compute_bytes 4). Sizes are multiples of
+// 64 bytes, the CPU allocator's granule; the only other byte is the empty residual_[0] (64 B).
+TEST(Estimator, ActivationsMatchWhatTheModelAllocates) {
+  GPT2Config c;
+  c.name = "estimator-test";
+  c.n_layer = 3;
+  c.n_head = 2;
+  c.n_embd = 64;
+  c.vocab_size = 96;
+  c.n_positions = 32;
+  const int64_t B = 2, T = 16;
+  for (bool ckpt : {false, true}) {
+    auto be = make_cpu_backend();
+    GPT2Model model(c, *be, ckpt);
+    const int64_t n = model.layout().numel();
+    FlatBuffer params(*be, DType::kF32, n), grads(*be, DType::kF32, n);
+    std::vector<float> init(static_cast<size_t>(n));
+    model.init_parameters(init.data(), 7);
+    be->copy_from_host(params.data(), init.data(), init.size() * sizeof(float));
+    model.bind(params.view(), grads.view());
+    std::vector<int32_t> tokens(B * T), targets(B * T);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      tokens[i] = static_cast<int32_t>((i * 7) % 96);
+      targets[i] = static_cast<int32_t>((i * 5 + 1) % 96);
+    }
+    const size_t before = be->allocated_bytes();
+    model.forward(tokens.data(), targets.data(), B, T, 1.0f / (B * T), true);
+    model.backward();
+    const double used = static_cast<double>(be->allocated_bytes() - before);
+    const double estimated = estimate_activations(c, B, T, ckpt, 4).total();
+    EXPECT_DOUBLE_EQ(used, estimated + 64) << "activation checkpointing " << ckpt;
+  }
+}
+
+TEST(Estimator, Zero2BucketBuffers) {
+  const GPT2Config c = gpt2_preset("gpt2");
+  EXPECT_EQ(gradient_bucket_bytes(StrategyKind::kDataParallel, c, 8, 500'000'000), 0);
+  EXPECT_EQ(gradient_bucket_bytes(StrategyKind::kZero1, c, 8, 500'000'000), 0);
+  // One bucket for blocks + head (one transient buffer) and the embedding's own bucket: all of
+  // the gradients, in bf16 (padded to a multiple of 8 · 16 per bucket).
+  const double one_bucket = gradient_bucket_bytes(StrategyKind::kZero2, c, 8, 500'000'000);
+  EXPECT_GE(one_bucket, 2.0 * static_cast<double>(kGpt2Params));
+  EXPECT_LT(one_bucket, 2.0 * static_cast<double>(kGpt2Params) + 2 * 2 * 128);
+  // Small buckets: the embedding plus two buffers of the largest block bucket.
+  const double small = gradient_bucket_bytes(StrategyKind::kZero2, c, 8, 10'000'000);
+  EXPECT_LT(small, one_bucket);
+  const double embed = 2.0 * (50257.0 * 768 + 1024.0 * 768);
+  EXPECT_GT(small, embed);
+}
+
+TEST(Estimator, RejectsBadOptionsAndPrintsTable) {
+  MemoryEstimateOptions o;
+  o.model = gpt2_preset("gpt2");
+  o.gpus = 0;
+  EXPECT_THROW(estimate_memory(o), ConfigError);
+  o.gpus = 2;
+  o.max_length = 2048;
+  EXPECT_THROW(estimate_memory(o), ConfigError);
+  o.max_length = 1024;
+  o.micro_batch = 0;
+  EXPECT_THROW(estimate_memory(o), ConfigError);
+  o.micro_batch = 4;
+  const std::string table = format_memory_estimate(estimate_memory(o), o);
+  for (const char* needle : {"124,439,808", "dp", "zero1", "zero2", "4Ψ + 12Ψ/N", "2Ψ + 14Ψ/N",
+                             "zero3     not available yet", "offload", "CUDA context",
+                             "cuBLASLt workspace 32.0 MiB", "arXiv 1910.02054"})
+    EXPECT_NE(table.find(needle), std::string::npos) << needle << "\n" << table;
+}
+
+}  // namespace
+}  // namespace shardtrain
