@@ -27,28 +27,6 @@ struct TokenizeOptions {
 };
 
 /// Reads the exact bytes of `path`. Throws DataError naming the file.
-std::string read_input(const std::filesystem::path& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    throw DataError(fmt::format("{} is a directory: pass a text file to tokenize", path.string()));
-  }
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) {
-    throw DataError(fmt::format("cannot open {}: {}: pass a readable text file", path.string(),
-                                std::strerror(errno)));
-  }
-  std::string data;
-  std::vector<char> buf(1 << 16);
-  size_t got = 0;
-  while ((got = std::fread(buf.data(), 1, buf.size(), f)) > 0) data.append(buf.data(), got);
-  const bool failed = std::ferror(f) != 0;
-  const int err = errno;
-  std::fclose(f);
-  if (failed) {
-    throw DataError(fmt::format("cannot read {}: {}", path.string(), std::strerror(err)));
-  }
-  return data;
-}
 
 /// Writes `ids` to stdout as decimal numbers separated by single spaces, then one "\n".
 void print_ids(const std::vector<int32_t>& ids) {
@@ -79,7 +57,7 @@ void print_ids(const std::vector<int32_t>& ids) {
 void run_tokenize(const TokenizeOptions& opt) {
   const BpeTokenizer tok = opt.tokenizer_dir.empty() ? BpeTokenizer::load_default()
                                                      : BpeTokenizer::load(opt.tokenizer_dir);
-  const std::string text = read_input(opt.file);
+  const std::string text = read_all_bytes(opt.file, "input file");
   const std::vector<int32_t> ids = encode_parallel(tok, text);
   if (opt.output.empty()) {
     print_ids(ids);

@@ -53,22 +53,6 @@ void nccl_check(ncclResult_t r, const char* what, ncclComm_t comm = nullptr) {
                                    detail && *detail ? ": " : "", detail ? detail : ""));
 }
 
-const char* type_name(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return "fp32";
-    case DType::kBF16:
-      return "bf16";
-    case DType::kF16:
-      return "fp16";
-    case DType::kI32:
-      return "int32";
-    case DType::kU16:
-      return "uint16";
-  }
-  return "?";
-}
-
 /// NCCL element type and count. uint16 (no reductions) travels as bytes.
 std::pair<ncclDataType_t, size_t> nccl_type(const Tensor& t) {
   const auto n = static_cast<size_t>(t.numel());
@@ -419,7 +403,7 @@ class NcclCommunicator final : public Communicator {
     check<RuntimeFailure>(
         output.dtype == input.dtype && input.numel() == output.numel() * st_->size(),
         "reduce_scatter: input {} {} must hold world size {} × output {} {}",
-        type_name(input.dtype), input.numel(), st_->size(), type_name(output.dtype),
+        dtype_name(input.dtype), input.numel(), st_->size(), dtype_name(output.dtype),
         output.numel());
     const ncclRedOp_t rop = nccl_op(input.dtype, op, "reduce_scatter");
     const auto [type, n] = nccl_type(output);
@@ -435,7 +419,7 @@ class NcclCommunicator final : public Communicator {
         output.dtype == input.dtype && output.numel() == input.numel() * st_->size(),
         "all_gather: output {} {} must hold world size {} × input {} {} (every rank contributes "
         "the same count; pad uneven shards)",
-        type_name(output.dtype), output.numel(), st_->size(), type_name(input.dtype),
+        dtype_name(output.dtype), output.numel(), st_->size(), dtype_name(input.dtype),
         input.numel());
     const auto [type, n] = nccl_type(input);
     return submit("all_gather", true, -1, [&](cudaStream_t s) {

@@ -76,33 +76,6 @@ uint64_t hash_ids(const std::vector<uint16_t>& ids) {
 
 std::string errno_text(int err) { return std::strerror(err); }
 
-/// Reads the exact bytes of `path`. Throws DataError naming the file.
-std::string read_all_bytes(const fs::path& path, const char* what) {
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) {
-    throw DataError(fmt::format("{} {} is a directory, not a file", what, path.string()));
-  }
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) {
-    const int err = errno;
-    if (err == ENOENT) {
-      throw DataError(fmt::format("{} {} not found: check the path", what, path.string()));
-    }
-    throw DataError(fmt::format("cannot open {} {}: {}", what, path.string(), errno_text(err)));
-  }
-  std::string data;
-  std::array<char, 1 << 16> buf;
-  size_t got = 0;
-  while ((got = std::fread(buf.data(), 1, buf.size(), f)) > 0) data.append(buf.data(), got);
-  const bool failed = std::ferror(f) != 0;
-  const int err = errno;
-  std::fclose(f);
-  if (failed) {
-    throw DataError(fmt::format("cannot read {} {}: {}", what, path.string(), errno_text(err)));
-  }
-  return data;
-}
-
 std::string fix_for(TokenFileKind kind) {
   return kind == TokenFileKind::kCache ? "delete it and it will be rebuilt"
                                        : "re-run shardtrain tokenize FILE --output to recreate it";
@@ -312,6 +285,32 @@ void write_token_file(const fs::path& path, const std::vector<uint16_t>& ids, ui
     throw DataError(fmt::format("cannot write token file {}: rename from {} failed: {}", name,
                                 tmp.string(), ec.message()));
   }
+}
+
+std::string read_all_bytes(const fs::path& path, const char* what) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    throw DataError(fmt::format("{} {} is a directory, not a file", what, path.string()));
+  }
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    const int err = errno;
+    if (err == ENOENT) {
+      throw DataError(fmt::format("{} {} not found: check the path", what, path.string()));
+    }
+    throw DataError(fmt::format("cannot open {} {}: {}", what, path.string(), errno_text(err)));
+  }
+  std::string data;
+  std::array<char, 1 << 16> buf;
+  size_t got = 0;
+  while ((got = std::fread(buf.data(), 1, buf.size(), f)) > 0) data.append(buf.data(), got);
+  const bool failed = std::ferror(f) != 0;
+  const int err = errno;
+  std::fclose(f);
+  if (failed) {
+    throw DataError(fmt::format("cannot read {} {}: {}", what, path.string(), errno_text(err)));
+  }
+  return data;
 }
 
 std::vector<uint16_t> read_token_file(const fs::path& path, TokenFileHeader* header) {

@@ -39,6 +39,11 @@ bool is_token_file(const std::filesystem::path& path);
 void write_token_file(const std::filesystem::path& path, const std::vector<uint16_t>& ids,
                       uint64_t source_hash, uint64_t tokenizer_hash);
 
+/// Reads the exact bytes of `path` (no newline translation). `what` names the file's role in
+/// messages ("text file"). Throws DataError naming the file when it is missing, a directory or
+/// unreadable.
+std::string read_all_bytes(const std::filesystem::path& path, const char* what);
+
 /// Reads and verifies a token file. Throws DataError naming the file when it is missing,
 /// truncated, corrupt or not a token file.
 std::vector<uint16_t> read_token_file(const std::filesystem::path& path,

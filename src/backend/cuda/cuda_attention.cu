@@ -63,21 +63,6 @@
 namespace shardtrain::cuda {
 namespace {
 
-// Messages are built with std::string: code nvcc compiles never sees fmt (core/error.h).
-inline void append(std::string& s, const char* x) { s += x; }
-template <typename I>
-  requires std::is_integral_v<I>
-void append(std::string& s, I x) {
-  s += std::to_string(x);
-}
-/// Throws RuntimeFailure with the concatenated parts when `cond` is false.
-template <typename... Parts>
-void require(bool cond, const Parts&... parts) {
-  if (cond) return;
-  std::string msg;
-  (append(msg, parts), ...);
-  throw RuntimeFailure(msg);
-}
 
 // ---- warp reductions (fixed xor tree: deterministic) ---------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "core/error.h"
 #include "core/tensor.h"
@@ -21,17 +22,18 @@ namespace shardtrain::cuda {
 void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line);
 void throw_cublas_error(cublasStatus_t status, const char* expr, const char* file, int line);
 
-#define ST_CUDA_CHECK(expr)                                                                  \
-  do {                                                                                       \
-    cudaError_t st_err_ = (expr);                                                            \
-    if (st_err_ != cudaSuccess) ::shardtrain::cuda::throw_cuda_error(st_err_, #expr, __FILE__, __LINE__); \
+#define ST_CUDA_CHECK(expr)                                                     \
+  do {                                                                          \
+    cudaError_t st_err_ = (expr);                                               \
+    if (st_err_ != cudaSuccess)                                                 \
+      ::shardtrain::cuda::throw_cuda_error(st_err_, #expr, __FILE__, __LINE__); \
   } while (0)
 
-#define ST_CUBLAS_CHECK(expr)                                                                \
-  do {                                                                                       \
-    cublasStatus_t st_status_ = (expr);                                                      \
-    if (st_status_ != CUBLAS_STATUS_SUCCESS)                                                 \
-      ::shardtrain::cuda::throw_cublas_error(st_status_, #expr, __FILE__, __LINE__);         \
+#define ST_CUBLAS_CHECK(expr)                                                        \
+  do {                                                                               \
+    cublasStatus_t st_status_ = (expr);                                              \
+    if (st_status_ != CUBLAS_STATUS_SUCCESS)                                         \
+      ::shardtrain::cuda::throw_cublas_error(st_status_, #expr, __FILE__, __LINE__); \
   } while (0)
 
 /// Checks the last kernel launch.
@@ -40,10 +42,10 @@ void throw_cublas_error(cublasStatus_t status, const char* expr, const char* fil
 /// Everything a kernel-launching function needs. Owned by the CudaBackend.
 struct CudaContext {
   int device = 0;
-  cudaStream_t stream = nullptr;        ///< compute stream: every op is enqueued here
+  cudaStream_t stream = nullptr;  ///< compute stream: every op is enqueued here
   cublasLtHandle_t lt = nullptr;
-  cublasHandle_t blas = nullptr;        ///< for strided-batched GEMMs (attention)
-  void* workspace = nullptr;            ///< cuBLASLt workspace
+  cublasHandle_t blas = nullptr;  ///< for strided-batched GEMMs (attention)
+  void* workspace = nullptr;      ///< cuBLASLt workspace
   size_t workspace_bytes = 0;
   int sm_count = 0;
   /// Scratch device memory that grows on demand (kernels' partial sums etc.). Returns a pointer
@@ -52,6 +54,22 @@ struct CudaContext {
   void* backend = nullptr;
   void* get_scratch(size_t bytes) const { return scratch(backend, bytes); }
 };
+
+// Messages are built with std::string: code nvcc compiles never sees fmt (core/error.h).
+inline void append(std::string& s, const char* x) { s += x; }
+inline void append(std::string& s, const std::string& x) { s += x; }
+template <typename I>
+requires std::is_integral_v<I>
+void append(std::string& s, I x) { s += std::to_string(x); }
+/// Throws RuntimeFailure with the concatenated parts (C strings, strings, integers) when `cond`
+/// is false.
+template <typename... Parts>
+void require(bool cond, const Parts&... parts) {
+  if (cond) return;
+  std::string msg;
+  (append(msg, parts), ...);
+  throw RuntimeFailure(msg);
+}
 
 /// cudaDataType_t of a dtype (CUDA_R_32F, CUDA_R_16BF, CUDA_R_16F); throws for int dtypes.
 cudaDataType_t cuda_dtype(DType t);
@@ -63,22 +81,36 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
 
 /// Calls f.template operator()<T>() with T the CUDA element type of `dt` (float, __nv_bfloat16,
 /// __half). Used by host launchers to instantiate one kernel per floating dtype.
 template <typename F>
 void dispatch_float(DType dt, F&& f) {
   switch (dt) {
-    case DType::kF32: f.template operator()<float>(); return;
-    case DType::kBF16: f.template operator()<__nv_bfloat16>(); return;
-    case DType::kF16: f.template operator()<__half>(); return;
+    case DType::kF32:
+      f.template operator()<float>();
+      return;
+    case DType::kBF16:
+      f.template operator()<__nv_bfloat16>();
+      return;
+    case DType::kF16:
+      f.template operator()<__half>();
+      return;
     // (no fmt::format in code nvcc compiles: nvcc cannot evaluate fmt 9's consteval checks)
-    default: throw RuntimeFailure(std::string("cuda: dtype ") + dtype_name(dt) + " is not a floating dtype");
+    default:
+      throw RuntimeFailure(std::string("cuda: dtype ") + dtype_name(dt) +
+                           " is not a floating dtype");
   }
 }
 

@@ -71,21 +71,6 @@
 namespace shardtrain::cuda {
 namespace {
 
-// Messages are built with std::string: code nvcc compiles never sees fmt (core/error.h).
-inline void append(std::string& s, const char* x) { s += x; }
-template <typename I>
-  requires std::is_integral_v<I>
-void append(std::string& s, I x) {
-  s += std::to_string(x);
-}
-/// Throws RuntimeFailure with the concatenated parts when `cond` is false.
-template <typename... Parts>
-void require(bool cond, const Parts&... parts) {
-  if (cond) return;
-  std::string msg;
-  (append(msg, parts), ...);
-  throw RuntimeFailure(msg);
-}
 
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluCube = 0.044715f;
