@@ -18,6 +18,12 @@ if(NOT SHARDTRAIN_CUDA STREQUAL "OFF")
 endif()
 message(STATUS "shardtrain CUDA backend: ${SHARDTRAIN_HAVE_CUDA}")
 if(SHARDTRAIN_HAVE_CUDA)
+  # sm_90a machine code for Hopper (H100/H200) plus compute_90 PTX for newer GPUs. Set before
+  # enable_language(), which would otherwise pick nvcc's default (sm_75: Hopper would then run
+  # JIT-compiled sm_75-level code). Override with -DCMAKE_CUDA_ARCHITECTURES=... or $CUDAARCHS.
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
+    set(CMAKE_CUDA_ARCHITECTURES "90a-real;90-virtual")
+  endif()
   enable_language(CUDA)
   # CMake 3.25's tables stop before nvcc 13: tell it how nvcc selects C++20.
   if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
@@ -26,10 +32,6 @@ if(SHARDTRAIN_HAVE_CUDA)
     set(CMAKE_CUDA_STANDARD_COMPUTED_DEFAULT 17)
   endif()
   find_package(CUDAToolkit REQUIRED)
-  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "52")
-    # sm_90a machine code for Hopper plus compute_90 PTX for newer GPUs.
-    set(CMAKE_CUDA_ARCHITECTURES 90a-real 90-virtual)
-  endif()
   add_library(shardtrain_cuda STATIC ${_cuda_sources})
   target_include_directories(shardtrain_cuda PUBLIC "${CMAKE_SOURCE_DIR}/src")
   set_target_properties(shardtrain_cuda PROPERTIES CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON

@@ -146,3 +146,33 @@ TEST(Cli, TrainGenerateAndResume) {
   EXPECT_TRUE(fs::exists(dir / "out" / "checkpoint-000005"));
   fs::remove_all(dir);
 }
+
+TEST(Cli, ExportLoadsBackWithInitFrom) {
+  const fs::path dir = temp_dir("export");
+  const std::string common = "--model gpt2-micro " + kData +
+                             " --max-length 32 --batch-size 4 --eval-samples 8 --lr 3e-3 " +
+                             "--cache-dir " + (dir / "cache").string();
+  Result r = run("train " + common + " --max-steps 30 --output-dir " + (dir / "a").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run("export --checkpoint " + (dir / "a").string() + " --output " + (dir / "hf").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* f : {"model.safetensors", "config.json", "vocab.json", "merges.txt"})
+    EXPECT_TRUE(fs::exists(dir / "hf" / f)) << f;
+  // Fine-tuning from the exported Hugging Face directory starts from the trained weights: the
+  // first loss is far below a fresh model's ln(50257) ≈ 10.8.
+  r = run("train " + common + " --max-steps 1 --log-interval 1 --init-from " +
+          (dir / "hf").string() + " --output-dir " + (dir / "b").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::ifstream metrics(dir / "b" / "metrics.jsonl");
+  std::string first;
+  std::getline(metrics, first);
+  const auto pos = first.find("\"loss\":");
+  ASSERT_NE(pos, std::string::npos) << first;
+  EXPECT_LT(std::stod(first.substr(pos + 7)), 9.5) << first;
+  // A mis-shaped model is refused, naming the tensor.
+  r = run("train --model gpt2-tiny " + kData + " --max-length 32 --max-steps 1 --init-from " +
+          (dir / "hf").string() + " --output-dir " + (dir / "c").string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("transformer.wte.weight"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}

@@ -40,6 +40,10 @@ class Backend {
   virtual std::string description() const = 0;
   /// The dtype activations and compute parameters use on this backend (fp32 on CPU).
   virtual DType compute_dtype() const = 0;
+  /// The stream every op is enqueued on (a cudaStream_t on CUDA; nullptr on CPU). GPU
+  /// communicators must be given it (Communicator::set_compute_stream) so that collectives start
+  /// after the kernels that produce their inputs.
+  virtual void* native_stream() const { return nullptr; }
 
   // ---- memory ------------------------------------------------------------------------------
   /// Allocates `bytes` of device memory (64-byte aligned, zero-filled). Throws RuntimeFailure

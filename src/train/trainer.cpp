@@ -174,6 +174,9 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   GPT2Config model_cfg = gpt2_preset(cfg.model);
   std::unique_ptr<Backend> backend = make_backend(cfg.device, local_rank_of(comm), cfg.precision);
   const bool on_gpu = backend->kind() == DeviceKind::kCUDA;
+  // Collectives must start after the kernels that produce their inputs (the backend computes on
+  // its own non-default stream).
+  comm.set_compute_stream(backend->native_stream());
   LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
   GPT2Model model(model_cfg, *backend, cfg.activation_checkpointing);
 

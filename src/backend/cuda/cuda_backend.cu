@@ -825,6 +825,7 @@ class CudaBackend final : public Backend {
   DeviceKind kind() const override { return DeviceKind::kCUDA; }
   std::string description() const override { return description_; }
   DType compute_dtype() const override { return dtype_; }
+  void* native_stream() const override { return ctx_.stream; }
 
   // ---- memory ------------------------------------------------------------------------------
   void* allocate(size_t bytes) override {
