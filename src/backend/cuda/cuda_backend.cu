@@ -1,5 +1,6 @@
 // CUDA backend: device memory (a caching allocator) and every op of backend/backend.h except the
-// matmuls and attention (cuda_matmul.cu, cuda_attention.cu), as fused CUDA kernels.
+// matmuls and attention (cuda_matmul.cu, cuda_attention.cu, cuda_flash_attention.cu), as fused
+// CUDA kernels.
 //
 // Precision: tensors are fp32, bf16 or fp16 (the "compute dtype" chosen at construction; the
 // optimizer state and LayerNorm statistics are always fp32); every kernel loads its operands,
@@ -29,6 +30,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <cub/device/device_radix_sort.cuh>
 #include <map>
@@ -633,6 +635,23 @@ void require_dtype(const char* op, const char* name, const Tensor& t, DType dt) 
         strf("cuda %s: %s must be %s, got %s", op, name, dtype_name(dt), dtype_name(t.dtype)));
 }
 
+/// The attention kernels, from SHARDTRAIN_ATTENTION: "flash" selects the fused kernels
+/// (cuda_flash_attention.cu) for bf16/fp16 compute; unset, empty or "materialized" selects the
+/// materialized-probabilities kernels (cuda_attention.cu), which fp32 always uses. The default
+/// stays "materialized" until the flash kernels have passed the GPU tests
+/// (tests/test_cuda_backend.cpp, FlashAttention*) on an H100/H200. Read once, at construction:
+/// attention_saves_probs() must not change under a model that sized its buffers by it.
+bool use_flash_attention(DType compute_dtype) {
+  const char* v = std::getenv("SHARDTRAIN_ATTENTION");
+  const std::string mode = v ? v : "";
+  if (mode.empty() || mode == "materialized") return false;
+  if (mode != "flash")
+    throw ConfigError(strf("SHARDTRAIN_ATTENTION=%s: expected \"flash\" or \"materialized\"", v));
+  // Every GPT-2 size has 64-wide heads; other head sizes are checked (with a clear error) by the
+  // flash launchers.
+  return cuda::flash_attention_supported(compute_dtype, 64);
+}
+
 // ==== caching allocator ========================================================================
 
 /// cudaMalloc-backed caching allocator. Requests are rounded up (512 B granularity below 1 MiB,
@@ -809,6 +828,7 @@ class CudaBackend final : public Backend {
                device_index, count, count == 1 ? " is" : "s are",
                count > 1 ? strf("..cuda:%d", count - 1).c_str() : ""));
     device_ = device_index;
+    flash_ = use_flash_attention(compute_dtype);
     try {
       init();
     } catch (...) {
@@ -1103,17 +1123,23 @@ class CudaBackend final : public Backend {
     });
   }
 
-  // ---- attention (cuda_attention.cu) -------------------------------------------------------
+  // ---- attention (cuda_attention.cu; cuda_flash_attention.cu when flash_) ------------------
   void attention_forward(Tensor out, AttentionSaved saved, Tensor qkv, int num_heads) override {
     activate();
-    cuda::attention_forward(ctx_, out, saved, qkv, num_heads);
+    if (flash_)
+      cuda::flash_attention_forward(ctx_, out, saved.lse, qkv, num_heads);
+    else
+      cuda::attention_forward(ctx_, out, saved, qkv, num_heads);
   }
   void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, AttentionSaved saved,
                           int num_heads) override {
     activate();
-    cuda::attention_backward(ctx_, dqkv, dout, qkv, out, saved, num_heads);
+    if (flash_)
+      cuda::flash_attention_backward(ctx_, dqkv, dout, qkv, out, saved.lse, num_heads);
+    else
+      cuda::attention_backward(ctx_, dqkv, dout, qkv, out, saved, num_heads);
   }
-  bool attention_saves_probs() const override { return true; }
+  bool attention_saves_probs() const override { return !flash_; }
   DType attention_probs_dtype() const override { return dtype_; }
 
   // ---- cross-entropy -----------------------------------------------------------------------
@@ -1304,6 +1330,7 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   DType dtype_;
+  bool flash_ = false;  ///< fused attention (SHARDTRAIN_ATTENTION=flash); set at construction
   std::string description_;
   CudaContext ctx_;
   std::unique_ptr<CachingAllocator> alloc_;

@@ -1,6 +1,7 @@
 // Launchers of the CUDA backend's heavy ops, in their own files so each can be tuned apart:
 //   cuda_matmul.cu    — cuBLASLt GEMMs with fused bias / GELU / dGELU / bias-gradient epilogues
-//   cuda_attention.cu — causal self-attention forward/backward
+//   cuda_attention.cu — causal self-attention forward/backward, materialized probabilities
+//   cuda_flash_attention.cu — causal self-attention forward/backward, fused (FlashAttention-2)
 // Semantics are exactly those of the same-named Backend methods (backend/backend.h); every
 // launcher enqueues on ctx.stream and never synchronizes. Tensors are device memory in fp32,
 // bf16 or fp16 (all floating operands of one call share a dtype), fp32 accumulation throughout.
@@ -24,5 +25,19 @@ void attention_forward(const CudaContext& ctx, Tensor out, AttentionSaved saved,
 
 void attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
                         AttentionSaved saved, int num_heads);
+
+/// Whether the fused kernels handle tensors of dtype `dt` with heads of `head_size` elements
+/// (bf16/fp16; head size 32, 64 or 128). fp32 tensors use attention_forward/backward above.
+bool flash_attention_supported(DType dt, int head_size);
+
+/// Fused causal attention forward: out [B,T,C] from qkv [B,T,3C]; saves lse [B,NH,T] (fp32,
+/// natural log of each row's softmax denominator). Throws for unsupported dtypes/head sizes.
+void flash_attention_forward(const CudaContext& ctx, Tensor out, Tensor lse, Tensor qkv,
+                             int num_heads);
+
+/// Fused causal attention backward: dqkv [B,T,3C] (OVERWRITTEN) from dout [B,T,C], the forward's
+/// qkv, out and lse; dqkv must not overlap qkv, dout or out. Deterministic (no atomics).
+void flash_attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor qkv,
+                              Tensor out, Tensor lse, int num_heads);
 
 }  // namespace shardtrain::cuda
