@@ -67,6 +67,17 @@ inline float row_max(const float* row, int64_t n) {
   return m;
 }
 
+/// Runs fn(c0, c1) on every OpenMP thread with its own slice [c0, c1) of [0, C): reductions over
+/// rows into per-channel sums then never race, and each sum is taken in a fixed row order.
+template <typename F>
+void for_channel_slices(int64_t C, F&& fn) {
+#pragma omp parallel
+  {
+    const int nth = omp_get_num_threads(), id = omp_get_thread_num();
+    fn(C * id / nth, C * (id + 1) / nth);
+  }
+}
+
 struct Allocation {
   size_t bytes;
 };
@@ -150,10 +161,7 @@ class CpuBackend final : public Backend {
     float* dpe = dwpe.f32();
     // Each thread owns a slice of channels, so rows sharing a token never race and the order of
     // summation is fixed.
-#pragma omp parallel
-    {
-      const int nth = omp_get_num_threads(), id = omp_get_thread_num();
-      const int64_t c0 = C * id / nth, c1 = C * (id + 1) / nth;
+    for_channel_slices(C, [&](int64_t c0, int64_t c1) {
       for (int64_t b = 0; b < B; ++b) {
         for (int64_t t = 0; t < T; ++t) {
           const float* g = d + (b * T + t) * C;
@@ -165,7 +173,7 @@ class CpuBackend final : public Backend {
           }
         }
       }
-    }
+    });
   }
 
   // ---- layernorm -------------------------------------------------------------------------------
@@ -231,10 +239,7 @@ class CpuBackend final : public Backend {
       }
     }
     // dweight, dbias: each thread owns a slice of channels and sums rows in order.
-#pragma omp parallel
-    {
-      const int nth = omp_get_num_threads(), id = omp_get_thread_num();
-      const int64_t c0 = C * id / nth, c1 = C * (id + 1) / nth;
+    for_channel_slices(C, [&](int64_t c0, int64_t c1) {
       for (int64_t i = 0; i < N; ++i) {
         const float* xi = x + i * C;
         const float* dyi = dy + i * C;
@@ -243,7 +248,7 @@ class CpuBackend final : public Backend {
           dw[c] += (xi[c] - mu[i]) * rs[i] * dyi[c];
         }
       }
-    }
+    });
   }
 
   // ---- matmul ----------------------------------------------------------------------------------
@@ -283,15 +288,12 @@ class CpuBackend final : public Backend {
                 static_cast<int>(IC), 1.0f, dweight.f32(), static_cast<int>(IC));
     if (!dbias.empty()) {
       float* db = dbias.f32();
-#pragma omp parallel
-      {
-        const int nth = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t o0 = OC * id / nth, o1 = OC * (id + 1) / nth;
+      for_channel_slices(OC, [&](int64_t o0, int64_t o1) {
         for (int64_t i = 0; i < N; ++i) {
           const float* dyi = dy + i * OC;
           for (int64_t o = o0; o < o1; ++o) db[o] += dyi[o];
         }
-      }
+      });
     }
   }
 
