@@ -1,0 +1,54 @@
+// GPT-2 presets have exactly the published shapes, and the flat layout holds exactly those
+// parameters (tied LM head counted once), with tensor offsets aligned and layers contiguous.
+#include <gtest/gtest.h>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "model/gpt2.h"
+
+using namespace shardtrain;
+
+TEST(Presets, PublishedParameterCounts) {
+  auto be = make_cpu_backend();
+  const std::pair<const char*, int64_t> published[] = {{"gpt2", 124'439'808},
+                                                       {"gpt2-medium", 354'823'168},
+                                                       {"gpt2-large", 774'030'080},
+                                                       {"gpt2-xl", 1'557'611'200}};
+  for (const auto& [name, count] : published) {
+    const GPT2Config c = gpt2_preset(name);
+    EXPECT_EQ(c.num_parameters(), count) << name;
+    EXPECT_EQ(c.vocab_size, 50257) << name;
+    EXPECT_EQ(c.n_positions, 1024) << name;
+    GPT2Model model(c, *be);  // builds the layout only; allocates nothing
+    EXPECT_EQ(model.layout().num_parameters(), count) << name;
+    EXPECT_EQ(model.num_layers(), c.n_layer + 2) << name;
+  }
+}
+
+TEST(Presets, LayoutIsContiguousAndAligned) {
+  auto be = make_cpu_backend();
+  GPT2Model model(gpt2_preset("gpt2-tiny"), *be);
+  int64_t next = 0;
+  for (const LayerRange& l : model.layout().layers()) {
+    EXPECT_EQ(l.offset, next) << l.name;
+    for (const ParamTensor& t : l.tensors) {
+      EXPECT_EQ(t.offset % ParamLayout::kAlign, 0) << t.name;
+      EXPECT_GE(t.offset, l.offset) << t.name;
+      EXPECT_LE(t.offset + t.numel, l.offset + l.numel) << t.name;
+    }
+    next = l.offset + l.numel;
+  }
+  EXPECT_EQ(next, model.layout().numel());
+  EXPECT_NE(model.layout().find("transformer.h.3.mlp.c_proj.weight"), nullptr);
+  EXPECT_EQ(model.layout().find("lm_head.weight"), nullptr);  // tied to transformer.wte.weight
+}
+
+TEST(Presets, UnknownNameSuggestsTheClosest) {
+  try {
+    gpt2_preset("gpt2-larg");
+    FAIL() << "unknown preset accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("did you mean 'gpt2-large'"), std::string::npos)
+        << e.what();
+  }
+}
