@@ -791,3 +791,11 @@ TEST_F(ConfigTest, ValidateKeepsWarmupDefault) {
 
 }  // namespace
 }  // namespace shardtrain
+
+TEST_F(ConfigTest, ReduceBucketSizeFromJsonIsMarkedExplicit) {
+  // dp falls back to DDP-sized buckets unless the bucket size was given (parallel/data_parallel).
+  EXPECT_FALSE(apply_json(R"({"train_micro_batch_size_per_gpu": 4})").zero.reduce_bucket_size_set);
+  const TrainConfig c = apply_json(R"({"zero_optimization": {"reduce_bucket_size": 1000}})");
+  EXPECT_TRUE(c.zero.reduce_bucket_size_set);
+  EXPECT_EQ(c.zero.reduce_bucket_size, 1000);
+}

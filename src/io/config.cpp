@@ -861,6 +861,7 @@ class DeepSpeedReader {
         bad_value("zero_optimization.stage", z.at("stage"), "a ZeRO stage 0, 1, 2 or 3");
       if (auto v = get_int(z, "reduce_bucket_size", prefix, 1, "an integer >= 1 (elements)")) {
         zc.reduce_bucket_size = *v;
+        zc.reduce_bucket_size_set = true;
       }
       if (auto v = get_int(z, "allgather_bucket_size", prefix, 1, "an integer >= 1 (elements)")) {
         zc.allgather_bucket_size = *v;

@@ -35,7 +35,8 @@ struct LossScaleConfig {
 /// DeepSpeed zero_optimization section.
 struct ZeroConfig {
   int stage = 0;
-  int64_t reduce_bucket_size = 500'000'000;     ///< elements
+  int64_t reduce_bucket_size = 500'000'000;     ///< elements (DeepSpeed's default)
+  bool reduce_bucket_size_set = false;          ///< given explicitly (DeepSpeed JSON)
   int64_t allgather_bucket_size = 500'000'000;  ///< elements
   bool overlap_comm = true;
   bool contiguous_gradients = true;

@@ -41,7 +41,14 @@ class DataParallel final : public Strategy {
         AdamWHyper{cfg_.beta1, cfg_.beta2, cfg_.adam_eps, cfg_.weight_decay});
     model.bind(params_.view(), grads_.view());
     model.set_hooks(this);
-    buckets_ = build_grad_buckets(layout, cfg_.zero.reduce_bucket_size);
+    // DeepSpeed's 5e8-element default would make every model below 500 M parameters a single
+    // bucket, reduced only after the whole backward. Unless a bucket size was given, dp uses
+    // PyTorch DDP's default instead (bucket_cap_mb = 25: 12.5 M bf16 gradients), so reductions
+    // overlap the rest of backward.
+    constexpr int64_t kDdpBucketElements = 12'500'000;
+    buckets_ =
+        build_grad_buckets(layout, cfg_.zero.reduce_bucket_size_set ? cfg_.zero.reduce_bucket_size
+                                                                    : kDdpBucketElements);
     readiness_ = BucketReadiness(buckets_, model.num_layers());
   }
 
