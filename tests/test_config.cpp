@@ -789,9 +789,6 @@ TEST_F(ConfigTest, ValidateKeepsWarmupDefault) {
   validate(cfg, 1024);
 }
 
-}  // namespace
-}  // namespace shardtrain
-
 TEST_F(ConfigTest, ReduceBucketSizeFromJsonIsMarkedExplicit) {
   // dp falls back to DDP-sized buckets unless the bucket size was given (parallel/data_parallel).
   EXPECT_FALSE(apply_json(R"({"train_micro_batch_size_per_gpu": 4})").zero.reduce_bucket_size_set);
@@ -799,3 +796,6 @@ TEST_F(ConfigTest, ReduceBucketSizeFromJsonIsMarkedExplicit) {
   EXPECT_TRUE(c.zero.reduce_bucket_size_set);
   EXPECT_EQ(c.zero.reduce_bucket_size, 1000);
 }
+
+}  // namespace
+}  // namespace shardtrain
