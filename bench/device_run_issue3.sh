@@ -1,27 +1,45 @@
 #!/usr/bin/env bash
-# One device call for issue 3: parity tests, a gpt2-medium training run + sample + HF export
-# check, and the single-GPU benchmark. Results and logs go to $OUT.
+# Device calls for issue 3 (one H100/H200). Usage: bash bench/device_run_issue3.sh PHASE...
+#   tests    CUDA parity tests (test_cuda_backend, test_hf_parity) + compute-sanitizer on the
+#            fused attention tests
+#   train    the Done-when command (gpt2-medium, wikitext-2, defaults: 1 epoch), samples, fp16 run
+#   eager    bench/bench_single_gpu.py: shardtrain vs PyTorch eager, every case
+#   compile  bench/bench_single_gpu.py: shardtrain vs torch.compile, every case
+# Logs and JSON go to $OUT.
 source bench/device_env.sh
-if ldd .device/shardtrain | grep -q "not found"; then
-  export LD_LIBRARY_PATH="$PWD/.device/libfallback:$LD_LIBRARY_PATH"
-fi
-ldd .device/shardtrain | grep "not found"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
-date -u | tee -a $OUT/gpu.txt
-.device/test_hf_parity 2>&1 | tail -4 | tee $OUT/tests.txt
-.device/test_cuda_backend 2>&1 | tail -3 | tee -a $OUT/tests.txt
-.device/shardtrain train --model gpt2-medium --dataset wikitext-2 --device cuda --batch-size 8 \
-  --max-length 512 --max-steps 300 --log-interval 25 --eval-samples 256 --output-dir /tmp/med \
-  > $OUT/medium_train.log 2>&1
-tail -6 $OUT/medium_train.log
-.device/shardtrain generate --checkpoint /tmp/med --prompt "The game" --max-new-tokens 40 \
-  --device cuda > $OUT/generate.txt 2>&1; cat $OUT/generate.txt
+ldd .device/shardtrain | grep -q "not found" && export LD_LIBRARY_PATH="$PWD/.device/libfallback:$LD_LIBRARY_PATH"
 export PYTHONUNBUFFERED=1
-python3 bench/bench_single_gpu.py --shardtrain .device/shardtrain --cases medium16,xl2,xl16ac \
-  --frameworks shardtrain,eager --out $OUT/bench_a.json > $OUT/bench_a.log 2>&1
-tail -12 $OUT/bench_a.log
-python3 bench/bench_single_gpu.py --shardtrain .device/shardtrain --cases tutorial,medium16 \
-  --frameworks shardtrain,compile --out $OUT/bench_b.json > $OUT/bench_b.log 2>&1
-tail -8 $OUT/bench_b.log
-OMP_NUM_THREADS=16 timeout 120 python3 tools/check_hf_export.py /tmp/med/checkpoint-000300 \
-  .device/shardtrain > $OUT/hf_export.txt 2>&1; tail -3 $OUT/hf_export.txt
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a $OUT/gpu.txt
+date -u | tee -a $OUT/gpu.txt
+ST=.device/shardtrain
+for phase in "$@"; do
+  echo "==== $phase"
+  case $phase in
+    tests)
+      timeout 120 .device/test_cuda_backend > $OUT/test_cuda.log 2>&1; echo "test_cuda_backend rc=$?"
+      grep -E "FAILED|PASSED|Failure" $OUT/test_cuda.log | head -20
+      timeout 60 .device/test_hf_parity 2>&1 | tail -1
+      CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+      timeout 150 $CS --tool memcheck .device/test_cuda_backend --gtest_filter='*Flash*' > $OUT/memcheck.log 2>&1
+      echo "memcheck rc=$?"; tail -2 $OUT/memcheck.log
+      timeout 150 $CS --tool racecheck .device/test_cuda_backend \
+        --gtest_filter='*FlashAttentionTest.ForwardBackward*' > $OUT/racecheck.log 2>&1
+      echo "racecheck rc=$?"; tail -2 $OUT/racecheck.log ;;
+    train)
+      timeout 300 $ST train --model gpt2-medium --dataset wikitext-2 --device cuda \
+        --output-dir /tmp/med > $OUT/medium_train.log 2>&1
+      echo "train rc=$?"; grep -E "step +(10|500|1000|1500|2000)/|epoch 1 \||validation|sample|error" $OUT/medium_train.log | head -12
+      for p in "The game" "In 1996 , the" "The city of"; do
+        $ST generate --checkpoint /tmp/med --prompt "$p" --max-new-tokens 48 --top-k 40 --device cuda
+      done > $OUT/generate.txt 2>&1; cat $OUT/generate.txt
+      timeout 120 $ST train --model gpt2-medium --dataset wikitext-2 --device cuda --precision fp16 \
+        --batch-size 16 --max-length 512 --max-steps 60 --log-interval 10 --no-save \
+        --eval-samples 64 --output-dir /tmp/fp16 > $OUT/fp16_train.log 2>&1
+      echo "fp16 rc=$?"; grep -E "step|overflow|scale|validation|peak|error" $OUT/fp16_train.log | tail -9 ;;
+    eager|compile)
+      timeout 560 python3 bench/bench_single_gpu.py --shardtrain $ST \
+        --cases medium16,tutorial,xl2,xl16ac --frameworks shardtrain,$phase \
+        --out $OUT/bench_$phase.json > $OUT/bench_$phase.log 2>&1
+      tail -14 $OUT/bench_$phase.log ;;
+  esac
+done

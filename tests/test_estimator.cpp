@@ -115,7 +115,7 @@ TEST(Estimator, ActivationsMatchWhatTheModelAllocates) {
     model.forward(tokens.data(), targets.data(), B, T, 1.0f / (B * T), true);
     model.backward();
     const double used = static_cast<double>(be->allocated_bytes() - before);
-    const double estimated = estimate_activations(c, B, T, ckpt, 4).total();
+    const double estimated = estimate_activations(c, B, T, ckpt, ActivationLayout::cpu()).total();
     EXPECT_DOUBLE_EQ(used, estimated + 64) << "activation checkpointing " << ckpt;
   }
 }

@@ -162,19 +162,45 @@ TEST_F(OpGradTest, SoftmaxCrossEntropy) {
   Tensor targets(tg.data(), DType::kI32, DeviceKind::kCPU, {N});
   std::vector<float> losses(N);
   auto f = [&] {
-    be->cross_entropy_forward(T(losses, {N}), T(logits, {N, V}), targets);
+    be->cross_entropy_forward(T(losses, {N}), T(logits, {N, V}), targets, V);
     double s = 0;
     for (float l : losses) s += l;
     return s * 0.5;
   };
   const double l0 = f();
   std::vector<float> g = logits, losses2(N);
-  be->softmax_cross_entropy(T(losses2, {N}), T(g, {N, V}), targets, 0.5f);
+  be->softmax_cross_entropy(T(losses2, {N}), T(g, {N, V}), targets, 0.5f, V);
   double s2 = 0;
   for (float l : losses2) s2 += l;
   EXPECT_NEAR(s2 * 0.5, l0, 1e-5);
   EXPECT_EQ(losses2[3], 0.f);
   expect_grad_close(logits, g, f, "cross-entropy dlogits", 1e-2f);
+}
+
+// Padded logit rows (Backend::padded_columns; the CUDA backend pads, the CPU backend may be given
+// them too): the same values as unpadded rows in the first V columns, zeros in the pads, and the
+// same cross-entropy and backward.
+TEST_F(OpGradTest, PaddedRowsEqualUnpadded) {
+  const int64_t N = 5, C = 6, V = 11, Vp = 16;
+  auto x = randn(N * C, 51), w = randn(V * C, 52), b = randn(V, 53);
+  std::vector<int32_t> tg = {3, 0, 10, -1, 7};
+  Tensor targets(tg.data(), DType::kI32, DeviceKind::kCPU, {N});
+  std::vector<float> y(N * V), yp(N * Vp, 9.f), loss(N), lossp(N), dx(N * C), dxp(N * C),
+      dw(V * C, 0.f), dwp(V * C, 0.f);
+  be->matmul_forward(T(y, {N, V}), T(x, {N, C}), T(w, {V, C}), T(b, {V}));
+  be->matmul_forward(T(yp, {N, Vp}), T(x, {N, C}), T(w, {V, C}), T(b, {V}));
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < Vp; ++j)
+      EXPECT_EQ(yp[i * Vp + j], j < V ? y[i * V + j] : 0.f) << i << "," << j;
+  be->softmax_cross_entropy(T(loss, {N}), T(y, {N, V}), targets, 0.5f, V);
+  be->softmax_cross_entropy(T(lossp, {N}), T(yp, {N, Vp}), targets, 0.5f, V);
+  EXPECT_EQ(loss, lossp);
+  be->matmul_backward(T(dx, {N, C}), T(dw, {V, C}), Tensor(), T(y, {N, V}), T(x, {N, C}),
+                      T(w, {V, C}));
+  be->matmul_backward(T(dxp, {N, C}), T(dwp, {V, C}), Tensor(), T(yp, {N, Vp}), T(x, {N, C}),
+                      T(w, {V, C}));
+  for (size_t i = 0; i < dx.size(); ++i) EXPECT_NEAR(dxp[i], dx[i], 1e-6f) << i;
+  for (size_t i = 0; i < dw.size(); ++i) EXPECT_NEAR(dwp[i], dw[i], 1e-6f) << i;
 }
 
 TEST(ModelGradTest, WholeModelEveryParameterTensor) {

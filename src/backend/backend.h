@@ -86,14 +86,21 @@ class Backend {
   // ---- linear layers -----------------------------------------------------------------------
   /// out [N,OC] = inp [N,IC] · weight[OC,IC]ᵀ + bias[OC] (bias may be empty). With
   /// Epilogue::kGelu, `pre_gelu` [N,OC] receives the pre-activation and out = gelu(pre_gelu).
+  /// Without an epilogue `out` may also be [N,OCp], OCp = padded_columns(OC) > OC: rows then have
+  /// stride OCp and columns [OC, OCp) receive zeros.
   virtual void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
                               Epilogue epilogue = Epilogue::kNone, Tensor pre_gelu = {}) = 0;
   /// dinp [N,IC] = dout · weight (overwrites; may be empty to skip); dweight [OC,IC] += doutᵀ·inp;
   /// dbias [OC] += Σ_rows dout (may be empty). When `dinp_gelu_input` [N,IC] is given, dinp is
   /// further multiplied by gelu'(dinp_gelu_input) — the backward of a GELU that produced `inp`
-  /// (fused into the matmul's epilogue on GPU).
+  /// (fused into the matmul's epilogue on GPU). `dout` may be [N,OCp] (as matmul_forward's
+  /// `out`; then dbias must be empty): columns [OC, OCp) are ignored and must hold finite values.
   virtual void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                                Tensor weight, Tensor dinp_gelu_input = {}) = 0;
+  /// The row stride (elements) to give an [N, OC] matmul output with OC columns, such as the LM
+  /// head's logits (OC = vocabulary, 50257 for GPT-2): OC itself, or OC rounded up where the
+  /// backend's GEMMs are much faster on aligned shapes (CUDA: a multiple of 64, 50304).
+  virtual int64_t padded_columns(int64_t oc) const { return oc; }
 
   // ---- GELU, tanh approximation (Hendrycks & Gimpel, arXiv 1606.08415, §2) -------------------
   virtual void gelu_forward(Tensor out, Tensor inp) = 0;
@@ -111,19 +118,23 @@ class Backend {
   /// dqkv [B,T,3C] (overwrites) from dout [B,T,C].
   virtual void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
                                   AttentionSaved saved, int num_heads) = 0;
-  /// Whether this backend saves probabilities [B,NH,T,T] (true) or log-sum-exp [B,NH,T].
-  virtual bool attention_saves_probs() const = 0;
+  /// Whether attention over heads of `head_size` channels saves probabilities [B,NH,T,T]
+  /// (true: materialized kernels) or log-sum-exp [B,NH,T] in fp32 (false: fused kernels that
+  /// recompute the probabilities in backward). Fixed for the backend's lifetime.
+  virtual bool attention_saves_probs(int head_size) const = 0;
   /// The dtype of saved probabilities (fp32 on CPU; the compute dtype on GPU).
   virtual DType attention_probs_dtype() const { return DType::kF32; }
 
   // ---- fused softmax + cross-entropy over the vocabulary ------------------------------------
-  /// logits [N,V] (overwritten with ∂L/∂logits = (softmax - onehot(target)) * grad_scale);
-  /// targets [N] int32; losses [N] fp32 receives -log softmax[target] per row.
-  /// Rows whose target is < 0 are ignored (loss 0, gradient 0).
-  virtual void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets,
-                                     float grad_scale) = 0;
-  /// Forward only (for evaluation): losses [N] from logits [N,V]; logits unchanged.
-  virtual void cross_entropy_forward(Tensor losses, Tensor logits, Tensor targets) = 0;
+  /// logits [N,Vp]: rows of stride Vp ≥ vocab whose first `vocab` columns are the scores (see
+  /// padded_columns); overwritten with ∂L/∂logits = (softmax - onehot(target)) * grad_scale in
+  /// those columns, the others untouched. targets [N] int32; losses [N] fp32 receives
+  /// -log softmax[target] per row. Rows whose target is < 0 are ignored (loss 0, gradient 0).
+  virtual void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, float grad_scale,
+                                     int64_t vocab) = 0;
+  /// Forward only (for evaluation): losses [N] from logits [N,Vp] as above; logits unchanged.
+  virtual void cross_entropy_forward(Tensor losses, Tensor logits, Tensor targets,
+                                     int64_t vocab) = 0;
 
   // ---- reductions and optimizer ----------------------------------------------------------------
   /// Σ x² over the tensor, accumulated in double, deterministic. Blocking.

@@ -94,7 +94,7 @@ struct BlockActivations {
     ln1_rstd = FlatBuffer(be, DType::kF32, N);
     qkv = FlatBuffer(be, dt, N * 3 * C);
     atty = FlatBuffer(be, dt, N * C);
-    if (be.attention_saves_probs())
+    if (be.attention_saves_probs(static_cast<int>(C / NH)))
       att_probs = FlatBuffer(be, be.attention_probs_dtype(), B_ * NH * T_ * T_);
     else
       att_lse = FlatBuffer(be, DType::kF32, B_ * NH * T_);
@@ -226,8 +226,9 @@ class BlockLayer final : public Layer {
   AttentionSaved saved(Backend& be, int64_t B, int64_t T) {
     AttentionSaved s;
     const int64_t NH = c_.n_head;
-    if (be.attention_saves_probs())
-      s.probs = Tensor(acts_->att_probs.data(), be.attention_probs_dtype(), be.kind(), {B, NH, T, T});
+    if (be.attention_saves_probs(static_cast<int>(c_.n_embd / NH)))
+      s.probs =
+          Tensor(acts_->att_probs.data(), be.attention_probs_dtype(), be.kind(), {B, NH, T, T});
     else
       s.lse = Tensor(acts_->att_lse.data(), DType::kF32, be.kind(), {B, NH, T});
     return s;
@@ -299,27 +300,28 @@ class HeadLayer final : public Layer {
     lnf_ = FlatBuffer(be, dt, N * c_.n_embd);
     mean_ = FlatBuffer(be, DType::kF32, N);
     rstd_ = FlatBuffer(be, DType::kF32, N);
-    logits_ = FlatBuffer(be, dt, N * c_.vocab_size);
+    Vp_ = be.padded_columns(c_.vocab_size);
+    logits_ = FlatBuffer(be, dt, N * Vp_);
     N_ = N;
   }
   void forward(Backend& be, StepContext& ctx, Tensor in, Tensor) override {
     const int64_t N = ctx.B * ctx.T, C = c_.n_embd, V = c_.vocab_size;
     Tensor lnf = view(be, lnf_, {N, C});
-    Tensor logits = view(be, logits_, {N, V});
+    Tensor logits = view(be, logits_, {N, Vp_});  // rows padded to Vp_ ≥ V columns
     be.layernorm_forward(lnf, view(be, mean_, {N}), view(be, rstd_, {N}), in.reshape({N, C}), lnw_,
                          lnb_);
     be.matmul_forward(logits, lnf, embed_.wte(), Tensor());
     if (ctx.targets.empty()) return;
     Tensor targets = ctx.targets.reshape({N});
     if (ctx.for_backward)
-      be.softmax_cross_entropy(ctx.losses, logits, targets, ctx.grad_scale);
+      be.softmax_cross_entropy(ctx.losses, logits, targets, ctx.grad_scale, V);
     else
-      be.cross_entropy_forward(ctx.losses, logits, targets);
+      be.cross_entropy_forward(ctx.losses, logits, targets, V);
   }
   void backward(Backend& be, StepContext& ctx, Tensor in, Tensor dresid) override {
-    const int64_t N = ctx.B * ctx.T, C = c_.n_embd, V = c_.vocab_size;
+    const int64_t N = ctx.B * ctx.T, C = c_.n_embd;
     Tensor lnf = view(be, lnf_, {N, C});
-    Tensor dlogits = view(be, logits_, {N, V});
+    Tensor dlogits = view(be, logits_, {N, Vp_});
     // The LM head's input gradient goes to a scratch buffer: ln_f's backward then accumulates
     // into the (zeroed) residual gradient.
     Tensor dlnf = scratch_.get(be, be.compute_dtype(), {N, C});
@@ -331,7 +333,7 @@ class HeadLayer final : public Layer {
   /// Host copy of the logits row for position (b, t) of the last forward.
   std::vector<float> logits_row(Backend& be, int64_t row) const {
     std::vector<float> out(static_cast<size_t>(c_.vocab_size));
-    Tensor src = logits_.slice(row * c_.vocab_size, c_.vocab_size);
+    Tensor src = logits_.slice(row * Vp_, c_.vocab_size);
     if (src.dtype == DType::kF32) {
       be.copy_to_host(out.data(), src.data, src.bytes());
     } else {
@@ -349,9 +351,9 @@ class HeadLayer final : public Layer {
   GPT2Config c_;
   const EmbeddingLayer& embed_;
   Tensor lnw_, lnb_, dlnw_, dlnb_;
-  FlatBuffer lnf_, mean_, rstd_, logits_;
+  FlatBuffer lnf_, mean_, rstd_, logits_;  ///< logits_ [N, Vp_]: rows padded for the backend
   Scratch scratch_;
-  int64_t N_ = 0;
+  int64_t N_ = 0, Vp_ = 0;
 };
 
 }  // namespace

@@ -55,19 +55,23 @@ double zero_model_state_bytes(StrategyKind s, int64_t psi, int gpus) {
 
 ActivationEstimate estimate_activations(const GPT2Config& c, int64_t micro_batch,
                                         int64_t max_length, bool activation_checkpointing,
-                                        int compute_bytes) {
-  const double dt = compute_bytes;  // the compute dtype (bf16 on the CUDA backend)
+                                        const ActivationLayout& layout) {
+  const double dt = layout.compute_bytes;  // the compute dtype (bf16 on the CUDA backend)
+  const int64_t m = layout.logits_column_multiple;
+  const double Vp = static_cast<double>((c.vocab_size + m - 1) / m * m);
   const double B = static_cast<double>(micro_batch), T = static_cast<double>(max_length);
-  const double N = B * T, C = c.n_embd, V = c.vocab_size, NH = c.n_head, L = c.n_layer;
+  const double N = B * T, C = c.n_embd, NH = c.n_head, L = c.n_layer;
   ActivationEstimate a;
   // BlockActivations (model/gpt2.cpp): ln1, atty, x2, ln2 [N,C]; qkv [N,3C]; fch, fch_gelu [N,4C]
-  // in bf16; attention probabilities [B,NH,T,T] in bf16; ln1/ln2 mean and rstd [N] in fp32.
-  const double per_block = dt * (15 * N * C + B * NH * T * T) + kF32 * 4 * N;
+  // in bf16; attention probabilities [B,NH,T,T] in bf16 or log-sum-exp [B,NH,T] in fp32;
+  // ln1/ln2 mean and rstd [N] in fp32.
+  const double attention = layout.attention_saves_probs ? dt * B * NH * T * T : kF32 * B * NH * T;
+  const double per_block = dt * 15 * N * C + attention + kF32 * 4 * N;
   a.blocks = (activation_checkpointing ? 1 : L) * per_block;
   // residual_[1..L+2] (the inputs of layers 1..L+1 and the head's unused output) and dresid.
   a.residual = dt * (L + 3) * N * C;
-  // HeadLayer: lnf [N,C], logits [N,V] (bf16), mean/rstd [N] (fp32).
-  a.head = dt * (N * C + N * V) + kF32 * 2 * N;
+  // HeadLayer: lnf [N,C], logits [N,Vp] (bf16, rows padded), mean/rstd [N] (fp32).
+  a.head = dt * (N * C + N * Vp) + kF32 * 2 * N;
   // BlockScratch tmp [N,C], d4c [N,4C], dc [N,C], dqkv [N,3C]; the head's dlnf [N,C].
   a.scratch = dt * 10 * N * C;
   a.io = 2 * kI32 * N + kF32 * N;
@@ -157,7 +161,8 @@ std::string format_memory_estimate(const MemoryEstimate& e, const MemoryEstimate
       "gradients too\n");
   out += fmt::format(
       "activations (as GPT2Model allocates them on the CUDA backend, bf16): blocks {} ({}),\n  "
-      "residual stream {}, head {} (logits [B·T, V]), backward scratch {}, tokens/losses {}\n",
+      "residual stream {}, head {} (logits [B·T, V padded to 64]), backward scratch {}, "
+      "tokens/losses {}\n",
       gib(a.blocks),
       o.activation_checkpointing
           ? "one recomputed set: activation checkpointing"

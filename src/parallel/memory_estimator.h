@@ -6,8 +6,8 @@
 //    (Rajbhandari et al., arXiv 1910.02054, §3.1 and §5, Figure 1) for mixed-precision AdamW
 //    (bf16 parameters and gradients, fp32 master weights, m and v: K = 12) with Ψ parameters
 //    over N GPUs: dp 16Ψ, zero1 4Ψ + 12Ψ/N, zero2 2Ψ + 14Ψ/N;
-//  * activations: exactly what GPT2Model allocates on the CUDA backend (bf16, attention
-//    probabilities saved [B, NH, T, T] in bf16) for a micro-batch of B sequences of T tokens;
+//  * activations: exactly what GPT2Model allocates on the CUDA backend (bf16, fused attention
+//    saving log-sum-exp [B, NH, T] in fp32) for a micro-batch of B sequences of T tokens;
 //  * buffers: the strategy's gradient bucket buffers (zero2), the cuBLASLt workspace (32 MiB)
 //    and the CUDA context (~500 MiB, an assumption: it varies with the driver and the GPU).
 // Not counted: NCCL's internal buffers, the caching allocator's rounding and fragmentation, and
@@ -68,13 +68,23 @@ struct MemoryEstimate {
 /// strategies and gpus < 1.
 double zero_model_state_bytes(StrategyKind s, int64_t psi, int gpus);
 
-/// Activation bytes of a micro-batch [micro_batch, max_length] as GPT2Model allocates them on
-/// the CUDA backend in bf16 (see ActivationEstimate). `compute_bytes` is the size of the compute
-/// dtype, in which the attention probabilities are saved too: 2 for the CUDA backend in bf16, 4
-/// for the CPU backend (fp32), which the tests measure against.
+/// How a backend lays out the activations estimate_activations() counts. The defaults are the
+/// CUDA backend's in bf16; cpu() is the CPU backend's (fp32), which the tests measure against.
+struct ActivationLayout {
+  int compute_bytes = 2;  ///< size of the compute dtype
+  /// Attention keeps probabilities [B, NH, T, T] in the compute dtype (CPU backend,
+  /// SHARDTRAIN_ATTENTION=materialized) instead of log-sum-exp [B, NH, T] in fp32 (the fused
+  /// kernels); see Backend::attention_saves_probs.
+  bool attention_saves_probs = false;
+  int64_t logits_column_multiple = 64;  ///< logits rows padded to it (Backend::padded_columns)
+  static ActivationLayout cpu() { return {4, true, 1}; }
+};
+
+/// Activation bytes of a micro-batch [micro_batch, max_length] as GPT2Model allocates them on a
+/// backend with `layout` (see ActivationEstimate).
 ActivationEstimate estimate_activations(const GPT2Config& model, int64_t micro_batch,
                                         int64_t max_length, bool activation_checkpointing,
-                                        int compute_bytes = 2);
+                                        const ActivationLayout& layout = {});
 
 /// Gradient bucket buffers (bytes, bf16) strategy `s` holds besides its model states: zero2's
 /// embedding bucket and one or two transient bucket buffers (parallel/zero.cpp); 0 for dp and

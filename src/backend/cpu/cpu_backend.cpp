@@ -255,17 +255,20 @@ class CpuBackend final : public Backend {
   void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Epilogue epilogue,
                       Tensor pre_gelu) override {
     const int64_t OC = weight.dim(0), IC = weight.dim(1), N = inp.numel() / IC;
-    ST_ASSERT(out.numel() == N * OC);
+    const int64_t ld = N > 0 ? out.numel() / N : OC;  // row stride: OC, or padded (no epilogue)
+    ST_ASSERT(out.numel() == N * ld && ld >= OC && (ld == OC || epilogue == Epilogue::kNone));
     float* y = epilogue == Epilogue::kGelu ? pre_gelu.f32() : out.f32();
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(N), static_cast<int>(OC),
                 static_cast<int>(IC), 1.0f, inp.f32(), static_cast<int>(IC), weight.f32(),
-                static_cast<int>(IC), 0.0f, y, static_cast<int>(OC));
-    if (!bias.empty()) {
-      const float* bb = bias.f32();
+                static_cast<int>(IC), 0.0f, y, static_cast<int>(ld));
+    if (!bias.empty() || ld > OC) {
+      const float* bb = bias.empty() ? nullptr : bias.f32();
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < N; ++i) {
-        float* yi = y + i * OC;
-        for (int64_t o = 0; o < OC; ++o) yi[o] += bb[o];
+        float* yi = y + i * ld;
+        if (bb)
+          for (int64_t o = 0; o < OC; ++o) yi[o] += bb[o];
+        std::fill(yi + OC, yi + ld, 0.0f);
       }
     }
     if (epilogue == Epilogue::kGelu) gelu_forward(out, pre_gelu);
@@ -274,23 +277,25 @@ class CpuBackend final : public Backend {
   void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                        Tensor weight, Tensor dinp_gelu_input) override {
     const int64_t OC = weight.dim(0), IC = weight.dim(1), N = inp.numel() / IC;
+    const int64_t ld = N > 0 ? dout.numel() / N : OC;  // row stride of dout: OC or padded
+    ST_ASSERT(dout.numel() == N * ld && ld >= OC);
     const float* dy = dout.f32();
     if (!dinp.empty()) {
       // dinp [N,IC] = dout [N,OC] · W [OC,IC]
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(N),
-                  static_cast<int>(IC), static_cast<int>(OC), 1.0f, dy, static_cast<int>(OC),
+                  static_cast<int>(IC), static_cast<int>(OC), 1.0f, dy, static_cast<int>(ld),
                   weight.f32(), static_cast<int>(IC), 0.0f, dinp.f32(), static_cast<int>(IC));
       if (!dinp_gelu_input.empty()) gelu_backward(dinp, dinp_gelu_input, dinp);
     }
     // dW [OC,IC] += doutᵀ [OC,N] · inp [N,IC]
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(OC), static_cast<int>(IC),
-                static_cast<int>(N), 1.0f, dy, static_cast<int>(OC), inp.f32(),
+                static_cast<int>(N), 1.0f, dy, static_cast<int>(ld), inp.f32(),
                 static_cast<int>(IC), 1.0f, dweight.f32(), static_cast<int>(IC));
     if (!dbias.empty()) {
       float* db = dbias.f32();
       for_channel_slices(OC, [&](int64_t o0, int64_t o1) {
         for (int64_t i = 0; i < N; ++i) {
-          const float* dyi = dy + i * OC;
+          const float* dyi = dy + i * ld;
           for (int64_t o = o0; o < o1; ++o) db[o] += dyi[o];
         }
       });
@@ -338,7 +343,7 @@ class CpuBackend final : public Backend {
   }
 
   // ---- attention -------------------------------------------------------------------------------
-  bool attention_saves_probs() const override { return true; }
+  bool attention_saves_probs(int /*head_size*/) const override { return true; }
 
   void attention_forward(Tensor out, AttentionSaved saved, Tensor qkv, int num_heads) override {
     const int64_t B = qkv.dim(0), T = qkv.dim(1), C3 = qkv.dim(2), C = C3 / 3;
@@ -437,15 +442,16 @@ class CpuBackend final : public Backend {
   }
 
   // ---- cross-entropy ---------------------------------------------------------------------------
-  void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets,
-                             float grad_scale) override {
-    const int64_t V = logits.dim(-1), N = logits.numel() / V;
+  void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, float grad_scale,
+                             int64_t vocab) override {
+    const int64_t ld = logits.dim(-1), N = logits.numel() / ld, V = vocab;
+    ST_ASSERT(V > 0 && V <= ld);
     float* lg = logits.f32();
     const int32_t* tg = targets.i32();
     float* ls = losses.f32();
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
-      float* row = lg + i * V;
+      float* row = lg + i * ld;
       const int32_t target = tg[i];
       if (target < 0) {
         ls[i] = 0.f;
@@ -463,14 +469,15 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void cross_entropy_forward(Tensor losses, Tensor logits, Tensor targets) override {
-    const int64_t V = logits.dim(-1), N = logits.numel() / V;
+  void cross_entropy_forward(Tensor losses, Tensor logits, Tensor targets, int64_t vocab) override {
+    const int64_t ld = logits.dim(-1), N = logits.numel() / ld, V = vocab;
+    ST_ASSERT(V > 0 && V <= ld);
     const float* lg = logits.f32();
     const int32_t* tg = targets.i32();
     float* ls = losses.f32();
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
-      const float* row = lg + i * V;
+      const float* row = lg + i * ld;
       if (tg[i] < 0) {
         ls[i] = 0.f;
         continue;

@@ -437,7 +437,8 @@ struct OnlineSoftmax {
   }
 };
 
-/// softmax_cross_entropy / cross_entropy_forward, one block per row i of logits [N, V] (any V):
+/// softmax_cross_entropy / cross_entropy_forward, one block per row i of logits [N, ld], whose
+/// first V columns are the scores (any V ≤ ld; columns [V, ld) are neither read nor written):
 ///   m = max_j x_j, s = Σ_j exp(x_j − m), loss_i = log s + m − x_{target_i},
 ///   and with kWriteGrad: x_j ← (exp(x_j − m)/s − [j = target_i]) · grad_scale, in place in T.
 /// target < 0: loss 0 (and a zero gradient row). target ≥ V (invalid input): loss NaN, no
@@ -447,10 +448,10 @@ struct OnlineSoftmax {
 /// body of 16-byte vectors, and a scalar tail.
 template <typename T, bool kWriteGrad>
 __global__ void cross_entropy_kernel(float* losses, T* logits, const int32_t* targets, int64_t V,
-                                     float grad_scale) {
+                                     int64_t ld, float grad_scale) {
   constexpr int K = static_cast<int>(16 / sizeof(T));
   const int64_t row = blockIdx.x;
-  T* x = logits + row * V;
+  T* x = logits + row * ld;
   const int32_t target = targets[row];
   if (target < 0) {
     if (threadIdx.x == 0) losses[row] = 0.0f;
@@ -635,21 +636,23 @@ void require_dtype(const char* op, const char* name, const Tensor& t, DType dt) 
         strf("cuda %s: %s must be %s, got %s", op, name, dtype_name(dt), dtype_name(t.dtype)));
 }
 
-/// The attention kernels, from SHARDTRAIN_ATTENTION: "flash" selects the fused kernels
-/// (cuda_flash_attention.cu) for bf16/fp16 compute; unset, empty or "materialized" selects the
-/// materialized-probabilities kernels (cuda_attention.cu), which fp32 always uses. The default
-/// stays "materialized" until the flash kernels have passed the GPU tests
-/// (tests/test_cuda_backend.cpp, FlashAttention*) on an H100/H200. Read once, at construction:
-/// attention_saves_probs() must not change under a model that sized its buffers by it.
+/// The attention kernels, from SHARDTRAIN_ATTENTION: unset, empty or "flash" selects the fused
+/// kernels (cuda_flash_attention.cu) for bf16/fp16 compute; "materialized" selects the
+/// materialized-probabilities kernels (cuda_attention.cu), which fp32 always uses (the tight
+/// fp32 parity tests run on them), as do head sizes the fused kernels lack. Read once, at
+/// construction: attention_saves_probs() must not change under a model that sized its buffers by
+/// it. Throws ConfigError for any other value.
 bool use_flash_attention(DType compute_dtype) {
   const char* v = std::getenv("SHARDTRAIN_ATTENTION");
   const std::string mode = v ? v : "";
-  if (mode.empty() || mode == "materialized") return false;
-  if (mode != "flash")
-    throw ConfigError(strf("SHARDTRAIN_ATTENTION=%s: expected \"flash\" or \"materialized\"", v));
-  // Every GPT-2 size has 64-wide heads; other head sizes are checked (with a clear error) by the
-  // flash launchers.
-  return cuda::flash_attention_supported(compute_dtype, 64);
+  if (mode == "materialized") return false;
+  if (!mode.empty() && mode != "flash")
+    throw ConfigError(
+        strf("SHARDTRAIN_ATTENTION=%s: expected \"flash\" (the default) or "
+             "\"materialized\"",
+             v));
+  // Head sizes the fused kernels lack fall back to the materialized ones (flash_for()).
+  return compute_dtype == DType::kBF16 || compute_dtype == DType::kF16;
 }
 
 // ==== caching allocator ========================================================================
@@ -1126,7 +1129,7 @@ class CudaBackend final : public Backend {
   // ---- attention (cuda_attention.cu; cuda_flash_attention.cu when flash_) ------------------
   void attention_forward(Tensor out, AttentionSaved saved, Tensor qkv, int num_heads) override {
     activate();
-    if (flash_)
+    if (flash_for(qkv.dim(2) / 3 / num_heads))
       cuda::flash_attention_forward(ctx_, out, saved.lse, qkv, num_heads);
     else
       cuda::attention_forward(ctx_, out, saved, qkv, num_heads);
@@ -1134,22 +1137,25 @@ class CudaBackend final : public Backend {
   void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, AttentionSaved saved,
                           int num_heads) override {
     activate();
-    if (flash_)
+    if (flash_for(qkv.dim(2) / 3 / num_heads))
       cuda::flash_attention_backward(ctx_, dqkv, dout, qkv, out, saved.lse, num_heads);
     else
       cuda::attention_backward(ctx_, dqkv, dout, qkv, out, saved, num_heads);
   }
-  bool attention_saves_probs() const override { return !flash_; }
+  bool attention_saves_probs(int head_size) const override { return !flash_for(head_size); }
   DType attention_probs_dtype() const override { return dtype_; }
 
   // ---- cross-entropy -----------------------------------------------------------------------
-  void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets,
-                             float grad_scale) override {
-    cross_entropy(losses, logits, targets, grad_scale, true);
+  void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, float grad_scale,
+                             int64_t vocab) override {
+    cross_entropy(losses, logits, targets, vocab, grad_scale, true);
   }
-  void cross_entropy_forward(Tensor losses, Tensor logits, Tensor targets) override {
-    cross_entropy(losses, logits, targets, 0.0f, false);
+  void cross_entropy_forward(Tensor losses, Tensor logits, Tensor targets, int64_t vocab) override {
+    cross_entropy(losses, logits, targets, vocab, 0.0f, false);
   }
+  /// A multiple of 64: cuBLASLt's fast kernels need the GEMM dimension a multiple of 8
+  /// (cuda_matmul.cu, "padding an awkward OC"); 64 also keeps every row 128-byte aligned.
+  int64_t padded_columns(int64_t oc) const override { return (oc + 63) / 64 * 64; }
 
   // ---- reductions and optimizer ------------------------------------------------------------
   double sum_squares(Tensor x) override { return reduce(x, true); }
@@ -1274,10 +1280,13 @@ class CudaBackend final : public Backend {
     return scratch_;
   }
 
-  void cross_entropy(Tensor losses, Tensor logits, Tensor targets, float grad_scale,
+  void cross_entropy(Tensor losses, Tensor logits, Tensor targets, int64_t V, float grad_scale,
                      bool write_grad) {
     const char* op = write_grad ? "softmax_cross_entropy" : "cross_entropy_forward";
-    const int64_t V = logits.dim(-1), N = logits.numel() / V;
+    const int64_t ld = logits.dim(-1), N = logits.numel() / ld;
+    if (V <= 0 || V > ld)
+      throw RuntimeFailure(strf("cuda %s: vocabulary %lld does not fit rows of %lld columns", op,
+                                static_cast<long long>(V), static_cast<long long>(ld)));
     require_float(op, "logits", logits);
     require_dtype(op, "losses", losses, DType::kF32);
     require_dtype(op, "targets", targets, DType::kI32);
@@ -1290,10 +1299,10 @@ class CudaBackend final : public Backend {
     dispatch_float(logits.dtype, [&]<typename T>() {
       if (write_grad)
         cross_entropy_kernel<T, true><<<static_cast<unsigned>(N), kThreads, 0, ctx_.stream>>>(
-            losses.as<float>(), logits.as<T>(), targets.as<int32_t>(), V, grad_scale);
+            losses.as<float>(), logits.as<T>(), targets.as<int32_t>(), V, ld, grad_scale);
       else
         cross_entropy_kernel<T, false><<<static_cast<unsigned>(N), kThreads, 0, ctx_.stream>>>(
-            losses.as<float>(), logits.as<T>(), targets.as<int32_t>(), V, grad_scale);
+            losses.as<float>(), logits.as<T>(), targets.as<int32_t>(), V, ld, grad_scale);
       ST_CUDA_LAUNCH_CHECK();
     });
   }
@@ -1330,7 +1339,12 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   DType dtype_;
-  bool flash_ = false;  ///< fused attention (SHARDTRAIN_ATTENTION=flash); set at construction
+  /// Whether attention over heads of `head_size` channels runs the fused kernels: the backend
+  /// chose them (flash_) and they support that head size (32, 64, 128); else materialized.
+  bool flash_for(int64_t head_size) const {
+    return flash_ && cuda::flash_attention_supported(dtype_, static_cast<int>(head_size));
+  }
+  bool flash_ = false;  ///< fused attention (bf16/fp16 unless SHARDTRAIN_ATTENTION=materialized)
   std::string description_;
   CudaContext ctx_;
   std::unique_ptr<CachingAllocator> alloc_;

@@ -733,7 +733,7 @@ FlashShape flash_shape(const Tensor& qkv, int num_heads, const char* op) {
   require(flash_attention_supported(qkv.dtype, static_cast<int>(s.hs)), "cuda ", op,
           ": flash attention supports bf16/fp16 tensors with head size 32, 64 or 128; got ",
           dtype_name(qkv.dtype), " with head size ", s.hs,
-          " (unset SHARDTRAIN_ATTENTION to use the materialized kernels)");
+          " (set SHARDTRAIN_ATTENTION=materialized to use the materialized kernels)");
   require(s.T < (int64_t{1} << 30) && s.BH < (int64_t{1} << 30), "cuda ", op, ": T = ", s.T,
           ", batch·heads = ", s.BH, " are too large");
   require(s.BH * ((s.T + kTile - 1) / kTile) <= INT32_MAX, "cuda ", op,

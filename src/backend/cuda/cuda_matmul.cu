@@ -2,8 +2,9 @@
 // deterministic bias-gradient reduction.
 //
 // Semantics (backend/backend.h, matched by backend/cpu/cpu_backend.cpp):
-//   forward : out [N,OC] = inp [N,IC] · W[OC,IC]ᵀ + b[OC]      (kGelu: pre_gelu = that, out = gelu(it))
-//   backward: dinp [N,IC] = dout [N,OC] · W       (OVERWRITES; · gelu'(dinp_gelu_input) when given)
+//   forward : out [N,OC] = inp [N,IC] · W[OC,IC]ᵀ + b[OC]      (kGelu: pre_gelu = that, out =
+//   gelu(it)) backward: dinp [N,IC] = dout [N,OC] · W       (OVERWRITES; · gelu'(dinp_gelu_input)
+//   when given)
 //             dW [OC,IC] += doutᵀ · inp           (ACCUMULATES, beta = 1)
 //             db [OC]    += Σ_rows dout           (ACCUMULATES, own two-stage kernel)
 // GELU is the tanh approximation (Hendrycks & Gimpel, arXiv 1606.08415, §2), as on the CPU.
@@ -19,25 +20,28 @@
 //            exactly the row-major column index, so CUBLASLT_EPILOGUE_BIAS broadcasts it per row of
 //            out. The GELU aux matrix (pre_gelu) has D's layout: ld OC.
 //   dinp     dinp[N,IC] = dout·W  ⇔  dinpᵀ [IC,N] = Wᵀ · doutᵀ
-//            W buffer col-major [IC,OC] (ld IC): op = N;  dout buffer col-major [OC,N] (ld OC): op = N.
-//            m = IC, n = N, k = OC ("NN"). The dGELU aux (dinp_gelu_input) has D's layout, ld IC.
+//            W buffer col-major [IC,OC] (ld IC): op = N;  dout buffer col-major [OC,N] (ld OC): op
+//            = N. m = IC, n = N, k = OC ("NN"). The dGELU aux (dinp_gelu_input) has D's layout, ld
+//            IC.
 //   dweight  dW[OC,IC] += doutᵀ·inp ⇔  dWᵀ [IC,OC] += inpᵀ · dout
-//            inp buffer col-major [IC,N] (ld IC): op = N;  dout buffer col-major [OC,N] (ld OC): op = T.
-//            m = IC, n = OC, k = N ("NT"), beta = 1, C = D = dW (ld IC).
+//            inp buffer col-major [IC,N] (ld IC): op = N;  dout buffer col-major [OC,N] (ld OC): op
+//            = T. m = IC, n = OC, k = N ("NT"), beta = 1, C = D = dW (ld IC).
 //
 // ---- epilogues -------------------------------------------------------------------------------
 //   forward kNone: BIAS (bias given) or DEFAULT.
-//   forward kGelu: GELU_AUX_BIAS (bias given) or GELU_AUX; the aux output is pre_gelu (pre-activation,
+//   forward kGelu: GELU_AUX_BIAS (bias given) or GELU_AUX; the aux output is pre_gelu
+//   (pre-activation,
 //            after the bias). cuBLASLt requires the aux leading dimension to be a multiple of 8
 //            (cublasLt.h, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD): OC = 4C for GPT-2.
 //   dinp with dinp_gelu_input: DGELU, aux = dinp_gelu_input: D = (dout·W) ⊙ gelu'(aux), the product
-//            taken in fp32 before rounding to the output dtype ("apply GELU gradient to matmul output").
+//            taken in fp32 before rounding to the output dtype ("apply GELU gradient to matmul
+//            output").
 //   When a fused epilogue's requirements fail (aux ld not a multiple of 8, bias/aux pointer not
 //   16-byte aligned, or the heuristic offers no algorithm, e.g. for some dtype), the GEMM runs with
 //   DEFAULT and separate bias / GELU / dGELU kernels below finish the job (same math). fp32 tensors
 //   always take the separate GELU / dGELU kernels: cuBLASLt's GELU differs from the tanhf-based
-//   reference by ~4e-6 relative (measured), too much for fp32's tight-parity role; BIAS stays fused.
-//   SHARDTRAIN_CUDA_NO_FUSED_EPILOGUE=1 in the environment forces that path (for testing).
+//   reference by ~4e-6 relative (measured), too much for fp32's tight-parity role; BIAS stays
+//   fused. SHARDTRAIN_CUDA_NO_FUSED_EPILOGUE=1 in the environment forces that path (for testing).
 //   cuBLASLt's bias-gradient epilogues (BGRADA/B) OVERWRITE their output and tie the reduction to
 //   the GEMM's algorithm; the bias gradient here is our own kernel that ADDS into dbias.
 //
@@ -50,7 +54,9 @@
 // lanes of a block, then chunks in chunk order), with chunk size a function of N only.
 //
 // Awkward OC: when OC·es is not a multiple of 16 bytes (the LM head, OC = 50257) and the problem is
-// large, OC is padded through scratch copies (see needs_oc_padding(); ~5x faster on an H200).
+// large, OC is padded (see needs_oc_padding(); ~5x faster on an H200) — in place when the caller
+// gives out/dout with padded rows [N, OCp] (Backend::padded_columns; the model's logits), else
+// through scratch copies.
 //
 // Dtypes: inp, weight, bias, out, pre_gelu, dout, dinp, dinp_gelu_input share the compute dtype
 // (fp32, bf16 or fp16); dweight and dbias may be that dtype or fp32 (fp32 gradient accumulation).
@@ -61,7 +67,6 @@
 #include <map>
 #include <mutex>
 #include <optional>
-
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -70,7 +75,6 @@
 
 namespace shardtrain::cuda {
 namespace {
-
 
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluCube = 0.044715f;
@@ -121,11 +125,12 @@ unsigned elementwise_blocks(const CudaContext& ctx, int64_t total, int threads) 
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(want, cap)));
 }
 
-// ---- bias gradient: dbias[o] += Σ_i dout[i, o] ---------------------------------------------------
-// Stage 1: block (32, 8) owns 64 columns (2 adjacent per lane: a warp reads 64 contiguous elements
-// of a row) and one chunk of rows; lane row r sums rows r, r+8, ... of the chunk in order; the 8
-// row lanes are combined in order through shared memory. With one chunk the block adds straight
-// into dbias; otherwise partial [nchunks, OC] fp32 goes to stage 2, which sums chunks in order.
+// ---- bias gradient: dbias[o] += Σ_i dout[i, o]
+// --------------------------------------------------- Stage 1: block (32, 8) owns 64 columns (2
+// adjacent per lane: a warp reads 64 contiguous elements of a row) and one chunk of rows; lane row
+// r sums rows r, r+8, ... of the chunk in order; the 8 row lanes are combined in order through
+// shared memory. With one chunk the block adds straight into dbias; otherwise partial [nchunks, OC]
+// fp32 goes to stage 2, which sums chunks in order.
 constexpr int kBgCols = 64;
 constexpr int kBgRowLanes = 8;
 
@@ -191,13 +196,17 @@ BiasGradPlan bias_grad_plan(int64_t N) {
 // 2.1, dinp (k = OC) 12 ms instead of 1.85, dweight (n = OC) 3.1 ms instead of 1.8. Padding only
 // the leading dimension does not help; the GEMM dimension itself must be a multiple of 8. So for
 // such a (large) problem OC is padded to OCp = round_up(OC, 16) through scratch copies:
-//   forward : W → Wp [OCp, IC] (zero rows), bias → bp [OCp]; GEMM into Yp [N, OCp]; Yp[:, :OC] → out
-//   backward: dout → Dp [N, OCp] (zero columns), W → Wp (zero rows; for dinp only);
+//   forward : W → Wp [OCp, IC] (zero rows), bias → bp [OCp]; GEMM into Yp [N, OCp]; Yp[:, :OC] →
+//   out backward: dout → Dp [N, OCp] (zero columns), W → Wp (zero rows; for dinp only);
 //             dinp = Dp·Wp (k = OCp: the zero pads add nothing);
 //             dWp [OCp, IC] fp32 = Dpᵀ·inp (beta 0), then dW[:OC] = dW + dWp[:OC] (one rounding,
 //             like beta = 1 inside the GEMM).
 // Extra traffic: about one read and one write of the [N, OC] matrix; extra scratch N·OCp·es plus
 // OCp·IC·(es + 4) bytes (LM head, N=16384, bf16: 1.6 GB + 0.3 GB).
+// With padded rows (out/dout [N, OCp] given by the caller) neither copy of the [N, OC] matrix is
+// made: forward writes Y straight into out (m = OCp, its pad columns zero), dinp reads dout with
+// k = OCp, and dW (n = OC, ldb = OCp) accumulates straight into dweight; the scratch is Wp alone
+// (OCp·IC·es: 103 MB for gpt2-medium, 161 MB for gpt2-xl).
 constexpr int64_t kPadMinElements = int64_t{1} << 20;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -351,9 +360,11 @@ bool lt_matmul(const CudaContext& ctx, const LtGemm& g) {
     set_desc(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.aux_ld);
   }
   const bool ta = g.transa != CUBLAS_OP_N, tb = g.transb != CUBLAS_OP_N;
-  ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ds.a, g.ab_type, static_cast<uint64_t>(ta ? g.k : g.m),
+  ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ds.a, g.ab_type,
+                                             static_cast<uint64_t>(ta ? g.k : g.m),
                                              static_cast<uint64_t>(ta ? g.m : g.k), g.lda));
-  ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ds.b, g.ab_type, static_cast<uint64_t>(tb ? g.n : g.k),
+  ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ds.b, g.ab_type,
+                                             static_cast<uint64_t>(tb ? g.n : g.k),
                                              static_cast<uint64_t>(tb ? g.k : g.n), g.ldb));
   ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ds.d, g.d_type, static_cast<uint64_t>(g.m),
                                              static_cast<uint64_t>(g.n), g.ldd));
@@ -393,8 +404,8 @@ bool lt_matmul(const CudaContext& ctx, const LtGemm& g) {
       set_pref(ds.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_d);
       cublasLtMatmulHeuristicResult_t result{};
       int count = 0;
-      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.lt, ds.op, ds.a, ds.b, ds.d, ds.d,
-                                                               ds.pref, 1, &result, &count);
+      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.lt, ds.op, ds.a, ds.b, ds.d,
+                                                               ds.d, ds.pref, 1, &result, &count);
       std::optional<cublasLtMatmulAlgo_t> found;
       if (st == CUBLAS_STATUS_SUCCESS && count > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
         found = result.algo;
@@ -440,9 +451,14 @@ void matmul_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weigh
   ST_ASSERT(weight.ndim == 2 && IC > 0 && OC > 0);
   ST_ASSERT(inp.numel() % IC == 0);
   const int64_t N = inp.numel() / IC;
-  ST_ASSERT(out.numel() == N * OC);
+  const int64_t ld_out = N > 0 ? out.numel() / N : OC;  // OC, or padded rows (no epilogue)
+  ST_ASSERT(out.numel() == N * ld_out && ld_out >= OC);
+  const bool padded_out = ld_out > OC;
   const DType dt = inp.dtype;
   require(is_float_dtype(dt), "cuda matmul_forward: dtype ", dtype_name(dt), " is not floating");
+  require(!padded_out || (epilogue == Epilogue::kNone && (ld_out * dtype_size(dt)) % 16 == 0),
+          "cuda matmul_forward: padded rows (", ld_out, " columns for OC = ", OC,
+          ") need no epilogue and 16-byte aligned rows");
   require_dtype(weight, dt, "matmul_forward", "weight");
   require_dtype(out, dt, "matmul_forward", "out");
   if (!bias.empty()) {
@@ -472,18 +488,20 @@ void matmul_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weigh
   g.D = out.data;
   g.ldd = OC;
 
-  // An awkward OC (the LM head's 50257) is padded to a multiple of 16: see needs_oc_padding().
-  const bool pad = !gelu && needs_oc_padding(N, OC, dt);
+  // An awkward OC (the LM head's 50257) is padded to a multiple of 16, or to the caller's padded
+  // rows: see needs_oc_padding().
+  const bool pad = padded_out || (!gelu && needs_oc_padding(N, OC, dt));
   if (pad) {
-    const int64_t OCp = round_up(OC, 16);
+    const int64_t OCp = padded_out ? ld_out : round_up(OC, 16);
     const size_t es = dtype_size(dt);
-    const size_t w_bytes = static_cast<size_t>(OCp * IC) * es, y_bytes = static_cast<size_t>(N * OCp) * es;
+    const size_t w_bytes = static_cast<size_t>(OCp * IC) * es;
+    const size_t y_bytes = padded_out ? 0 : static_cast<size_t>(N * OCp) * es;
     const size_t b_bytes = bias.empty() ? 0 : static_cast<size_t>(OCp) * es;
     Carver cv;
     cv.base = static_cast<char*>(ctx.get_scratch(Carver::padded(w_bytes) + Carver::padded(y_bytes) +
                                                  Carver::padded(b_bytes)));
     void* Wp = cv.take(w_bytes);
-    void* Yp = cv.take(y_bytes);
+    void* Yp = padded_out ? out.data : cv.take(y_bytes);
     void* bp = cv.take(b_bytes);
     copy_pad(ctx, dt, Wp, IC, OCp, IC, weight.data, IC, OC, IC);
     if (bp) copy_pad(ctx, dt, bp, OCp, 1, OCp, bias.data, OC, 1, OC);
@@ -499,24 +517,25 @@ void matmul_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weigh
       fused = lt_matmul(ctx, f);
     }
     if (!fused) lt_matmul_or_throw(ctx, g, "matmul_forward");
-    copy_pad(ctx, dt, out.data, OC, N, OC, Yp, OCp, N, OC);
-    if (!bp || fused) return;
-    const int64_t total = N * OC;
-    constexpr int kThreads = 256;
-    const unsigned blocks = elementwise_blocks(ctx, total, kThreads);
-    dispatch_float(dt, [&]<typename T>() {
-      bias_gelu_kernel<T, false><<<blocks, kThreads, 0, ctx.stream>>>(
-          out.as<T>(), out.as<T>(), bias.as<T>(), total, OC);
-    });
-    ST_CUDA_LAUNCH_CHECK();
+    if (bp && !fused) {  // bias over Yp [N, OCp] with the zero-padded bias bp
+      const int64_t total = N * OCp;
+      constexpr int kThreads = 256;
+      const unsigned blocks = elementwise_blocks(ctx, total, kThreads);
+      dispatch_float(dt, [&]<typename T>() {
+        bias_gelu_kernel<T, false><<<blocks, kThreads, 0, ctx.stream>>>(
+            static_cast<T*>(Yp), static_cast<T*>(Yp), static_cast<const T*>(bp), total, OCp);
+      });
+      ST_CUDA_LAUNCH_CHECK();
+    }
+    if (!padded_out) copy_pad(ctx, dt, out.data, OC, N, OC, Yp, OCp, N, OC);
     return;
   }
 
   const bool bias_ok = bias.empty() || alignment_of(bias.data) >= 16;
   // fp32 mode is the tight-parity mode: cuBLASLt's GELU epilogues differ from tanhf-based GELU
   // by a few 1e-6 relative, so fp32 uses the exact kernels below instead.
-  const bool fused_gelu_ok = dt != DType::kF32 && OC % 8 == 0 &&
-                             alignment_of(gelu ? pre_gelu.data : nullptr) >= 16;
+  const bool fused_gelu_ok =
+      dt != DType::kF32 && OC % 8 == 0 && alignment_of(gelu ? pre_gelu.data : nullptr) >= 16;
   bool done = false;  // bias (and GELU) applied
   if (gelu && !fused_epilogues_disabled() && bias_ok && fused_gelu_ok) {
     LtGemm f = g;
@@ -552,11 +571,11 @@ void matmul_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weigh
   dispatch_float(dt, [&]<typename T>() {
     const T* b = bias.empty() ? nullptr : bias.as<T>();
     if (gelu) {
-      bias_gelu_kernel<T, true><<<blocks, kThreads, 0, ctx.stream>>>(out.as<T>(), pre_gelu.as<T>(),
-                                                                    b, total, OC);
+      bias_gelu_kernel<T, true>
+          <<<blocks, kThreads, 0, ctx.stream>>>(out.as<T>(), pre_gelu.as<T>(), b, total, OC);
     } else {
-      bias_gelu_kernel<T, false><<<blocks, kThreads, 0, ctx.stream>>>(out.as<T>(), out.as<T>(), b,
-                                                                     total, OC);
+      bias_gelu_kernel<T, false>
+          <<<blocks, kThreads, 0, ctx.stream>>>(out.as<T>(), out.as<T>(), b, total, OC);
     }
   });
   ST_CUDA_LAUNCH_CHECK();
@@ -564,13 +583,15 @@ void matmul_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weigh
 
 // ---- backward ---------------------------------------------------------------------------------
 
-void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor dbias,
-                     Tensor dout, Tensor inp, Tensor weight, Tensor dinp_gelu_input) {
+void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                     Tensor inp, Tensor weight, Tensor dinp_gelu_input) {
   const int64_t OC = weight.dim(0), IC = weight.dim(1);
   ST_ASSERT(weight.ndim == 2 && IC > 0 && OC > 0);
   ST_ASSERT(inp.numel() % IC == 0);
   const int64_t N = inp.numel() / IC;
-  ST_ASSERT(dout.numel() == N * OC);
+  const int64_t ld_dout = N > 0 ? dout.numel() / N : OC;  // OC, or padded rows
+  ST_ASSERT(dout.numel() == N * ld_dout && ld_dout >= OC);
+  const bool padded_dout = ld_dout > OC;
   const DType dt = dout.dtype;
   require(is_float_dtype(dt), "cuda matmul_backward: dtype ", dtype_name(dt), " is not floating");
   require_dtype(inp, dt, "matmul_backward", "inp");
@@ -597,14 +618,20 @@ void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor
   // One scratch allocation: the bias-gradient partial sums and, for an awkward OC, the padded
   // copies (see needs_oc_padding()).
   const BiasGradPlan plan = bias_grad_plan(N);
-  const bool pad = needs_oc_padding(N, OC, dt);
-  const int64_t OCp = pad ? round_up(OC, 16) : OC;
+  require(!padded_dout || ((ld_dout * dtype_size(dt)) % 16 == 0 && dbias.empty()),
+          "cuda matmul_backward: padded rows (", ld_dout, " columns for OC = ", OC,
+          ") need 16-byte aligned rows and no bias gradient");
+  // copy: dout is padded through scratch (Dp); padded_dout: the caller padded it already.
+  const bool copy = !padded_dout && needs_oc_padding(N, OC, dt);
+  const bool pad = copy || padded_dout;
+  const int64_t OCp = padded_dout ? ld_dout : copy ? round_up(OC, 16) : OC;
   const size_t es = dtype_size(dt);
-  const size_t partial_bytes =
-      !dbias.empty() && plan.nchunks > 1 ? static_cast<size_t>(plan.nchunks * OC) * sizeof(float) : 0;
-  const size_t dp_bytes = pad ? static_cast<size_t>(N * OCp) * es : 0;
+  const size_t partial_bytes = !dbias.empty() && plan.nchunks > 1
+                                   ? static_cast<size_t>(plan.nchunks * OC) * sizeof(float)
+                                   : 0;
+  const size_t dp_bytes = copy ? static_cast<size_t>(N * OCp) * es : 0;
   const size_t wp_bytes = pad && !dinp.empty() ? static_cast<size_t>(OCp * IC) * es : 0;
-  const size_t dwp_bytes = pad ? static_cast<size_t>(OCp * IC) * sizeof(float) : 0;
+  const size_t dwp_bytes = copy ? static_cast<size_t>(OCp * IC) * sizeof(float) : 0;
   const size_t total_bytes = Carver::padded(partial_bytes) + Carver::padded(dp_bytes) +
                              Carver::padded(wp_bytes) + Carver::padded(dwp_bytes);
   Carver cv;
@@ -613,11 +640,13 @@ void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor
   void* Dp = cv.take(dp_bytes);
   void* Wp = cv.take(wp_bytes);
   float* dWp = static_cast<float*>(cv.take(dwp_bytes));
-  const void* dout_gemm = dout.data;   // dout as the GEMMs read it: [N, OCp]
+  const void* dout_gemm = dout.data;      // dout as the GEMMs read it: [N, OCp]
   const void* weight_gemm = weight.data;  // W as the dinp GEMM reads it: [OCp, IC]
   if (pad) {
-    copy_pad(ctx, dt, Dp, OCp, N, OCp, dout.data, OC, N, OC);
-    dout_gemm = Dp;
+    if (copy) {
+      copy_pad(ctx, dt, Dp, OCp, N, OCp, dout.data, OC, N, OC);
+      dout_gemm = Dp;
+    }
     if (Wp) {
       copy_pad(ctx, dt, Wp, IC, OCp, IC, weight.data, IC, OC, IC);
       weight_gemm = Wp;
@@ -627,7 +656,8 @@ void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor
   // dbias += Σ_rows dout (own deterministic reduction; first, while dout is hot in L2).
   if (!dbias.empty()) {
     const dim3 block(32, kBgRowLanes);
-    const dim3 grid(ceil_div(static_cast<size_t>(OC), kBgCols), static_cast<unsigned>(plan.nchunks));
+    const dim3 grid(ceil_div(static_cast<size_t>(OC), kBgCols),
+                    static_cast<unsigned>(plan.nchunks));
     dispatch_float(dt, [&]<typename Tin>() {
       dispatch_float(dbias.dtype, [&]<typename Tout>() {
         if (plan.nchunks == 1) {
@@ -639,8 +669,9 @@ void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor
               partial, nullptr, dout.as<Tin>(), N, OC, plan.rows_per_chunk);
           ST_CUDA_LAUNCH_CHECK();
           constexpr int kThreads = 256;
-          bias_grad_finish_kernel<Tout><<<ceil_div(static_cast<size_t>(OC), kThreads), kThreads, 0,
-                                          ctx.stream>>>(dbias.as<Tout>(), partial, plan.nchunks, OC);
+          bias_grad_finish_kernel<Tout>
+              <<<ceil_div(static_cast<size_t>(OC), kThreads), kThreads, 0, ctx.stream>>>(
+                  dbias.as<Tout>(), partial, plan.nchunks, OC);
           ST_CUDA_LAUNCH_CHECK();
         }
       });
@@ -652,21 +683,22 @@ void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor
     LtGemm g;
     g.transa = CUBLAS_OP_N;  // inp: col-major [IC,N]
     g.transb = CUBLAS_OP_T;  // dout: col-major [OC,N] → [N,OC]
+    // Caller-padded rows: n = OC straight into dweight (only m and ldb need aligning there).
     g.m = IC;
-    g.n = OCp;
+    g.n = copy ? OCp : OC;
     g.k = N;
     g.A = inp.data;
     g.lda = IC;
     g.B = dout_gemm;
     g.ldb = OCp;
-    g.D = pad ? static_cast<void*>(dWp) : dweight.data;
+    g.D = copy ? static_cast<void*>(dWp) : dweight.data;
     g.ldd = IC;
     g.alpha = 1.f;
-    g.beta = pad ? 0.f : 1.f;
+    g.beta = copy ? 0.f : 1.f;
     g.ab_type = ct;
-    g.d_type = pad ? CUDA_R_32F : cuda_dtype(dweight.dtype);
+    g.d_type = copy ? CUDA_R_32F : cuda_dtype(dweight.dtype);
     lt_matmul_or_throw(ctx, g, "matmul_backward (dweight)");
-    if (pad) {
+    if (copy) {
       const int64_t n = OC * IC;
       constexpr int kThreads = 256;
       const unsigned blocks = elementwise_blocks(ctx, n, kThreads);
@@ -710,8 +742,8 @@ void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor
       constexpr int kThreads = 256;
       const unsigned blocks = elementwise_blocks(ctx, total, kThreads);
       dispatch_float(dt, [&]<typename T>() {
-        gelu_backward_inplace_kernel<T><<<blocks, kThreads, 0, ctx.stream>>>(
-            dinp.as<T>(), dinp_gelu_input.as<T>(), total);
+        gelu_backward_inplace_kernel<T>
+            <<<blocks, kThreads, 0, ctx.stream>>>(dinp.as<T>(), dinp_gelu_input.as<T>(), total);
       });
       ST_CUDA_LAUNCH_CHECK();
     }
