@@ -1,48 +1,105 @@
 #!/usr/bin/env python3
-"""One rank of the PyTorch side of bench/bench_multi_gpu.py (start it with torchrun).
+"""One rank of the PyTorch side of bench/bench_multi_gpu.py; start it with torchrun:
+
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/torch_dist_worker.py \
+        --strategy fsdp2 --model gpt2-medium --batch 4 --seq 512 --steps 30 --warmup 10
 
 Strategies, matching shardtrain's: ddp (DistributedDataParallel, 25 MiB buckets) ~ dp;
 zero (DDP + torch.distributed.optim.ZeroRedundancyOptimizer) ~ zero1; fsdp2 (fully_shard per
 block and at the root, reshard_after_forward=False: parameters stay gathered between forward and
 backward, gradients and optimizer state sharded) ~ zero2. transformers GPT2LMHeadModel with SDPA,
-bf16 (autocast for ddp/zero, MixedPrecisionPolicy for fsdp2), fused AdamW, clipping 1.0.
-Rank 0 prints one JSON line: tokens/s over all ranks (steady state), peak memory (max over ranks).
+fp32 parameters, bf16 compute (autocast for ddp/zero, MixedPrecisionPolicy for fsdp2), fused
+AdamW, clipping 1.0, random tokens. The first --warmup steps are not timed.
+
+Rank 0 prints one line "BENCH_RESULT {json}": tokens/s of the whole job (all ranks) and per GPU,
+peak memory (max over ranks of torch.cuda.max_memory_allocated / max_memory_reserved, and rank
+0's, which is what shardtrain's metrics report).
+--device cpu (smoke test of the script, gloo backend) reports the peak resident set instead.
 """
 import argparse
 import json
 import os
+import resource
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-SHAPES = {"gpt2-medium": (24, 16, 1024), "gpt2-xl": (48, 25, 1600)}
+SHAPES = {  # n_layer, n_head, n_embd: shardtrain's presets (src/model/gpt2_config.cpp)
+    "gpt2-micro": (2, 2, 64),
+    "gpt2-tiny": (4, 4, 128),
+    "gpt2-mini": (6, 6, 384),
+    "gpt2": (12, 12, 768),
+    "gpt2-medium": (24, 16, 1024),
+    "gpt2-large": (36, 20, 1280),
+    "gpt2-xl": (48, 25, 1600),
+}
+VOCAB, CONTEXT = 50257, 1024
+RESULT_TAG = "BENCH_RESULT "
+
+
+def build_model(model_name, device):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    L, H, C = SHAPES[model_name]
+    cfg = GPT2Config(n_layer=L, n_head=H, n_embd=C, vocab_size=VOCAB, n_positions=CONTEXT,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    with device:  # initialise on the target device (fast for gpt2-xl)
+        try:  # transformers >= 4.36 takes the attention implementation at construction
+            model = GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
+        except (TypeError, ValueError):
+            cfg._attn_implementation = "sdpa"
+            model = GPT2LMHeadModel(cfg)
+    model = model.to(device=device, dtype=torch.float32)  # fp32 master weights, as shardtrain
+    attn = getattr(model.config, "_attn_implementation", None)
+    assert attn == "sdpa", f"attention implementation is {attn}, not sdpa"
+    model.train()
+    return model
+
+
+def fully_shard_api():
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return MixedPrecisionPolicy, fully_shard
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--strategy", choices=["ddp", "zero", "fsdp2"], required=True)
-    ap.add_argument("--model", default="gpt2-medium")
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--model", default="gpt2-medium", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=4, help="micro-batch per GPU")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--comm-timeout", type=float, default=120,
+                    help="seconds a collective may hang before the job fails")
     a = ap.parse_args()
-    dist.init_process_group("nccl")
+    if not 0 <= a.warmup < a.steps:
+        ap.error("need 0 <= --warmup < --steps")
+
+    cuda = a.device == "cuda"
+    if cuda:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)  # before the process group: NCCL binds this GPU
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=a.comm_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    from transformers import GPT2Config, GPT2LMHeadModel
-    L, H, C = SHAPES[a.model]
-    cfg = GPT2Config(n_layer=L, n_head=H, n_embd=C, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    try:
-        model = GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").cuda()
-    except (TypeError, ValueError):
-        cfg._attn_implementation = "sdpa"
-        model = GPT2LMHeadModel(cfg).cuda()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    model = build_model(a.model, device)
+    n_params = sum(p.numel() for p in model.parameters())  # tied wte/lm_head counted once
     autocast = True
     if a.strategy == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        MixedPrecisionPolicy, fully_shard = fully_shard_api()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.transformer.h:
             fully_shard(block, mp_policy=mp, reshard_after_forward=False)
@@ -51,38 +108,60 @@ def main():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        train_model = DDP(model, bucket_cap_mb=25)
+        train_model = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=25)
         if a.strategy == "zero":
             from torch.distributed.optim import ZeroRedundancyOptimizer
             opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                           lr=1e-4, fused=True)
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    data = torch.randint(0, 50257, (a.steps, a.batch, a.seq + 1), device="cuda")
-    torch.cuda.reset_peak_memory_stats()
+
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    data = torch.randint(0, VOCAB, (a.steps, a.batch, a.seq + 1), generator=g).to(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    first_loss = last_loss = None
+    t0 = None
     for s in range(a.steps):
         if s == a.warmup:
-            torch.cuda.synchronize()
+            sync()
             dist.barrier()
-            t0 = time.time()
+            t0 = time.perf_counter()
         x, y = data[s, :, :-1], data[s, :, 1:]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = train_model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                                                 y.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+        if s == 0:
+            first_loss = loss.item()
+    sync()
     dist.barrier()
-    dt = time.time() - t0
-    peak = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
-                        device="cuda", dtype=torch.float64)
+    dt = time.perf_counter() - t0
+    last_loss = loss.item()
+
+    if cuda:
+        mem = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
+    else:  # peak resident set of the process (kilobytes on Linux)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        mem = [rss, rss]
+    peak = torch.tensor(mem, device=device, dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
+        import transformers
         tok = (a.steps - a.warmup) * a.batch * a.seq * world / dt
-        print(json.dumps({"tokens_per_s": tok, "per_gpu": tok / world, "peak_allocated": peak[0].item(),
-                          "peak_reserved": peak[1].item(), "world": world}), flush=True)
+        print(RESULT_TAG + json.dumps({
+            "tokens_per_s": tok, "per_gpu": tok / world, "world": world, "params": n_params,
+            "peak_allocated": int(peak[0].item()), "peak_reserved": int(peak[1].item()),
+            "peak_allocated_rank0": int(mem[0]), "peak_reserved_rank0": int(mem[1]),
+            "peak_kind": "device" if cuda else "cpu_rss",
+            "timed_steps": a.steps - a.warmup, "timed_s": dt,
+            "first_loss": first_loss, "last_loss": last_loss,
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}), flush=True)
     dist.destroy_process_group()
 
 
