@@ -82,7 +82,7 @@ TEST(Estimator, CheckpointingLowersActivations) {
   EXPECT_LT(ckpt.total(), full.total());
   EXPECT_DOUBLE_EQ(ckpt.blocks * c.n_layer, full.blocks);  // one block set instead of n_layer
   EXPECT_DOUBLE_EQ(ckpt.residual, full.residual);          // layer inputs are kept either way
-  EXPECT_DOUBLE_EQ(ckpt.head, full.head);
+  EXPECT_LE(ckpt.head, full.head);  // the recomputed set shares the logits' memory
 }
 
 // The activation term counts exactly what GPT2Model allocates for a forward + backward: measured

@@ -1,5 +1,6 @@
 #include "model/gpt2.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 #include <optional>
@@ -13,11 +14,17 @@ namespace {
 
 constexpr float kInitStd = 0.02f;
 
-/// A device buffer that grows to the largest size asked for.
+/// A device buffer that grows to the largest size asked for, or a fixed piece of memory owned
+/// elsewhere (place()).
 class Scratch {
  public:
   Tensor get(Backend& be, DType dt, std::initializer_list<int64_t> dims) {
     Tensor shape(nullptr, dt, be.kind(), dims);
+    if (placed_) {
+      ST_ASSERT(shape.bytes() <= placed_bytes_);
+      shape.data = placed_;
+      return shape;
+    }
     if (buf_.bytes() < shape.bytes()) {
       buf_ = FlatBuffer();
       buf_ = FlatBuffer(be, DType::kU16, static_cast<int64_t>((shape.bytes() + 1) / 2));
@@ -25,9 +32,17 @@ class Scratch {
     shape.data = buf_.data();
     return shape;
   }
+  /// From now on get() hands out `bytes` bytes at `p` (and allocates nothing).
+  void place(void* p, size_t bytes) {
+    buf_ = FlatBuffer();
+    placed_ = p;
+    placed_bytes_ = bytes;
+  }
 
  private:
   FlatBuffer buf_;
+  void* placed_ = nullptr;
+  size_t placed_bytes_ = 0;
 };
 
 Tensor tensor_of(const Tensor& base, const ParamTensor& p, int64_t layer_offset) {
@@ -78,40 +93,82 @@ class EmbeddingLayer final : public Layer {
 
 // ---- transformer block ---------------------------------------------------------------------
 
-/// What one block keeps between forward and backward.
+/// What one block keeps between forward and backward: views carved out of one allocation,
+/// owned here (`storage`) or, under activation checkpointing, out of the memory the head's
+/// logits use too (HeadLayer::reserve). Each piece starts 64-byte aligned.
 struct BlockActivations {
-  FlatBuffer ln1, ln1_mean, ln1_rstd, qkv, atty, att_probs, att_lse, x2, ln2, ln2_mean, ln2_rstd,
-      fch, fch_gelu;
+  Tensor ln1, ln1_mean, ln1_rstd, qkv, atty, att_probs, att_lse, x2, ln2, ln2_mean, ln2_rstd, fch,
+      fch_gelu;
   int64_t B = 0, T = 0;
+  FlatBuffer storage;
 
-  void reserve(Backend& be, const GPT2Config& c, int64_t B_, int64_t T_) {
-    if (B_ * T_ <= B * T && T_ <= T && B_ <= B) return;
+  bool fits(int64_t B_, int64_t T_) const { return B_ * T_ <= B * T && T_ <= T && B_ <= B; }
+
+  /// Bytes of one set for micro-batches [B_, T_] (what carve() takes).
+  static size_t bytes_for(Backend& be, const GPT2Config& c, int64_t B_, int64_t T_) {
+    BlockActivations a;
+    return a.carve(nullptr, be, c, B_, T_);
+  }
+
+  /// Points every view into `base` (nullptr: only sizes them); returns the bytes used.
+  size_t carve(char* base, Backend& be, const GPT2Config& c, int64_t B_, int64_t T_) {
     const DType dt = be.compute_dtype();
     const int64_t N = B_ * T_, C = c.n_embd, NH = c.n_head;
-    *this = BlockActivations();
-    ln1 = FlatBuffer(be, dt, N * C);
-    ln1_mean = FlatBuffer(be, DType::kF32, N);
-    ln1_rstd = FlatBuffer(be, DType::kF32, N);
-    qkv = FlatBuffer(be, dt, N * 3 * C);
-    atty = FlatBuffer(be, dt, N * C);
+    size_t used = 0;
+    const auto take = [&](Tensor& t, DType type, int64_t numel) {
+      t = Tensor(base ? base + used : nullptr, type, be.kind(), {numel});
+      used += (static_cast<size_t>(numel) * dtype_size(type) + 63) / 64 * 64;
+    };
+    take(ln1, dt, N * C);
+    take(ln1_mean, DType::kF32, N);
+    take(ln1_rstd, DType::kF32, N);
+    take(qkv, dt, N * 3 * C);
+    take(atty, dt, N * C);
     if (be.attention_saves_probs(static_cast<int>(C / NH)))
-      att_probs = FlatBuffer(be, be.attention_probs_dtype(), B_ * NH * T_ * T_);
+      take(att_probs, be.attention_probs_dtype(), B_ * NH * T_ * T_);
     else
-      att_lse = FlatBuffer(be, DType::kF32, B_ * NH * T_);
-    x2 = FlatBuffer(be, dt, N * C);
-    ln2 = FlatBuffer(be, dt, N * C);
-    ln2_mean = FlatBuffer(be, DType::kF32, N);
-    ln2_rstd = FlatBuffer(be, DType::kF32, N);
-    fch = FlatBuffer(be, dt, N * 4 * C);
-    fch_gelu = FlatBuffer(be, dt, N * 4 * C);
+      take(att_lse, DType::kF32, B_ * NH * T_);
+    take(x2, dt, N * C);
+    take(ln2, dt, N * C);
+    take(ln2_mean, DType::kF32, N);
+    take(ln2_rstd, DType::kF32, N);
+    take(fch, dt, N * 4 * C);
+    take(fch_gelu, dt, N * 4 * C);
     B = B_;
     T = T_;
+    return used;
+  }
+
+  /// Own memory for [B_, T_] (blocks without checkpointing).
+  void reserve(Backend& be, const GPT2Config& c, int64_t B_, int64_t T_) {
+    if (fits(B_, T_)) return;
+    storage = FlatBuffer();
+    const size_t bytes = bytes_for(be, c, B_, T_);
+    storage = FlatBuffer(be, DType::kU16, static_cast<int64_t>(bytes / 2));
+    carve(static_cast<char*>(storage.data()), be, c, B_, T_);
   }
 };
 
 /// Buffers every block uses only transiently (shared by all blocks).
 struct BlockScratch {
   Scratch tmp, d4c, dc, dqkv;
+
+  /// Bytes of tmp [N,C], d4c [N,4C], dc [N,C], dqkv [N,3C] in dtype `dt`, each 64-byte rounded.
+  static size_t bytes_for(DType dt, int64_t N, int64_t C) {
+    const auto piece = [&](int64_t w) {
+      return (static_cast<size_t>(N * w * C) * dtype_size(dt) + 63) / 64 * 64;
+    };
+    return 2 * piece(1) + piece(4) + piece(3);
+  }
+  /// Places the four buffers at `base` (bytes_for(dt, N, C) bytes).
+  void place(char* base, DType dt, int64_t N, int64_t C) {
+    size_t used = 0;
+    for (auto [s, w] : {std::pair{&tmp, 1}, {&d4c, 4}, {&dc, 1}, {&dqkv, 3}}) {
+      const size_t b = (static_cast<size_t>(N * w * C) * dtype_size(dt) + 63) / 64 * 64;
+      s->place(base + used, b);
+      used += b;
+    }
+  }
 };
 
 class BlockLayer final : public Layer {
@@ -164,7 +221,9 @@ class BlockLayer final : public Layer {
     }
   }
 
-  void reserve(Backend& be, int64_t B, int64_t T) override { acts_->reserve(be, c_, B, T); }
+  void reserve(Backend& be, int64_t B, int64_t T) override {
+    if (!checkpointed_) acts_->reserve(be, c_, B, T);  // else the head places the shared set
+  }
 
   void forward(Backend& be, StepContext& ctx, Tensor in, Tensor out) override {
     compute_forward(be, ctx, in, out);
@@ -180,9 +239,8 @@ class BlockLayer final : public Layer {
       compute_forward(be, ctx, in, discard);
     }
     const DType dt = be.compute_dtype();
-    const auto view = [&](const FlatBuffer& f, std::initializer_list<int64_t> dims) {
-      Tensor t(f.data(), f.dtype(), be.kind(), dims);
-      return t;
+    const auto view = [&](const Tensor& f, std::initializer_list<int64_t> dims) {
+      return Tensor(f.data, f.dtype, be.kind(), dims);
     };
     Tensor d4c = scratch_->d4c.get(be, dt, {N, 4 * C});
     Tensor dc = scratch_->dc.get(be, dt, {N, C});
@@ -227,10 +285,9 @@ class BlockLayer final : public Layer {
     AttentionSaved s;
     const int64_t NH = c_.n_head;
     if (be.attention_saves_probs(static_cast<int>(c_.n_embd / NH)))
-      s.probs =
-          Tensor(acts_->att_probs.data(), be.attention_probs_dtype(), be.kind(), {B, NH, T, T});
+      s.probs = Tensor(acts_->att_probs.data, be.attention_probs_dtype(), be.kind(), {B, NH, T, T});
     else
-      s.lse = Tensor(acts_->att_lse.data(), DType::kF32, be.kind(), {B, NH, T});
+      s.lse = Tensor(acts_->att_lse.data, DType::kF32, be.kind(), {B, NH, T});
     return s;
   }
 
@@ -238,8 +295,8 @@ class BlockLayer final : public Layer {
     const int64_t B = ctx.B, T = ctx.T, C = c_.n_embd, N = B * T;
     BlockActivations& a = *acts_;
     const DType dt = be.compute_dtype();
-    const auto view = [&](const FlatBuffer& f, std::initializer_list<int64_t> dims) {
-      return Tensor(f.data(), f.dtype(), be.kind(), dims);
+    const auto view = [&](const Tensor& f, std::initializer_list<int64_t> dims) {
+      return Tensor(f.data, f.dtype, be.kind(), dims);
     };
     Tensor x = in.reshape({N, C});
     Tensor ln1 = view(a.ln1, {N, C}), qkv = view(a.qkv, {N, 3 * C}), atty = view(a.atty, {N, C});
@@ -280,8 +337,17 @@ class BlockLayer final : public Layer {
 
 class HeadLayer final : public Layer {
  public:
-  HeadLayer(const GPT2Config& c, const EmbeddingLayer& embed)
-      : Layer("head"), c_(c), embed_(embed) {}
+  /// `shared_acts`: the blocks' one recomputed set under activation checkpointing (else null);
+  /// it and the blocks' scratch `block_scratch` are then placed in the logits' memory: blocks
+  /// run before the head in forward and after it in backward, so they are never live at once.
+  HeadLayer(const GPT2Config& c, const EmbeddingLayer& embed,
+            std::shared_ptr<BlockActivations> shared_acts,
+            std::shared_ptr<BlockScratch> block_scratch)
+      : Layer("head"),
+        c_(c),
+        embed_(embed),
+        shared_acts_(std::move(shared_acts)),
+        block_scratch_(std::move(block_scratch)) {}
 
   std::vector<ParamTensor> param_specs() const override {
     return {ParamTensor{.name = "transformer.ln_f.weight", .shape = {c_.n_embd}, .init_value = 1},
@@ -295,19 +361,31 @@ class HeadLayer final : public Layer {
   }
   void reserve(Backend& be, int64_t B, int64_t T) override {
     const int64_t N = B * T;
-    if (N <= N_) return;
+    if (N <= N_ && (!shared_acts_ || shared_acts_->fits(B, T))) return;
     const DType dt = be.compute_dtype();
     lnf_ = FlatBuffer(be, dt, N * c_.n_embd);
     mean_ = FlatBuffer(be, DType::kF32, N);
     rstd_ = FlatBuffer(be, DType::kF32, N);
     Vp_ = be.padded_columns(c_.vocab_size);
-    logits_ = FlatBuffer(be, dt, N * Vp_);
+    const size_t logits_bytes = static_cast<size_t>(N * Vp_) * dtype_size(dt);
+    const size_t set_bytes = shared_acts_ ? BlockActivations::bytes_for(be, c_, B, T) : 0;
+    const size_t shared_bytes =
+        shared_acts_ ? set_bytes + BlockScratch::bytes_for(dt, N, c_.n_embd) : size_t{0};
+    logits_mem_ = FlatBuffer();
+    logits_mem_ = FlatBuffer(be, DType::kU16,
+                             static_cast<int64_t>((std::max(logits_bytes, shared_bytes) + 1) / 2));
+    logits_ = Tensor(logits_mem_.data(), dt, be.kind(), {N * Vp_});
+    if (shared_acts_) {
+      char* base = static_cast<char*>(logits_mem_.data());
+      shared_acts_->carve(base, be, c_, B, T);
+      block_scratch_->place(base + set_bytes, dt, N, c_.n_embd);
+    }
     N_ = N;
   }
   void forward(Backend& be, StepContext& ctx, Tensor in, Tensor) override {
     const int64_t N = ctx.B * ctx.T, C = c_.n_embd, V = c_.vocab_size;
     Tensor lnf = view(be, lnf_, {N, C});
-    Tensor logits = view(be, logits_, {N, Vp_});  // rows padded to Vp_ ≥ V columns
+    Tensor logits(logits_.data, logits_.dtype, be.kind(), {N, Vp_});  // rows padded: Vp_ ≥ V
     be.layernorm_forward(lnf, view(be, mean_, {N}), view(be, rstd_, {N}), in.reshape({N, C}), lnw_,
                          lnb_);
     be.matmul_forward(logits, lnf, embed_.wte(), Tensor());
@@ -321,7 +399,7 @@ class HeadLayer final : public Layer {
   void backward(Backend& be, StepContext& ctx, Tensor in, Tensor dresid) override {
     const int64_t N = ctx.B * ctx.T, C = c_.n_embd;
     Tensor lnf = view(be, lnf_, {N, C});
-    Tensor dlogits = view(be, logits_, {N, Vp_});
+    Tensor dlogits(logits_.data, logits_.dtype, be.kind(), {N, Vp_});
     // The LM head's input gradient goes to a scratch buffer: ln_f's backward then accumulates
     // into the (zeroed) residual gradient.
     Tensor dlnf = scratch_.get(be, be.compute_dtype(), {N, C});
@@ -333,7 +411,7 @@ class HeadLayer final : public Layer {
   /// Host copy of the logits row for position (b, t) of the last forward.
   std::vector<float> logits_row(Backend& be, int64_t row) const {
     std::vector<float> out(static_cast<size_t>(c_.vocab_size));
-    Tensor src = logits_.slice(row * Vp_, c_.vocab_size);
+    Tensor src = logits_.slice1d(row * Vp_, c_.vocab_size);
     if (src.dtype == DType::kF32) {
       be.copy_to_host(out.data(), src.data, src.bytes());
     } else {
@@ -351,7 +429,10 @@ class HeadLayer final : public Layer {
   GPT2Config c_;
   const EmbeddingLayer& embed_;
   Tensor lnw_, lnb_, dlnw_, dlnb_;
-  FlatBuffer lnf_, mean_, rstd_, logits_;  ///< logits_ [N, Vp_]: rows padded for the backend
+  std::shared_ptr<BlockActivations> shared_acts_;
+  std::shared_ptr<BlockScratch> block_scratch_;
+  FlatBuffer lnf_, mean_, rstd_, logits_mem_;
+  Tensor logits_;  ///< [N·Vp_] in logits_mem_: rows padded to Vp_ columns for the backend
   Scratch scratch_;
   int64_t N_ = 0, Vp_ = 0;
 };
@@ -370,7 +451,8 @@ GPT2Model::GPT2Model(const GPT2Config& config, Backend& backend, bool activation
   auto scratch = std::make_shared<BlockScratch>();
   for (int i = 0; i < config.n_layer; ++i)
     layers_.push_back(std::make_unique<BlockLayer>(config, i, shared, scratch));
-  layers_.push_back(std::make_unique<HeadLayer>(config, embed_ref));
+  layers_.push_back(
+      std::make_unique<HeadLayer>(config, embed_ref, shared, shared ? scratch : nullptr));
   for (auto& l : layers_) layout_.add_layer(l->name(), l->param_specs());
   ST_ASSERT(layout_.num_parameters() == config.num_parameters());
 }
@@ -413,7 +495,8 @@ void GPT2Model::reserve(int64_t B, int64_t T) {
   const int64_t C = config_.n_embd;
   if (B * T > B_ * T_ || T > T_ || B > B_) {
     residual_.clear();
-    for (int i = 0; i <= num_layers(); ++i)
+    // residual_[i]: the input of layer i (1..num_layers()−1); the head has no output.
+    for (int i = 0; i < num_layers(); ++i)
       residual_.emplace_back(backend_, backend_.compute_dtype(), i == 0 ? 0 : B * T * C);
     dresid_ = FlatBuffer(backend_, backend_.compute_dtype(), B * T * C);
     tokens_ = FlatBuffer(backend_, DType::kI32, B * T);

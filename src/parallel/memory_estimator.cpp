@@ -68,12 +68,16 @@ ActivationEstimate estimate_activations(const GPT2Config& c, int64_t micro_batch
   const double attention = layout.attention_saves_probs ? dt * B * NH * T * T : kF32 * B * NH * T;
   const double per_block = dt * 15 * N * C + attention + kF32 * 4 * N;
   a.blocks = (activation_checkpointing ? 1 : L) * per_block;
-  // residual_[1..L+2] (the inputs of layers 1..L+1 and the head's unused output) and dresid.
-  a.residual = dt * (L + 3) * N * C;
-  // HeadLayer: lnf [N,C], logits [N,Vp] (bf16, rows padded), mean/rstd [N] (fp32).
-  a.head = dt * (N * C + N * Vp) + kF32 * 2 * N;
+  // residual_[1..L+1] (the inputs of layers 1..L+1) and dresid.
+  a.residual = dt * (L + 2) * N * C;
   // BlockScratch tmp [N,C], d4c [N,4C], dc [N,C], dqkv [N,3C]; the head's dlnf [N,C].
   a.scratch = dt * 10 * N * C;
+  // HeadLayer: lnf [N,C], logits [N,Vp] (bf16, rows padded), mean/rstd [N] (fp32). With
+  // checkpointing the one recomputed block set and the BlockScratch buffers live in the logits'
+  // memory (HeadLayer::reserve): only what the logits need beyond them is counted here.
+  const double logits = dt * N * Vp;
+  a.head = dt * N * C + kF32 * 2 * N +
+           (activation_checkpointing ? std::max(0.0, logits - per_block - dt * 9 * N * C) : logits);
   a.io = 2 * kI32 * N + kF32 * N;
   return a;
 }
@@ -165,7 +169,7 @@ std::string format_memory_estimate(const MemoryEstimate& e, const MemoryEstimate
       "tokens/losses {}\n",
       gib(a.blocks),
       o.activation_checkpointing
-          ? "one recomputed set: activation checkpointing"
+          ? "one recomputed set, sharing the logits' memory: activation checkpointing"
           : fmt::format("{} × {}", o.model.n_layer, gib(a.blocks / o.model.n_layer)),
       gib(a.residual), gib(a.head), gib(a.scratch), gib(a.io));
   out += fmt::format(

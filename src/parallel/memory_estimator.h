@@ -38,9 +38,10 @@ struct MemoryEstimateOptions {
 /// Activation memory (bytes) of one micro-batch, by part.
 struct ActivationEstimate {
   double blocks = 0;    ///< saved block activations: every block, or one set with checkpointing
-  double residual = 0;  ///< residual stream: inputs of layers 1..L+1, the head's output slot and
-                        ///< its gradient, [B, T, C] bf16 each
-  double head = 0;      ///< ln_f output, its mean/rstd, logits [B·T, V] bf16
+  double residual = 0;  ///< residual stream: inputs of layers 1..L+1 and its gradient,
+                        ///< [B, T, C] bf16 each
+  double head = 0;      ///< ln_f output, its mean/rstd, logits [B·T, Vp] bf16 (with checkpointing:
+                        ///< only the logits' excess over the block set, which shares their memory)
   double scratch = 0;   ///< buffers shared by the blocks and the head during backward
   double io = 0;        ///< tokens, targets (int32) and per-token losses (fp32)
   double total() const { return blocks + residual + head + scratch + io; }
