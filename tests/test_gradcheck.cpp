@@ -53,6 +53,18 @@ void expect_grad_close(std::vector<float>& x, const std::vector<float>& analytic
   EXPECT_GT(checked, 0);
 }
 
+/// A GPT-2 small enough for finite differences: 2 heads of 8 channels, 8 positions.
+GPT2Config tiny_config(const char* name, int n_layer, int64_t vocab) {
+  GPT2Config c;
+  c.name = name;
+  c.n_layer = n_layer;
+  c.n_head = 2;
+  c.n_embd = 16;
+  c.vocab_size = vocab;
+  c.n_positions = 8;
+  return c;
+}
+
 class OpGradTest : public ::testing::Test {
  protected:
   std::unique_ptr<Backend> be = make_cpu_backend();
@@ -205,13 +217,7 @@ TEST_F(OpGradTest, PaddedRowsEqualUnpadded) {
 
 TEST(ModelGradTest, WholeModelEveryParameterTensor) {
   auto be = make_cpu_backend();
-  GPT2Config c;
-  c.name = "gradcheck";
-  c.n_layer = 2;
-  c.n_head = 2;
-  c.n_embd = 16;
-  c.vocab_size = 29;
-  c.n_positions = 8;
+  const GPT2Config c = tiny_config("gradcheck", 2, 29);
   GPT2Model model(c, *be);
   const int64_t n = model.layout().numel();
   std::vector<float> params(static_cast<size_t>(n)), grads(static_cast<size_t>(n), 0.f);
@@ -256,13 +262,7 @@ TEST(ModelGradTest, ActivationCheckpointingGivesIdenticalGradients) {
   for (int64_t vocab : {int64_t{31}, int64_t{4000}}) {
     SCOPED_TRACE("vocab " + std::to_string(vocab));
     auto be = make_cpu_backend();
-    GPT2Config c;
-    c.name = "ckpt";
-    c.n_layer = 3;
-    c.n_head = 2;
-    c.n_embd = 16;
-    c.vocab_size = vocab;
-    c.n_positions = 8;
+    const GPT2Config c = tiny_config("ckpt", 3, vocab);
     GPT2Model plain(c, *be, false), ckpt(c, *be, true);
     const int64_t n = plain.layout().numel();
     std::vector<float> params(static_cast<size_t>(n));
