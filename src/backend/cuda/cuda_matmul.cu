@@ -298,6 +298,7 @@ struct LtKey {
   int transa, transb;
   int64_t m, n, k, lda, ldb, ldd, aux_ld;
   int ab_type, d_type, epilogue;
+  int sm_target;  ///< 0: all SMs
   bool beta_nonzero;
   uint32_t align_a, align_b, align_d, align_bias, align_aux;
   size_t workspace;
@@ -311,6 +312,18 @@ struct LtCache {
 LtCache& lt_cache() {
   static LtCache cache;
   return cache;
+}
+
+/// SMs every GEMM leaves free (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET = SMs − margin), from
+/// SHARDTRAIN_GEMM_SM_MARGIN (default 0: all SMs). For experiments with communication overlap:
+/// NCCL's kernels then find free SMs instead of stretching a GEMM sized for the whole GPU (the
+/// same knob as TransformerEngine's NVTE_EXT_MARGIN_SM). Not yet measured; see docs/BENCHMARKS.md.
+int gemm_sm_margin() {
+  static const int margin = [] {
+    const char* v = std::getenv("SHARDTRAIN_GEMM_SM_MARGIN");
+    return v && *v ? std::max(0, std::atoi(v)) : 0;
+  }();
+  return margin;
 }
 
 bool fused_epilogues_disabled() {
@@ -359,6 +372,9 @@ bool lt_matmul(const CudaContext& ctx, const LtGemm& g) {
     set_desc(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux);
     set_desc(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.aux_ld);
   }
+  const int margin = gemm_sm_margin();
+  const int32_t sm_target = margin > 0 && ctx.sm_count > margin ? ctx.sm_count - margin : 0;
+  if (sm_target > 0) set_desc(ds.op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, sm_target);
   const bool ta = g.transa != CUBLAS_OP_N, tb = g.transb != CUBLAS_OP_N;
   ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ds.a, g.ab_type,
                                              static_cast<uint64_t>(ta ? g.k : g.m),
@@ -382,6 +398,7 @@ bool lt_matmul(const CudaContext& ctx, const LtGemm& g) {
                   static_cast<int>(g.ab_type),
                   static_cast<int>(g.d_type),
                   static_cast<int>(g.epilogue),
+                  sm_target,
                   g.beta != 0.f,
                   alignment_of(g.A),
                   alignment_of(g.B),
