@@ -234,8 +234,7 @@ class CudaBackendTest : public ::testing::Test {
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaOpTest, ::testing::Values(DType::kF32, DType::kBF16),
                          dtype_param_name);
 
-// ==== construction and identity
-// ===================================================================
+// ==== construction and identity ================================================================
 
 TEST_F(CudaBackendTest, Identity) {
   EXPECT_EQ(gpu->kind(), DeviceKind::kCUDA);
@@ -1046,20 +1045,20 @@ TEST_P(CudaOpTest, WholeModelMatchesCpu) {
   check_whole_model(*cpu, *gpu, dt(), TinyModel().config, 2, 16, 11);
 }
 
-// ==== flash attention (cuda_flash_attention.cu)
-// =================================================== The fused kernels, selected by
-// SHARDTRAIN_ATTENTION=flash at backend construction (bf16/fp16 compute), against the CPU reference
-// computed in fp32 from the same rounded inputs. Tolerances, per tensor: max |got − want| ≤ 2e-2 ·
-// max(1, max|want|) and relative L2 error ≤ 1e-2 (P and dS are rounded to the compute dtype as
-// tensor-core operands, outputs once when stored; a host emulation of the kernels measured ≤ 1.1e-2
-// max abs and ≤ 3e-3 relative L2 in bf16, 8× less in fp16). lse (fp32 statistics, never rounded to
-// bf16) within 1e-3 · max(1, |lse|) of a double log-sum-exp. Forward and backward must be
-// bit-identical from run to run (no atomics).
+// ==== flash attention (cuda_flash_attention.cu) =================================================
+// The fused kernels (the default in bf16/fp16; the tests construct their backends with
+// SHARDTRAIN_ATTENTION=flash so a user's environment cannot change that), against the CPU
+// reference computed in fp32 from the same rounded inputs. Tolerances, per tensor: max |got − want|
+// ≤ 2e-2 · max(1, max|want|) and relative L2 error ≤ 1e-2 (P and dS are rounded to the compute
+// dtype as tensor-core operands, outputs once when stored; a host emulation of the kernels measured
+// ≤ 1.1e-2 max abs and ≤ 3e-3 relative L2 in bf16, 8× less in fp16). lse (fp32 statistics, never
+// rounded to bf16) within 1e-3 · max(1, |lse|) of a double log-sum-exp. Forward and backward must
+// be bit-identical from run to run (no atomics).
 
 namespace {
 
 /// A CUDA backend constructed with SHARDTRAIN_ATTENTION=flash (the variable is restored after),
-/// so the tests hold whatever a user's environment says.
+/// whatever the user's environment says.
 std::unique_ptr<Backend> make_flash_backend(DType dt) {
   ScopedEnv env("SHARDTRAIN_ATTENTION", "flash");
   return make_cuda_backend(0, dt);

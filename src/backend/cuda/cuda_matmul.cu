@@ -2,9 +2,9 @@
 // deterministic bias-gradient reduction.
 //
 // Semantics (backend/backend.h, matched by backend/cpu/cpu_backend.cpp):
-//   forward : out [N,OC] = inp [N,IC] · W[OC,IC]ᵀ + b[OC]      (kGelu: pre_gelu = that, out =
-//   gelu(it)) backward: dinp [N,IC] = dout [N,OC] · W       (OVERWRITES; · gelu'(dinp_gelu_input)
-//   when given)
+//   forward : out [N,OC] = inp [N,IC] · W[OC,IC]ᵀ + b[OC]
+//             (kGelu: pre_gelu = that, out = gelu(it))
+//   backward: dinp [N,IC] = dout [N,OC] · W       (OVERWRITES; · gelu'(dinp_gelu_input) if given)
 //             dW [OC,IC] += doutᵀ · inp           (ACCUMULATES, beta = 1)
 //             db [OC]    += Σ_rows dout           (ACCUMULATES, own two-stage kernel)
 // GELU is the tanh approximation (Hendrycks & Gimpel, arXiv 1606.08415, §2), as on the CPU.
@@ -20,22 +20,22 @@
 //            exactly the row-major column index, so CUBLASLT_EPILOGUE_BIAS broadcasts it per row of
 //            out. The GELU aux matrix (pre_gelu) has D's layout: ld OC.
 //   dinp     dinp[N,IC] = dout·W  ⇔  dinpᵀ [IC,N] = Wᵀ · doutᵀ
-//            W buffer col-major [IC,OC] (ld IC): op = N;  dout buffer col-major [OC,N] (ld OC): op
-//            = N. m = IC, n = N, k = OC ("NN"). The dGELU aux (dinp_gelu_input) has D's layout, ld
-//            IC.
+//            W buffer col-major [IC,OC] (ld IC): op = N;
+//            dout buffer col-major [OC,N] (ld OC): op = N.
+//            m = IC, n = N, k = OC ("NN"). The dGELU aux (dinp_gelu_input) has D's layout, ld IC.
 //   dweight  dW[OC,IC] += doutᵀ·inp ⇔  dWᵀ [IC,OC] += inpᵀ · dout
-//            inp buffer col-major [IC,N] (ld IC): op = N;  dout buffer col-major [OC,N] (ld OC): op
-//            = T. m = IC, n = OC, k = N ("NT"), beta = 1, C = D = dW (ld IC).
+//            inp buffer col-major [IC,N] (ld IC): op = N;
+//            dout buffer col-major [OC,N] (ld OC): op = T.
+//            m = IC, n = OC, k = N ("NT"), beta = 1, C = D = dW (ld IC).
 //
 // ---- epilogues -------------------------------------------------------------------------------
 //   forward kNone: BIAS (bias given) or DEFAULT.
 //   forward kGelu: GELU_AUX_BIAS (bias given) or GELU_AUX; the aux output is pre_gelu
-//   (pre-activation,
-//            after the bias). cuBLASLt requires the aux leading dimension to be a multiple of 8
-//            (cublasLt.h, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD): OC = 4C for GPT-2.
+//            (pre-activation, after the bias). cuBLASLt requires the aux leading dimension to be a
+//            multiple of 8 (cublasLt.h, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD): OC = 4C for GPT-2.
 //   dinp with dinp_gelu_input: DGELU, aux = dinp_gelu_input: D = (dout·W) ⊙ gelu'(aux), the product
-//            taken in fp32 before rounding to the output dtype ("apply GELU gradient to matmul
-//            output").
+//            taken in fp32 before rounding to the output dtype ("apply GELU gradient to
+//            matmul output").
 //   When a fused epilogue's requirements fail (aux ld not a multiple of 8, bias/aux pointer not
 //   16-byte aligned, or the heuristic offers no algorithm, e.g. for some dtype), the GEMM runs with
 //   DEFAULT and separate bias / GELU / dGELU kernels below finish the job (same math). fp32 tensors
@@ -125,12 +125,11 @@ unsigned elementwise_blocks(const CudaContext& ctx, int64_t total, int threads) 
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(want, cap)));
 }
 
-// ---- bias gradient: dbias[o] += Σ_i dout[i, o]
-// --------------------------------------------------- Stage 1: block (32, 8) owns 64 columns (2
-// adjacent per lane: a warp reads 64 contiguous elements of a row) and one chunk of rows; lane row
-// r sums rows r, r+8, ... of the chunk in order; the 8 row lanes are combined in order through
-// shared memory. With one chunk the block adds straight into dbias; otherwise partial [nchunks, OC]
-// fp32 goes to stage 2, which sums chunks in order.
+// ---- bias gradient: dbias[o] += Σ_i dout[i, o] -------------------------------------------------
+// Stage 1: block (32, 8) owns 64 columns (2 adjacent per lane: a warp reads 64 contiguous elements
+// of a row) and one chunk of rows; lane row r sums rows r, r+8, ... of the chunk in order; the 8
+// row lanes are combined in order through shared memory. With one chunk the block adds straight
+// into dbias; otherwise partial [nchunks, OC] fp32 goes to stage 2, which sums chunks in order.
 constexpr int kBgCols = 64;
 constexpr int kBgRowLanes = 8;
 
@@ -196,8 +195,9 @@ BiasGradPlan bias_grad_plan(int64_t N) {
 // 2.1, dinp (k = OC) 12 ms instead of 1.85, dweight (n = OC) 3.1 ms instead of 1.8. Padding only
 // the leading dimension does not help; the GEMM dimension itself must be a multiple of 8. So for
 // such a (large) problem OC is padded to OCp = round_up(OC, 16) through scratch copies:
-//   forward : W → Wp [OCp, IC] (zero rows), bias → bp [OCp]; GEMM into Yp [N, OCp]; Yp[:, :OC] →
-//   out backward: dout → Dp [N, OCp] (zero columns), W → Wp (zero rows; for dinp only);
+//   forward : W → Wp [OCp, IC] (zero rows), bias → bp [OCp]; GEMM into Yp [N, OCp];
+//             Yp[:, :OC] → out
+//   backward: dout → Dp [N, OCp] (zero columns), W → Wp (zero rows; for dinp only);
 //             dinp = Dp·Wp (k = OCp: the zero pads add nothing);
 //             dWp [OCp, IC] fp32 = Dpᵀ·inp (beta 0), then dW[:OC] = dW + dWp[:OC] (one rounding,
 //             like beta = 1 inside the GEMM).
