@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <numbers>
 #include <optional>
 
@@ -13,6 +14,18 @@ namespace shardtrain {
 namespace {
 
 constexpr float kInitStd = 0.02f;
+
+/// A zeroed device allocation of at least `bytes` bytes (untyped memory that views are carved
+/// out of).
+FlatBuffer byte_buffer(Backend& be, size_t bytes) {
+  return FlatBuffer(be, DType::kU16, static_cast<int64_t>((bytes + 1) / 2));
+}
+
+/// Bytes of `numel` elements of `dt` rounded up to 64: the pieces carved out of one allocation
+/// (BlockActivations, BlockScratch) each start 64-byte aligned.
+size_t piece_bytes(int64_t numel, DType dt) {
+  return (static_cast<size_t>(numel) * dtype_size(dt) + 63) / 64 * 64;
+}
 
 /// A device buffer that grows to the largest size asked for, or a fixed piece of memory owned
 /// elsewhere (place()).
@@ -27,7 +40,7 @@ class Scratch {
     }
     if (buf_.bytes() < shape.bytes()) {
       buf_ = FlatBuffer();
-      buf_ = FlatBuffer(be, DType::kU16, static_cast<int64_t>((shape.bytes() + 1) / 2));
+      buf_ = byte_buffer(be, shape.bytes());
     }
     shape.data = buf_.data();
     return shape;
@@ -117,7 +130,7 @@ struct BlockActivations {
     size_t used = 0;
     const auto take = [&](Tensor& t, DType type, int64_t numel) {
       t = Tensor(base ? base + used : nullptr, type, be.kind(), {numel});
-      used += (static_cast<size_t>(numel) * dtype_size(type) + 63) / 64 * 64;
+      used += piece_bytes(numel, type);
     };
     take(ln1, dt, N * C);
     take(ln1_mean, DType::kF32, N);
@@ -144,7 +157,7 @@ struct BlockActivations {
     if (fits(B_, T_)) return;
     storage = FlatBuffer();
     const size_t bytes = bytes_for(be, c, B_, T_);
-    storage = FlatBuffer(be, DType::kU16, static_cast<int64_t>(bytes / 2));
+    storage = byte_buffer(be, bytes);
     carve(static_cast<char*>(storage.data()), be, c, B_, T_);
   }
 };
@@ -152,20 +165,22 @@ struct BlockActivations {
 /// Buffers every block uses only transiently (shared by all blocks).
 struct BlockScratch {
   Scratch tmp, d4c, dc, dqkv;
+  /// Their widths in channels: tmp [N,C], d4c [N,4C], dc [N,C], dqkv [N,3C].
+  static constexpr int64_t kWidths[] = {1, 4, 1, 3};
 
-  /// Bytes of tmp [N,C], d4c [N,4C], dc [N,C], dqkv [N,3C] in dtype `dt`, each 64-byte rounded.
+  /// Bytes of the four buffers for N rows of C channels in dtype `dt` (what place() takes).
   static size_t bytes_for(DType dt, int64_t N, int64_t C) {
-    const auto piece = [&](int64_t w) {
-      return (static_cast<size_t>(N * w * C) * dtype_size(dt) + 63) / 64 * 64;
-    };
-    return 2 * piece(1) + piece(4) + piece(3);
+    size_t bytes = 0;
+    for (int64_t w : kWidths) bytes += piece_bytes(N * w * C, dt);
+    return bytes;
   }
   /// Places the four buffers at `base` (bytes_for(dt, N, C) bytes).
   void place(char* base, DType dt, int64_t N, int64_t C) {
+    Scratch* buffers[] = {&tmp, &d4c, &dc, &dqkv};
     size_t used = 0;
-    for (auto [s, w] : {std::pair{&tmp, 1}, {&d4c, 4}, {&dc, 1}, {&dqkv, 3}}) {
-      const size_t b = (static_cast<size_t>(N * w * C) * dtype_size(dt) + 63) / 64 * 64;
-      s->place(base + used, b);
+    for (size_t i = 0; i < std::size(buffers); ++i) {
+      const size_t b = piece_bytes(N * kWidths[i] * C, dt);
+      buffers[i]->place(base + used, b);
       used += b;
     }
   }
@@ -372,8 +387,7 @@ class HeadLayer final : public Layer {
     const size_t shared_bytes =
         shared_acts_ ? set_bytes + BlockScratch::bytes_for(dt, N, c_.n_embd) : size_t{0};
     logits_mem_ = FlatBuffer();
-    logits_mem_ = FlatBuffer(be, DType::kU16,
-                             static_cast<int64_t>((std::max(logits_bytes, shared_bytes) + 1) / 2));
+    logits_mem_ = byte_buffer(be, std::max(logits_bytes, shared_bytes));
     logits_ = Tensor(logits_mem_.data(), dt, be.kind(), {N * Vp_});
     if (shared_acts_) {
       char* base = static_cast<char*>(logits_mem_.data());
