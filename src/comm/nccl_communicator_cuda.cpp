@@ -103,6 +103,90 @@ struct Pending {
   }
 };
 
+/// Timeline of the communicator's operations for finding exposed communication, enabled by
+/// SHARDTRAIN_COMM_TRACE=PREFIX: every operation records timing events when the compute stream
+/// reached it ("ready"), when the communication stream started it and when it ended; every
+/// Work::wait() records when the compute stream reached the wait and when it went on. At the end
+/// PREFIX.rank<R>.json is written in the Chrome trace format (chrome://tracing, Perfetto), times in
+/// microseconds from the first event. Adds events only; no synchronization until the end.
+class CommTrace {
+ public:
+  static std::unique_ptr<CommTrace> from_env(int world_rank) {
+    const char* prefix = std::getenv("SHARDTRAIN_COMM_TRACE");
+    if (prefix == nullptr || *prefix == '\0') return nullptr;
+    return std::unique_ptr<CommTrace>(
+        new CommTrace(fmt::format("{}.rank{}.json", prefix, world_rank)));
+  }
+  ~CommTrace() {
+    for (auto& r : records_)
+      for (cudaEvent_t e : r.events) cudaEventDestroy(e);
+  }
+  /// Records a timing event on `stream` and returns it (kept until the end).
+  cudaEvent_t mark(cudaStream_t stream) {
+    cudaEvent_t e = nullptr;
+    cuda_check(cudaEventCreate(&e), "cudaEventCreate");
+    cuda_check(cudaEventRecord(e, stream), "cudaEventRecord");
+    return e;
+  }
+  /// An operation: ready (compute stream), start and end (communication stream).
+  void op(std::string name, cudaEvent_t ready, cudaEvent_t start, cudaEvent_t end) {
+    add({std::move(name), "comm", {ready, start, end}});
+  }
+  /// A wait: when the compute stream reached it and when it went on.
+  void wait(std::string name, cudaEvent_t reached, cudaEvent_t resumed) {
+    add({"wait " + std::move(name), "compute", {reached, resumed}});
+  }
+  /// Writes the trace file; call only when every recorded operation has completed.
+  void write() {
+    if (records_.empty()) return;
+    std::FILE* f = std::fopen(path_.c_str(), "w");
+    if (f == nullptr) {
+      std::fprintf(stderr, "shardtrain: cannot write the communication trace %s\n", path_.c_str());
+      return;
+    }
+    cudaEvent_t origin = records_.front().events.front();
+    const auto us = [&](cudaEvent_t e) {
+      float ms = 0;
+      if (cudaEventSynchronize(e) != cudaSuccess ||
+          cudaEventElapsedTime(&ms, origin, e) != cudaSuccess)
+        return -1.0;
+      return 1000.0 * ms;
+    };
+    std::fprintf(f, "{\"traceEvents\": [\n");
+    for (size_t i = 0; i < records_.size(); ++i) {
+      const Record& r = records_[i];
+      const double a = us(r.events[r.lane == "comm" ? 1 : 0]), b = us(r.events.back());
+      std::fprintf(f,
+                   "{\"name\": \"%s\", \"ph\": \"X\", \"pid\": 0, \"tid\": \"%s\", \"ts\": %.1f, "
+                   "\"dur\": %.1f",
+                   r.name.c_str(), r.lane.c_str(), a, b - a);
+      if (r.lane == "comm") std::fprintf(f, ", \"args\": {\"ready\": %.1f}", us(r.events[0]));
+      std::fprintf(f, "}%s\n", i + 1 < records_.size() ? "," : "");
+    }
+    std::fprintf(f, "]}\n");
+    std::fclose(f);
+  }
+
+ private:
+  struct Record {
+    std::string name, lane;
+    std::vector<cudaEvent_t> events;
+  };
+  static constexpr size_t kMaxRecords = 20000;
+  explicit CommTrace(std::string path) : path_(std::move(path)) {}
+  void add(Record r) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (records_.size() < kMaxRecords) {
+      records_.push_back(std::move(r));
+    } else {
+      for (cudaEvent_t e : r.events) cudaEventDestroy(e);
+    }
+  }
+  std::string path_;
+  std::mutex mu_;
+  std::vector<Record> records_;
+};
+
 /// Member lists → how many communicators over them this process created (main thread only):
 /// names the progress keys of communicators identically on every member.
 std::map<std::vector<int>, int>& created_counts() {
@@ -122,7 +206,8 @@ class NcclState {
         compute_(compute ? compute : cudaStreamLegacy),
         options_(options),
         bootstrap_(std::move(bootstrap)),
-        fault_(FaultInjection::from_env(world_rank)) {
+        fault_(FaultInjection::from_env(world_rank)),
+        trace_(CommTrace::from_env(world_rank)) {
     // enqueue() runs on the caller's thread, the watchdog on its own: both are guarded by mutex_
     // where they share state (pending_, failure_); launched_ and failed_ are atomics.
     nccl_check(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank", comm_);
@@ -150,6 +235,7 @@ class NcclState {
     if (watchdog_.joinable()) watchdog_.join();
     bool clean = !failed_.load();
     for (auto& p : pending_) clean = clean && cudaEventQuery(p->event) == cudaSuccess;
+    if (trace_ && clean) trace_->write();  // waits for each recorded event
     pending_.clear();
     if (comm_aborted_) {
       // fail() aborted it already
@@ -168,6 +254,7 @@ class NcclState {
   int device() const { return device_; }
   ncclComm_t comm() const { return comm_; }
   cudaStream_t compute() const { return compute_; }
+  CommTrace* trace() const { return trace_.get(); }
   const std::vector<int>& world_ranks() const { return world_ranks_; }
   const CommOptions& options() const { return options_; }
   const std::shared_ptr<Bootstrap>& bootstrap() const { return bootstrap_; }
@@ -198,8 +285,11 @@ class NcclState {
     }
     cuda_check(cudaSetDevice(device_), "cudaSetDevice");
     cuda_check(cudaEventRecord(ready_, compute_), "cudaEventRecord");
+    cudaEvent_t t_ready = trace_ ? trace_->mark(compute_) : nullptr;
     cuda_check(cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent");
+    cudaEvent_t t_start = trace_ ? trace_->mark(stream_) : nullptr;
     nccl_check(launch(stream_), op, comm_);
+    if (trace_) trace_->op(p->name, t_ready, t_start, trace_->mark(stream_));
     cuda_check(cudaEventCreateWithFlags(&p->event, cudaEventDisableTiming), "cudaEventCreate");
     cuda_check(cudaEventRecord(p->event, stream_), "cudaEventRecord");
     p->start = Clock::now();
@@ -338,6 +428,7 @@ class NcclState {
   CommOptions options_;
   std::shared_ptr<Bootstrap> bootstrap_;
   FaultInjection fault_;
+  std::unique_ptr<CommTrace> trace_;  // SHARDTRAIN_COMM_TRACE; null when off
   std::string group_;
   std::string board_prefix_;
   std::atomic<int64_t> launched_{0};
@@ -361,7 +452,10 @@ class NcclWork final : public Work {
   /// Orders the compute stream after the operation; does not block the host.
   void wait() override {
     state_->rethrow();
+    CommTrace* trace = state_->trace();
+    cudaEvent_t reached = trace ? trace->mark(state_->compute()) : nullptr;
     cuda_check(cudaStreamWaitEvent(state_->compute(), pending_->event, 0), "cudaStreamWaitEvent");
+    if (trace) trace->wait(pending_->name, reached, trace->mark(state_->compute()));
   }
 
   bool completed() override {
@@ -511,6 +605,20 @@ class NcclCommunicator final : public Communicator {
   void* scratch_ = nullptr;
 };
 
+/// NCCL's CTA policy (ncclConfig_t::CTAPolicy, NCCL ≥ 2.27) from SHARDTRAIN_NCCL_CTA_POLICY:
+/// "default" (NCCL's choice: as many CTAs as the fastest collective needs), "efficiency" (as few
+/// CTAs as give decent bandwidth, leaving SMs to the compute that the collectives overlap) or
+/// "zero" (copy engines where NCCL can). Unset: default. Throws ConfigError for other values.
+int cta_policy_from_env() {
+  const char* v = std::getenv("SHARDTRAIN_NCCL_CTA_POLICY");
+  const std::string s = v ? v : "";
+  if (s.empty() || s == "default") return NCCL_CTA_POLICY_DEFAULT;
+  if (s == "efficiency") return NCCL_CTA_POLICY_EFFICIENCY;
+  if (s == "zero") return NCCL_CTA_POLICY_ZERO;
+  throw ConfigError(fmt::format(
+      "SHARDTRAIN_NCCL_CTA_POLICY='{}' is not a CTA policy: use default, efficiency or zero", s));
+}
+
 }  // namespace
 
 int cuda_device_count() {
@@ -544,7 +652,10 @@ std::unique_ptr<Communicator> make_nccl_communicator(const DistributedEnv& env, 
                              "stuck or dead (or the network between the nodes is blocked; run "
                              "with NCCL_DEBUG=WARN)",
                              env.rank, options.timeout_s));
-    nccl_check(ncclCommInitRank(&comm, env.world_size, id, env.rank), "ncclCommInitRank");
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.CTAPolicy = cta_policy_from_env();
+    nccl_check(ncclCommInitRankConfig(&comm, env.world_size, id, env.rank, &config),
+               "ncclCommInitRankConfig");
   }
   std::vector<int> ranks(static_cast<size_t>(env.world_size));
   for (int i = 0; i < env.world_size; ++i) ranks[static_cast<size_t>(i)] = i;

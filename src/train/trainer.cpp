@@ -177,6 +177,11 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   // Collectives must start after the kernels that produce their inputs (the backend computes on
   // its own non-default stream).
   comm.set_compute_stream(backend->native_stream());
+  // ... and must not use that stream once the backend (declared before this guard) destroys it.
+  struct ComputeStreamReset {
+    Communicator& comm;
+    ~ComputeStreamReset() { comm.set_compute_stream(nullptr); }
+  } compute_stream_reset{comm};
   LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
   GPT2Model model(model_cfg, *backend, cfg.activation_checkpointing);
 
