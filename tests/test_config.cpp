@@ -500,6 +500,19 @@ TEST_F(ConfigTest, AutoValuesAreUnset) {
   EXPECT_EQ(cfg.lr_schedule, LrSchedule::kLinear);
 }
 
+TEST_F(ConfigTest, WallClockBreakdownFromJsonOrFlag) {
+  EXPECT_FALSE(finalize({}).wall_clock_breakdown);
+  EXPECT_TRUE(finalize({"--wall-clock-breakdown"}).wall_clock_breakdown);
+  const std::string path = write("ds.json", R"({"wall_clock_breakdown": true})");
+  EXPECT_TRUE(finalize({"--deepspeed-config", path}).wall_clock_breakdown);
+  EXPECT_TRUE(warnings_.empty() || warnings_[0].find("wall_clock") == std::string::npos);
+  const std::string bad = write("bad.json", R"({"wall_clock_breakdown": "yes"})");
+  EXPECT_CONTAINS(config_error([&] {
+                    finalize({"--deepspeed-config", bad});
+                  }),
+                  "wall_clock_breakdown");
+}
+
 TEST_F(ConfigTest, IgnoredKeysAreListedInOneWarning) {
   const std::string path = write("ds.json", R"({
     "train_micro_batch_size_per_gpu": 4,

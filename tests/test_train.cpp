@@ -93,6 +93,39 @@ TEST(Train, LossFallsAndMetricsAreWritten) {
   fs::remove_all(dir);
 }
 
+// wall_clock_breakdown: the phases are logged for every log line, none is negative, and together
+// they account for the step time (the marks bracket all of a step but its final synchronize).
+TEST(Train, WallClockBreakdownAccountsForTheStepTime) {
+  const fs::path dir = temp_dir("breakdown");
+  TrainConfig c = tiny_config(dir);
+  c.max_steps = 6;
+  c.log_interval = 3;
+  c.gradient_accumulation_steps = 2;  // forward and backward summed over the micro-steps
+  c.train_batch_size = 8;
+  c.wall_clock_breakdown = true;
+  c.save_checkpoints = false;
+  auto comm = make_local_communicator();
+  train(c, *comm);
+  int logged = 0;
+  for (const auto& r : read_metrics(fs::path(c.output_dir) / "metrics.jsonl")) {
+    if (!r.contains("loss")) continue;
+    ++logged;
+    double sum = 0;
+    for (const char* k : {"forward_ms", "backward_ms", "reduce_wait_ms", "optimizer_ms"}) {
+      ASSERT_TRUE(r.contains(k)) << k;
+      EXPECT_GE(r[k].get<double>(), 0.0) << k;
+      sum += r[k].get<double>();
+    }
+    EXPECT_GT(r["forward_ms"].get<double>(), 0.0);
+    EXPECT_GT(r["backward_ms"].get<double>(), 0.0);
+    const double step_ms = 1e3 * r["step_time_s"].get<double>();
+    EXPECT_LE(sum, step_ms * 1.001 + 0.01);
+    EXPECT_GE(sum, 0.8 * step_ms);
+  }
+  EXPECT_EQ(logged, 3);  // steps 1, 3 and 6
+  fs::remove_all(dir);
+}
+
 TEST(Train, ResumeContinuesTheSameTrajectoryBitForBit) {
   const fs::path dir = temp_dir("resume");
   TrainConfig c = tiny_config(dir);

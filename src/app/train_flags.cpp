@@ -293,6 +293,10 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                              cfg.log_interval))
       ->type_name("STEPS")
       ->check(int_at_least(1));
+  cmd.add_flag("--wall-clock-breakdown", cfg.wall_clock_breakdown,
+               "time forward, backward, the wait for gradient reduction and the optimizer step "
+               "on the device; log the means (ms per step) with each log line (DeepSpeed "
+               "wall_clock_breakdown; default: off)");
   cmd.add_option("--eval-interval", cfg.eval_interval,
                  fmt::format("optimizer steps between validations; 0 = at the end of each epoch "
                              "(default: {})",

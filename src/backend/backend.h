@@ -12,10 +12,12 @@
 //  * Ops are enqueued in order on the backend's compute stream; synchronize() waits for them.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -31,6 +33,29 @@ struct AttentionSaved {
   Tensor lse;    ///< [B, NH, T] fp32, or empty
 };
 
+/// Timestamps in stream order, for timing the phases of a step without synchronizing inside it
+/// (DeepSpeed's wall_clock_breakdown). On CUDA a mark is an event recorded on the compute stream,
+/// so it is taken when the work enqueued before it has run; this default uses the host clock,
+/// which is the same thing on a backend whose ops run synchronously (CPU).
+class StreamClock {
+ public:
+  virtual ~StreamClock() = default;
+  /// Takes a timestamp after the work enqueued so far.
+  virtual void mark() { host_.push_back(std::chrono::steady_clock::now()); }
+  /// Seconds between consecutive marks (marks − 1 values, in order); then forgets the marks.
+  /// Waits for the marks to be taken.
+  virtual std::vector<double> intervals() {
+    std::vector<double> out;
+    for (size_t i = 1; i < host_.size(); ++i)
+      out.push_back(std::chrono::duration<double>(host_[i] - host_[i - 1]).count());
+    host_.clear();
+    return out;
+  }
+
+ private:
+  std::vector<std::chrono::steady_clock::time_point> host_;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -44,6 +69,10 @@ class Backend {
   /// communicators must be given it (Communicator::set_compute_stream) so that collectives start
   /// after the kernels that produce their inputs.
   virtual void* native_stream() const { return nullptr; }
+  /// A clock whose marks follow the work on the compute stream (see StreamClock).
+  virtual std::unique_ptr<StreamClock> make_stream_clock() {
+    return std::make_unique<StreamClock>();
+  }
 
   // ---- memory ------------------------------------------------------------------------------
   /// Allocates `bytes` of device memory (64-byte aligned, zero-filled). Throws RuntimeFailure

@@ -96,6 +96,7 @@ const KeyList kTopHonoured = {
     "gradient_accumulation_steps",
     "gradient_clipping",
     "steps_per_print",
+    "wall_clock_breakdown",
     "optimizer",
     "scheduler",
     "fp16",
@@ -107,7 +108,6 @@ const KeyList kTopHonoured = {
 
 // Top-level DeepSpeed keys shardtrain accepts and ignores.
 const KeyList kTopIgnored = {
-    "wall_clock_breakdown",
     "memory_breakdown",
     "dump_state",
     "prescale_gradients",
@@ -351,6 +351,9 @@ class DeepSpeedReader {
     }
     if (auto v = get_int(root, "steps_per_print", "", 1, "an integer >= 1 (steps between logs)")) {
       assign("log_interval", "steps_per_print", true, cfg_.log_interval, *v);
+    }
+    if (auto v = get_bool(root, "wall_clock_breakdown", "")) {
+      assign("wall_clock_breakdown", "wall_clock_breakdown", true, cfg_.wall_clock_breakdown, *v);
     }
     if (const json* opt = find(root, "optimizer")) read_optimizer(*opt);
     if (const json* sched = find(root, "scheduler")) read_scheduler(*sched);

@@ -104,6 +104,9 @@ struct TrainConfig {
   // ---- output, logging, checkpoints ----
   std::string output_dir = "out";
   int64_t log_interval = 10;  ///< steps between log lines (DeepSpeed steps_per_print)
+  /// Time forward, backward, the gradient-reduction wait and the optimizer step on the device
+  /// and log their means with each log line (DeepSpeed wall_clock_breakdown).
+  bool wall_clock_breakdown = false;
   int64_t eval_interval = 0;  ///< steps between validations; 0 = at the end of each epoch
   int64_t save_interval = 0;  ///< steps between checkpoints; 0 = only at the end
   std::string resume;         ///< checkpoint directory (or an output dir: its latest)

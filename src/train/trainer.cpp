@@ -137,6 +137,40 @@ Evaluation evaluate(GPT2Model& model, const PackedDataset& data, int64_t batch,
   return ev;
 }
 
+/// Device time of the phases of optimizer steps (DeepSpeed wall_clock_breakdown), in seconds:
+/// forward (with zeroing the gradients and preparing the batch), backward (with the reductions
+/// it launches), the wait for the gradient reductions still running after backward
+/// (Strategy::finish_gradients) and the optimizer (gradient norm, clipping, update, and for ZeRO
+/// the all-gather of the updated parameters).
+struct PhaseTimes {
+  double forward = 0, backward = 0, reduce_wait = 0, optimizer = 0;
+
+  /// From the intervals between the marks of one step: [forward, backward] per micro-step, then
+  /// the reduction wait and the optimizer.
+  static PhaseTimes from_marks(const std::vector<double>& t) {
+    ST_ASSERT(t.size() >= 4 && t.size() % 2 == 0);
+    PhaseTimes p;
+    const size_t micro = t.size() - 2;
+    for (size_t i = 0; i < micro; i += 2) {
+      p.forward += t[i];
+      p.backward += t[i + 1];
+    }
+    p.reduce_wait = t[micro];
+    p.optimizer = t[micro + 1];
+    return p;
+  }
+  PhaseTimes& operator+=(const PhaseTimes& o) {
+    forward += o.forward;
+    backward += o.backward;
+    reduce_wait += o.reduce_wait;
+    optimizer += o.optimizer;
+    return *this;
+  }
+  PhaseTimes scaled(double f) const {
+    return {forward * f, backward * f, reduce_wait * f, optimizer * f};
+  }
+};
+
 /// The GPU index of this rank: LOCAL_RANK as set by launchers (torchrun, shardtrain launch,
 /// SLURM, mpirun), else the rank.
 int local_rank_of(const Communicator& comm) {
@@ -341,6 +375,10 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
 
   double window_time = 0, window_loss = 0;
   int64_t window_steps = 0;
+  // wall_clock_breakdown: device time of each phase, summed over the log window, in seconds.
+  std::unique_ptr<StreamClock> clock =
+      cfg.wall_clock_breakdown ? backend->make_stream_clock() : nullptr;
+  PhaseTimes window_phases;
   bool validated_at_end = false;
   while (progress.step < total_steps) {
     const int64_t epoch = progress.epoch;
@@ -350,6 +388,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     int64_t epoch_steps = 0;
     while (progress.step_in_epoch < steps_per_epoch && progress.step < total_steps) {
       const auto t_step = Clock::now();
+      if (clock) clock->mark();
       strategy->zero_grad();
       double loss = 0;
       for (int64_t k = 0; k < accum; ++k) {
@@ -363,10 +402,13 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
         loss +=
             model.forward(tokens.data(), targets.data(), B, T,
                           static_cast<float>(scaler.scale() / static_cast<double>(B * T)), true);
+        if (clock) clock->mark();
         model.backward();
+        if (clock) clock->mark();
       }
       loss /= static_cast<double>(accum);
       strategy->finish_gradients();
+      if (clock) clock->mark();
       // Gradients hold Σ over micro-steps and ranks of ∂(loss_scale · mean micro-batch loss)/∂θ.
       const double mean_scale =
           1.0 / (static_cast<double>(accum * comm.world_size()) * scaler.scale());
@@ -388,6 +430,10 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                                 ? cfg.gradient_clipping / (norm + 1e-6)
                                 : 1.0;
         strategy->step(lr, mean_scale * clip);
+      }
+      if (clock) {
+        clock->mark();
+        window_phases += PhaseTimes::from_marks(clock->intervals());
       }
       backend->synchronize();
       const double dt = seconds_since(t_step);
@@ -432,6 +478,18 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                     {"tokens_seen", progress.tokens_seen}};
         if (on_gpu) rec["mfu"] = mfu;
         if (scaler.enabled()) rec["loss_scale"] = scaler.scale();
+        if (clock) {
+          const PhaseTimes ms = window_phases.scaled(1e3 / static_cast<double>(window_steps));
+          out.line(
+              "  device time per step: forward {:.2f} ms | backward {:.2f} ms | gradient "
+              "reduction wait {:.2f} ms | optimizer {:.2f} ms",
+              ms.forward, ms.backward, ms.reduce_wait, ms.optimizer);
+          rec["forward_ms"] = ms.forward;
+          rec["backward_ms"] = ms.backward;
+          rec["reduce_wait_ms"] = ms.reduce_wait;
+          rec["optimizer_ms"] = ms.optimizer;
+          window_phases = PhaseTimes{};
+        }
         metrics.write(rec);
         window_time = window_loss = 0;
         window_steps = 0;

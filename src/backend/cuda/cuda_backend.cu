@@ -802,6 +802,42 @@ class CachingAllocator {
 
 }  // namespace
 
+/// StreamClock of timing CUDA events recorded on the compute stream, reused after each read.
+class CudaStreamClock final : public StreamClock {
+ public:
+  CudaStreamClock(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+  ~CudaStreamClock() override {
+    for (cudaEvent_t e : events_) (void)cudaEventDestroy(e);
+  }
+  void mark() override {
+    ST_CUDA_CHECK(cudaSetDevice(device_));
+    if (used_ == events_.size()) {
+      cudaEvent_t e = nullptr;
+      ST_CUDA_CHECK(cudaEventCreate(&e));
+      events_.push_back(e);
+    }
+    ST_CUDA_CHECK(cudaEventRecord(events_[used_++], stream_));
+  }
+  std::vector<double> intervals() override {
+    std::vector<double> out;
+    if (used_ == 0) return out;
+    ST_CUDA_CHECK(cudaEventSynchronize(events_[used_ - 1]));
+    for (size_t i = 1; i < used_; ++i) {
+      float ms = 0;
+      ST_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i - 1], events_[i]));
+      out.push_back(1e-3 * ms);
+    }
+    used_ = 0;
+    return out;
+  }
+
+ private:
+  int device_;
+  cudaStream_t stream_;
+  std::vector<cudaEvent_t> events_;
+  size_t used_ = 0;
+};
+
 // ==== the backend ==============================================================================
 
 class CudaBackend final : public Backend {
@@ -849,6 +885,9 @@ class CudaBackend final : public Backend {
   std::string description() const override { return description_; }
   DType compute_dtype() const override { return dtype_; }
   void* native_stream() const override { return ctx_.stream; }
+  std::unique_ptr<StreamClock> make_stream_clock() override {
+    return std::make_unique<CudaStreamClock>(device_, ctx_.stream);
+  }
 
   // ---- memory ------------------------------------------------------------------------------
   void* allocate(size_t bytes) override {
