@@ -54,6 +54,32 @@ TEST(DistEnv, SingleProcessWithoutVariables) {
   EXPECT_EQ(e.master_port, 29500);
 }
 
+TEST(DistEnv, GpuRanksGetOneWorkQueueUnlessTheUserChose) {
+  const auto get = [](const char* v) { return std::string(std::getenv(v) ? std::getenv(v) : ""); };
+  const std::string saved_queues = get("CUDA_DEVICE_MAX_CONNECTIONS");
+  const std::string saved_nvls = get("NCCL_NVLS_ENABLE");
+  unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  unsetenv("NCCL_NVLS_ENABLE");
+  st::set_gpu_rank_environment(1, "cuda");  // one rank: nothing to overlap
+  EXPECT_EQ(get("CUDA_DEVICE_MAX_CONNECTIONS"), "");
+  st::set_gpu_rank_environment(2, "cpu");  // MPI ranks: no GPU
+  EXPECT_EQ(get("CUDA_DEVICE_MAX_CONNECTIONS"), "");
+  st::set_gpu_rank_environment(2, "auto");
+  EXPECT_EQ(get("CUDA_DEVICE_MAX_CONNECTIONS"), "1");
+  EXPECT_EQ(get("NCCL_NVLS_ENABLE"), "0");
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8", 1);  // the user's value stays
+  st::set_gpu_rank_environment(4, "cuda");
+  EXPECT_EQ(get("CUDA_DEVICE_MAX_CONNECTIONS"), "8");
+  for (auto [var, value] : {std::pair{"CUDA_DEVICE_MAX_CONNECTIONS", saved_queues},
+                            std::pair{"NCCL_NVLS_ENABLE", saved_nvls}}) {
+    if (value.empty()) {
+      unsetenv(var);
+    } else {
+      setenv(var, value.c_str(), 1);
+    }
+  }
+}
+
 TEST(DistEnv, TorchrunVariables) {
   const st::DistributedEnv e = st::read_distributed_env(env_of({{"RANK", "5"},
                                                                 {"WORLD_SIZE", "8"},

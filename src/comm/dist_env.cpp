@@ -168,6 +168,12 @@ DistributedEnv read_distributed_env(const EnvLookup& env) {
 
 DistributedEnv read_distributed_env() { return read_distributed_env(process_env()); }
 
+void set_gpu_rank_environment(int world_size, const std::string& device) {
+  if (world_size <= 1 || device == "cpu") return;
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1", 0);
+  setenv("NCCL_NVLS_ENABLE", "0", 0);
+}
+
 std::string describe(const DistributedEnv& env) {
   return fmt::format("rank {} of {} (local {} of {}, node {}) via {}", env.rank, env.world_size,
                      env.local_rank, env.local_world_size, env.node_rank, env.launcher);
