@@ -36,6 +36,17 @@ class Work {
   virtual bool completed() = 0;
 };
 
+/// Staging bytes of the NCCL communicator's copy-engine collectives (registration_staging_bytes()
+/// when they are available): the sums over W ranks run in pieces of 32 MiB / (W − 1).
+inline constexpr size_t kPeerStagingBytes = size_t{32} << 20;
+
+/// Buffers registered with a communicator (Communicator::register_buffers); destroying it
+/// deregisters them. Destroy it before the buffers and after the last operation on them.
+class BufferRegistration {
+ public:
+  virtual ~BufferRegistration() = default;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -63,6 +74,26 @@ class Communicator {
   /// missing).
   virtual std::unique_ptr<Communicator> split(const std::vector<int>& ranks) = 0;
 
+  /// Bytes of device memory register_buffers() takes as staging, or 0 when this communicator has
+  /// no faster path for registered buffers (CPU and single-rank communicators; NCCL groups whose
+  /// GPUs are on several nodes or cannot access each other's memory;
+  /// SHARDTRAIN_PEER_COLLECTIVES=0).
+  virtual size_t registration_staging_bytes() const { return 0; }
+
+  /// Registers `buffers` (whole allocations: the strategies' flat buffers) so that collectives on
+  /// tensors inside them take the communicator's faster path; on GPU ranks of one node that is
+  /// copy-engine transfers between the GPUs (comm/peer_collectives.h), which leave the SMs to the
+  /// compute the collectives overlap. `staging`: device memory of registration_staging_bytes()
+  /// bytes, kept until the registration is destroyed. Collective: every rank registers buffers of
+  /// the same sizes in the same order, and afterwards passes tensors at the same offsets of them
+  /// to each collective (in-place all_gather/reduce_scatter: the rank's own slice). Returns null
+  /// when the faster path is unavailable; collectives then go the usual way. Throws
+  /// RuntimeFailure when the transport fails.
+  virtual std::unique_ptr<BufferRegistration> register_buffers(
+      const std::vector<Tensor>& /*buffers*/, Tensor /*staging*/) {
+    return nullptr;
+  }
+
   /// GPU communicators: the CUDA stream (a cudaStream_t) the caller computes on. Each operation
   /// starts after the work enqueued there so far, and Work::wait() orders later work there after
   /// the operation. Until it is set, the legacy default stream is used, which orders against every
@@ -76,9 +107,10 @@ struct CommOptions {
   /// or 300 (see comm_timeout_seconds()).
   double timeout_s = 300;
   /// On a timeout: true prints "error: rank R: OP #N did not complete within T s: rank Q has not
-  /// joined it (...)" to stderr and aborts the whole job (MPI_Abort, or ncclCommAbort and exit
-  /// status 1 on GPU); false throws CommTimeoutError instead (tests). After a CommTimeoutError the
-  /// Work stays valid: waiting on it again waits for another timeout_s.
+  /// joined it (...)" to stderr and aborts the whole job (MPI_Abort, or exit status 1 on GPU,
+  /// whereupon the launcher stops the other ranks); false throws CommTimeoutError instead (tests).
+  /// After a CommTimeoutError the Work stays valid: waiting on it again waits for another
+  /// timeout_s.
   bool abort_on_timeout = true;
 };
 

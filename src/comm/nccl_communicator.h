@@ -17,9 +17,11 @@ namespace shardtrain {
 /// stream) and Work::wait() makes that stream wait for it, so communication overlaps compute.
 /// `bootstrap` carries the NCCL unique id from rank 0 (and the progress board for timeout
 /// reports). Sets NCCL_NVLS_ENABLE=0 unless the variable is set (NVLink SHARP multicast stays
-/// off). A background thread stops the process (ncclCommAbort, exit status 1, a message naming
-/// the operation and the ranks that did not join it) when an operation is not done within
-/// options.timeout_s or NCCL reports an asynchronous error.
+/// off). A background thread stops the process (exit status 1, a message naming the operation
+/// and the ranks that did not join it) when an operation is not done within options.timeout_s or
+/// NCCL reports an asynchronous error. On one node whose GPUs can access each other's memory,
+/// collectives on registered buffers use copy engines (comm/peer_collectives.h;
+/// SHARDTRAIN_PEER_COLLECTIVES=0 keeps NCCL for all).
 /// Throws ConfigError when env.local_rank has no GPU, RuntimeFailure when CUDA or NCCL fail or
 /// when shardtrain was built without CUDA.
 std::unique_ptr<Communicator> make_nccl_communicator(const DistributedEnv& env, void* cuda_stream,

@@ -7,8 +7,11 @@
 //  * a watchdog thread per communicator polls the completion events and ncclCommGetAsyncError;
 //    an operation not done within the timeout (or an asynchronous NCCL error) prints a message
 //    naming the operation and the ranks that have not joined it (from the progress every rank
-//    publishes to the TCP store), aborts the communicator (ncclCommAbort) and ends the process
-//    with exit status 1, so the launcher stops the other ranks.
+//    publishes to the TCP store) and ends the process with exit status 1, so the launcher stops
+//    the other ranks (with CommOptions::abort_on_timeout false: aborts the communicator and
+//    throws CommTimeoutError);
+//  * collectives on buffers registered with register_buffers() run on the GPUs' copy engines
+//    when every rank is on one node with peer access (comm/peer_collectives.h).
 // Compiled only with the CUDA toolkit (shardtrain_cuda). It uses shardtrain_lib only through
 // header-only code and the Bootstrap interface (comm/comm_support.h).
 #include <cuda_runtime.h>
@@ -34,6 +37,7 @@
 #include "comm/communicator.h"
 #include "comm/dist_env.h"
 #include "comm/nccl_communicator.h"
+#include "comm/peer_collectives.h"
 #include "core/error.h"
 
 namespace shardtrain {
@@ -89,6 +93,18 @@ ncclRedOp_t nccl_op(DType t, ReduceOp op, const char* what) {
 void check_cuda_tensor(const Tensor& t, const char* what) {
   check<RuntimeFailure>(t.device == DeviceKind::kCUDA,
                         "{}: the NCCL communicator works on CUDA tensors, got a CPU tensor", what);
+}
+
+/// SHARDTRAIN_PEER_COLLECTIVES: unset or 1 (copy-engine collectives for registered buffers where
+/// the GPUs allow) or 0 (NCCL for every collective). Throws ConfigError for other values.
+bool peer_collectives_wanted() {
+  const char* v = std::getenv("SHARDTRAIN_PEER_COLLECTIVES");
+  const std::string s = v ? v : "";
+  check<ConfigError>(s.empty() || s == "0" || s == "1",
+                     "SHARDTRAIN_PEER_COLLECTIVES='{}' must be 0 (NCCL for every collective) or 1 "
+                     "(copy-engine collectives for registered buffers, the default)",
+                     s);
+  return s != "0";
 }
 
 /// A completion event with what it completes.
@@ -218,7 +234,15 @@ class NcclState {
     key += std::to_string(created_counts()[world_ranks_]++);
     board_prefix_ = "progress/" + key + "/";
     cuda_check(cudaSetDevice(device_), "cudaSetDevice");
-    cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    // With copy-engine collectives the communication stream runs small sum kernels between the
+    // copies: the highest priority lets them take the next free SMs instead of queueing behind
+    // the compute kernels they overlap.
+    int least = 0, greatest = 0;
+    cuda_check(cudaDeviceGetStreamPriorityRange(&least, &greatest),
+               "cudaDeviceGetStreamPriorityRange");
+    cuda_check(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking,
+                                            is_world && peer_collectives_wanted() ? greatest : 0),
+               "cudaStreamCreateWithPriority");
     cuda_check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate");
     watchdog_ = std::thread([this] { watch(); });
   }
@@ -412,9 +436,12 @@ class NcclState {
     failed_.store(true);
     std::fprintf(stderr, "error: %s\n", message.c_str());
     std::fflush(stderr);
+    // Exit before ncclCommAbort: it frees device memory, which waits for the device, and a
+    // copy-engine collective's stream may wait forever for a peer's flag (comm/peer_collectives.h).
+    // The driver reclaims the GPU from the exiting process; the launcher stops the other ranks.
+    if (options_.abort_on_timeout) std::_Exit(1);
     ncclCommAbort(comm_);  // makes NCCL kernels in flight return
     comm_aborted_ = true;
-    if (options_.abort_on_timeout) std::_Exit(1);
   }
 
   ncclComm_t comm_;
@@ -471,9 +498,44 @@ class NcclWork final : public Work {
   std::shared_ptr<Pending> pending_;
 };
 
+/// Keeps buffers registered with the copy-engine path; waits for the device before unmapping.
+class PeerRegistration final : public BufferRegistration {
+ public:
+  PeerRegistration(std::shared_ptr<PeerCollectives> peers, int key)
+      : peers_(std::move(peers)), key_(key) {}
+  ~PeerRegistration() override {
+    cudaDeviceSynchronize();  // no copy may still read the mappings
+    peers_->release(key_);
+  }
+
+ private:
+  std::shared_ptr<PeerCollectives> peers_;
+  int key_;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   explicit NcclCommunicator(std::shared_ptr<NcclState> state) : st_(std::move(state)) {}
+
+  /// Sets up the copy-engine path for registered buffers (collective; see PeerCollectives::create)
+  /// unless SHARDTRAIN_PEER_COLLECTIVES=0.
+  void enable_peer_collectives() {
+    if (!peer_collectives_wanted() || st_->size() < 2) return;
+    peers_ = PeerCollectives::create(st_->rank(), st_->size(), st_->device(),
+                                     st_->options().timeout_s, exchange());
+  }
+
+  size_t registration_staging_bytes() const override { return peers_ ? kPeerStagingBytes : 0; }
+
+  std::unique_ptr<BufferRegistration> register_buffers(const std::vector<Tensor>& buffers,
+                                                       Tensor staging) override {
+    if (!peers_) return nullptr;
+    for (const Tensor& b : buffers) check_cuda_tensor(b, "register_buffers");
+    check_cuda_tensor(staging, "register_buffers");
+    const int key = peers_->register_buffers(buffers, staging, exchange());
+    if (key < 0) return nullptr;
+    return std::make_unique<PeerRegistration>(peers_, key);
+  }
 
   int rank() const override { return st_->rank(); }
   int world_size() const override { return st_->size(); }
@@ -485,6 +547,11 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Work> all_reduce(Tensor t, ReduceOp op) override {
     check_cuda_tensor(t, "all_reduce");
     const ncclRedOp_t rop = nccl_op(t.dtype, op, "all_reduce");
+    if (peers_ && peers_->covers(t) && peers_->can_sum(t, op))
+      return submit("all_reduce", true, -1, [&](cudaStream_t s) {
+        peers_->all_reduce(t, op, s);
+        return ncclSuccess;
+      });
     const auto [type, n] = nccl_type(t);
     return submit("all_reduce", true, -1, [&](cudaStream_t s) {
       return ncclAllReduce(t.data, t.data, n, type, rop, st_->comm(), s);
@@ -500,6 +567,11 @@ class NcclCommunicator final : public Communicator {
         dtype_name(input.dtype), input.numel(), st_->size(), dtype_name(output.dtype),
         output.numel());
     const ncclRedOp_t rop = nccl_op(input.dtype, op, "reduce_scatter");
+    if (peers_ && peers_->covers(input) && peers_->can_sum(input, op))
+      return submit("reduce_scatter", true, -1, [&](cudaStream_t s) {
+        peers_->reduce_scatter(output, input, op, s);
+        return ncclSuccess;
+      });
     const auto [type, n] = nccl_type(output);
     return submit("reduce_scatter", true, -1, [&](cudaStream_t s) {
       return ncclReduceScatter(input.data, output.data, n, type, rop, st_->comm(), s);
@@ -515,6 +587,11 @@ class NcclCommunicator final : public Communicator {
         "the same count; pad uneven shards)",
         dtype_name(output.dtype), output.numel(), st_->size(), dtype_name(input.dtype),
         input.numel());
+    if (peers_ && peers_->covers(output))
+      return submit("all_gather", true, -1, [&](cudaStream_t s) {
+        peers_->all_gather(output, input, s);
+        return ncclSuccess;
+      });
     const auto [type, n] = nccl_type(input);
     return submit("all_gather", true, -1, [&](cudaStream_t s) {
       return ncclAllGather(input.data, output.data, n, type, st_->comm(), s);
@@ -596,6 +673,28 @@ class NcclCommunicator final : public Communicator {
     return std::make_unique<NcclWork>(st_, st_->enqueue(op, collective, peer, launch));
   }
 
+  /// A blocking all-gather of host bytes over NCCL (setup exchanges of the copy-engine path).
+  ByteAllGather exchange() {
+    return [this](const void* mine, size_t bytes, void* all) {
+      const size_t w = static_cast<size_t>(st_->size());
+      char* dev = nullptr;
+      cuda_check(cudaSetDevice(st_->device()), "cudaSetDevice");
+      cuda_check(cudaMalloc(&dev, bytes * (w + 1)), "cudaMalloc");
+      try {
+        cuda_check(cudaMemcpy(dev, mine, bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+        auto p = st_->enqueue("exchange", true, -1, [&](cudaStream_t s) {
+          return ncclAllGather(dev, dev + bytes, bytes, ncclUint8, st_->comm(), s);
+        });
+        st_->host_wait(*p);
+        cuda_check(cudaMemcpy(all, dev + bytes, bytes * w, cudaMemcpyDeviceToHost), "cudaMemcpy");
+      } catch (...) {
+        cudaFree(dev);
+        throw;
+      }
+      cudaFree(dev);
+    };
+  }
+
   void check_peer(int peer, const char* what) const {
     check<ConfigError>(peer >= 0 && peer < st_->size() && peer != st_->rank(),
                        "{}: peer {} must be another rank of [0, {})", what, peer, st_->size());
@@ -603,6 +702,7 @@ class NcclCommunicator final : public Communicator {
 
   std::shared_ptr<NcclState> st_;
   void* scratch_ = nullptr;
+  std::shared_ptr<PeerCollectives> peers_;  ///< copy-engine path; null when unavailable
 };
 
 /// NCCL's CTA policy (ncclConfig_t::CTAPolicy, NCCL ≥ 2.27) from SHARDTRAIN_NCCL_CTA_POLICY:
@@ -659,9 +759,11 @@ std::unique_ptr<Communicator> make_nccl_communicator(const DistributedEnv& env, 
   }
   std::vector<int> ranks(static_cast<size_t>(env.world_size));
   for (int i = 0; i < env.world_size; ++i) ranks[static_cast<size_t>(i)] = i;
-  return std::make_unique<NcclCommunicator>(std::make_shared<NcclState>(
+  auto communicator = std::make_unique<NcclCommunicator>(std::make_shared<NcclState>(
       comm, std::move(ranks), env.rank, env.local_rank, static_cast<cudaStream_t>(cuda_stream),
       options, std::move(bootstrap), true));
+  communicator->enable_peer_collectives();
+  return communicator;
 }
 
 }  // namespace shardtrain

@@ -1,0 +1,128 @@
+// Copy-engine collectives between the GPUs of one node, for the NCCL communicator
+// (comm/nccl_communicator_cuda.cpp). CUDA-only; compiled into shardtrain_cuda.
+//
+// Why: NCCL moves data with kernels that hold SMs (up to 32 CTAs on Hopper NVLink) for the whole
+// collective, taking them from the GEMMs the collectives overlap. Here data moves by the GPUs' copy
+// engines (DMA: cudaMemcpyAsync between peers mapped through CUDA IPC), which take no SMs; only the
+// element-wise sums run as kernels, in short bursts over the whole GPU. The design follows
+// PyTorch's low-contention SymmetricMemory collectives (pytorch/pytorch#130583). On 2×H200
+// (gpt2-medium, micro-batch 4 × 512, docs/BENCHMARKS.md) it raised per-GPU throughput over NCCL
+// for dp (237 k against 231 k tokens/s), zero1 (240 k / 237 k) and zero2 (238 k / 233 k; 247 k with
+// 12.5 M-element buckets, which NCCL made slower: 218 k). Lessons measured on the way: pulling
+// (reading the peer across NVLink) and pushing moved the same ~100 GB/s while the sum kernel had
+// 32 blocks — the sum was the bound; with 2 blocks per SM an all-gather pushes ~375 GB/s; copies
+// split over several streams gained nothing; the copies and barriers need the driver's several
+// hardware queues (with CUDA_DEVICE_MAX_CONNECTIONS=1 they blocked the compute: 194 k tokens/s).
+//
+// Buffers: every rank registers its buffers (same sizes, same order on every rank), and a
+// collective's tensors must lie at the same offset of the same registered buffer on every rank
+// (NCCL's NCCL_WIN_COLL_SYMMETRIC contract). The strategies' flat buffers satisfy it: their
+// layouts are identical on every rank.
+//
+// Algorithms over W ranks, rank r, chunk k = elements [k·c, min(n, (k+1)·c)), c = ⌈n/W⌉ rounded
+// up to 64 elements. Data moves by pushes (the sender's copy engine writes into the peer's
+// buffer or staging). "barrier" = every rank signals every other rank's
+// flag and waits for theirs, a sequence number per barrier, by stream memory operations
+// (cuStreamWriteValue32 with its system-wide fence, cuStreamWaitValue32: run by the GPU's front
+// end, no SM), or where the driver lacks them by a one-warp kernel:
+//   reduce_scatter  per staging-sized piece: barrier (data ready, staging free); push slice q to
+//                   rank q's staging slot for this rank; barrier (pushes landed); sum own slice r
+//                   and the staged slices into the output.
+//   all_reduce      reduce-scatter into own chunk r as above; push chunk r into every peer's
+//                   chunk r; barrier.
+//   all_gather      barrier; push own slice into every peer's slice r; barrier.
+// Sums accumulate in fp32 in rank order (own value first), so for W = 2 the result equals NCCL's
+// bit for bit.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/tensor.h"
+
+namespace shardtrain {
+
+/// All-gather of `bytes` bytes from every rank: `all` receives W·bytes in rank order. Blocking.
+using ByteAllGather = std::function<void(const void* mine, size_t bytes, void* all)>;
+
+class PeerCollectives {
+ public:
+  /// Collective over the W ranks. Returns null (on every rank alike) when W > 8, the ranks are
+  /// not all on one host, or some GPU cannot access another's memory (cudaDeviceCanAccessPeer).
+  /// `timeout_s`: a barrier stops waiting after 2·timeout_s + 10 s so the process can exit after
+  /// the communicator's watchdog reported the timeout. Throws RuntimeFailure when CUDA fails.
+  static std::unique_ptr<PeerCollectives> create(int rank, int world, int device, double timeout_s,
+                                                 const ByteAllGather& exchange);
+  ~PeerCollectives();
+  PeerCollectives(const PeerCollectives&) = delete;
+  PeerCollectives& operator=(const PeerCollectives&) = delete;
+
+  /// Maps every peer's copy of `buffers` (each the start of a cudaMalloc allocation; the same
+  /// count and byte sizes on every rank) and takes `staging` (device memory of this rank, at
+  /// least kPeerStagingBytes) for the sums. Collective. Returns a key for release(), or -1 on
+  /// every rank when some rank could not map a peer's memory (then nothing is registered).
+  int register_buffers(const std::vector<Tensor>& buffers, Tensor staging,
+                       const ByteAllGather& exchange);
+  /// Drops the registration `key` (local; closes the peer mappings).
+  void release(int key);
+
+  /// Whether `t` lies inside a registered buffer.
+  bool covers(const Tensor& t) const;
+  /// Whether sums of `t` (its dtype, `op`) can go this way: fp32/bf16/fp16, kSum or kAvg, and
+  /// buffers are registered (their staging receives the peers' data).
+  bool can_sum(const Tensor& t, ReduceOp op) const;
+
+  /// The collectives, enqueued on `stream`. The communicator sends a collective this way when
+  /// the buffer the peers write into is registered: all_reduce: covers(t) and can_sum(t, op);
+  /// reduce_scatter: covers(input) and can_sum(input, op) (the peers write into the staging;
+  /// output anywhere on this GPU, or input's slice r); all_gather: covers(output) (input
+  /// anywhere on this GPU, or output's slice r).
+  void all_reduce(const Tensor& t, ReduceOp op, cudaStream_t stream);
+  /// `input` [W·n], `output` [n].
+  void reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, cudaStream_t stream);
+  /// `input` [n], `output` [W·n].
+  void all_gather(const Tensor& output, const Tensor& input, cudaStream_t stream);
+
+ private:
+  PeerCollectives(int rank, int world, int device, double timeout_s);
+  struct Region;
+  struct Mapping;
+  /// The registered region holding [p, p + bytes), or null.
+  const Region* find(const void* p, size_t bytes) const;
+  /// Peer `q`'s address of local address `p` (inside a registered region).
+  const void* peer_address(const void* p, int q) const;
+  void barrier(cudaStream_t stream);
+  /// A copy between this GPU and a peer (copy engine), on `stream`.
+  void copy(void* dst, const void* src, size_t bytes, cudaStream_t stream);
+  /// The staging region of the latest registration (peers push into it), or null.
+  const Region* staging_region() const;
+  /// out[0, n) ← (own[0, n) + Σ over senders of their staged [0, n)) · scale.
+  void launch_sum_dt(void* out, const void* own, const void* staged, size_t stride, size_t n,
+                     DType dt, float scale, cudaStream_t stream);
+  /// Reduce-scatter by pushes: in pieces of the staging (`nominal` elements, the same on every
+  /// rank, decide their count), every rank copies its `count(q)` elements at `send(q)` into rank
+  /// q's staging, then sums its own `n_own` elements at `own` with what it received into `out`.
+  void push_and_sum(void* out, const void* own, size_t n_own,
+                    const std::function<const char*(int)>& send,
+                    const std::function<size_t(int)>& count, size_t nominal, DType dt, float scale,
+                    cudaStream_t stream);
+
+  int rank_, world_, device_;
+  double timeout_s_;
+  uint64_t seq_ = 0;
+  void* flags_ = nullptr;          ///< [8] uint64 signals the peers write, this GPU
+  int sum_blocks_ = 264;           ///< blocks of the sum kernel: 2 per SM
+  void* write_value_ = nullptr;    ///< cuStreamWriteValue32, or null: barrier kernel
+  void* wait_value_ = nullptr;     ///< cuStreamWaitValue32
+  std::vector<void*> peer_flags_;  ///< [W] the peers' signal arrays, mapped (own: null)
+  std::vector<std::unique_ptr<Mapping>> mappings_;
+  int next_key_ = 0;
+};
+
+}  // namespace shardtrain
