@@ -3,12 +3,15 @@
 // whose compute dtype is fp32), and the printed table.
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <vector>
 
 #include "backend/backend.h"
+#include "comm/communicator.h"
 #include "core/error.h"
 #include "memory/flat_buffer.h"
 #include "model/gpt2.h"
+#include "parallel/buckets.h"
 #include "parallel/memory_estimator.h"
 
 namespace shardtrain {
@@ -134,6 +137,29 @@ TEST(Estimator, Zero2BucketBuffers) {
   EXPECT_LT(small, one_bucket);
   const double embed = 2.0 * (50257.0 * 768 + 1024.0 * 768);
   EXPECT_GT(small, embed);
+}
+
+TEST(Estimator, DefaultBucketsFollowWhatTrainChooses) {
+  // Unset reduce_bucket_size: 12.5 M-element buckets on several GPUs (copy-engine collectives on
+  // one node) plus their staging, DeepSpeed's 5e8 on one GPU; a given size is used as given.
+  const auto zero2_buffers = [](int gpus, std::optional<int64_t> bucket) {
+    MemoryEstimateOptions o;
+    o.model = gpt2_preset("gpt2-medium");
+    o.gpus = gpus;
+    o.reduce_bucket_size = bucket;
+    for (const StrategyEstimate& s : estimate_memory(o).strategies)
+      if (s.strategy == StrategyKind::kZero2) return s.buffers;
+    ADD_FAILURE() << "no zero2 row";
+    return 0.0;
+  };
+  EXPECT_DOUBLE_EQ(zero2_buffers(2, std::nullopt), zero2_buffers(2, kOverlapBucketElements));
+  EXPECT_DOUBLE_EQ(zero2_buffers(1, std::nullopt), zero2_buffers(1, 500'000'000));
+  EXPECT_LT(zero2_buffers(2, std::nullopt), zero2_buffers(2, 500'000'000));
+  const GPT2Config m = gpt2_preset("gpt2-medium");
+  EXPECT_DOUBLE_EQ(zero2_buffers(2, 500'000'000) - zero2_buffers(1, 500'000'000),
+                   gradient_bucket_bytes(StrategyKind::kZero2, m, 2, 500'000'000) -
+                       gradient_bucket_bytes(StrategyKind::kZero2, m, 1, 500'000'000) +
+                       static_cast<double>(kPeerStagingBytes));
 }
 
 TEST(Estimator, RejectsBadOptionsAndPrintsTable) {

@@ -40,8 +40,8 @@ void register_estimate_command(CLI::App& app) {
   cmd->add_flag("--activation-checkpointing", o.activation_checkpointing,
                 "recompute block activations in backward (keeps one block's set)");
   cmd->add_option("--reduce-bucket-size", o.reduce_bucket_size,
-                  fmt::format("zero_optimization.reduce_bucket_size in elements (default {})",
-                              o.reduce_bucket_size));
+                  "zero_optimization.reduce_bucket_size in elements (default: 12,500,000 on "
+                  "several GPUs, 500,000,000 on one, as train chooses)");
   cmd->callback([f]() { run_estimate(*f); });
 }
 

@@ -17,6 +17,14 @@
 
 namespace shardtrain {
 
+/// Elements per gradient bucket when no reduce_bucket_size was given and the reductions overlap
+/// backward: PyTorch DDP's bucket_cap_mb = 25 (12.5 M bf16 gradients). dp always uses it; ZeRO
+/// uses it on ranks whose communicator has the copy-engine collectives (one node), where small
+/// buckets overlap backward (gpt2-medium zero2 on 2 H200s: 247 k tokens/s against 238 k with
+/// DeepSpeed's 5e8-element default, docs/BENCHMARKS.md), and DeepSpeed's default otherwise, where
+/// NCCL's kernels made small buckets slower (218 k against 233 k).
+inline constexpr int64_t kOverlapBucketElements = 12'500'000;
+
 /// A run of consecutive layers [first_layer, last_layer] of the layout, which is the contiguous
 /// flat range [offset, offset + numel).
 struct GradBucket {

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "parallel/buckets.h"
+#include "parallel/registered_buffers.h"
 #include "parallel/strategy.h"
 #include "parallel/zero.h"
 
@@ -43,13 +44,12 @@ class DataParallel final : public Strategy {
     model.set_hooks(this);
     // DeepSpeed's 5e8-element default would make every model below 500 M parameters a single
     // bucket, reduced only after the whole backward. Unless a bucket size was given, dp uses
-    // PyTorch DDP's default instead (bucket_cap_mb = 25: 12.5 M bf16 gradients), so reductions
-    // overlap the rest of backward.
-    constexpr int64_t kDdpBucketElements = 12'500'000;
+    // PyTorch DDP's default instead, so reductions overlap the rest of backward.
     buckets_ =
         build_grad_buckets(layout, cfg_.zero.reduce_bucket_size_set ? cfg_.zero.reduce_bucket_size
-                                                                    : kDdpBucketElements);
+                                                                    : kOverlapBucketElements);
     readiness_ = BucketReadiness(buckets_, model.num_layers());
+    if (comm_.world_size() > 1) registered_ = RegisteredBuffers(comm_, backend_, {grads_.view()});
   }
 
   void zero_grad() override { backend_.fill_zero(grads_.view()); }
@@ -125,6 +125,7 @@ class DataParallel final : public Strategy {
   BucketReadiness readiness_;
   std::vector<std::unique_ptr<Work>> pending_;
   bool last_micro_ = true;
+  RegisteredBuffers registered_;  ///< grads_ for the copy-engine all-reduce; destroyed first
 };
 
 }  // namespace

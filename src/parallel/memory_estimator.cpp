@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "backend/backend.h"
+#include "comm/communicator.h"
 #include "core/error.h"
 #include "core/strings.h"
 #include "model/gpt2.h"
@@ -101,6 +102,13 @@ double gradient_bucket_bytes(StrategyKind s, const GPT2Config& model, int gpus,
   return kBf16 * static_cast<double>(embed + std::min(2, regular) * max_regular);
 }
 
+/// The reduce_bucket_size the ZeRO strategies use: the given one, else kOverlapBucketElements on
+/// several GPUs (assumed on one node) and the DeepSpeed default on one.
+static int64_t bucket_elements(const MemoryEstimateOptions& o) {
+  if (o.reduce_bucket_size) return *o.reduce_bucket_size;
+  return o.gpus > 1 ? kOverlapBucketElements : ZeroConfig{}.reduce_bucket_size;
+}
+
 MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
   check<ConfigError>(o.gpus >= 1, "--gpus {} is not valid: use 1 or more", o.gpus);
   check<ConfigError>(o.micro_batch >= 1, "--micro-batch {} is not valid: use 1 or more",
@@ -108,9 +116,9 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
   check<ConfigError>(o.max_length >= 1 && o.max_length <= o.model.n_positions,
                      "--max-length {} is not valid for model '{}': use 1 to {} (its context)",
                      o.max_length, o.model.name, o.model.n_positions);
-  check<ConfigError>(o.reduce_bucket_size >= 1,
+  check<ConfigError>(o.reduce_bucket_size.value_or(1) >= 1,
                      "--reduce-bucket-size {} is not valid: use 1 or more elements",
-                     o.reduce_bucket_size);
+                     o.reduce_bucket_size.value_or(1));
   MemoryEstimate e;
   e.parameters = o.model.num_parameters();
   e.activations =
@@ -124,8 +132,10 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
     s.formula = formula;
     s.model_states = zero_model_state_bytes(kind, e.parameters, o.gpus);
     s.activations = e.activations.total();
-    s.buffers = gradient_bucket_bytes(kind, o.model, o.gpus, o.reduce_bucket_size) +
-                kCublasWorkspaceBytes + kCudaContextBytes;
+    // Several GPUs of one node: the communicator's copy-engine staging (comm/communicator.h).
+    s.buffers = gradient_bucket_bytes(kind, o.model, o.gpus, bucket_elements(o)) +
+                kCublasWorkspaceBytes + kCudaContextBytes +
+                (o.gpus > 1 ? static_cast<double>(kPeerStagingBytes) : 0.0);
     e.strategies.push_back(s);
   }
   for (StrategyKind kind :
@@ -175,8 +185,10 @@ std::string format_memory_estimate(const MemoryEstimate& e, const MemoryEstimate
   out += fmt::format(
       "buffers: CUDA context ~{} (an assumption: it varies with the driver and GPU), cuBLASLt "
       "workspace {},\n  and for zero2 the gradient bucket buffers (reduce_bucket_size {} "
-      "elements): the embedding's\n  bucket plus one or two transient buckets\n",
-      gib(kCudaContextBytes), gib(kCublasWorkspaceBytes), with_commas(o.reduce_bucket_size));
+      "elements): the embedding's\n  bucket plus one or two transient buckets; on several GPUs "
+      "the copy-engine collectives' staging {}\n",
+      gib(kCudaContextBytes), gib(kCublasWorkspaceBytes), with_commas(bucket_elements(o)),
+      gib(static_cast<double>(kPeerStagingBytes)));
   out += "not counted: NCCL buffers, allocator rounding and fragmentation, checkpoint copies\n";
   return out;
 }

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,7 +33,10 @@ struct MemoryEstimateOptions {
   int64_t micro_batch = 8;   ///< B, sequences per GPU per micro-step
   int64_t max_length = 128;  ///< T, tokens per sequence
   bool activation_checkpointing = false;
-  int64_t reduce_bucket_size = 500'000'000;  ///< elements (ZeroConfig's default)
+  /// zero_optimization.reduce_bucket_size in elements; unset: the strategies' default, which
+  /// on several GPUs (of one node: the copy-engine collectives) is kOverlapBucketElements and
+  /// on one GPU DeepSpeed's 5e8.
+  std::optional<int64_t> reduce_bucket_size;
 };
 
 /// Activation memory (bytes) of one micro-batch, by part.

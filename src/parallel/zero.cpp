@@ -53,6 +53,7 @@
 
 #include "core/error.h"
 #include "parallel/buckets.h"
+#include "parallel/registered_buffers.h"
 
 namespace shardtrain {
 namespace {
@@ -75,7 +76,10 @@ class ZeroStrategy : public Strategy {
                        "zero_optimization.reduce_bucket_size ({}) and allgather_bucket_size ({}) "
                        "must be >= 1 element",
                        cfg_.zero.reduce_bucket_size, cfg_.zero.allgather_bucket_size);
-    buckets_ = build_grad_buckets(layout, cfg_.zero.reduce_bucket_size, {0});
+    const bool overlap_default =
+        !cfg_.zero.reduce_bucket_size_set && comm_.registration_staging_bytes() > 0;
+    buckets_ = build_grad_buckets(
+        layout, overlap_default ? kOverlapBucketElements : cfg_.zero.reduce_bucket_size, {0});
     parts_ = partition_buckets(buckets_, world_, rank_);
     part_of_layer_.assign(static_cast<size_t>(model.num_layers()), -1);
     padded_numel_ = shard_numel_ = max_padded_ = 0;
@@ -101,6 +105,9 @@ class ZeroStrategy : public Strategy {
     norm_buf_ = FlatBuffer(backend_, DType::kF32, 2 * static_cast<int64_t>(world_));
     allocate_gradients();
     write_params(init);
+    std::vector<Tensor> buffers = gradient_buffers();
+    buffers.push_back(params_.view());
+    registered_ = RegisteredBuffers(comm_, backend_, buffers);
     bind_layers();
     model.set_hooks(this);
   }
@@ -190,6 +197,8 @@ class ZeroStrategy : public Strategy {
  protected:
   /// Allocates the gradient buffers (called once from setup, after the partition is known).
   virtual void allocate_gradients() = 0;
+  /// The buffers the gradient reduce-scatters read (registered with the communicator).
+  virtual std::vector<Tensor> gradient_buffers() const = 0;
   /// Binds every layer to its parameters and (initial) gradient views.
   virtual void bind_layers() = 0;
   /// The reduced gradients of the real elements rank owns of part `i` [owned_numel], valid after
@@ -285,6 +294,10 @@ class ZeroStrategy : public Strategy {
   std::vector<std::unique_ptr<AdamW>> optimizers_;  ///< per part; null where nothing is owned
   FlatBuffer norm_buf_;                             ///< [2·world] fp32 for sum_over_ranks
   int64_t steps_ = 0;
+  // params_ and gradient_buffers() for the copy-engine collectives. It outlives the subclasses'
+  // gradient buffers by the rest of the destructor chain, which is harmless: nothing allocates
+  // meanwhile, and freed blocks stay mapped in the caching allocator.
+  RegisteredBuffers registered_;
 };
 
 /// ZeRO stage 1 (P_os, arXiv 1910.02054 §5.1): optimizer states partitioned; full gradients
@@ -339,6 +352,8 @@ class Zero1 final : public ZeroStrategy {
   }
 
   size_t gradient_bytes() const override { return grads_.bytes(); }
+
+  std::vector<Tensor> gradient_buffers() const override { return {grads_.view()}; }
 
  private:
   Tensor own_grads(size_t i) const {
@@ -436,6 +451,12 @@ class Zero2 final : public ZeroStrategy {
     size_t bytes = shard_.bytes() + embed_buf_.bytes();
     for (const auto& s : slots_) bytes += s.bytes();
     return bytes;
+  }
+
+  std::vector<Tensor> gradient_buffers() const override {
+    std::vector<Tensor> buffers{embed_buf_.view()};
+    for (const auto& s : slots_) buffers.push_back(s.view());
+    return buffers;
   }
 
  private:
