@@ -54,24 +54,40 @@ TEST(DistEnv, SingleProcessWithoutVariables) {
   EXPECT_EQ(e.master_port, 29500);
 }
 
-TEST(DistEnv, GpuRanksGetOneWorkQueueUnlessTheUserChose) {
+TEST(DistEnv, GpuRanksGetOneWorkQueueOnlyForNcclKernels) {
   const auto get = [](const char* v) { return std::string(std::getenv(v) ? std::getenv(v) : ""); };
   const std::string saved_queues = get("CUDA_DEVICE_MAX_CONNECTIONS");
   const std::string saved_nvls = get("NCCL_NVLS_ENABLE");
+  const std::string saved_peer = get("SHARDTRAIN_PEER_COLLECTIVES");
+  const auto layout = [](int world, int local) {
+    st::DistributedEnv e;
+    e.world_size = world;
+    e.local_world_size = local;
+    return e;
+  };
   unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
   unsetenv("NCCL_NVLS_ENABLE");
-  st::set_gpu_rank_environment(1, "cuda");  // one rank: nothing to overlap
+  unsetenv("SHARDTRAIN_PEER_COLLECTIVES");
+  st::set_gpu_rank_environment(layout(1, 1), "cuda");  // one rank: nothing to overlap
   EXPECT_EQ(get("CUDA_DEVICE_MAX_CONNECTIONS"), "");
-  st::set_gpu_rank_environment(2, "cpu");  // MPI ranks: no GPU
+  EXPECT_EQ(get("NCCL_NVLS_ENABLE"), "");
+  st::set_gpu_rank_environment(layout(2, 2), "cpu");  // MPI ranks: no GPU
   EXPECT_EQ(get("CUDA_DEVICE_MAX_CONNECTIONS"), "");
-  st::set_gpu_rank_environment(2, "auto");
-  EXPECT_EQ(get("CUDA_DEVICE_MAX_CONNECTIONS"), "1");
+  st::set_gpu_rank_environment(layout(2, 2), "auto");  // one node: copy engines, default queues
+  EXPECT_EQ(get("CUDA_DEVICE_MAX_CONNECTIONS"), "");
   EXPECT_EQ(get("NCCL_NVLS_ENABLE"), "0");
+  st::set_gpu_rank_environment(layout(4, 2), "cuda");  // two nodes: NCCL kernels, one queue
+  EXPECT_EQ(get("CUDA_DEVICE_MAX_CONNECTIONS"), "1");
+  unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  setenv("SHARDTRAIN_PEER_COLLECTIVES", "0", 1);  // one node, NCCL chosen: one queue
+  st::set_gpu_rank_environment(layout(2, 2), "cuda");
+  EXPECT_EQ(get("CUDA_DEVICE_MAX_CONNECTIONS"), "1");
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8", 1);  // the user's value stays
-  st::set_gpu_rank_environment(4, "cuda");
+  st::set_gpu_rank_environment(layout(4, 4), "cuda");
   EXPECT_EQ(get("CUDA_DEVICE_MAX_CONNECTIONS"), "8");
   for (auto [var, value] : {std::pair{"CUDA_DEVICE_MAX_CONNECTIONS", saved_queues},
-                            std::pair{"NCCL_NVLS_ENABLE", saved_nvls}}) {
+                            std::pair{"NCCL_NVLS_ENABLE", saved_nvls},
+                            std::pair{"SHARDTRAIN_PEER_COLLECTIVES", saved_peer}}) {
     if (value.empty()) {
       unsetenv(var);
     } else {

@@ -64,7 +64,7 @@ void register_train_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->callback([cmd, cfg, comm_timeout]() {
     const DistributedEnv env = read_distributed_env();
-    set_gpu_rank_environment(env.world_size, cfg->device);  // before the first CUDA call
+    set_gpu_rank_environment(env, cfg->device);  // before the first CUDA call
     with_rank_in_errors(env.rank, env.world_size, [&]() {
       std::vector<std::string> warnings;
       // The model's context bounds --max-length; an unknown model name fails here, clearly.

@@ -64,12 +64,15 @@ std::string first_slurm_host(const std::string& hostlist, const std::string& wha
 
 /// The CUDA variables of a GPU rank of a job of several ranks, set before any CUDA call (the
 /// driver reads them when it starts), each only when the user has not set it:
-///  * CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware work queue per GPU. The compute and the NCCL
-///    streams share it, which on 2 H200s made dp / zero1 / zero2 steps 3–5% faster
-///    (docs/BENCHMARKS.md, "The scaling gap"); Megatron-LM sets the same for its overlap.
+///  * CUDA_DEVICE_MAX_CONNECTIONS=1 when the collectives will run on NCCL's kernels (ranks on
+///    several nodes, or SHARDTRAIN_PEER_COLLECTIVES=0): one hardware work queue per GPU, shared
+///    by the compute and NCCL streams, made dp / zero1 / zero2 steps 3–5% faster on 2 H200s
+///    (docs/BENCHMARKS.md); Megatron-LM sets the same. All ranks on one node use the
+///    copy-engine collectives (comm/peer_collectives.h), whose copies and barriers would block
+///    a shared queue: they keep the driver's default of 8 queues.
 ///  * NCCL_NVLS_ENABLE=0: NVLink SHARP multicast stays off.
 /// Does nothing for a single rank or `device` "cpu".
-void set_gpu_rank_environment(int world_size, const std::string& device);
+void set_gpu_rank_environment(const DistributedEnv& env, const std::string& device);
 
 /// One line describing the layout, e.g. "rank 3 of 8 (local 1 of 4, node 1) via slurm".
 std::string describe(const DistributedEnv& env);
