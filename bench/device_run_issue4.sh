@@ -15,6 +15,11 @@
 #   queues   dp/zero1/zero2 on 1 and 2 GPUs with one hardware work queue vs the default
 #   buckets  dp bucket sizes on 2 GPUs, with the phase breakdown
 #   traces   traced repeats of dp with the default and the efficiency CTA policy, CTA caps, zero2
+#   peer     first copy-engine collectives: tests/mpi/test_nccl_comm (against NCCL, 2 ranks), then
+#            dp/zero1/zero2 with SHARDTRAIN_PEER_COLLECTIVES=0 and 1, one and eight work queues
+#   peer2    the copy-engine collectives (default) against NCCL: the test, then dp/zero1/zero2
+#            phase times, zero2 with 12.5 M-element buckets both ways, traces
+#   faults   a rank hangs / is killed at collective 60 of a dp run: the others stop (10 s timeout)
 #   trace    SHARDTRAIN_COMM_TRACE timelines of every collective and wait (2 GPUs, gpt2-medium mb 4):
 #            dp with default buckets, dp with one bucket after backward, zero2
 # Logs and JSON go to $OUT.
@@ -138,6 +143,64 @@ for phase in "$@"; do
       STRATEGY=zero2 dp_run t_zero2_eff 2 SHARDTRAIN_NCCL_CTA_POLICY=efficiency SHARDTRAIN_COMM_TRACE=/tmp/tr/zero2_eff
       tar czf $OUT/traces.tgz -C /tmp tr && mkdir -p /tmp/ovlogs && mv $OUT/ov_*.log /tmp/ovlogs/ &&
         tar czf $OUT/logs.tgz -C /tmp ovlogs ;;
+    peer)
+      SHARDTRAIN_COMM_TIMEOUT=60 timeout 200 mpirun --allow-run-as-root --bind-to none -np 2 .device/test_nccl_comm \
+        > $OUT/test_nccl_comm.log 2>&1
+      echo "test_nccl_comm exit $?"; grep -E "PASSED|FAILED|SKIPPED|rank [0-9]\]|error" $OUT/test_nccl_comm.log | head -20
+      losses() { python3 -c "import json,sys; print(' '.join('%.6f' % r['loss'] for r in map(json.loads, open(sys.argv[1])) if 'loss' in r and 'step' in r))" /tmp/ov_$1/metrics.jsonl 2>&1 | head -c 300; echo; }
+      show() { grep -A1 "step 40/" $OUT/ov_$1.log | grep -E "step 40|device time"; losses $1; }
+      STRATEGY=dp DP_EXTRA=--wall-clock-breakdown dp_run pe_1gpu 1 > /dev/null; echo "== 1 GPU"; show pe_1gpu
+      for st in dp zero1 zero2; do
+        for v in nccl ce ce_q8; do
+          case $v in nccl) e="SHARDTRAIN_PEER_COLLECTIVES=0";; ce) e="CUDA_DEVICE_MAX_CONNECTIONS=1";;
+            ce_q8) e="CUDA_DEVICE_MAX_CONNECTIONS=8";; esac
+          STRATEGY=$st DP_EXTRA=--wall-clock-breakdown dp_run pe_${st}_$v 2 $e > /dev/null
+          echo "== $st $v ($e)"; show pe_${st}_$v
+        done
+      done
+      mkdir -p /tmp/tr_ce
+      for st in dp zero2; do
+        SHARDTRAIN_COMM_TRACE=/tmp/tr_ce/$st STRATEGY=$st DP_EXTRA=--wall-clock-breakdown \
+          dp_run pe_${st}_trace 2 CUDA_DEVICE_MAX_CONNECTIONS=8 > /dev/null
+      done
+      mkdir -p /tmp/ovlogs && mv $OUT/ov_*.log /tmp/ovlogs/ && cp -r /tmp/tr_ce /tmp/ovlogs/ 2>/dev/null
+      tar czf $OUT/logs_peer.tgz -C /tmp ovlogs ;;
+    peer2)  # copy-engine collectives (the default) against NCCL, side by side, with phase times
+      SHARDTRAIN_COMM_TIMEOUT=60 timeout 200 mpirun --allow-run-as-root --bind-to none -np 2 .device/test_nccl_comm \
+        > $OUT/test_nccl_comm.log 2>&1
+      echo "test_nccl_comm exit $?"; grep -E "PASSED|FAILED|rank [0-9]\]" $OUT/test_nccl_comm.log | head -20
+      show() { grep -A1 "step 40/" $OUT/ov_$1.log | grep -E "step 40|device time"; }
+      DP_EXTRA=--wall-clock-breakdown dp_run p2_1gpu 1 > /dev/null; echo "== 1 GPU"; show p2_1gpu
+      for st in dp zero1 zero2; do
+        STRATEGY=$st DP_EXTRA=--wall-clock-breakdown dp_run p2_${st}_nccl 2 SHARDTRAIN_PEER_COLLECTIVES=0 \
+          CUDA_DEVICE_MAX_CONNECTIONS=1 > /dev/null
+        echo "== $st nccl"; show p2_${st}_nccl
+        STRATEGY=$st DP_EXTRA=--wall-clock-breakdown dp_run p2_${st}_ce 2 > /dev/null
+        echo "== $st copy engines (the default)"; show p2_${st}_ce
+      done
+      echo '{"zero_optimization": {"stage": 2, "reduce_bucket_size": 12500000}}' > /tmp/z2b.json
+      for v in 0 1; do
+        STRATEGY=zero2 DP_EXTRA="--wall-clock-breakdown --deepspeed-config /tmp/z2b.json" dp_run p2_z2small_$v 2 \
+          SHARDTRAIN_PEER_COLLECTIVES=$v > /dev/null
+        echo "== zero2 12.5M buckets, peer collectives $v"; show p2_z2small_$v
+      done
+      mkdir -p /tmp/tr_ce
+      for st in dp zero2; do
+        SHARDTRAIN_COMM_TRACE=/tmp/tr_ce/$st STRATEGY=$st DP_EXTRA=--wall-clock-breakdown \
+          dp_run p2_${st}_trace 2 > /dev/null
+      done
+      mkdir -p /tmp/ovlogs2 && mv $OUT/ov_*.log /tmp/ovlogs2/ && cp -r /tmp/tr_ce /tmp/ovlogs2/ &&
+        tar czf $OUT/logs_peer2.tgz -C /tmp ovlogs2 ;;
+    faults)  # a rank that hangs or dies inside the copy-engine collectives: the others stop
+      for f in HANG KILL; do
+        start=$(date +%s)
+        env SHARDTRAIN_TEST_${f}_RANK=1 SHARDTRAIN_TEST_FAULT_OP=60 SHARDTRAIN_COMM_TIMEOUT=10 \
+          timeout 120 .device/shardtrain launch --nproc-per-node 2 -- train --model gpt2-medium \
+          --dataset wikitext-2 --batch-size 4 --max-length 512 --max-steps 40 --no-save \
+          --eval-samples 8 --output-dir /tmp/fault_$f > $OUT/fault_$f.log 2>&1
+        rc=$?; echo "== $f rank 1 at collective 60: exit $rc after $(( $(date +%s) - start )) s"
+        grep -E "error|rank|fault" $OUT/fault_$f.log | tail -4
+      done ;;
     trace)
       echo '{"zero_optimization": {"stage": 0, "reduce_bucket_size": 500000000}}' > /tmp/one_bucket.json
       dp_run trace_dp 2 SHARDTRAIN_COMM_TRACE=$OUT/trace_dp
