@@ -521,8 +521,7 @@ class NcclCommunicator final : public Communicator {
   /// unless SHARDTRAIN_PEER_COLLECTIVES=0.
   void enable_peer_collectives() {
     if (!peer_collectives_wanted() || st_->size() < 2) return;
-    peers_ = PeerCollectives::create(st_->rank(), st_->size(), st_->device(),
-                                     st_->options().timeout_s, exchange());
+    peers_ = PeerCollectives::create(st_->rank(), st_->size(), st_->device(), exchange());
   }
 
   size_t registration_staging_bytes() const override { return peers_ ? kPeerStagingBytes : 0; }

@@ -18,82 +18,40 @@ namespace {
 
 constexpr int kMaxPeers = 8;
 
-void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw RuntimeFailure(std::string("CUDA: ") + what + " failed: " + cudaGetErrorString(e));
-}
-
-struct PeerPointers {
-  unsigned long long* p[kMaxPeers];
-};
-
-__device__ __forceinline__ unsigned long long global_timer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-/// One thread per peer q ≠ rank: publishes `seq` in q's flag slot for this rank (system-scope
-/// release, after this GPU's earlier writes), then waits until q published `seq` in ours.
-/// Gives up after limit_ns so a dead peer cannot keep the GPU busy forever (the communicator's
-/// watchdog has reported it by then).
-__global__ void barrier_kernel(PeerPointers peers, unsigned long long* mine, int rank, int world,
-                               unsigned long long seq, unsigned long long limit_ns) {
-  const int q = static_cast<int>(threadIdx.x);
-  if (q >= world || q == rank) return;
-  __threadfence_system();
-  unsigned long long* slot = peers.p[q] + rank;
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(slot), "l"(seq) : "memory");
-  const unsigned long long start = global_timer_ns();
-  for (;;) {
-    unsigned long long v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(mine + q) : "memory");
-    if (v >= seq || global_timer_ns() - start > limit_ns) break;
-    __nanosleep(128);
-  }
-}
-
 /// out[i] = (own[i] + Σ_k staged[k·stride + i]) · scale for i < n, accumulated in fp32 in the
 /// order own, staged[0], staged[1], ... Vectors of 16 bytes when every pointer and the stride
-/// allow (`vec`), else one element per thread.
+/// allow (`vec`), else one element at a time.
 template <typename T>
 __global__ void sum_kernel(T* out, const T* own, const T* staged, size_t stride, int npeers,
                            size_t n, float scale, bool vec) {
   constexpr int kV = 16 / sizeof(T);
   const size_t threads = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (vec) {
-    const size_t nv = n / kV;
-    for (size_t v = tid; v < nv; v += threads) {
-      float acc[kV];
-      const uint4 a = reinterpret_cast<const uint4*>(own)[v];
-      const T* av = reinterpret_cast<const T*>(&a);
+  const size_t nv = vec ? n / kV : 0;
+  for (size_t v = tid; v < nv; v += threads) {
+    float acc[kV];
+    const uint4 a = reinterpret_cast<const uint4*>(own)[v];
+    const T* av = reinterpret_cast<const T*>(&a);
 #pragma unroll
-      for (int j = 0; j < kV; ++j) acc[j] = cuda::to_float(av[j]);
-      for (int k = 0; k < npeers; ++k) {
-        const uint4 b = reinterpret_cast<const uint4*>(staged + k * stride)[v];
-        const T* bv = reinterpret_cast<const T*>(&b);
+    for (int j = 0; j < kV; ++j) acc[j] = cuda::to_float(av[j]);
+    for (int k = 0; k < npeers; ++k) {
+      const uint4 b = reinterpret_cast<const uint4*>(staged + k * stride)[v];
+      const T* bv = reinterpret_cast<const T*>(&b);
 #pragma unroll
-        for (int j = 0; j < kV; ++j) acc[j] += cuda::to_float(bv[j]);
-      }
-      uint4 o;
-      T* ov = reinterpret_cast<T*>(&o);
+      for (int j = 0; j < kV; ++j) acc[j] += cuda::to_float(bv[j]);
+    }
+    uint4 o;
+    T* ov = reinterpret_cast<T*>(&o);
 #pragma unroll
-      for (int j = 0; j < kV; ++j)
-        ov[j] = cuda::from_float<T>(scale == 1.0f ? acc[j] : acc[j] * scale);
-      reinterpret_cast<uint4*>(out)[v] = o;
-    }
-    for (size_t i = nv * kV + tid; i < n; i += threads) {
-      float acc = cuda::to_float(own[i]);
-      for (int k = 0; k < npeers; ++k) acc += cuda::to_float(staged[k * stride + i]);
-      out[i] = cuda::from_float<T>(scale == 1.0f ? acc : acc * scale);
-    }
-  } else {
-    for (size_t i = tid; i < n; i += threads) {
-      float acc = cuda::to_float(own[i]);
-      for (int k = 0; k < npeers; ++k) acc += cuda::to_float(staged[k * stride + i]);
-      out[i] = cuda::from_float<T>(scale == 1.0f ? acc : acc * scale);
-    }
+    for (int j = 0; j < kV; ++j)
+      ov[j] = cuda::from_float<T>(scale == 1.0f ? acc[j] : acc[j] * scale);
+    reinterpret_cast<uint4*>(out)[v] = o;
+  }
+  // The elements after the last whole vector (all of them without `vec`).
+  for (size_t i = nv * kV + tid; i < n; i += threads) {
+    float acc = cuda::to_float(own[i]);
+    for (int k = 0; k < npeers; ++k) acc += cuda::to_float(staged[k * stride + i]);
+    out[i] = cuda::from_float<T>(scale == 1.0f ? acc : acc * scale);
   }
 }
 
@@ -112,14 +70,12 @@ void launch_sum(void* out, const void* own, const void* staged, size_t stride, i
   sum_kernel<T><<<std::max(blocks, 1), 256, 0, stream>>>(
       static_cast<T*>(out), static_cast<const T*>(own), static_cast<const T*>(staged), stride,
       npeers, n, scale, vec);
-  check_cuda(cudaGetLastError(), "sum_kernel launch");
+  ST_CUDA_LAUNCH_CHECK();
 }
-
-using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
 /// The driver's cuStreamWriteValue32 / cuStreamWaitValue32 through the runtime (no link against
 /// libcuda, which the GPU-less build machines lack); null when unavailable.
-StreamValue32Fn driver_entry(const char* name) {
+PeerCollectives::StreamValue32Fn driver_entry(const char* name) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found{};
   if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) !=
@@ -128,7 +84,7 @@ StreamValue32Fn driver_entry(const char* name) {
     (void)cudaGetLastError();
     return nullptr;
   }
-  return reinterpret_cast<StreamValue32Fn>(fn);
+  return reinterpret_cast<PeerCollectives::StreamValue32Fn>(fn);
 }
 
 CUdeviceptr device_ptr(const void* p) {
@@ -144,7 +100,7 @@ struct HostId {
 HostId host_id(int device) {
   HostId id{};
   gethostname(id.host, sizeof id.host - 1);
-  check_cuda(cudaDeviceGetPCIBusId(id.bus, sizeof id.bus, device), "cudaDeviceGetPCIBusId");
+  ST_CUDA_CHECK(cudaDeviceGetPCIBusId(id.bus, sizeof id.bus, device));
   return id;
 }
 
@@ -170,17 +126,18 @@ struct PeerCollectives::Mapping {
   std::vector<void*> opened;  ///< cudaIpcOpenMemHandle results, closed in release()
 };
 
-PeerCollectives::PeerCollectives(int rank, int world, int device, double timeout_s)
-    : rank_(rank), world_(world), device_(device), timeout_s_(timeout_s) {}
+PeerCollectives::PeerCollectives(int rank, int world, int device)
+    : rank_(rank), world_(world), device_(device) {}
 
 std::unique_ptr<PeerCollectives> PeerCollectives::create(int rank, int world, int device,
-                                                         double timeout_s,
                                                          const ByteAllGather& exchange) {
   // Every rank takes part in every exchange below and decides from the same data, so all agree.
   std::vector<HostId> ids(static_cast<size_t>(world));
   const HostId mine = host_id(device);
   exchange(&mine, sizeof mine, ids.data());
-  bool ok = world >= 2 && world <= kMaxPeers;
+  const StreamValue32Fn write_value = driver_entry("cuStreamWriteValue32");
+  const StreamValue32Fn wait_value = driver_entry("cuStreamWaitValue32");
+  bool ok = world >= 2 && world <= kMaxPeers && write_value && wait_value;
   for (int q = 0; ok && q < world; ++q) {
     if (q == rank) continue;
     const HostId& id = ids[static_cast<size_t>(q)];
@@ -191,13 +148,15 @@ std::unique_ptr<PeerCollectives> PeerCollectives::create(int rank, int world, in
     (void)cudaGetLastError();
   }
   if (!all_agree(ok, world, exchange)) return nullptr;
-  std::unique_ptr<PeerCollectives> pc(new PeerCollectives(rank, world, device, timeout_s));
-  check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  check_cuda(cudaMalloc(&pc->flags_, kMaxPeers * sizeof(uint64_t)), "cudaMalloc (peer flags)");
-  check_cuda(cudaMemset(pc->flags_, 0, kMaxPeers * sizeof(uint64_t)), "cudaMemset");
-  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  std::unique_ptr<PeerCollectives> pc(new PeerCollectives(rank, world, device));
+  pc->write_value_ = write_value;
+  pc->wait_value_ = wait_value;
+  ST_CUDA_CHECK(cudaSetDevice(device));
+  ST_CUDA_CHECK(cudaMalloc(&pc->flags_, kMaxPeers * sizeof(uint64_t)));
+  ST_CUDA_CHECK(cudaMemset(pc->flags_, 0, kMaxPeers * sizeof(uint64_t)));
+  ST_CUDA_CHECK(cudaDeviceSynchronize());
   cudaIpcMemHandle_t h{};
-  check_cuda(cudaIpcGetMemHandle(&h, pc->flags_), "cudaIpcGetMemHandle (peer flags)");
+  ST_CUDA_CHECK(cudaIpcGetMemHandle(&h, pc->flags_));
   std::vector<cudaIpcMemHandle_t> all(static_cast<size_t>(world));
   exchange(&h, sizeof h, all.data());
   pc->peer_flags_.assign(static_cast<size_t>(world), nullptr);
@@ -215,11 +174,8 @@ std::unique_ptr<PeerCollectives> PeerCollectives::create(int rank, int world, in
   }
   if (!all_agree(opened, world, exchange)) return nullptr;  // the destructor closes what opened
   int sms = 0;
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute");
+  ST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   pc->sum_blocks_ = std::max(1, 2 * sms);
-  pc->write_value_ = reinterpret_cast<void*>(driver_entry("cuStreamWriteValue32"));
-  pc->wait_value_ = reinterpret_cast<void*>(driver_entry("cuStreamWaitValue32"));
   return pc;
 }
 
@@ -233,7 +189,7 @@ PeerCollectives::~PeerCollectives() {
 
 int PeerCollectives::register_buffers(const std::vector<Tensor>& buffers, Tensor staging,
                                       const ByteAllGather& exchange) {
-  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  ST_CUDA_CHECK(cudaSetDevice(device_));
   struct Entry {
     cudaIpcMemHandle_t handle;
     uint64_t bytes;
@@ -312,7 +268,7 @@ bool PeerCollectives::can_sum(const Tensor& t, ReduceOp op) const {
          (t.dtype == DType::kF32 || t.dtype == DType::kBF16 || t.dtype == DType::kF16);
 }
 
-const void* PeerCollectives::peer_address(const void* p, int q) const {
+void* PeerCollectives::peer_address(const void* p, int q) const {
   const char* c = static_cast<const char*>(p);
   const Region* r = find(p, 1);
   ST_ASSERT(r != nullptr);
@@ -320,40 +276,27 @@ const void* PeerCollectives::peer_address(const void* p, int q) const {
 }
 
 void PeerCollectives::barrier(cudaStream_t stream) {
-  ++seq_;
-  if (write_value_ && wait_value_) {
-    // Stream memory operations: the GPU's front end writes and waits, no SM is taken. The write
-    // is preceded by a system-wide fence (CU_STREAM_WRITE_VALUE_DEFAULT), so a peer that sees the
-    // flag sees this rank's earlier writes. 32-bit flags: GEQ compares modulo 2^32.
-    auto write = reinterpret_cast<StreamValue32Fn>(write_value_);
-    auto wait = reinterpret_cast<StreamValue32Fn>(wait_value_);
-    const auto seq = static_cast<cuuint32_t>(seq_);
-    const auto cs = reinterpret_cast<CUstream>(stream);
-    for (int q = 0; q < world_; ++q) {
-      if (q == rank_) continue;
-      auto* slot = static_cast<uint64_t*>(peer_flags_[static_cast<size_t>(q)]) + rank_;
-      if (write(cs, device_ptr(slot), seq, CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS)
-        throw RuntimeFailure("CUDA: cuStreamWriteValue32 (peer barrier) failed");
-    }
-    for (int q = 0; q < world_; ++q) {
-      if (q == rank_) continue;
-      auto* slot = static_cast<uint64_t*>(flags_) + q;
-      if (wait(cs, device_ptr(slot), seq, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS)
-        throw RuntimeFailure("CUDA: cuStreamWaitValue32 (peer barrier) failed");
-    }
-    return;
+  // Stream memory operations: the GPU's front end writes and waits, no SM is taken. The write is
+  // preceded by a system-wide fence (CU_STREAM_WRITE_VALUE_DEFAULT), so a peer that sees the flag
+  // sees this rank's earlier writes. 32-bit flags: GEQ compares modulo 2^32.
+  const auto seq = static_cast<cuuint32_t>(++seq_);
+  const auto cs = reinterpret_cast<CUstream>(stream);
+  for (int q = 0; q < world_; ++q) {
+    if (q == rank_) continue;
+    auto* slot = static_cast<uint64_t*>(peer_flags_[static_cast<size_t>(q)]) + rank_;
+    if (write_value_(cs, device_ptr(slot), seq, CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS)
+      throw RuntimeFailure("CUDA: cuStreamWriteValue32 (peer barrier) failed");
   }
-  PeerPointers peers{};
-  for (int q = 0; q < world_; ++q)
-    peers.p[q] = static_cast<unsigned long long*>(peer_flags_[static_cast<size_t>(q)]);
-  const auto limit_ns = static_cast<unsigned long long>((2 * timeout_s_ + 10) * 1e9);
-  barrier_kernel<<<1, 32, 0, stream>>>(peers, static_cast<unsigned long long*>(flags_), rank_,
-                                       world_, seq_, limit_ns);
-  check_cuda(cudaGetLastError(), "barrier_kernel launch");
+  for (int q = 0; q < world_; ++q) {
+    if (q == rank_) continue;
+    auto* slot = static_cast<uint64_t*>(flags_) + q;
+    if (wait_value_(cs, device_ptr(slot), seq, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS)
+      throw RuntimeFailure("CUDA: cuStreamWaitValue32 (peer barrier) failed");
+  }
 }
 
 void PeerCollectives::copy(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
-  check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync (peer)");
+  ST_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream));
 }
 
 void PeerCollectives::launch_sum_dt(void* out, const void* own, const void* staged, size_t stride,
@@ -406,7 +349,7 @@ void PeerCollectives::push_and_sum(void* out, const void* own, size_t n_own,
 }
 
 void PeerCollectives::all_reduce(const Tensor& t, ReduceOp op, cudaStream_t stream) {
-  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  ST_CUDA_CHECK(cudaSetDevice(device_));
   const size_t n = static_cast<size_t>(t.numel()), esize = dtype_size(t.dtype);
   const size_t w = static_cast<size_t>(world_);
   const size_t c = ((n + w - 1) / w + 63) / 64 * 64;
@@ -423,14 +366,13 @@ void PeerCollectives::all_reduce(const Tensor& t, ReduceOp op, cudaStream_t stre
   // chunk `rank_` (their pushes above landed before the last barrier).
   for (int q = 0; q < world_; ++q)
     if (q != rank_ && count(rank_) > 0)
-      copy(const_cast<char*>(static_cast<const char*>(peer_address(mine, q))), mine,
-           count(rank_) * esize, stream);
+      copy(peer_address(mine, q), mine, count(rank_) * esize, stream);
   barrier(stream);  // every peer's chunk has landed here
 }
 
 void PeerCollectives::reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op,
                                      cudaStream_t stream) {
-  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  ST_CUDA_CHECK(cudaSetDevice(device_));
   const size_t n = static_cast<size_t>(output.numel()), esize = dtype_size(input.dtype);
   const float scale = op == ReduceOp::kAvg ? 1.0f / static_cast<float>(world_) : 1.0f;
   const char* in = static_cast<const char*>(input.data);
@@ -441,17 +383,14 @@ void PeerCollectives::reduce_scatter(const Tensor& output, const Tensor& input, 
 }
 
 void PeerCollectives::all_gather(const Tensor& output, const Tensor& input, cudaStream_t stream) {
-  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  ST_CUDA_CHECK(cudaSetDevice(device_));
   const size_t bytes = input.bytes();
   char* slice = static_cast<char*>(output.data) + static_cast<size_t>(rank_) * bytes;
   barrier(stream);  // every rank reached it: nothing reads the output slices being written
   if (slice != input.data && bytes > 0)
-    check_cuda(cudaMemcpyAsync(slice, input.data, bytes, cudaMemcpyDeviceToDevice, stream),
-               "cudaMemcpyAsync");
+    ST_CUDA_CHECK(cudaMemcpyAsync(slice, input.data, bytes, cudaMemcpyDeviceToDevice, stream));
   for (int q = 0; q < world_; ++q)
-    if (q != rank_ && bytes > 0)
-      copy(const_cast<char*>(static_cast<const char*>(peer_address(slice, q))), slice, bytes,
-           stream);
+    if (q != rank_ && bytes > 0) copy(peer_address(slice, q), slice, bytes, stream);
   barrier(stream);  // every peer's slice has landed here
 }
 

@@ -24,7 +24,7 @@
 // buffer or staging). "barrier" = every rank signals every other rank's
 // flag and waits for theirs, a sequence number per barrier, by stream memory operations
 // (cuStreamWriteValue32 with its system-wide fence, cuStreamWaitValue32: run by the GPU's front
-// end, no SM), or where the driver lacks them by a one-warp kernel:
+// end, no SM):
 //   reduce_scatter  per staging-sized piece: barrier (data ready, staging free); push slice q to
 //                   rank q's staging slot for this rank; barrier (pushes landed); sum own slice r
 //                   and the staged slices into the output.
@@ -35,6 +35,7 @@
 // bit for bit.
 #pragma once
 
+#include <cuda.h>  // CUresult, CUstream: the stream memory operations
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -53,11 +54,15 @@ using ByteAllGather = std::function<void(const void* mine, size_t bytes, void* a
 
 class PeerCollectives {
  public:
+  /// cuStreamWriteValue32 / cuStreamWaitValue32, reached through cudaGetDriverEntryPointByVersion.
+  using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
   /// Collective over the W ranks. Returns null (on every rank alike) when W > 8, the ranks are
-  /// not all on one host, or some GPU cannot access another's memory (cudaDeviceCanAccessPeer).
-  /// `timeout_s`: a barrier stops waiting after 2·timeout_s + 10 s so the process can exit after
-  /// the communicator's watchdog reported the timeout. Throws RuntimeFailure when CUDA fails.
-  static std::unique_ptr<PeerCollectives> create(int rank, int world, int device, double timeout_s,
+  /// not all on one host, some GPU cannot access another's memory (cudaDeviceCanAccessPeer), or
+  /// the driver lacks the stream memory operations. A barrier waits without a deadline: the
+  /// communicator's watchdog ends the process when a peer never arrives. Throws RuntimeFailure
+  /// when CUDA fails.
+  static std::unique_ptr<PeerCollectives> create(int rank, int world, int device,
                                                  const ByteAllGather& exchange);
   ~PeerCollectives();
   PeerCollectives(const PeerCollectives&) = delete;
@@ -90,13 +95,13 @@ class PeerCollectives {
   void all_gather(const Tensor& output, const Tensor& input, cudaStream_t stream);
 
  private:
-  PeerCollectives(int rank, int world, int device, double timeout_s);
+  PeerCollectives(int rank, int world, int device);
   struct Region;
   struct Mapping;
   /// The registered region holding [p, p + bytes), or null.
   const Region* find(const void* p, size_t bytes) const;
   /// Peer `q`'s address of local address `p` (inside a registered region).
-  const void* peer_address(const void* p, int q) const;
+  void* peer_address(const void* p, int q) const;
   void barrier(cudaStream_t stream);
   /// A copy between this GPU and a peer (copy engine), on `stream`.
   void copy(void* dst, const void* src, size_t bytes, cudaStream_t stream);
@@ -114,13 +119,12 @@ class PeerCollectives {
                     cudaStream_t stream);
 
   int rank_, world_, device_;
-  double timeout_s_;
   uint64_t seq_ = 0;
-  void* flags_ = nullptr;          ///< [8] uint64 signals the peers write, this GPU
-  int sum_blocks_ = 264;           ///< blocks of the sum kernel: 2 per SM
-  void* write_value_ = nullptr;    ///< cuStreamWriteValue32, or null: barrier kernel
-  void* wait_value_ = nullptr;     ///< cuStreamWaitValue32
-  std::vector<void*> peer_flags_;  ///< [W] the peers' signal arrays, mapped (own: null)
+  void* flags_ = nullptr;                  ///< [8] uint64 signals the peers write, this GPU
+  int sum_blocks_ = 264;                   ///< blocks of the sum kernel: 2 per SM
+  StreamValue32Fn write_value_ = nullptr;  ///< the driver's cuStreamWriteValue32
+  StreamValue32Fn wait_value_ = nullptr;   ///< the driver's cuStreamWaitValue32
+  std::vector<void*> peer_flags_;          ///< [W] the peers' signal arrays, mapped (own: null)
   std::vector<std::unique_ptr<Mapping>> mappings_;
   int next_key_ = 0;
 };
