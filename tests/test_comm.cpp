@@ -85,6 +85,8 @@ TEST(DistEnv, GpuRanksGetOneWorkQueueOnlyForNcclKernels) {
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8", 1);  // the user's value stays
   st::set_gpu_rank_environment(layout(4, 4), "cuda");
   EXPECT_EQ(get("CUDA_DEVICE_MAX_CONNECTIONS"), "8");
+  setenv("SHARDTRAIN_PEER_COLLECTIVES", "yes", 1);  // named, not guessed
+  EXPECT_THROW(st::set_gpu_rank_environment(layout(2, 2), "cuda"), st::ConfigError);
   for (auto [var, value] : {std::pair{"CUDA_DEVICE_MAX_CONNECTIONS", saved_queues},
                             std::pair{"NCCL_NVLS_ENABLE", saved_nvls},
                             std::pair{"SHARDTRAIN_PEER_COLLECTIVES", saved_peer}}) {

@@ -170,9 +170,7 @@ DistributedEnv read_distributed_env() { return read_distributed_env(process_env(
 
 void set_gpu_rank_environment(const DistributedEnv& env, const std::string& device) {
   if (env.world_size <= 1 || device == "cpu") return;
-  const char* peer = std::getenv("SHARDTRAIN_PEER_COLLECTIVES");
-  const bool copy_engines =
-      env.local_world_size == env.world_size && !(peer != nullptr && std::string(peer) == "0");
+  const bool copy_engines = env.local_world_size == env.world_size && peer_collectives_wanted();
   if (!copy_engines) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1", 0);
   setenv("NCCL_NVLS_ENABLE", "0", 0);
 }

@@ -3,10 +3,13 @@
 // (OMPI_COMM_WORLD_*) or SLURM's srun (SLURM_PROCID, ...). docs/LAUNCHING.md lists them.
 #pragma once
 
+#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "core/error.h"
 
 namespace shardtrain {
 
@@ -62,6 +65,19 @@ std::vector<int> expand_slurm_counts(const std::string& value, const std::string
 /// Throws ConfigError naming `what` on malformed input.
 std::string first_slurm_host(const std::string& hostlist, const std::string& what);
 
+/// SHARDTRAIN_PEER_COLLECTIVES: unset or 1 (copy-engine collectives for registered buffers where
+/// the GPUs allow, comm/peer_collectives.h) or 0 (NCCL for every collective). Inline: the NCCL
+/// communicator (shardtrain_cuda) reads it too. Throws ConfigError for other values.
+inline bool peer_collectives_wanted() {
+  const char* v = std::getenv("SHARDTRAIN_PEER_COLLECTIVES");
+  const std::string s = v ? v : "";
+  check<ConfigError>(s.empty() || s == "0" || s == "1",
+                     "SHARDTRAIN_PEER_COLLECTIVES='{}' must be 0 (NCCL for every collective) or 1 "
+                     "(copy-engine collectives for registered buffers, the default)",
+                     s);
+  return s != "0";
+}
+
 /// The CUDA variables of a GPU rank of a job of several ranks, set before any CUDA call (the
 /// driver reads them when it starts), each only when the user has not set it:
 ///  * CUDA_DEVICE_MAX_CONNECTIONS=1 when the collectives will run on NCCL's kernels (ranks on
@@ -71,7 +87,8 @@ std::string first_slurm_host(const std::string& hostlist, const std::string& wha
 ///    copy-engine collectives (comm/peer_collectives.h), whose copies and barriers would block
 ///    a shared queue: they keep the driver's default of 8 queues.
 ///  * NCCL_NVLS_ENABLE=0: NVLink SHARP multicast stays off.
-/// Does nothing for a single rank or `device` "cpu".
+/// Does nothing for a single rank or `device` "cpu". Throws ConfigError for a bad
+/// SHARDTRAIN_PEER_COLLECTIVES.
 void set_gpu_rank_environment(const DistributedEnv& env, const std::string& device);
 
 /// One line describing the layout, e.g. "rank 3 of 8 (local 1 of 4, node 1) via slurm".

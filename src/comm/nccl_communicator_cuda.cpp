@@ -95,18 +95,6 @@ void check_cuda_tensor(const Tensor& t, const char* what) {
                         "{}: the NCCL communicator works on CUDA tensors, got a CPU tensor", what);
 }
 
-/// SHARDTRAIN_PEER_COLLECTIVES: unset or 1 (copy-engine collectives for registered buffers where
-/// the GPUs allow) or 0 (NCCL for every collective). Throws ConfigError for other values.
-bool peer_collectives_wanted() {
-  const char* v = std::getenv("SHARDTRAIN_PEER_COLLECTIVES");
-  const std::string s = v ? v : "";
-  check<ConfigError>(s.empty() || s == "0" || s == "1",
-                     "SHARDTRAIN_PEER_COLLECTIVES='{}' must be 0 (NCCL for every collective) or 1 "
-                     "(copy-engine collectives for registered buffers, the default)",
-                     s);
-  return s != "0";
-}
-
 /// A completion event with what it completes.
 struct Pending {
   cudaEvent_t event = nullptr;

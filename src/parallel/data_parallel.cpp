@@ -49,7 +49,7 @@ class DataParallel final : public Strategy {
         build_grad_buckets(layout, cfg_.zero.reduce_bucket_size_set ? cfg_.zero.reduce_bucket_size
                                                                     : kOverlapBucketElements);
     readiness_ = BucketReadiness(buckets_, model.num_layers());
-    if (comm_.world_size() > 1) registered_ = RegisteredBuffers(comm_, backend_, {grads_.view()});
+    registered_ = RegisteredBuffers(comm_, backend_, {grads_.view()});
   }
 
   void zero_grad() override { backend_.fill_zero(grads_.view()); }

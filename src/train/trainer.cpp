@@ -431,11 +431,9 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                                 : 1.0;
         strategy->step(lr, mean_scale * clip);
       }
-      if (clock) {
-        clock->mark();
-        window_phases += PhaseTimes::from_marks(clock->intervals());
-      }
+      if (clock) clock->mark();
       backend->synchronize();
+      if (clock) window_phases += PhaseTimes::from_marks(clock->intervals());  // no further wait
       const double dt = seconds_since(t_step);
       ++progress.step;
       ++progress.step_in_epoch;  // before any checkpoint: the data position of the next step
