@@ -1221,6 +1221,17 @@ LrSchedule parse_lr_schedule(const std::string& name) {
       fmt::format("unknown learning-rate schedule '{}': use constant, linear or cosine", name));
 }
 
+ParallelPlan plan_of(const TrainConfig& cfg) {
+  const auto device = [](const std::string& d) {
+    return d == "cpu" ? OffloadDevice::kCpu : d == "nvme" ? OffloadDevice::kNvme : OffloadDevice::kNone;
+  };
+  ParallelPlan plan;
+  plan.zero_stage = zero_stage_of(cfg.strategy);
+  plan.optimizer_offload = device(cfg.zero.offload_optimizer_device);
+  plan.param_offload = device(cfg.zero.offload_param_device);
+  return plan;
+}
+
 int zero_stage_of(StrategyKind s) {
   switch (s) {
     case StrategyKind::kDataParallel:

@@ -44,6 +44,31 @@ struct ZeroConfig {
   std::string offload_param_device = "none";      ///< none | cpu | nvme
   std::string nvme_path;
   bool reduce_scatter = true;  ///< reduce-scatter instead of all-reduce for gradients
+  // ---- stage 3 (DeepSpeed's stage3_* keys; element counts) ----
+  /// Elements of parameters gathered ahead of the layer that needs them (prefetch window).
+  int64_t stage3_prefetch_bucket_size = 50'000'000;
+  /// A layer with fewer parameters than this stays replicated (never partitioned).
+  int64_t stage3_param_persistence_threshold = 100'000;
+  /// Most gathered parameter elements alive at once on a rank.
+  int64_t stage3_max_live_parameters = 1'000'000'000;
+  /// A gathered layer needed again within this many elements of parameters is kept.
+  int64_t stage3_max_reuse_distance = 1'000'000'000;
+  /// Checkpoints also carry a consolidated 16-bit model.safetensors (rank 0 streams it).
+  bool stage3_gather_16bit_weights_on_model_save = false;
+};
+
+/// Where a kind of state lives (DeepSpeed offload_optimizer / offload_param "device").
+enum class OffloadDevice { kNone, kCpu, kNvme };
+
+/// How the job is parallelized: ZeRO stage and placement of state are independent settings;
+/// --strategy names (dp, zero1, zero2, zero3, offload, infinity, pipeline and their aliases) are
+/// presets of it (plan_for_strategy).
+struct ParallelPlan {
+  int zero_stage = 0;  ///< 0 (dp), 1, 2, 3: arXiv 1910.02054 §5
+  OffloadDevice optimizer_offload = OffloadDevice::kNone;  ///< where fp32 master/m/v and the step live
+  double optimizer_offload_ratio = 1.0;  ///< fraction of the optimizer state offloaded
+  OffloadDevice param_offload = OffloadDevice::kNone;  ///< stage 3: where bf16 params live
+  int pipeline_stages = 1;
 };
 
 struct TrainConfig {
@@ -141,6 +166,10 @@ int zero_stage_of(StrategyKind s);
 /// infinity. ST_ASSERTs that 0 <= stage <= 3.
 StrategyKind strategy_for_zero(int stage, const std::string& offload_optimizer_device = "none",
                                const std::string& offload_param_device = "none");
+
+/// The parallel plan `cfg` asks for: the ZeRO stage of its strategy preset (zero_stage_of) and
+/// the offload devices of its zero_optimization section.
+ParallelPlan plan_of(const TrainConfig& cfg);
 
 /// Names of the fields set explicitly on the command line (so the JSON does not override them).
 using ExplicitFlags = std::vector<std::string>;

@@ -1,5 +1,9 @@
 #include "memory/param_layout.h"
 
+#include <algorithm>
+
+#include "core/error.h"
+
 namespace shardtrain {
 
 static int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
@@ -19,6 +23,40 @@ void ParamLayout::add_layer(const std::string& name, std::vector<ParamTensor> te
   layer.numel = off - layer.offset;
   numel_ = off;
   layers_.push_back(std::move(layer));
+}
+
+void ParamLayout::tie(int reader, const std::string& tensor_name) {
+  ST_ASSERT(reader >= 0 && reader < num_layers());
+  for (int l = 0; l < reader; ++l) {
+    for (const auto& t : layers_[static_cast<size_t>(l)].tensors) {
+      if (t.name != tensor_name) continue;
+      auto& reads = layers_[static_cast<size_t>(reader)].reads;
+      if (std::find(reads.begin(), reads.end(), l) == reads.end()) {
+        reads.push_back(l);
+        std::sort(reads.begin(), reads.end());
+      }
+      return;
+    }
+  }
+  throw ConfigError(fmt::format("layer {} ({}) is declared to read tensor '{}', which no earlier "
+                                "layer holds",
+                                reader, layers_[static_cast<size_t>(reader)].name, tensor_name));
+}
+
+std::vector<int> ParamLayout::uses(int layer) const {
+  std::vector<int> out{layer};
+  const auto& reads = layers_[static_cast<size_t>(layer)].reads;
+  out.insert(out.end(), reads.begin(), reads.end());
+  return out;
+}
+
+std::vector<int> ParamLayout::users(int layer) const {
+  std::vector<int> out{layer};
+  for (int l = layer + 1; l < num_layers(); ++l) {
+    const auto& reads = layers_[static_cast<size_t>(l)].reads;
+    if (std::find(reads.begin(), reads.end(), layer) != reads.end()) out.push_back(l);
+  }
+  return out;
 }
 
 int64_t ParamLayout::num_parameters() const {

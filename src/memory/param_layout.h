@@ -30,6 +30,10 @@ struct LayerRange {
   int64_t offset = 0;  ///< first element (multiple of kAlign)
   int64_t numel = 0;   ///< elements up to the next layer's offset (includes alignment padding)
   std::vector<ParamTensor> tensors;
+  /// Other layers whose parameters this layer reads in forward (and whose gradients it
+  /// accumulates into in backward): tied weights, e.g. GPT-2's LM head reads the embedding's
+  /// wte. Ascending layer indices, never this layer itself. Declared with ParamLayout::tie().
+  std::vector<int> reads;
 };
 
 class ParamLayout {
@@ -41,7 +45,20 @@ class ParamLayout {
   /// Appends a layer whose tensors are given by name/shape/init; offsets are assigned here.
   void add_layer(const std::string& name, std::vector<ParamTensor> tensors);
 
+  /// Declares that layer `reader` reads tensor `tensor_name` of an earlier layer (a tied
+  /// weight). Throws ConfigError when no earlier layer holds that tensor.
+  void tie(int reader, const std::string& tensor_name);
+
   const std::vector<LayerRange>& layers() const { return layers_; }
+  int num_layers() const { return static_cast<int>(layers_.size()); }
+  /// The layers whose parameters `layer` needs resident to run: itself, then its reads.
+  std::vector<int> uses(int layer) const;
+  /// The layers that use `layer`'s parameters (itself and its tied readers), ascending. In
+  /// backward (last layer first) users.back() writes the layer's gradients first and
+  /// users.front() (the layer itself) last.
+  std::vector<int> users(int layer) const;
+  /// Whether another layer reads `layer`'s parameters (a tied source).
+  bool is_tied_source(int layer) const { return users(layer).size() > 1; }
   /// Elements in the flat buffer (≥ num_parameters() because of alignment padding).
   int64_t numel() const { return numel_; }
   /// Real parameters (sum of tensor sizes).

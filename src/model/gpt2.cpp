@@ -468,6 +468,8 @@ GPT2Model::GPT2Model(const GPT2Config& config, Backend& backend, bool activation
   layers_.push_back(
       std::make_unique<HeadLayer>(config, embed_ref, shared, shared ? scratch : nullptr));
   for (auto& l : layers_) layout_.add_layer(l->name(), l->param_specs());
+  // The LM head is tied to the token embedding: it reads (and writes the gradient of) wte.
+  layout_.tie(num_layers() - 1, "transformer.wte.weight");
   ST_ASSERT(layout_.num_parameters() == config.num_parameters());
 }
 

@@ -8,17 +8,16 @@
 
 #include "core/error.h"
 #include "parallel/buckets.h"
+#include "parallel/data_parallel.h"
 #include "parallel/registered_buffers.h"
-#include "parallel/strategy.h"
-#include "parallel/zero.h"
 
 namespace shardtrain {
 namespace {
 
 class DataParallel final : public Strategy {
  public:
-  DataParallel(const TrainConfig& cfg, Backend& backend, Communicator& comm)
-      : cfg_(cfg), backend_(backend), comm_(comm) {}
+  DataParallel(const StrategyOptions& options, Backend& backend, Communicator& comm)
+      : opt_(options), backend_(backend), comm_(comm) {}
 
   std::string name() const override { return "dp"; }
 
@@ -37,17 +36,14 @@ class DataParallel final : public Strategy {
       backend_.copy_from_host(master_.data(), init.data(), init.size() * sizeof(float));
       backend_.convert(params_.view(), master_.view());
     }
-    optimizer_ = std::make_unique<AdamW>(
-        backend_, layout, 0, n,
-        AdamWHyper{cfg_.beta1, cfg_.beta2, cfg_.adam_eps, cfg_.weight_decay});
+    optimizer_ = std::make_unique<AdamW>(backend_, layout, 0, n, opt_.adamw);
     model.bind(params_.view(), grads_.view());
     model.set_hooks(this);
     // DeepSpeed's 5e8-element default would make every model below 500 M parameters a single
     // bucket, reduced only after the whole backward. Unless a bucket size was given, dp uses
     // PyTorch DDP's default instead, so reductions overlap the rest of backward.
-    buckets_ =
-        build_grad_buckets(layout, cfg_.zero.reduce_bucket_size_set ? cfg_.zero.reduce_bucket_size
-                                                                    : kOverlapBucketElements);
+    buckets_ = build_grad_buckets(
+        layout, opt_.reduce_bucket_size_set ? opt_.reduce_bucket_size : kOverlapBucketElements);
     readiness_ = BucketReadiness(buckets_, model.num_layers());
     registered_ = RegisteredBuffers(comm_, backend_, {grads_.view()});
   }
@@ -60,15 +56,14 @@ class DataParallel final : public Strategy {
   }
 
   void after_backward(int layer) override {
-    if (!last_micro_ || comm_.world_size() == 1) return;
+    if (!last_micro_ || comm_.world_size() == 1 || !opt_.overlap_comm) return;
     const int b = readiness_.layer_done(layer);
-    if (b >= 0) {
-      const GradBucket& bk = buckets_[static_cast<size_t>(b)];
-      pending_.push_back(comm_.all_reduce(grads_.slice(bk.offset, bk.numel), ReduceOp::kSum));
-    }
+    if (b >= 0) reduce(static_cast<size_t>(b));
   }
 
   void finish_gradients() override {
+    if (!opt_.overlap_comm && comm_.world_size() > 1)
+      for (size_t b = 0; b < buckets_.size(); ++b) reduce(b);
     for (auto& w : pending_) w->wait();
     pending_.clear();
   }
@@ -113,8 +108,45 @@ class DataParallel final : public Strategy {
     return params_.bytes() + grads_.bytes() + master_.bytes() + 2 * params_.numel() * sizeof(float);
   }
 
+  std::vector<FlatRange> save_ranges() const override {
+    return even_split(params_.numel(), comm_.world_size(), comm_.rank());
+  }
+  std::vector<FlatRange> load_ranges() const override { return {FlatRange{0, params_.numel()}}; }
+
+  void read_state(StateTensor q, int64_t offset, int64_t numel, float* host) override {
+    backend_.copy_to_host(host, state(q).slice1d(offset, numel).data,
+                          static_cast<size_t>(numel) * sizeof(float));
+  }
+  void write_state(StateTensor q, int64_t offset, int64_t numel, const float* host) override {
+    backend_.copy_from_host(state(q).slice1d(offset, numel).data, host,
+                            static_cast<size_t>(numel) * sizeof(float));
+  }
+  void finish_load(int64_t optimizer_steps) override {
+    if (master_.numel()) backend_.convert(params_.view(), master_.view());
+    optimizer_->set_step_count(optimizer_steps);
+  }
+  int64_t optimizer_steps() const override { return optimizer_->step_count(); }
+
  private:
-  TrainConfig cfg_;
+  /// The fp32 buffer of quantity `q` [numel].
+  Tensor state(StateTensor q) const {
+    switch (q) {
+      case StateTensor::kExpAvg:
+        return optimizer_->exp_avg().view();
+      case StateTensor::kExpAvgSq:
+        return optimizer_->exp_avg_sq().view();
+      case StateTensor::kParams:
+        break;
+    }
+    return master_.numel() ? master_.view() : params_.view();
+  }
+
+  void reduce(size_t b) {
+    const GradBucket& bk = buckets_[b];
+    pending_.push_back(comm_.all_reduce(grads_.slice(bk.offset, bk.numel), ReduceOp::kSum));
+  }
+
+  StrategyOptions opt_;
   Backend& backend_;
   Communicator& comm_;
   GPT2Model* model_ = nullptr;
@@ -130,19 +162,9 @@ class DataParallel final : public Strategy {
 
 }  // namespace
 
-std::unique_ptr<Strategy> make_strategy(const TrainConfig& cfg, Backend& backend,
-                                        Communicator& comm) {
-  switch (cfg.strategy) {
-    case StrategyKind::kDataParallel:
-      return std::make_unique<DataParallel>(cfg, backend, comm);
-    case StrategyKind::kZero1:
-    case StrategyKind::kZero2:
-      return make_zero_strategy(cfg, backend, comm);
-    default:
-      throw ConfigError(fmt::format(
-          "strategy '{}' is not available yet in this release: use --strategy dp, zero1 or zero2",
-          to_string(cfg.strategy)));
-  }
+std::unique_ptr<Strategy> make_data_parallel_strategy(const StrategyOptions& options,
+                                                      Backend& backend, Communicator& comm) {
+  return std::make_unique<DataParallel>(options, backend, comm);
 }
 
 }  // namespace shardtrain

@@ -4,8 +4,8 @@
 // parameters before it runs) and performs the optimizer step on what its rank owns. The model
 // never knows which strategy runs it (torchtitan's habit: parallelism applied to a plain model).
 //
-// Strategies: dp (parallel/data_parallel.cpp), zero1 and zero2 (parallel/zero.cpp); zero3,
-// offload and pipeline arrive in later releases behind the same interface.
+// Strategies: dp (parallel/data_parallel.cpp), zero1 and zero2 (parallel/zero.cpp), zero3
+// (parallel/zero3.cpp); offload and pipeline arrive in later releases behind the same interface.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +20,37 @@
 #include "optim/adamw.h"
 
 namespace shardtrain {
+
+/// What a strategy is told (not the whole TrainConfig): its plan, the optimizer's
+/// hyper-parameters and the communication settings of DeepSpeed's zero_optimization section.
+struct StrategyOptions {
+  ParallelPlan plan;
+  AdamWHyper adamw;
+  /// Gradient bucket (elements); unless `reduce_bucket_size_set`, strategies that overlap
+  /// reductions with backward pick kOverlapBucketElements where that is faster (buckets.h).
+  int64_t reduce_bucket_size = 500'000'000;
+  bool reduce_bucket_size_set = false;
+  int64_t allgather_bucket_size = 500'000'000;  ///< elements of all-gathers in flight after a step
+  /// Launch reductions (and stage-3 prefetches) while computing; false: after backward / at use.
+  bool overlap_comm = true;
+  // ZeRO-3 (elements; ZeroConfig documents each).
+  int64_t prefetch_bucket_size = 50'000'000;
+  int64_t param_persistence_threshold = 100'000;
+  int64_t max_live_parameters = 1'000'000'000;
+  int64_t max_reuse_distance = 1'000'000'000;
+};
+
+/// The options `cfg` gives its strategy.
+StrategyOptions strategy_options(const TrainConfig& cfg);
+
+/// One of the fp32 quantities a checkpoint holds per element of the flat layout.
+enum class StateTensor { kParams, kExpAvg, kExpAvgSq };
+
+/// The elements [offset, offset + numel) of the flat layout.
+struct FlatRange {
+  int64_t offset = 0;
+  int64_t numel = 0;
+};
 
 /// Host copies of the full training state, in the flat layout (numel = layout.numel()).
 struct FullState {
@@ -58,10 +89,43 @@ class Strategy : public LayerHooks {
 
   /// Bytes of parameters, gradients and optimizer state this rank holds.
   virtual size_t model_state_bytes() const = 0;
+
+  // ---- sharded checkpoints (io/sharded_checkpoint.h): no rank materializes the full state ----
+
+  /// The flat-layout ranges whose state this rank writes into a checkpoint: ascending, disjoint,
+  /// and over all ranks of the group they cover [0, layout.numel()) exactly once (ZeRO: the owned
+  /// slices; replicated strategies: an even split).
+  virtual std::vector<FlatRange> save_ranges() const = 0;
+  /// Copies quantity `q` of the flat elements [offset, offset + numel), which lie inside one
+  /// range of save_ranges(), to `host` (fp32). Not collective.
+  virtual void read_state(StateTensor q, int64_t offset, int64_t numel, float* host) = 0;
+  /// The flat-layout ranges this rank needs on load (ZeRO: its owned slices; replicated
+  /// strategies: everything), ascending and disjoint.
+  virtual std::vector<FlatRange> load_ranges() const = 0;
+  /// Sets quantity `q` of the flat elements [offset, offset + numel), which lie inside one range
+  /// of load_ranges(), from `host` (fp32). Not collective.
+  virtual void write_state(StateTensor q, int64_t offset, int64_t numel, const float* host) = 0;
+  /// After every write_state of a load: makes the parameters visible to the model (compute-dtype
+  /// copies, all-gathers) and sets AdamW's step count. Collective.
+  virtual void finish_load(int64_t optimizer_steps) = 0;
+  /// AdamW steps taken (bias correction), as saved in checkpoints.
+  virtual int64_t optimizer_steps() const = 0;
+
+  /// Bytes of parameters all-gathered by this rank during the last optimizer step (ZeRO-3's
+  /// per-layer gathers and every strategy's after-step all-gathers); 0 for dp.
+  virtual int64_t gathered_bytes_last_step() const { return 0; }
 };
 
-/// Builds the strategy `cfg.strategy`. Throws ConfigError for strategies not available yet.
+/// Builds the strategy that runs `options.plan` (zero stage 0: dp, 1/2: zero.h, 3: zero3.h).
+/// Throws ConfigError for plans not available yet (offload, pipeline).
+std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend& backend,
+                                        Communicator& comm);
+/// make_strategy(strategy_options(cfg), ...).
 std::unique_ptr<Strategy> make_strategy(const TrainConfig& cfg, Backend& backend,
                                         Communicator& comm);
+
+/// [0, numel) split into `world` contiguous pieces of equal size (the first numel % world one
+/// element longer): piece `rank` (empty when numel < world). What replicated strategies save.
+std::vector<FlatRange> even_split(int64_t numel, int world, int rank);
 
 }  // namespace shardtrain

@@ -33,10 +33,10 @@
 // bucket buffers (one when there is a single such bucket), zeroes it and rebinds the bucket's
 // layers' gradient views into it; after_backward of its last layer reduce-scatters it in place
 // (async) and the result is added into the gradient shard when that buffer is needed again (or
-// in finish_gradients), in issue order. Tied weights: the LM head writes the wte gradient into the
-// embedding layer's dwte view during ITS backward, before the embedding runs; so the embedding's
-// gradients live in a persistent buffer of their own, always bound, zeroed before the head's
-// backward and reduce-scattered after the embedding's backward.
+// in finish_gradients), in issue order. Tied weights (ParamLayout::tie): the LM head writes the wte
+// gradient into the embedding layer's dwte view during ITS backward, before the embedding runs; so
+// every tied source's gradients live in a persistent buffer of their own, always bound, zeroed
+// before its first user's backward and reduce-scattered after its own backward.
 //
 // Gradient norm: the sum of squares of the owned reduced gradients, summed over ranks in rank
 // order in double precision (each rank contributes its sum as a pair of floats: all_gather), so
@@ -62,8 +62,8 @@ namespace {
 /// the gradient norm and the checkpoint state. Subclasses own the gradients.
 class ZeroStrategy : public Strategy {
  public:
-  ZeroStrategy(const TrainConfig& cfg, Backend& backend, Communicator& comm)
-      : cfg_(cfg), backend_(backend), comm_(comm) {}
+  ZeroStrategy(const StrategyOptions& options, Backend& backend, Communicator& comm)
+      : opt_(options), backend_(backend), comm_(comm) {}
 
   void setup(GPT2Model& model, const std::vector<float>& init) final {
     model_ = &model;
@@ -72,14 +72,19 @@ class ZeroStrategy : public Strategy {
     world_ = comm_.world_size();
     rank_ = comm_.rank();
     dtype_ = backend_.compute_dtype();
-    check<ConfigError>(cfg_.zero.reduce_bucket_size >= 1 && cfg_.zero.allgather_bucket_size >= 1,
+    check<ConfigError>(opt_.reduce_bucket_size >= 1 && opt_.allgather_bucket_size >= 1,
                        "zero_optimization.reduce_bucket_size ({}) and allgather_bucket_size ({}) "
                        "must be >= 1 element",
-                       cfg_.zero.reduce_bucket_size, cfg_.zero.allgather_bucket_size);
+                       opt_.reduce_bucket_size, opt_.allgather_bucket_size);
     const bool overlap_default =
-        !cfg_.zero.reduce_bucket_size_set && comm_.registration_staging_bytes() > 0;
+        !opt_.reduce_bucket_size_set && comm_.registration_staging_bytes() > 0;
+    // Tied sources (the embedding, whose wte the LM head reads) get buckets of their own: their
+    // gradients are written by a later layer's backward before their own (ParamLayout::tie).
+    std::vector<int> tied_sources;
+    for (int l = 0; l < layout.num_layers(); ++l)
+      if (layout.is_tied_source(l)) tied_sources.push_back(l);
     buckets_ = build_grad_buckets(
-        layout, overlap_default ? kOverlapBucketElements : cfg_.zero.reduce_bucket_size, {0});
+        layout, overlap_default ? kOverlapBucketElements : opt_.reduce_bucket_size, tied_sources);
     parts_ = partition_buckets(buckets_, world_, rank_);
     part_of_layer_.assign(static_cast<size_t>(model.num_layers()), -1);
     padded_numel_ = shard_numel_ = max_padded_ = 0;
@@ -93,7 +98,7 @@ class ZeroStrategy : public Strategy {
     }
     params_ = FlatBuffer(backend_, dtype_, padded_numel_);
     if (dtype_ != DType::kF32) master_ = FlatBuffer(backend_, DType::kF32, shard_numel_);
-    const AdamWHyper hyper{cfg_.beta1, cfg_.beta2, cfg_.adam_eps, cfg_.weight_decay};
+    const AdamWHyper hyper = opt_.adamw;
     optimizers_.clear();
     optimizers_.resize(parts_.size());
     for (size_t i = 0; i < parts_.size(); ++i) {
@@ -131,7 +136,7 @@ class ZeroStrategy : public Strategy {
                              separate_master ? own_params(i).slice1d(0, p.owned_numel) : Tensor(),
                              lr, grad_scale);
       }
-      if (!in_flight.empty() && in_flight_numel + p.padded > cfg_.zero.allgather_bucket_size) {
+      if (!in_flight.empty() && in_flight_numel + p.padded > opt_.allgather_bucket_size) {
         for (auto& w : in_flight) w->wait();
         in_flight.clear();
         in_flight_numel = 0;
@@ -187,6 +192,46 @@ class ZeroStrategy : public Strategy {
     steps_ = s.optimizer_steps;
   }
 
+  std::vector<FlatRange> save_ranges() const final {
+    std::vector<FlatRange> out;
+    for (const BucketPartition& p : parts_)
+      if (p.owned_numel > 0) out.push_back({p.owned_offset, p.owned_numel});
+    std::sort(out.begin(), out.end(),
+              [](const FlatRange& x, const FlatRange& y) { return x.offset < y.offset; });
+    return out;
+  }
+  std::vector<FlatRange> load_ranges() const final { return save_ranges(); }
+
+  void read_state(StateTensor q, int64_t offset, int64_t numel, float* host) final {
+    const Tensor src = owned_state(q, offset, numel);
+    backend_.copy_to_host(host, src.data, src.bytes());
+  }
+  void write_state(StateTensor q, int64_t offset, int64_t numel, const float* host) final {
+    const Tensor dst = owned_state(q, offset, numel);
+    backend_.copy_from_host(dst.data, host, dst.bytes());
+  }
+  void finish_load(int64_t optimizer_steps) final {
+    std::vector<std::unique_ptr<Work>> in_flight;
+    int64_t in_flight_numel = 0;
+    for (size_t i = 0; i < parts_.size(); ++i) {
+      const BucketPartition& p = parts_[i];
+      if (optimizers_[i]) {
+        optimizers_[i]->set_step_count(optimizer_steps);
+        if (master_.numel() > 0) backend_.convert(own_params(i).slice1d(0, p.owned_numel), master(i));
+      }
+      if (!in_flight.empty() && in_flight_numel + p.padded > opt_.allgather_bucket_size) {
+        for (auto& w : in_flight) w->wait();
+        in_flight.clear();
+        in_flight_numel = 0;
+      }
+      in_flight.push_back(comm_.all_gather(params_.slice(p.padded_offset, p.padded), own_params(i)));
+      in_flight_numel += p.padded;
+    }
+    for (auto& w : in_flight) w->wait();
+    steps_ = optimizer_steps;
+  }
+  int64_t optimizer_steps() const final { return steps_; }
+
   size_t model_state_bytes() const override {
     size_t bytes = params_.bytes() + master_.bytes() + gradient_bytes();
     for (const auto& opt : optimizers_)
@@ -229,6 +274,20 @@ class ZeroStrategy : public Strategy {
     const BucketPartition& p = parts_[i];
     if (master_.numel() == 0) return own_params(i).slice1d(0, p.owned_numel);
     return master_.slice(p.shard_offset, p.owned_numel);
+  }
+
+  /// Quantity `q` of the owned flat elements [offset, offset + numel) (inside one owned slice).
+  Tensor owned_state(StateTensor q, int64_t offset, int64_t numel) const {
+    for (size_t i = 0; i < parts_.size(); ++i) {
+      const BucketPartition& p = parts_[i];
+      if (offset < p.owned_offset || offset + numel > p.owned_offset + p.owned_numel) continue;
+      const Tensor whole = q == StateTensor::kParams  ? master(i)
+                           : q == StateTensor::kExpAvg ? optimizers_[i]->exp_avg().view()
+                                                       : optimizers_[i]->exp_avg_sq().view();
+      return whole.slice1d(offset - p.owned_offset, numel);
+    }
+    throw RuntimeFailure(fmt::format("{}: elements [{}, {}) are not owned by rank {}", name(),
+                                     offset, offset + numel, rank_));
   }
 
   /// Loads full fp32 parameters (host, flat layout) into the parameter buffer and the master
@@ -277,7 +336,7 @@ class ZeroStrategy : public Strategy {
     return sum;
   }
 
-  TrainConfig cfg_;
+  StrategyOptions opt_;
   Backend& backend_;
   Communicator& comm_;
   GPT2Model* model_ = nullptr;
@@ -383,15 +442,18 @@ class Zero2 final : public ZeroStrategy {
   void begin_micro_step(int64_t, int64_t) override {}
 
   void before_backward(int layer) override {
-    if (layer == model_->num_layers() - 1) {
-      // The head runs backward first and writes the tied wte gradient into the embedding's
-      // buffer: it must be free and zeroed now.
-      drain_through(kEmbedTag);
-      backend_.fill_zero(embed_buf_.view());
+    const ParamLayout& layout = model_->layout();
+    for (int src : layout.layers()[static_cast<size_t>(layer)].reads) {
+      // `layer` (the LM head) is the first in backward to write the gradient of the tied source
+      // `src` (the embedding): its buffer must be free and zeroed now.
+      if (layout.users(src).back() != layer) continue;
+      const int tag = tied_tag(part_of(src));
+      drain_through(tag);
+      backend_.fill_zero(buffer(tag).view());
     }
     const int i = part_of(layer);
     const BucketPartition& p = parts_[static_cast<size_t>(i)];
-    if (i == embed_part_ || layer != p.bucket.last_layer) return;
+    if (tied_tag(i) != kNoTag || layer != p.bucket.last_layer) return;
     const int s = next_slot_;
     next_slot_ = (next_slot_ + 1) % static_cast<int>(slots_.size());
     drain_through(s);
@@ -405,8 +467,8 @@ class Zero2 final : public ZeroStrategy {
     const int i = part_of(layer);
     const BucketPartition& p = parts_[static_cast<size_t>(i)];
     if (layer != p.bucket.first_layer) return;
-    const int tag = i == embed_part_ ? kEmbedTag : slot_of_part_[static_cast<size_t>(i)];
-    const FlatBuffer& buf = tag == kEmbedTag ? embed_buf_ : slots_[static_cast<size_t>(tag)];
+    const int tag = tied_tag(i) != kNoTag ? tied_tag(i) : slot_of_part_[static_cast<size_t>(i)];
+    const FlatBuffer& buf = buffer(tag);
     Tensor own = buf.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
     // In place: the rank's own slice of the bucket buffer receives the sum over ranks.
     pending_.push_back(
@@ -418,16 +480,23 @@ class Zero2 final : public ZeroStrategy {
  protected:
   void allocate_gradients() override {
     shard_ = FlatBuffer(backend_, dtype_, shard_numel_);
-    embed_part_ = part_of(0);
+    const ParamLayout& layout = model_->layout();
+    tied_tag_of_part_.assign(parts_.size(), kNoTag);
+    tied_bufs_.clear();
+    for (int l = 0; l < layout.num_layers(); ++l) {
+      if (!layout.is_tied_source(l)) continue;  // a bucket of its own (setup)
+      const int i = part_of(l);
+      tied_tag_of_part_[static_cast<size_t>(i)] = -2 - static_cast<int>(tied_bufs_.size());
+      tied_bufs_.emplace_back(backend_, dtype_, parts_[static_cast<size_t>(i)].padded);
+    }
     int64_t max_regular = 0;
     int regular = 0;
     for (size_t i = 0; i < parts_.size(); ++i) {
-      if (static_cast<int>(i) == embed_part_) continue;
+      if (tied_tag_of_part_[i] != kNoTag) continue;
       max_regular = std::max(max_regular, parts_[i].padded);
       ++regular;
     }
     ST_ASSERT(regular >= 1);
-    embed_buf_ = FlatBuffer(backend_, dtype_, parts_[static_cast<size_t>(embed_part_)].padded);
     slots_.clear();
     for (int s = 0; s < std::min(2, regular); ++s)
       slots_.emplace_back(backend_, dtype_, max_regular);
@@ -439,7 +508,7 @@ class Zero2 final : public ZeroStrategy {
     for (int l = 0; l < model_->num_layers(); ++l) {
       const int i = part_of(l);
       const BucketPartition& p = parts_[static_cast<size_t>(i)];
-      bind_layer(l, i == embed_part_ ? embed_buf_.view() : slots_[0].slice(0, p.padded));
+      bind_layer(l, tied_tag(i) != kNoTag ? buffer(tied_tag(i)).view() : slots_[0].slice(0, p.padded));
     }
   }
 
@@ -448,24 +517,33 @@ class Zero2 final : public ZeroStrategy {
   }
 
   size_t gradient_bytes() const override {
-    size_t bytes = shard_.bytes() + embed_buf_.bytes();
+    size_t bytes = shard_.bytes();
+    for (const auto& b : tied_bufs_) bytes += b.bytes();
     for (const auto& s : slots_) bytes += s.bytes();
     return bytes;
   }
 
   std::vector<Tensor> gradient_buffers() const override {
-    std::vector<Tensor> buffers{embed_buf_.view()};
+    std::vector<Tensor> buffers;
+    for (const auto& b : tied_bufs_) buffers.push_back(b.view());
     for (const auto& s : slots_) buffers.push_back(s.view());
     return buffers;
   }
 
  private:
-  static constexpr int kEmbedTag = -1;
+  /// Buffer tags: a slot index (>= 0), or -2 - k for tied_bufs_[k].
+  static constexpr int kNoTag = -1;
+
+  /// The tag of the persistent buffer of part `i` when it holds a tied source, else kNoTag.
+  int tied_tag(int i) const { return tied_tag_of_part_[static_cast<size_t>(i)]; }
+  const FlatBuffer& buffer(int tag) const {
+    return tag >= 0 ? slots_[static_cast<size_t>(tag)] : tied_bufs_[static_cast<size_t>(-2 - tag)];
+  }
 
   /// A reduce-scatter in flight: its result lands in `own` (a slice of bucket buffer `tag`).
   struct Pending {
     int part;
-    int tag;  ///< slot index, or kEmbedTag
+    int tag;  ///< see buffer()
     Tensor own;
     std::unique_ptr<Work> work;
   };
@@ -494,25 +572,26 @@ class Zero2 final : public ZeroStrategy {
   }
 
   FlatBuffer shard_;      ///< [shard_numel_] compute dtype: Σ over micro-steps and ranks, owned
-  FlatBuffer embed_buf_;  ///< [padded of the embedding bucket]: always bound to the embedding
+  /// Per tied source (the embedding): a persistent buffer [its padded bucket], always bound.
+  std::vector<FlatBuffer> tied_bufs_;
+  std::vector<int> tied_tag_of_part_;
   std::vector<FlatBuffer> slots_;  ///< 1 or 2 transient bucket buffers [max padded bucket]
   std::vector<int> slot_of_part_;
-  int embed_part_ = 0;
   int next_slot_ = 0;
   std::deque<Pending> pending_;
 };
 
 }  // namespace
 
-std::unique_ptr<Strategy> make_zero_strategy(const TrainConfig& cfg, Backend& backend,
+std::unique_ptr<Strategy> make_zero_strategy(const StrategyOptions& options, Backend& backend,
                                              Communicator& comm) {
-  switch (cfg.strategy) {
-    case StrategyKind::kZero1:
-      return std::make_unique<Zero1>(cfg, backend, comm);
-    case StrategyKind::kZero2:
-      return std::make_unique<Zero2>(cfg, backend, comm);
+  switch (options.plan.zero_stage) {
+    case 1:
+      return std::make_unique<Zero1>(options, backend, comm);
+    case 2:
+      return std::make_unique<Zero2>(options, backend, comm);
     default:
-      ST_ASSERT(false && "make_zero_strategy: not a ZeRO stage 1/2 strategy");
+      ST_ASSERT(false && "make_zero_strategy: not a ZeRO stage 1/2 plan");
   }
   return nullptr;
 }

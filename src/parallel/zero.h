@@ -8,10 +8,10 @@
 
 namespace shardtrain {
 
-/// Builds the ZeRO strategy for cfg.strategy (StrategyKind::kZero1 or kZero2; ST_ASSERTs
-/// otherwise) over the data-parallel group `comm`. Buckets come from cfg.zero.reduce_bucket_size
-/// and cfg.zero.allgather_bucket_size (elements). See zero.cpp for the design.
-std::unique_ptr<Strategy> make_zero_strategy(const TrainConfig& cfg, Backend& backend,
+/// Builds the ZeRO strategy for options.plan.zero_stage 1 or 2 (ST_ASSERTs otherwise) over the
+/// data-parallel group `comm`. Buckets come from options.reduce_bucket_size and
+/// allgather_bucket_size (elements). See zero.cpp for the design.
+std::unique_ptr<Strategy> make_zero_strategy(const StrategyOptions& options, Backend& backend,
                                              Communicator& comm);
 
 }  // namespace shardtrain

@@ -1,0 +1,64 @@
+// The strategy factory: --strategy presets and DeepSpeed's zero_optimization resolved into a
+// ParallelPlan, and the plan into the strategy that runs it.
+#include "parallel/strategy.h"
+
+#include "core/error.h"
+#include "parallel/data_parallel.h"
+#include "parallel/zero.h"
+#include "parallel/zero3.h"
+
+namespace shardtrain {
+
+StrategyOptions strategy_options(const TrainConfig& cfg) {
+  StrategyOptions o;
+  o.plan = plan_of(cfg);
+  o.adamw = AdamWHyper{cfg.beta1, cfg.beta2, cfg.adam_eps, cfg.weight_decay};
+  o.reduce_bucket_size = cfg.zero.reduce_bucket_size;
+  o.reduce_bucket_size_set = cfg.zero.reduce_bucket_size_set;
+  o.allgather_bucket_size = cfg.zero.allgather_bucket_size;
+  o.overlap_comm = cfg.zero.overlap_comm;
+  o.prefetch_bucket_size = cfg.zero.stage3_prefetch_bucket_size;
+  o.param_persistence_threshold = cfg.zero.stage3_param_persistence_threshold;
+  o.max_live_parameters = cfg.zero.stage3_max_live_parameters;
+  o.max_reuse_distance = cfg.zero.stage3_max_reuse_distance;
+  return o;
+}
+
+std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend& backend,
+                                        Communicator& comm) {
+  const ParallelPlan& plan = options.plan;
+  check<ConfigError>(plan.optimizer_offload == OffloadDevice::kNone &&
+                         plan.param_offload == OffloadDevice::kNone,
+                     "offloading optimizer state or parameters (zero_optimization.offload_optimizer "
+                     "/ offload_param) is not available yet in this release: remove the offload "
+                     "sections or set their device to \"none\"");
+  check<ConfigError>(plan.pipeline_stages == 1,
+                     "pipeline parallelism is not available yet in this release: use --strategy "
+                     "dp, zero1, zero2 or zero3");
+  switch (plan.zero_stage) {
+    case 0:
+      return make_data_parallel_strategy(options, backend, comm);
+    case 1:
+    case 2:
+      return make_zero_strategy(options, backend, comm);
+    case 3:
+      return make_zero3_strategy(options, backend, comm);
+    default:
+      throw ConfigError(fmt::format("ZeRO stage {} does not exist: use 0, 1, 2 or 3", plan.zero_stage));
+  }
+}
+
+std::unique_ptr<Strategy> make_strategy(const TrainConfig& cfg, Backend& backend,
+                                        Communicator& comm) {
+  return make_strategy(strategy_options(cfg), backend, comm);
+}
+
+std::vector<FlatRange> even_split(int64_t numel, int world, int rank) {
+  const int64_t base = numel / world, extra = numel % world;
+  const int64_t begin = rank * base + std::min<int64_t>(rank, extra);
+  const int64_t count = base + (rank < extra ? 1 : 0);
+  if (count == 0) return {};
+  return {FlatRange{begin, count}};
+}
+
+}  // namespace shardtrain

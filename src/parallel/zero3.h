@@ -1,0 +1,18 @@
+// ZeRO stage 3 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+// Parameter Models", arXiv 1910.02054, §5.3 P_os+g+p): the strategy `zero3` (zero3.cpp).
+#pragma once
+
+#include <memory>
+
+#include "parallel/strategy.h"
+
+namespace shardtrain {
+
+/// Builds the ZeRO-3 strategy over the data-parallel group `comm`: every rank holds 1/N of the
+/// parameters, gradients and optimizer state, and gathers each layer's parameters before it runs
+/// (options.prefetch_bucket_size, param_persistence_threshold, max_live_parameters,
+/// max_reuse_distance). See zero3.cpp for the design.
+std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options, Backend& backend,
+                                              Communicator& comm);
+
+}  // namespace shardtrain
