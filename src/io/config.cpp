@@ -1223,7 +1223,9 @@ LrSchedule parse_lr_schedule(const std::string& name) {
 
 ParallelPlan plan_of(const TrainConfig& cfg) {
   const auto device = [](const std::string& d) {
-    return d == "cpu" ? OffloadDevice::kCpu : d == "nvme" ? OffloadDevice::kNvme : OffloadDevice::kNone;
+    return d == "cpu"    ? OffloadDevice::kCpu
+           : d == "nvme" ? OffloadDevice::kNvme
+                         : OffloadDevice::kNone;
   };
   ParallelPlan plan;
   plan.zero_stage = zero_stage_of(cfg.strategy);

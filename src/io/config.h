@@ -65,7 +65,8 @@ enum class OffloadDevice { kNone, kCpu, kNvme };
 /// presets of it (plan_for_strategy).
 struct ParallelPlan {
   int zero_stage = 0;  ///< 0 (dp), 1, 2, 3: arXiv 1910.02054 §5
-  OffloadDevice optimizer_offload = OffloadDevice::kNone;  ///< where fp32 master/m/v and the step live
+  OffloadDevice optimizer_offload =
+      OffloadDevice::kNone;              ///< where fp32 master/m/v and the step live
   double optimizer_offload_ratio = 1.0;  ///< fraction of the optimizer state offloaded
   OffloadDevice param_offload = OffloadDevice::kNone;  ///< stage 3: where bf16 params live
   int pipeline_stages = 1;

@@ -38,9 +38,10 @@ void ParamLayout::tie(int reader, const std::string& tensor_name) {
       return;
     }
   }
-  throw ConfigError(fmt::format("layer {} ({}) is declared to read tensor '{}', which no earlier "
-                                "layer holds",
-                                reader, layers_[static_cast<size_t>(reader)].name, tensor_name));
+  throw ConfigError(
+      fmt::format("layer {} ({}) is declared to read tensor '{}', which no earlier "
+                  "layer holds",
+                  reader, layers_[static_cast<size_t>(reader)].name, tensor_name));
 }
 
 std::vector<int> ParamLayout::uses(int layer) const {

@@ -3,12 +3,13 @@
 // launched from the backward hook of the last micro-step as soon as a bucket's layers are done,
 // so communication overlaps the rest of backward (Li et al., "PyTorch Distributed", VLDB 2020,
 // §3.2.3).
+#include "parallel/data_parallel.h"
+
 #include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
 #include "parallel/buckets.h"
-#include "parallel/data_parallel.h"
 #include "parallel/registered_buffers.h"
 
 namespace shardtrain {

@@ -52,7 +52,6 @@
 namespace shardtrain {
 namespace {
 
-
 /// ZeRO stage 1 (P_os, arXiv 1910.02054 §5.1): optimizer states partitioned; full gradients
 /// reduce-scattered once per optimizer step, bucket by bucket during the last micro-step's
 /// backward.
@@ -204,7 +203,8 @@ class Zero2 final : public ZeroStrategy {
     for (int l = 0; l < model_->num_layers(); ++l) {
       const int i = part_of(l);
       const BucketPartition& p = parts_[static_cast<size_t>(i)];
-      bind_layer(l, tied_tag(i) != kNoTag ? buffer(tied_tag(i)).view() : slots_[0].slice(0, p.padded));
+      bind_layer(l,
+                 tied_tag(i) != kNoTag ? buffer(tied_tag(i)).view() : slots_[0].slice(0, p.padded));
     }
   }
 
@@ -267,7 +267,7 @@ class Zero2 final : public ZeroStrategy {
     while (!pending_.empty()) complete_front();
   }
 
-  FlatBuffer shard_;      ///< [shard_numel_] compute dtype: Σ over micro-steps and ranks, owned
+  FlatBuffer shard_;  ///< [shard_numel_] compute dtype: Σ over micro-steps and ranks, owned
   /// Per tied source (the embedding): a persistent buffer [its padded bucket], always bound.
   std::vector<FlatBuffer> tied_bufs_;
   std::vector<int> tied_tag_of_part_;

@@ -1,9 +1,357 @@
+// ZeRO stage 3: the strategy `zero3` (Rajbhandari et al., "ZeRO: Memory Optimizations Toward
+// Training Trillion Parameter Models", arXiv 1910.02054, §5.3 P_os+g+p; DeepSpeed's stage-3
+// parameter coordinator for the prefetch / release rules).
+//
+// Units and partition. Every layer of the layout is a unit of its own (a "bucket" of one layer,
+// parallel/buckets.h), padded to a multiple of world·16 elements and split into one equal slice
+// per rank: rank r owns slice r of every unit — its compute-dtype parameters, its gradient
+// shard, its fp32 master weights and AdamW m/v (zero_base.h). That is ZeRO's 16Ψ/N bytes.
+// A unit with fewer parameters than stage3_param_persistence_threshold stays resident
+// (replicated, full, as in stage 2: its updated slices are all-gathered after each step); on a
+// single rank every unit is resident, since its slice is the whole unit, and nothing is gathered.
+//
+// The schedule of one training micro-step is known in advance: forward runs layers 0..n-1 and
+// backward n-1..0, and layer l needs the units ParamLayout::uses(l) — itself and the layers it
+// reads (the LM head reads the embedding's wte). Position p of the pass (forward of layer p,
+// then backward of layer 2n-1-p) thus needs a known set of units. Around each position:
+//   before: wait for the units it needs (all-gathering any not yet gathered into a buffer of
+//           their own from the backend's allocator), then prefetch — start the all-gathers of the
+//           units the next positions need, in order, until stage3_prefetch_bucket_size elements
+//           ahead are covered or stage3_max_live_parameters elements would be exceeded. The
+//           all-gathers run on the communicator's stream (NCCL; MPI's nonblocking collectives on
+//           CPU) while the current layer computes. Backward also takes a zeroed full gradient
+//           buffer for each unit it writes first (the head for the embedding: tied gradients are
+//           accumulated into ONE buffer and reduced once).
+//   after:  a unit whose next use lies more than stage3_max_reuse_distance elements of gathered
+//           parameters ahead (or nowhere in this pass, or that would keep more than
+//           stage3_max_live_parameters alive) is released; backward reduce-scatters the gradient
+//           buffer of each unit whose last writer just ran (the unit itself) in place, and adds
+//           the rank's reduced slice into its gradient shard when the reduction has completed
+//           (at most two reductions in flight), then frees the buffer.
+// A new forward pass starts by releasing whatever is still gathered (an evaluation forward
+// prefetches for a backward that does not come); the optimizer step releases every gathered
+// copy (they are stale) and updates each owned slice in place.
 #include "parallel/zero3.h"
 
-namespace shardtrain {
+#include <deque>
 
-std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions&, Backend&, Communicator&) {
-  throw ConfigError("zero3: under construction");
+#include "parallel/zero_base.h"
+
+namespace shardtrain {
+namespace {
+
+class Zero3 final : public ZeroStrategy {
+ public:
+  using ZeroStrategy::ZeroStrategy;
+  std::string name() const override { return "zero3"; }
+
+  void zero_grad() override {
+    drain_reductions();
+    gathered_bytes_ = 0;
+    backend_.fill_zero(grad_shard_.view());
+  }
+
+  void begin_micro_step(int64_t, int64_t) override {}
+
+  void before_forward(int layer) override {
+    if (layer == 0) release_all();
+    enter_pos(layer);
+  }
+  void after_forward(int layer) override { leave_pos(layer); }
+
+  void before_backward(int layer) override {
+    const int p = backward_pos(layer);
+    for (int u : model_->layout().uses(layer)) acquire_grad(u);
+    enter_pos(p);
+  }
+
+  void after_backward(int layer) override {
+    for (int u : model_->layout().uses(layer))
+      if (model_->layout().users(u).front() == layer) reduce_grad(u);
+    leave_pos(backward_pos(layer));
+  }
+
+  void finish_gradients() override { drain_reductions(); }
+
+  double grad_norm(double scale) override {
+    // One pass over the whole gradient shard: padding elements hold zero gradients.
+    return std::sqrt(sum_over_ranks(backend_.sum_squares(grad_shard_.view()))) * scale;
+  }
+
+ protected:
+  std::vector<GradBucket> make_buckets(const ParamLayout& layout) const override {
+    return build_grad_buckets(layout, 1);  // every layer a unit of its own
+  }
+
+  void allocate_params() override {
+    const ParamLayout& layout = model_->layout();
+    const int n = layout.num_layers();
+    units_.clear();
+    units_.resize(static_cast<size_t>(n));
+    int64_t resident = 0, sharded = 0;
+    for (int l = 0; l < n; ++l) {
+      Unit& u = units_[static_cast<size_t>(l)];
+      const BucketPartition& p = parts_[static_cast<size_t>(part_of(l))];
+      int64_t params = 0;  // real parameters of the layer (alignment padding not counted)
+      for (const ParamTensor& t : layout.layers()[static_cast<size_t>(l)].tensors)
+        params += t.numel;
+      u.resident = world_ == 1 || params < opt_.param_persistence_threshold;
+      u.offset = u.resident ? resident : sharded;
+      (u.resident ? resident : sharded) += u.resident ? p.padded : p.shard;
+    }
+    resident_ = FlatBuffer(backend_, dtype_, resident);
+    sharded_ = FlatBuffer(backend_, dtype_, sharded);
+    build_schedule();
+  }
+
+  std::vector<Tensor> param_buffers() const override {
+    if (resident_.numel() == 0) return {};
+    return {resident_.view()};
+  }
+  size_t param_bytes() const override { return resident_.bytes() + sharded_.bytes(); }
+
+  Tensor own_params(size_t i) const override {
+    const BucketPartition& p = parts_[i];
+    const Unit& u = unit(p.bucket.first_layer);
+    if (u.resident)
+      return resident_.slice(u.offset + static_cast<int64_t>(rank_) * p.shard, p.shard);
+    return sharded_.slice(u.offset, p.shard);
+  }
+
+  Tensor gather_target(size_t i) const override {
+    const BucketPartition& p = parts_[i];
+    const Unit& u = unit(p.bucket.first_layer);
+    if (!u.resident || world_ == 1) return {};
+    return resident_.slice(u.offset, p.padded);
+  }
+
+  void before_update() override {
+    drain_reductions();
+    release_all();
+  }
+
+  void allocate_gradients() override { grad_shard_ = FlatBuffer(backend_, dtype_, shard_numel_); }
+  std::vector<Tensor> gradient_buffers() const override { return {}; }
+  Tensor grad_shard(size_t i) const override {
+    return grad_shard_.slice(parts_[i].shard_offset, parts_[i].owned_numel);
+  }
+  size_t gradient_bytes() const override { return grad_shard_.bytes(); }
+
+  void bind_layers() override {
+    for (int l = 0; l < model_->num_layers(); ++l) {
+      Unit& u = units_[static_cast<size_t>(l)];
+      const BucketPartition& p = partition(l);
+      u.params = u.resident ? resident_.slice(u.offset, p.padded) : Tensor();
+      // One rank: gradients accumulate straight into the shard (which is the whole unit).
+      u.grads = world_ == 1 ? grad_shard_.slice(p.shard_offset, p.padded) : Tensor();
+      bind(l);
+    }
+  }
+
+ private:
+  /// One layer's state on this rank.
+  struct Unit {
+    bool resident = false;  ///< full parameters always present (persistent, or one rank)
+    int64_t offset = 0;     ///< in resident_ (padded unit) or sharded_ (this rank's slice)
+    FlatBuffer gathered;    ///< partitioned unit: its full parameters [padded] while gathered
+    std::unique_ptr<Work> gathering;  ///< the all-gather into `gathered`, until waited for
+    FlatBuffer grad;                  ///< several ranks: the full gradient [padded] in backward
+    bool grad_live = false;           ///< `grads` holds this backward's gradient buffer
+    bool reducing = false;            ///< `grad` is being reduce-scattered
+    Tensor params, grads;             ///< what the layer is bound to now (may be empty)
+    std::vector<int> positions;       ///< positions of the pass that use this unit, ascending
+  };
+
+  /// A reduce-scatter in flight: unit `layer`'s gradient buffer, its result in `own`.
+  struct Reduction {
+    int layer;
+    Tensor own;
+    std::unique_ptr<Work> work;
+  };
+
+  static constexpr size_t kMaxReductionsInFlight = 2;
+
+  Unit& unit(int layer) { return units_[static_cast<size_t>(layer)]; }
+  const Unit& unit(int layer) const { return units_[static_cast<size_t>(layer)]; }
+  const BucketPartition& partition(int layer) const {
+    return parts_[static_cast<size_t>(part_of(layer))];
+  }
+  int num_positions() const { return 2 * model_->num_layers(); }
+  int backward_pos(int layer) const { return num_positions() - 1 - layer; }
+  int layer_at(int pos) const {
+    return pos < model_->num_layers() ? pos : num_positions() - 1 - pos;
+  }
+
+  /// Use positions of every unit and the prefix sums of gathered elements along the pass.
+  void build_schedule() {
+    const ParamLayout& layout = model_->layout();
+    need_prefix_.assign(static_cast<size_t>(num_positions()) + 1, 0);
+    for (int p = 0; p < num_positions(); ++p) {
+      int64_t need = 0;
+      for (int u : layout.uses(layer_at(p))) {
+        unit(u).positions.push_back(p);
+        if (!unit(u).resident) need += partition(u).padded;
+      }
+      need_prefix_[static_cast<size_t>(p) + 1] = need_prefix_[static_cast<size_t>(p)] + need;
+    }
+  }
+
+  void bind(int layer) {
+    const LayerRange& r = model_->layout().layers()[static_cast<size_t>(layer)];
+    const Unit& u = unit(layer);
+    model_->layer(layer).bind(r, u.params.empty() ? Tensor() : u.params.slice1d(0, r.numel),
+                              u.grads.empty() ? Tensor() : u.grads.slice1d(0, r.numel));
+  }
+
+  /// Before position `p` runs: its units gathered and bound, the next ones prefetched.
+  void enter_pos(int p) {
+    const auto uses = model_->layout().uses(layer_at(p));
+    for (int u : uses) start_gather(u);
+    prefetch(p);
+    for (int u : uses) {
+      Unit& x = unit(u);
+      if (x.gathering) {
+        x.gathering->wait();
+        x.gathering.reset();
+      }
+      bind(u);
+    }
+  }
+
+  /// After position `p` ran: release what is not needed again soon.
+  void leave_pos(int p) {
+    for (int u : model_->layout().uses(layer_at(p))) {
+      Unit& x = unit(u);
+      if (x.resident || x.gathered.numel() == 0) continue;
+      const auto next = std::upper_bound(x.positions.begin(), x.positions.end(), p);
+      const bool keep =
+          next != x.positions.end() &&
+          need_prefix_[static_cast<size_t>(*next)] - need_prefix_[static_cast<size_t>(p) + 1] <=
+              opt_.max_reuse_distance &&
+          live_numel_ <= opt_.max_live_parameters;
+      if (!keep) release(u);
+    }
+  }
+
+  /// Starts the all-gathers of the units positions p+1, p+2, ... need, within the prefetch
+  /// window (stage3_prefetch_bucket_size elements ahead) and the live budget.
+  void prefetch(int p) {
+    if (!opt_.overlap_comm || opt_.prefetch_bucket_size <= 0) return;
+    int64_t budget = opt_.prefetch_bucket_size;
+    for (int q = p + 1; q < num_positions() && budget > 0; ++q) {
+      for (int u : model_->layout().uses(layer_at(q))) {
+        const Unit& x = unit(u);
+        if (x.resident) continue;
+        const int64_t padded = partition(u).padded;
+        if (x.gathered.numel() == 0) {
+          if (live_numel_ + padded > opt_.max_live_parameters) return;
+          start_gather(u);
+        }
+        budget -= padded;
+        if (budget <= 0) return;
+      }
+    }
+  }
+
+  /// Issues the all-gather of unit `layer` into a buffer of its own (no-op when gathered or
+  /// resident).
+  void start_gather(int layer) {
+    Unit& x = unit(layer);
+    if (x.resident || x.gathered.numel() > 0) return;
+    const BucketPartition& p = partition(layer);
+    x.gathered = FlatBuffer(backend_, dtype_, p.padded);
+    x.gathering =
+        comm_.all_gather(x.gathered.view(), own_params(static_cast<size_t>(part_of(layer))));
+    x.params = x.gathered.view();
+    live_numel_ += p.padded;
+    gathered_bytes_ += static_cast<int64_t>(x.gathered.bytes());
+  }
+
+  void release(int layer) {
+    Unit& x = unit(layer);
+    if (x.gathering) {  // prefetched, never used: the buffer is still being written
+      x.gathering->wait();
+      x.gathering.reset();
+    }
+    live_numel_ -= x.gathered.numel();
+    x.gathered = FlatBuffer();
+    x.params = Tensor();
+  }
+
+  void release_all() {
+    for (int l = 0; l < model_->num_layers(); ++l)
+      if (unit(l).gathered.numel() > 0) release(l);
+  }
+
+  /// Gives unit `layer` a zeroed full gradient buffer for this backward (several ranks).
+  void acquire_grad(int layer) {
+    Unit& x = unit(layer);
+    if (x.grad_live) return;
+    x.grad_live = true;
+    if (world_ == 1) return;  // bound to the shard once and for all
+    // The previous micro-step's reduction of this unit must have left its buffer.
+    while (x.reducing) complete_reduction();
+    x.grad = FlatBuffer(backend_, dtype_, partition(layer).padded);  // zeroed
+    x.grads = x.grad.view();
+  }
+
+  /// Unit `layer`'s gradients of this micro-step are complete: reduce-scatter them in place.
+  void reduce_grad(int layer) {
+    Unit& x = unit(layer);
+    ST_ASSERT(x.grad_live);
+    x.grad_live = false;
+    if (world_ == 1) return;
+    const BucketPartition& p = partition(layer);
+    Tensor own = x.grad.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
+    while (reductions_.size() >= kMaxReductionsInFlight) complete_reduction();
+    reductions_.push_back({layer, own, comm_.reduce_scatter(own, x.grad.view(), ReduceOp::kSum)});
+    x.reducing = true;
+    if (!opt_.overlap_comm) complete_reduction();
+  }
+
+  /// Waits for the oldest reduce-scatter, adds its slice into the gradient shard, frees the
+  /// unit's gradient buffer.
+  void complete_reduction() {
+    Reduction& r = reductions_.front();
+    r.work->wait();
+    const BucketPartition& p = partition(r.layer);
+    Tensor dst = grad_shard_.slice(p.shard_offset, p.shard);
+    backend_.add(dst, dst, r.own);
+    Unit& x = unit(r.layer);
+    x.grad = FlatBuffer();
+    x.grads = Tensor();
+    x.reducing = false;
+    reductions_.pop_front();
+  }
+
+  void drain_reductions() {
+    while (!reductions_.empty()) complete_reduction();
+  }
+
+  std::vector<Unit> units_;           ///< per layer
+  FlatBuffer resident_;               ///< resident units, full [padded] each, compute dtype
+  FlatBuffer sharded_;                ///< partitioned units, this rank's slice [shard] each
+  FlatBuffer grad_shard_;             ///< [shard_numel_] compute dtype: Σ over micro-steps, ranks
+  std::vector<int64_t> need_prefix_;  ///< gathered elements needed before each position
+  int64_t live_numel_ = 0;            ///< elements of gathered (non-resident) units held now
+  std::deque<Reduction> reductions_;
+};
+
+}  // namespace
+
+std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options, Backend& backend,
+                                              Communicator& comm) {
+  check<ConfigError>(options.max_live_parameters >= 1,
+                     "zero_optimization.stage3_max_live_parameters must be >= 1 element (got {})",
+                     options.max_live_parameters);
+  check<ConfigError>(options.max_reuse_distance >= 0 && options.prefetch_bucket_size >= 0 &&
+                         options.param_persistence_threshold >= 0,
+                     "zero_optimization.stage3_max_reuse_distance ({}), "
+                     "stage3_prefetch_bucket_size ({}) and stage3_param_persistence_threshold ({}) "
+                     "must be >= 0",
+                     options.max_reuse_distance, options.prefetch_bucket_size,
+                     options.param_persistence_threshold);
+  return std::make_unique<Zero3>(options, backend, comm);
 }
 
 }  // namespace shardtrain

@@ -152,7 +152,8 @@ class ZeroStrategy : public Strategy {
       const BucketPartition& p = parts_[i];
       if (optimizers_[i]) {
         optimizers_[i]->set_step_count(optimizer_steps);
-        if (master_.numel() > 0) backend_.convert(own_params(i).slice1d(0, p.owned_numel), master(i));
+        if (master_.numel() > 0)
+          backend_.convert(own_params(i).slice1d(0, p.owned_numel), master(i));
       }
       publish(i, window);
     }
@@ -240,8 +241,7 @@ class ZeroStrategy : public Strategy {
     for (const FlatRange& r : load_ranges()) {
       write_state(StateTensor::kParams, r.offset, r.numel, params + r.offset);
       if (exp_avg) write_state(StateTensor::kExpAvg, r.offset, r.numel, exp_avg + r.offset);
-      if (exp_avg_sq)
-        write_state(StateTensor::kExpAvgSq, r.offset, r.numel, exp_avg_sq + r.offset);
+      if (exp_avg_sq) write_state(StateTensor::kExpAvgSq, r.offset, r.numel, exp_avg_sq + r.offset);
     }
     finish_load(optimizer_steps);
   }
@@ -281,7 +281,7 @@ class ZeroStrategy : public Strategy {
     for (size_t i = 0; i < parts_.size(); ++i) {
       const BucketPartition& p = parts_[i];
       if (offset < p.owned_offset || offset + numel > p.owned_offset + p.owned_numel) continue;
-      const Tensor whole = q == StateTensor::kParams  ? master(i)
+      const Tensor whole = q == StateTensor::kParams   ? master(i)
                            : q == StateTensor::kExpAvg ? optimizers_[i]->exp_avg().view()
                                                        : optimizers_[i]->exp_avg_sq().view();
       return whole.slice1d(offset - p.owned_offset, numel);
@@ -325,7 +325,7 @@ class ZeroStrategy : public Strategy {
   int64_t padded_numel_ = 0;  ///< Σ padded: the parameter buffer
   int64_t shard_numel_ = 0;   ///< Σ shard: buffers of this rank's slices
   int64_t max_padded_ = 0;
-  FlatBuffer params_;  ///< stages 1/2: [padded_numel_] compute dtype, every parameter
+  FlatBuffer params_;           ///< stages 1/2: [padded_numel_] compute dtype, every parameter
   int64_t gathered_bytes_ = 0;  ///< parameter bytes all-gathered since zero_grad()
   FlatBuffer master_;  ///< [shard_numel_] fp32 owned master weights; empty for fp32 compute
   std::vector<std::unique_ptr<AdamW>> optimizers_;  ///< per part; null where nothing is owned

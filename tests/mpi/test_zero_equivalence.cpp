@@ -98,8 +98,13 @@ st::TrainConfig config(st::StrategyKind kind, int64_t reduce_bucket) {
 struct Trainee {
   Trainee(st::StrategyKind kind, st::Communicator& c, int64_t reduce_bucket,
           const std::vector<float>& init)
-      : comm(c), backend(st::make_cpu_backend()), model(tiny_model(), *backend) {
-    strategy = st::make_strategy(config(kind, reduce_bucket), *backend, comm);
+      : Trainee(st::strategy_options(config(kind, reduce_bucket)), c, init) {}
+  Trainee(const st::StrategyOptions& options, st::Communicator& c, const std::vector<float>& init,
+          bool activation_checkpointing = false)
+      : comm(c),
+        backend(st::make_cpu_backend()),
+        model(tiny_model(), *backend, activation_checkpointing) {
+    strategy = st::make_strategy(options, *backend, comm);
     strategy->setup(model, init);
   }
 
@@ -260,8 +265,8 @@ TEST_F(ZeroEquivalence, SameParametersAsOneRank) {
         static_cast<long long>(tiny_model().num_parameters()),
         *std::min_element(ref.norms.begin(), ref.norms.end()),
         *std::max_element(ref.norms.begin(), ref.norms.end()), kClip);
-  for (st::StrategyKind kind :
-       {st::StrategyKind::kDataParallel, st::StrategyKind::kZero1, st::StrategyKind::kZero2}) {
+  for (st::StrategyKind kind : {st::StrategyKind::kDataParallel, st::StrategyKind::kZero1,
+                                st::StrategyKind::kZero2, st::StrategyKind::kZero3}) {
     for (int64_t bucket : {int64_t{10'000}, int64_t{500'000'000}}) {
       const std::string what = fmt::format("{} on {} ranks, reduce_bucket_size {}",
                                            st::to_string(kind), world(), bucket);
@@ -279,6 +284,67 @@ TEST_F(ZeroEquivalence, SameParametersAsOneRank) {
         Trainee dp(st::StrategyKind::kDataParallel, *comm, bucket, ref.init);
         EXPECT_LT(run.strategy->model_state_bytes(), dp.strategy->model_state_bytes()) << what;
       }
+    }
+  }
+}
+
+/// zero3's options: layers under `persistence` parameters stay replicated; prefetch window and
+/// reuse distance in elements (0: no prefetch / release every layer right after use).
+st::StrategyOptions zero3_options(int64_t persistence, int64_t prefetch, int64_t reuse) {
+  st::StrategyOptions o = st::strategy_options(config(st::StrategyKind::kZero3, 500'000'000));
+  o.param_persistence_threshold = persistence;
+  o.prefetch_bucket_size = prefetch;
+  o.max_reuse_distance = reuse;
+  return o;
+}
+
+// ZeRO-3 with every combination of its options that changes what happens when: persistence off
+// (every layer partitioned, the 54-parameter head too) and on (the head and the 3,051-parameter
+// embedding replicated), prefetch on (several layers ahead) and off, layers kept between forward
+// and backward (reuse distance large) or released and gathered again (0), with and without
+// activation checkpointing. All must land on the one-rank dp reference, and each rank must hold
+// less model state than zero2 and about 16Ψ/N.
+TEST_F(ZeroEquivalence, Zero3OptionsAllMatchOneRank) {
+  const Reference& ref = reference();
+  struct Case {
+    int64_t persistence, prefetch, reuse;
+    bool checkpointing;
+  };
+  const Case cases[] = {{0, 50'000'000, 1'000'000'000, false},
+                        {0, 0, 0, false},
+                        {5'000, 4'000, 0, false},
+                        {0, 8'000, 20'000, true},
+                        {5'000, 0, 1'000'000'000, true}};
+  for (const Case& c : cases) {
+    const std::string what =
+        fmt::format("zero3 ×{} persistence {} prefetch {} reuse {}{}", world(), c.persistence,
+                    c.prefetch, c.reuse, c.checkpointing ? " checkpointing" : "");
+    Trainee run(zero3_options(c.persistence, c.prefetch, c.reuse), *comm, ref.init,
+                c.checkpointing);
+    run.train(0, kSteps);
+    for (int64_t s = 0; s < kSteps; ++s)
+      EXPECT_LE(rel(run.norms[static_cast<size_t>(s)], ref.norms[static_cast<size_t>(s)]),
+                kTolerance)
+          << what << ": gradient norm of step " << s;
+    expect_state(what, run.strategy->gather_state(), ref.at_checkpoint);
+    EXPECT_LE(rel(run.eval_loss(), ref.eval_at_checkpoint), kTolerance) << what;
+    if (world() > 1 && c.persistence == 0) {
+      Trainee zero2(st::StrategyKind::kZero2, *comm, 500'000'000, ref.init);
+      const size_t z3 = run.strategy->model_state_bytes(), z2 = zero2.strategy->model_state_bytes();
+      EXPECT_LT(z3, z2) << what;
+      // fp32 compute: parameters and gradients of the rank's slice of every layer (4 + 4 bytes
+      // per element, its padding included: each layer is padded to a multiple of W·16
+      // elements), AdamW m and v of the real elements it owns (4 + 4 bytes).
+      const st::ParamLayout& layout = run.model.layout();
+      int64_t expected = 0;
+      for (const st::BucketPartition& p :
+           st::partition_buckets(st::build_grad_buckets(layout, 1), world(), rank()))
+        expected += 8 * p.shard + 8 * p.owned_numel;
+      EXPECT_EQ(z3, static_cast<size_t>(expected)) << what;
+      if (rank() == 0)
+        std::printf("  %-58s model states %zu B per rank (zero2 %zu B, 16Ψ/N %lld B)\n",
+                    what.c_str(), z3, z2,
+                    static_cast<long long>(16 * layout.num_parameters() / world()));
     }
   }
 }
@@ -320,6 +386,13 @@ TEST_F(ZeroEquivalence, CheckpointMovesBetweenRankCounts) {
     dp.train(kSteps, kMore);
     expect_state(fmt::format("zero2 ×{} → dp ×1", world()), dp.strategy->gather_state(),
                  ref.at_end);
+  }
+  {
+    Trainee zero3(zero3_options(0, 4'000, 0), *comm, ref.init);
+    zero3.strategy->load_state(saved);
+    zero3.train(kSteps, kMore);
+    expect_state(fmt::format("zero2 ×{} → zero3 ×{}", world(), world()),
+                 zero3.strategy->gather_state(), ref.at_end);
   }
   {
     Trainee zero2(st::StrategyKind::kZero2, *comm, 500'000'000, ref.init);
