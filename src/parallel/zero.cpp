@@ -72,17 +72,15 @@ class Zero1 final : public ZeroStrategy {
   }
 
   void after_backward(int layer) override {
-    if (!last_micro_) return;
+    if (!last_micro_ || !opt_.overlap_comm) return;
     const int b = readiness_.layer_done(layer);
-    if (b < 0) return;
-    const BucketPartition& p = parts_[static_cast<size_t>(b)];
-    // In place: the rank's own slice of the bucket receives the sum of that slice over ranks.
-    pending_.push_back(comm_.reduce_scatter(own_grads(static_cast<size_t>(b)),
-                                            grads_.slice(p.padded_offset, p.padded),
-                                            ReduceOp::kSum));
+    if (b >= 0) reduce(static_cast<size_t>(b));
   }
 
   void finish_gradients() override {
+    // overlap_comm false: every bucket is reduced here, after backward.
+    if (!opt_.overlap_comm)
+      for (size_t b = 0; b < parts_.size(); ++b) reduce(b);
     for (auto& w : pending_) w->wait();
     pending_.clear();
   }
@@ -109,6 +107,13 @@ class Zero1 final : public ZeroStrategy {
   std::vector<Tensor> gradient_buffers() const override { return {grads_.view()}; }
 
  private:
+  /// Reduce-scatters bucket `b` in place: the rank's own slice receives the sum over ranks.
+  void reduce(size_t b) {
+    const BucketPartition& p = parts_[b];
+    pending_.push_back(comm_.reduce_scatter(own_grads(b), grads_.slice(p.padded_offset, p.padded),
+                                            ReduceOp::kSum));
+  }
+
   Tensor own_grads(size_t i) const {
     const BucketPartition& p = parts_[i];
     return grads_.slice(p.padded_offset + static_cast<int64_t>(rank_) * p.shard, p.shard);
@@ -168,6 +173,7 @@ class Zero2 final : public ZeroStrategy {
     // In place: the rank's own slice of the bucket buffer receives the sum over ranks.
     pending_.push_back(
         {i, tag, own, comm_.reduce_scatter(own, buf.slice(0, p.padded), ReduceOp::kSum)});
+    if (!opt_.overlap_comm) drain_all();  // no reduction runs behind the rest of backward
   }
 
   void finish_gradients() override { drain_all(); }

@@ -349,6 +349,22 @@ TEST_F(ZeroEquivalence, Zero3OptionsAllMatchOneRank) {
   }
 }
 
+// zero_optimization.overlap_comm false: every strategy reduces (and zero3 gathers) only when
+// the result is needed, and must reach the same state.
+TEST_F(ZeroEquivalence, OverlapCommOffMatchesOneRank) {
+  const Reference& ref = reference();
+  for (st::StrategyKind kind : {st::StrategyKind::kDataParallel, st::StrategyKind::kZero1,
+                                st::StrategyKind::kZero2, st::StrategyKind::kZero3}) {
+    st::StrategyOptions o = st::strategy_options(config(kind, 10'000));
+    o.overlap_comm = false;
+    o.param_persistence_threshold = 0;
+    Trainee run(o, *comm, ref.init);
+    run.train(0, kSteps);
+    expect_state(fmt::format("{} ×{} overlap_comm false", st::to_string(kind), world()),
+                 run.strategy->gather_state(), ref.at_checkpoint);
+  }
+}
+
 // A FullState saved with N ranks resumes with M ranks and another strategy: 4 (or 2) ranks of
 // zero2 → half as many ranks of zero1 (a sub-group) and one rank of dp; one rank of dp → all ranks
 // of zero2. Each continues kMore steps and must land on the reference's state.
