@@ -114,6 +114,9 @@ class Strategy : public LayerHooks {
   /// Bytes of parameters all-gathered by this rank during the last optimizer step (ZeRO-3's
   /// per-layer gathers and every strategy's after-step all-gathers); 0 for dp.
   virtual int64_t gathered_bytes_last_step() const { return 0; }
+  /// The most bytes this rank has held at once, since setup, in buffers that exist only while
+  /// a layer runs: ZeRO-3's gathered parameters and per-layer gradient buffers; 0 for others.
+  virtual size_t peak_transient_bytes() const { return 0; }
 };
 
 /// Builds the strategy that runs `options.plan` (zero stage 0: dp, 1/2: zero.h, 3: zero3.h).

@@ -27,7 +27,10 @@
 //           stage3_max_live_parameters alive) is released; backward reduce-scatters the gradient
 //           buffer of each unit whose last writer just ran (the unit itself) in place, and adds
 //           the rank's reduced slice into its gradient shard when the reduction has completed
-//           (at most two reductions in flight), then frees the buffer.
+//           (at most two reductions in flight; the last ones complete when the pass ends),
+//           then frees the buffer.
+// These rules live in parallel/zero3_schedule.h as pure functions, which the memory estimator
+// replays (simulate_zero3_pass) to predict the bytes gathered at the peak.
 // A new forward pass starts by releasing whatever is still gathered (an evaluation forward
 // prefetches for a backward that does not come); the optimizer step releases every gathered
 // copy (they are stale) and updates each owned slice in place.
@@ -35,6 +38,7 @@
 
 #include <deque>
 
+#include "parallel/zero3_schedule.h"
 #include "parallel/zero_base.h"
 
 namespace shardtrain {
@@ -60,18 +64,22 @@ class Zero3 final : public ZeroStrategy {
   void after_forward(int layer) override { leave_pos(layer); }
 
   void before_backward(int layer) override {
-    const int p = backward_pos(layer);
     for (int u : model_->layout().uses(layer)) acquire_grad(u);
-    enter_pos(p);
+    enter_pos(schedule_.backward_pos(layer));
   }
 
   void after_backward(int layer) override {
     for (int u : model_->layout().uses(layer))
       if (model_->layout().users(u).front() == layer) reduce_grad(u);
-    leave_pos(backward_pos(layer));
+    leave_pos(schedule_.backward_pos(layer));
+    // The pass is over: its last reductions complete now, not during the next micro-step's
+    // forward (their buffers would stay alive through it).
+    if (layer == 0) drain_reductions();
   }
 
   void finish_gradients() override { drain_reductions(); }
+
+  size_t peak_transient_bytes() const override { return peak_transient_bytes_; }
 
   double grad_norm(double scale) override {
     // One pass over the whole gradient shard: padding elements hold zero gradients.
@@ -101,7 +109,14 @@ class Zero3 final : public ZeroStrategy {
     }
     resident_ = FlatBuffer(backend_, dtype_, resident);
     sharded_ = FlatBuffer(backend_, dtype_, sharded);
-    build_schedule();
+    std::vector<int64_t> padded(static_cast<size_t>(n));
+    std::vector<bool> is_resident(static_cast<size_t>(n));
+    for (int l = 0; l < n; ++l) {
+      padded[static_cast<size_t>(l)] = partition(l).padded;
+      is_resident[static_cast<size_t>(l)] = unit(l).resident;
+    }
+    schedule_ =
+        Zero3Schedule(layout, std::move(padded), std::move(is_resident), zero3_limits(opt_));
   }
 
   std::vector<Tensor> param_buffers() const override {
@@ -159,7 +174,6 @@ class Zero3 final : public ZeroStrategy {
     bool grad_live = false;           ///< `grads` holds this backward's gradient buffer
     bool reducing = false;            ///< `grad` is being reduce-scattered
     Tensor params, grads;             ///< what the layer is bound to now (may be empty)
-    std::vector<int> positions;       ///< positions of the pass that use this unit, ascending
   };
 
   /// A reduce-scatter in flight: unit `layer`'s gradient buffer, its result in `own`.
@@ -169,33 +183,11 @@ class Zero3 final : public ZeroStrategy {
     std::unique_ptr<Work> work;
   };
 
-  static constexpr size_t kMaxReductionsInFlight = 2;
-
   Unit& unit(int layer) { return units_[static_cast<size_t>(layer)]; }
   const Unit& unit(int layer) const { return units_[static_cast<size_t>(layer)]; }
   const BucketPartition& partition(int layer) const {
     return parts_[static_cast<size_t>(part_of(layer))];
   }
-  int num_positions() const { return 2 * model_->num_layers(); }
-  int backward_pos(int layer) const { return num_positions() - 1 - layer; }
-  int layer_at(int pos) const {
-    return pos < model_->num_layers() ? pos : num_positions() - 1 - pos;
-  }
-
-  /// Use positions of every unit and the prefix sums of gathered elements along the pass.
-  void build_schedule() {
-    const ParamLayout& layout = model_->layout();
-    need_prefix_.assign(static_cast<size_t>(num_positions()) + 1, 0);
-    for (int p = 0; p < num_positions(); ++p) {
-      int64_t need = 0;
-      for (int u : layout.uses(layer_at(p))) {
-        unit(u).positions.push_back(p);
-        if (!unit(u).resident) need += partition(u).padded;
-      }
-      need_prefix_[static_cast<size_t>(p) + 1] = need_prefix_[static_cast<size_t>(p)] + need;
-    }
-  }
-
   void bind(int layer) {
     const LayerRange& r = model_->layout().layers()[static_cast<size_t>(layer)];
     const Unit& u = unit(layer);
@@ -205,9 +197,11 @@ class Zero3 final : public ZeroStrategy {
 
   /// Before position `p` runs: its units gathered and bound, the next ones prefetched.
   void enter_pos(int p) {
-    const auto uses = model_->layout().uses(layer_at(p));
+    const auto& uses = schedule_.uses(p);
     for (int u : uses) start_gather(u);
-    prefetch(p);
+    for (int u : schedule_.prefetch(
+             p, [&](int u) { return unit(u).gathered.numel() > 0; }, live_numel_))
+      start_gather(u);
     for (int u : uses) {
       Unit& x = unit(u);
       if (x.gathering) {
@@ -220,36 +214,10 @@ class Zero3 final : public ZeroStrategy {
 
   /// After position `p` ran: release what is not needed again soon.
   void leave_pos(int p) {
-    for (int u : model_->layout().uses(layer_at(p))) {
-      Unit& x = unit(u);
+    for (int u : schedule_.uses(p)) {
+      const Unit& x = unit(u);
       if (x.resident || x.gathered.numel() == 0) continue;
-      const auto next = std::upper_bound(x.positions.begin(), x.positions.end(), p);
-      const bool keep =
-          next != x.positions.end() &&
-          need_prefix_[static_cast<size_t>(*next)] - need_prefix_[static_cast<size_t>(p) + 1] <=
-              opt_.max_reuse_distance &&
-          live_numel_ <= opt_.max_live_parameters;
-      if (!keep) release(u);
-    }
-  }
-
-  /// Starts the all-gathers of the units positions p+1, p+2, ... need, within the prefetch
-  /// window (stage3_prefetch_bucket_size elements ahead) and the live budget.
-  void prefetch(int p) {
-    if (!opt_.overlap_comm || opt_.prefetch_bucket_size <= 0) return;
-    int64_t budget = opt_.prefetch_bucket_size;
-    for (int q = p + 1; q < num_positions() && budget > 0; ++q) {
-      for (int u : model_->layout().uses(layer_at(q))) {
-        const Unit& x = unit(u);
-        if (x.resident) continue;
-        const int64_t padded = partition(u).padded;
-        if (x.gathered.numel() == 0) {
-          if (live_numel_ + padded > opt_.max_live_parameters) return;
-          start_gather(u);
-        }
-        budget -= padded;
-        if (budget <= 0) return;
-      }
+      if (!schedule_.keep_after(u, p, live_numel_)) release(u);
     }
   }
 
@@ -264,6 +232,7 @@ class Zero3 final : public ZeroStrategy {
         comm_.all_gather(x.gathered.view(), own_params(static_cast<size_t>(part_of(layer))));
     x.params = x.gathered.view();
     live_numel_ += p.padded;
+    note_peak();
     gathered_bytes_ += static_cast<int64_t>(x.gathered.bytes());
   }
 
@@ -292,6 +261,8 @@ class Zero3 final : public ZeroStrategy {
     // The previous micro-step's reduction of this unit must have left its buffer.
     while (x.reducing) complete_reduction();
     x.grad = FlatBuffer(backend_, dtype_, partition(layer).padded);  // zeroed
+    grad_numel_ += x.grad.numel();
+    note_peak();
     x.grads = x.grad.view();
   }
 
@@ -303,7 +274,7 @@ class Zero3 final : public ZeroStrategy {
     if (world_ == 1) return;
     const BucketPartition& p = partition(layer);
     Tensor own = x.grad.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
-    while (reductions_.size() >= kMaxReductionsInFlight) complete_reduction();
+    while (reductions_.size() >= kZero3ReductionsInFlight) complete_reduction();
     reductions_.push_back({layer, own, comm_.reduce_scatter(own, x.grad.view(), ReduceOp::kSum)});
     x.reducing = true;
     if (!opt_.overlap_comm) complete_reduction();
@@ -318,22 +289,30 @@ class Zero3 final : public ZeroStrategy {
     Tensor dst = grad_shard_.slice(p.shard_offset, p.shard);
     backend_.add(dst, dst, r.own);
     Unit& x = unit(r.layer);
+    grad_numel_ -= x.grad.numel();
     x.grad = FlatBuffer();
     x.grads = Tensor();
     x.reducing = false;
     reductions_.pop_front();
   }
 
+  void note_peak() {
+    peak_transient_bytes_ = std::max(
+        peak_transient_bytes_, static_cast<size_t>(live_numel_ + grad_numel_) * dtype_size(dtype_));
+  }
+
   void drain_reductions() {
     while (!reductions_.empty()) complete_reduction();
   }
 
-  std::vector<Unit> units_;           ///< per layer
-  FlatBuffer resident_;               ///< resident units, full [padded] each, compute dtype
-  FlatBuffer sharded_;                ///< partitioned units, this rank's slice [shard] each
-  FlatBuffer grad_shard_;             ///< [shard_numel_] compute dtype: Σ over micro-steps, ranks
-  std::vector<int64_t> need_prefix_;  ///< gathered elements needed before each position
-  int64_t live_numel_ = 0;            ///< elements of gathered (non-resident) units held now
+  std::vector<Unit> units_;  ///< per layer
+  FlatBuffer resident_;      ///< resident units, full [padded] each, compute dtype
+  FlatBuffer sharded_;       ///< partitioned units, this rank's slice [shard] each
+  FlatBuffer grad_shard_;    ///< [shard_numel_] compute dtype: Σ over micro-steps, ranks
+  Zero3Schedule schedule_;
+  int64_t live_numel_ = 0;           ///< elements of gathered (non-resident) units held now
+  int64_t grad_numel_ = 0;           ///< elements of full gradient buffers held now
+  size_t peak_transient_bytes_ = 0;  ///< elements of gathered (non-resident) units held now
   std::deque<Reduction> reductions_;
 };
 

@@ -5,8 +5,19 @@
 #include <memory>
 
 #include "parallel/strategy.h"
+#include "parallel/zero3_schedule.h"
 
 namespace shardtrain {
+
+/// Gradient reduce-scatters a zero3 rank keeps in flight during backward (each holds a layer's
+/// full gradient buffer until it completes).
+inline constexpr size_t kZero3ReductionsInFlight = 2;
+
+/// The schedule limits `options` set.
+inline Zero3Limits zero3_limits(const StrategyOptions& options) {
+  return {options.prefetch_bucket_size, options.max_live_parameters, options.max_reuse_distance,
+          options.overlap_comm};
+}
 
 /// Builds the ZeRO-3 strategy over the data-parallel group `comm`: every rank holds 1/N of the
 /// parameters, gradients and optimizer state, and gathers each layer's parameters before it runs

@@ -46,6 +46,7 @@
 #include "model/gpt2.h"
 #include "parallel/buckets.h"
 #include "parallel/strategy.h"
+#include "parallel/zero3.h"
 
 namespace st = shardtrain;
 
@@ -328,6 +329,26 @@ TEST_F(ZeroEquivalence, Zero3OptionsAllMatchOneRank) {
           << what << ": gradient norm of step " << s;
     expect_state(what, run.strategy->gather_state(), ref.at_checkpoint);
     EXPECT_LE(rel(run.eval_loss(), ref.eval_at_checkpoint), kTolerance) << what;
+    {
+      // The gathered parameters and gradient buffers the strategy held at their peak are what
+      // the estimator's replay of the same schedule predicts (parallel/zero3_schedule.h).
+      const st::StrategyOptions o = zero3_options(c.persistence, c.prefetch, c.reuse);
+      const st::ParamLayout& layout = run.model.layout();
+      std::vector<int64_t> padded;
+      std::vector<bool> resident;
+      for (const auto& l : layout.layers()) {
+        int64_t params = 0;
+        for (const auto& t : l.tensors) params += t.numel;
+        padded.push_back(st::zero_padded_numel(l.numel, world()));
+        resident.push_back(world() == 1 || params < c.persistence);
+      }
+      const st::Zero3Schedule schedule(layout, padded, resident, st::zero3_limits(o));
+      const auto peak =
+          st::simulate_zero3_pass(layout, schedule, world(), st::kZero3ReductionsInFlight);
+      EXPECT_EQ(run.strategy->peak_transient_bytes(),
+                static_cast<size_t>(peak.total) * sizeof(float))
+          << what;
+    }
     if (world() > 1 && c.persistence == 0) {
       Trainee zero2(st::StrategyKind::kZero2, *comm, 500'000'000, ref.init);
       const size_t z3 = run.strategy->model_state_bytes(), z2 = zero2.strategy->model_state_bytes();
