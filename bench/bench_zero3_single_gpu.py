@@ -184,7 +184,7 @@ def print_table(res):
 
     print(f"\nzero3 vs dp, one {'CPU (smoke: numbers mean nothing)' if res['smoke'] else 'GPU'}:"
           " tokens/s steady state; peak allocated / reserved; estimate = `shardtrain estimate` total")
-    hdr = (f"{'case':9} {'shape':22} | {'dp tok/s':>9} {'zero3':>9} {'z3/dp':>6} | {'dp peak':>9} "
+    hdr = (f"{'case':9} {'shape':24} | {'dp tok/s':>9} {'zero3':>9} {'z3/dp':>6} | {'dp peak':>9} "
            f"{'z3 peak':>9} {'z3/dp':>6} | {'dp rsvd':>9} {'z3 rsvd':>9} | {'est dp':>9} "
            f"{'est z3':>9} | {'max dloss':>9}")
     print(hdr + "\n" + "-" * len(hdr))
@@ -192,7 +192,7 @@ def print_table(res):
         dp, z3, s = r.get("dp", {}), r.get("zero3", {}), r["summary"]
         shape = f"{r['model']} {r['micro_batch']}x{r['seq']} {r['steps']}st"
         dl = s["max_loss_diff_zero3_dp"]
-        print(f"{r['case']:9} {shape:22} | {tok(dp):>9} {tok(z3):>9} "
+        print(f"{r['case']:9} {shape:24} | {tok(dp):>9} {tok(z3):>9} "
               f"{fmt_ratio(s['zero3_over_dp_tokens']):>6} | {mem(dp):>9} {mem(z3):>9} "
               f"{fmt_ratio(s['zero3_over_dp_peak']):>6} | {mem(dp, 'peak_reserved'):>9} "
               f"{mem(z3, 'peak_reserved'):>9} | {human(s['estimate_dp']) if s['estimate_dp'] else '-':>9} "
