@@ -35,12 +35,14 @@ import argparse
 import importlib.util
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_multi_gpu import (RESULT_TAG, WORKER, describe, human, job_error,  # noqa: E402
-                             parse_metrics, run_estimate, run_job)
+                             parse_estimate, parse_metrics, run_job)
 
 LOG_INTERVAL = 5
 # name: (model, micro-batch, sequence, steps, untimed warmup steps); warmup a multiple of
@@ -61,6 +63,23 @@ EPOCH_CASES = {"tutorial": 1000}  # case: --num-samples (one epoch); steps = sam
 CELL_TIMEOUT = {"gpt2-xl": 150, "tutorial": 240}  # seconds per job; others: --cell-timeout
 FRAMEWORKS = ("dp", "zero3", "fsdp2")
 DEFAULT_CASES = "medium4,medium16,large2,xl2,tutorial"
+
+
+def run_estimate(binary, model, batch, seq):
+    """`shardtrain estimate` on one GPU -> {strategy: {model_states, activations, buffers, total}}.
+    The micro-batch flag is --micro-batch today; --batch-size is tried if that one is refused."""
+    out = ""
+    for flag in ("--micro-batch", "--batch-size"):
+        p = subprocess.run([binary, "estimate", "--model", model, "--gpus", "1", flag, str(batch),
+                            "--max-length", str(seq)], capture_output=True, text=True, timeout=60)
+        out = p.stdout + p.stderr
+        est = parse_estimate(p.stdout) if p.returncode == 0 else None
+        if est:
+            est["command"] = " ".join(p.args[1:])
+            m = re.search(r"\(([\d,]+) parameters", p.stdout)
+            est["params"] = int(m.group(1).replace(",", "")) if m else None
+            return est
+    raise RuntimeError(f"cannot parse `shardtrain estimate` output: {out[-500:]}")
 
 
 def losses_by_step(path):
@@ -125,6 +144,9 @@ def run_fsdp2(a, case, timeout, env, port):
         return job_error(rc, text, timeout, log)
     r = json.loads(lines[-1])
     r.update(wall_s=time.time() - t0, log=log, epoch_time_s=r.get("total_s"))
+    ours = a.params.get(case)
+    if ours and r.get("params") and r["params"] != ours:
+        r["warning"] = f"shape mismatch: PyTorch model has {r['params']:,} parameters, shardtrain {ours:,}"
     if rc != 0:
         r["warning"] = job_error(rc, text, timeout, log)["error"] + " after the result line"
     return r
@@ -278,15 +300,16 @@ def main():
            "torch_importable": a.torch_ok, "rows": []}
     print(f"shardtrain: {res['shardtrain_version']}; GPUs: {res['gpu_names'] or a.device}; "
           f"torch+transformers importable: {a.torch_ok}", flush=True)
-    rows = {}
+    rows, a.params = {}, {}
     for case, (model, B, T, steps, warmup) in a.cases.items():
         row = {"case": case, "model": model, "micro_batch": B, "seq": T, "steps": steps,
                "warmup": warmup, "epoch_samples": EPOCH_CASES.get(case)}
         try:
-            row["estimate"] = run_estimate(a.shardtrain, model, 1, B, T)
+            row["estimate"] = run_estimate(a.shardtrain, model, B, T)
         except Exception as e:  # noqa: BLE001 - a missing estimate is not fatal
             row["estimate"] = {"error": repr(e)[-500:]}
         rows[case] = row
+        a.params[case] = row["estimate"].get("params")
     # shardtrain first (the bars), then the FSDP2 peers, so a spent budget cuts only the peers
     jobs = [(c, f) for c in a.cases for f in frameworks if f != "fsdp2"]
     jobs += [(c, "fsdp2") for c in a.cases if "fsdp2" in frameworks and c in fsdp_cases]

@@ -22,7 +22,10 @@
 # The device call sends at most 64 MiB (working tree + carried paths). If DEST would push the
 # total past it (LIMIT_MIB, default 64, minus the working tree, minus 1 MiB), everything is packed
 # into DEST/bundle.tar.xz instead, which device_env.sh unpacks there (OpenBLAS alone is ~36 MiB).
-# COMPRESS=always|never|auto (default auto) overrides that choice.
+# COMPRESS=always|never|auto (default auto) overrides that choice. TESTS="test_a test_b" picks the
+# test programs (default: test_cuda_backend test_hf_parity test_nccl_comm test_zero_equivalence;
+# test_nccl_comm needs two GPUs, so TESTS="test_cuda_backend test_hf_parity test_zero_equivalence"
+# is enough for one-GPU calls when the archive is too large).
 set -euo pipefail
 BUILD=${1:-build}
 DEST=${2:-.device}
@@ -37,7 +40,7 @@ rm -rf "$DEST"
 mkdir -p "$DEST/lib" "$DEST/libfallback"
 
 bins=("$BUILD/shardtrain")
-for t in test_cuda_backend test_hf_parity test_nccl_comm test_zero_equivalence; do
+for t in ${TESTS:-test_cuda_backend test_hf_parity test_nccl_comm test_zero_equivalence}; do
   if [ -x "$BUILD/tests/$t" ]; then bins+=("$BUILD/tests/$t")
   else echo "pack_device: note: $BUILD/tests/$t not built, left out" >&2; fi
 done
@@ -105,6 +108,7 @@ if [ "$COMPRESS" = always ] || { [ "$COMPRESS" = auto ] && [ "$size" -gt "$budge
 fi
 cat "$DEST/MANIFEST"
 if [ "$size" -gt "$budget" ]; then
-  echo "pack_device: error: $DEST ($(( size >> 20 )) MiB) does not fit the device call's $LIMIT_MIB MiB with the working tree" >&2
+  echo "pack_device: error: $DEST ($(( size >> 20 )) MiB) does not fit the device call's $LIMIT_MIB MiB with the working tree;" \
+       "pack fewer test programs (TESTS=...)" >&2
   exit 1
 fi

@@ -114,8 +114,8 @@ def main():
     autocast = True
     adamw = "foreach" if a.adamw == "foreach" else "fused"
 
-    def make_adamw(params, impl, cls=torch.optim.AdamW):
-        return cls(params, lr=1e-4, **{impl: True})
+    def make_adamw(params, impl):
+        return torch.optim.AdamW(params, lr=1e-4, **{impl: True})
 
     if a.strategy == "fsdp2":
         MixedPrecisionPolicy, fully_shard = fully_shard_api()
