@@ -192,8 +192,9 @@ def print_table(res):
             if not e:
                 continue
             if "error" in e:
-                tail = [l for l in e.get("log_tail", "").replace("\r", "\n").splitlines() if l.strip()]
-                print(f"\nerror: {r['case']} {fw}: {e['error']}" + (f" ({e['log']})" if "log" in e else ""))
+                tail = [l for l in e.get("log_tail", "").replace("\r", "\n").splitlines()
+                        if l.strip() and not l.startswith("$ ") and l.strip() not in e["error"]]
+                print(f"\nerror: {r['case']} {fw}: {e['error'][:400]}" + (f" ({e['log']})" if "log" in e else ""))
                 print("\n".join("    " + l[:160] for l in tail[-3:]))
             if "warning" in e:
                 print(f"\nwarning: {r['case']} {fw}: {e['warning']}")
