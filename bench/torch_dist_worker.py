@@ -7,9 +7,16 @@
 Strategies, matching shardtrain's: ddp (DistributedDataParallel, 25 MiB buckets) ~ dp;
 zero (DDP + torch.distributed.optim.ZeroRedundancyOptimizer) ~ zero1; fsdp2 (fully_shard per
 block and at the root, reshard_after_forward=False: parameters stay gathered between forward and
-backward, gradients and optimizer state sharded) ~ zero2. transformers GPT2LMHeadModel with SDPA,
-fp32 parameters, bf16 compute (autocast for ddp/zero, MixedPrecisionPolicy for fsdp2), fused
-AdamW, clipping 1.0, random tokens. The first --warmup steps are not timed.
+backward, gradients and optimizer state sharded) ~ zero2; with --reshard-after-forward, fsdp2
+frees each block's gathered parameters after its forward and gathers them again in backward
+~ zero3 (bench/bench_zero3_single_gpu.py). transformers GPT2LMHeadModel with SDPA, fp32
+parameters, bf16 compute (autocast for ddp/zero, MixedPrecisionPolicy for fsdp2), AdamW (--adamw:
+fused, foreach, or auto = fused with a fall back to foreach if fused fails on fsdp2's DTensors),
+clipping 1.0, random tokens. The first --warmup steps are not timed ("timed_s"); "total_s" times
+all --steps (an epoch, for the tutorial row).
+
+Without torchrun (one process), the rendezvous variables default to a world of one on localhost
+(MASTER_ADDR 127.0.0.1, MASTER_PORT 29500 or as set, RANK 0, WORLD_SIZE 1, LOCAL_RANK 0).
 
 Rank 0 prints one line "BENCH_RESULT {json}": tokens/s of the whole job (all ranks) and per GPU,
 peak memory (max over ranks of torch.cuda.max_memory_allocated / max_memory_reserved, and rank
@@ -77,11 +84,18 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--comm-timeout", type=float, default=120,
                     help="seconds a collective may hang before the job fails")
+    ap.add_argument("--reshard-after-forward", action="store_true",
+                    help="fsdp2: reshard_after_forward=True on every block (ZeRO-3) instead of False")
+    ap.add_argument("--adamw", choices=["auto", "fused", "foreach"], default="auto",
+                    help="AdamW implementation; auto: fused, foreach if fused fails (default)")
     a = ap.parse_args()
     if not 0 <= a.warmup < a.steps:
         ap.error("need 0 <= --warmup < --steps")
 
     cuda = a.device == "cuda"
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"),
+                 ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)  # a single process without torchrun: a world of one
     if cuda:
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)  # before the process group: NCCL binds this GPU
@@ -98,14 +112,28 @@ def main():
     model = build_model(a.model, device)
     n_params = sum(p.numel() for p in model.parameters())  # tied wte/lm_head counted once
     autocast = True
+    adamw = "foreach" if a.adamw == "foreach" else "fused"
+
+    def make_adamw(params, impl):
+        return torch.optim.AdamW(params, lr=1e-4, **{impl: True})
+
     if a.strategy == "fsdp2":
         MixedPrecisionPolicy, fully_shard = fully_shard_api()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.transformer.h:
-            fully_shard(block, mp_policy=mp, reshard_after_forward=False)
-        fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+            fully_shard(block, mp_policy=mp, reshard_after_forward=a.reshard_after_forward)
+        # the root's parameters (embeddings, final LayerNorm, tied LM head) are used first in
+        # backward; FSDP2 keeps the root's gathered after forward whatever is asked here
+        fully_shard(model, mp_policy=mp, reshard_after_forward=a.reshard_after_forward)
         train_model, autocast = model, False
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        try:
+            opt = make_adamw(model.parameters(), adamw)
+        except (RuntimeError, TypeError, ValueError) as e:
+            if a.adamw != "auto":
+                raise
+            print(f"fused AdamW refused on DTensor parameters ({e!r:.200}); using foreach", flush=True)
+            adamw = "foreach"
+            opt = make_adamw(model.parameters(), adamw)
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
         train_model = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=25)
@@ -114,7 +142,7 @@ def main():
             opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                           lr=1e-4, fused=True)
         else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            opt = make_adamw(model.parameters(), adamw)
 
     g = torch.Generator(device="cpu").manual_seed(1234 + rank)
     data = torch.randint(0, VOCAB, (a.steps, a.batch, a.seq + 1), generator=g).to(device)
@@ -122,6 +150,8 @@ def main():
         torch.cuda.reset_peak_memory_stats()
     first_loss = last_loss = None
     t0 = None
+    sync()
+    t_all = time.perf_counter()
     for s in range(a.steps):
         if s == a.warmup:
             sync()
@@ -134,13 +164,24 @@ def main():
                                                  y.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if s == 0 and a.adamw == "auto" and a.strategy == "fsdp2":
+            try:  # fused AdamW on DTensors: if it fails it fails in the first step
+                opt.step()
+            except (RuntimeError, NotImplementedError) as e:
+                print(f"fused AdamW failed on DTensor parameters ({e!r:.200}); using foreach",
+                      flush=True)
+                adamw = "foreach"
+                opt = make_adamw(model.parameters(), adamw)
+                opt.step()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if s == 0:
             first_loss = loss.item()
     sync()
     dist.barrier()
-    dt = time.perf_counter() - t0
+    t_end = time.perf_counter()
+    dt = t_end - t0
     last_loss = loss.item()
 
     if cuda:
@@ -158,7 +199,8 @@ def main():
             "peak_allocated": int(peak[0].item()), "peak_reserved": int(peak[1].item()),
             "peak_allocated_rank0": int(mem[0]), "peak_reserved_rank0": int(mem[1]),
             "peak_kind": "device" if cuda else "cpu_rss",
-            "timed_steps": a.steps - a.warmup, "timed_s": dt,
+            "timed_steps": a.steps - a.warmup, "timed_s": dt, "total_s": t_end - t_all,
+            "adamw": adamw, "reshard_after_forward": a.reshard_after_forward,
             "first_loss": first_loss, "last_loss": last_loss,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}), flush=True)
