@@ -60,7 +60,9 @@ TEST(Estimator, ModelStateFormulasForGpt2) {
       EXPECT_DOUBLE_EQ(s.total(), s.model_states + s.activations + s.buffers);
     }
   }
-  EXPECT_THROW(zero_model_state_bytes(StrategyKind::kZero3, kGpt2Params, 8), ConfigError);
+  EXPECT_DOUBLE_EQ(zero_model_state_bytes(StrategyKind::kZero3, kGpt2Params, 8),
+                   16.0 * kGpt2Params / 8);
+  EXPECT_THROW(zero_model_state_bytes(StrategyKind::kOffload, kGpt2Params, 8), ConfigError);
   EXPECT_THROW(zero_model_state_bytes(StrategyKind::kZero1, kGpt2Params, 0), ConfigError);
 }
 
@@ -176,9 +178,31 @@ TEST(Estimator, RejectsBadOptionsAndPrintsTable) {
   o.micro_batch = 4;
   const std::string table = format_memory_estimate(estimate_memory(o), o);
   for (const char* needle : {"124,439,808", "dp", "zero1", "zero2", "4Ψ + 12Ψ/N", "2Ψ + 14Ψ/N",
-                             "zero3     not available yet", "offload", "CUDA context",
+                             "16Ψ/N", "offload   not available yet", "CUDA context",
                              "cuBLASLt workspace 32.0 MiB", "arXiv 1910.02054"})
     EXPECT_NE(table.find(needle), std::string::npos) << needle << "\n" << table;
+}
+
+// zero3 on one GPU gathers nothing (every layer is its own shard) and holds dp's 16Ψ; on several
+// GPUs it holds 16Ψ/N plus the gathered layers, fewer of them the shorter the reuse distance.
+TEST(Estimator, Zero3TransientBuffers) {
+  const GPT2Config c = gpt2_preset("gpt2-medium");
+  EXPECT_EQ(zero3_transient_bytes(c, 1, Zero3Limits{}, 100'000), 0);
+  EXPECT_DOUBLE_EQ(zero_model_state_bytes(StrategyKind::kZero3, c.num_parameters(), 1),
+                   zero_model_state_bytes(StrategyKind::kDataParallel, c.num_parameters(), 1));
+  Zero3Limits keep_all, release_now;
+  release_now.max_reuse_distance = 0;
+  release_now.prefetch_bucket_size = 0;
+  const double kept = zero3_transient_bytes(c, 4, keep_all, 100'000);
+  const double released = zero3_transient_bytes(c, 4, release_now, 100'000);
+  EXPECT_GT(kept, released);
+  // Released at once and not prefetched: at most the head's embedding (tied) and one block are
+  // gathered, plus the embedding's gradient buffer (held through backward), the current block's
+  // and two reductions in flight.
+  const double wte = 2.0 * static_cast<double>(c.vocab_size + c.n_positions) * c.n_embd;
+  const double block = 2.0 * (12.0 * c.n_embd * c.n_embd + 13.0 * c.n_embd);
+  EXPECT_LE(released, 2 * wte + 4 * block + 1e6);
+  EXPECT_GE(released, 2 * wte + block);
 }
 
 }  // namespace

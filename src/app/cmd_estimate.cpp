@@ -1,5 +1,5 @@
-// `shardtrain estimate`: GPU memory per rank of a model under dp, zero1 and zero2, from the ZeRO
-// paper's model-state formulas and the activations GPT2Model allocates
+// `shardtrain estimate`: GPU memory per rank of a model under dp, zero1, zero2 and zero3, from the
+// ZeRO paper's model-state formulas and the activations GPT2Model allocates
 // (parallel/memory_estimator.h).
 #include <fmt/core.h>
 
@@ -29,7 +29,8 @@ void run_estimate(const EstimateFlags& f) {
 void register_estimate_command(CLI::App& app) {
   auto f = std::make_shared<EstimateFlags>();
   CLI::App* cmd = app.add_subcommand(
-      "estimate", "estimate GPU memory per rank for dp, zero1 and zero2 (ZeRO paper formulas)");
+      "estimate",
+      "estimate GPU memory per rank for dp, zero1, zero2 and zero3 (ZeRO paper formulas)");
   cmd->add_option("--model", f->model, fmt::format("model preset (default {})", f->model));
   MemoryEstimateOptions& o = f->options;
   cmd->add_option("--gpus", o.gpus, "data-parallel GPUs N (default 1)");
@@ -42,6 +43,15 @@ void register_estimate_command(CLI::App& app) {
   cmd->add_option("--reduce-bucket-size", o.reduce_bucket_size,
                   "zero_optimization.reduce_bucket_size in elements (default: 12,500,000 on "
                   "several GPUs, 500,000,000 on one, as train chooses)");
+  cmd->add_option("--stage3-prefetch-bucket-size", o.zero3.prefetch_bucket_size,
+                  "zero3: elements gathered ahead (default 50,000,000)");
+  cmd->add_option("--stage3-max-live-parameters", o.zero3.max_live_parameters,
+                  "zero3: most gathered elements alive (default 1,000,000,000)");
+  cmd->add_option("--stage3-max-reuse-distance", o.zero3.max_reuse_distance,
+                  "zero3: keep a layer needed again within this many elements (default "
+                  "1,000,000,000)");
+  cmd->add_option("--stage3-param-persistence-threshold", o.persistence_threshold,
+                  "zero3: layers with fewer parameters stay replicated (default 100,000)");
   cmd->callback([f]() { run_estimate(*f); });
 }
 

@@ -10,6 +10,7 @@
 #include "core/strings.h"
 #include "model/gpt2.h"
 #include "parallel/buckets.h"
+#include "parallel/zero3.h"
 
 namespace shardtrain {
 namespace {
@@ -25,8 +26,6 @@ ParamLayout layout_of(const GPT2Config& c) {
 
 std::string describe_unavailable(StrategyKind s) {
   switch (s) {
-    case StrategyKind::kZero3:
-      return "ZeRO stage 3: parameters partitioned too, 16Ψ/N model states";
     case StrategyKind::kOffload:
       return "ZeRO-Offload: optimizer state in CPU memory";
     case StrategyKind::kInfinity:
@@ -48,6 +47,8 @@ double zero_model_state_bytes(StrategyKind s, int64_t psi, int gpus) {
       return 4 * P + 12 * P / N;  // P_os
     case StrategyKind::kZero2:
       return 2 * P + 14 * P / N;  // P_os+g
+    case StrategyKind::kZero3:
+      return 16 * P / N;  // P_os+g+p
     default:
       throw ConfigError(
           fmt::format("no memory model for strategy '{}' in this release", to_string(s)));
@@ -102,6 +103,22 @@ double gradient_bucket_bytes(StrategyKind s, const GPT2Config& model, int gpus,
   return kBf16 * static_cast<double>(embed + std::min(2, regular) * max_regular);
 }
 
+double zero3_transient_bytes(const GPT2Config& model, int gpus, const Zero3Limits& limits,
+                             int64_t persistence_threshold) {
+  const ParamLayout layout = layout_of(model);
+  std::vector<int64_t> padded;
+  std::vector<bool> resident;
+  for (const LayerRange& l : layout.layers()) {
+    int64_t params = 0;
+    for (const ParamTensor& t : l.tensors) params += t.numel;
+    padded.push_back(zero_padded_numel(l.numel, gpus));
+    resident.push_back(gpus == 1 || params < persistence_threshold);
+  }
+  const Zero3Schedule schedule(layout, padded, resident, limits);
+  return kBf16 * static_cast<double>(
+                     simulate_zero3_pass(layout, schedule, gpus, kZero3ReductionsInFlight).total);
+}
+
 /// The reduce_bucket_size the ZeRO strategies use: the given one, else kOverlapBucketElements on
 /// several GPUs (assumed on one node) and the DeepSpeed default on one.
 static int64_t bucket_elements(const MemoryEstimateOptions& o) {
@@ -125,7 +142,8 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
       estimate_activations(o.model, o.micro_batch, o.max_length, o.activation_checkpointing);
   const std::pair<StrategyKind, const char*> available[] = {{StrategyKind::kDataParallel, "16Ψ"},
                                                             {StrategyKind::kZero1, "4Ψ + 12Ψ/N"},
-                                                            {StrategyKind::kZero2, "2Ψ + 14Ψ/N"}};
+                                                            {StrategyKind::kZero2, "2Ψ + 14Ψ/N"},
+                                                            {StrategyKind::kZero3, "16Ψ/N"}};
   for (const auto& [kind, formula] : available) {
     StrategyEstimate s;
     s.strategy = kind;
@@ -134,12 +152,14 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
     s.activations = e.activations.total();
     // Several GPUs of one node: the communicator's copy-engine staging (comm/communicator.h).
     s.buffers = gradient_bucket_bytes(kind, o.model, o.gpus, bucket_elements(o)) +
+                (kind == StrategyKind::kZero3
+                     ? zero3_transient_bytes(o.model, o.gpus, o.zero3, o.persistence_threshold)
+                     : 0.0) +
                 kCublasWorkspaceBytes + kCudaContextBytes +
                 (o.gpus > 1 ? static_cast<double>(kPeerStagingBytes) : 0.0);
     e.strategies.push_back(s);
   }
-  for (StrategyKind kind :
-       {StrategyKind::kZero3, StrategyKind::kOffload, StrategyKind::kInfinity}) {
+  for (StrategyKind kind : {StrategyKind::kOffload, StrategyKind::kInfinity}) {
     StrategyEstimate s;
     s.strategy = kind;
     s.available = false;
@@ -172,7 +192,7 @@ std::string format_memory_estimate(const MemoryEstimate& e, const MemoryEstimate
       "\nmodel states: ZeRO paper (arXiv 1910.02054) §5 for mixed-precision AdamW: bf16 "
       "parameters and\n  gradients (2 + 2 bytes per parameter), fp32 master weights, m and v "
       "(K = 12 bytes); zero1 partitions\n  the optimizer state over the N GPUs, zero2 the "
-      "gradients too\n");
+      "gradients too,\n  zero3 the parameters too\n");
   out += fmt::format(
       "activations (as GPT2Model allocates them on the CUDA backend, bf16): blocks {} ({}),\n  "
       "residual stream {}, head {} (logits [B·T, V padded to 64]), backward scratch {}, "
@@ -185,9 +205,13 @@ std::string format_memory_estimate(const MemoryEstimate& e, const MemoryEstimate
   out += fmt::format(
       "buffers: CUDA context ~{} (an assumption: it varies with the driver and GPU), cuBLASLt "
       "workspace {},\n  and for zero2 the gradient bucket buffers (reduce_bucket_size {} "
-      "elements): the embedding's\n  bucket plus one or two transient buckets; on several GPUs "
-      "the copy-engine collectives' staging {}\n",
+      "elements): the embedding's\n  bucket plus one or two transient buckets; for zero3 the "
+      "layers gathered at the peak and their\n  gradient buffers, replaying its schedule "
+      "(prefetch {} elements, max live {}, reuse distance {},\n  persistence threshold {}); "
+      "on several GPUs the copy-engine collectives' staging {}\n",
       gib(kCudaContextBytes), gib(kCublasWorkspaceBytes), with_commas(bucket_elements(o)),
+      with_commas(o.zero3.prefetch_bucket_size), with_commas(o.zero3.max_live_parameters),
+      with_commas(o.zero3.max_reuse_distance), with_commas(o.persistence_threshold),
       gib(static_cast<double>(kPeerStagingBytes)));
   out += "not counted: NCCL buffers, allocator rounding and fragmentation, checkpoint copies\n";
   return out;

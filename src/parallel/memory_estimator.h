@@ -5,10 +5,12 @@
 //  * model states: parameters, gradients and AdamW state by the formulas of the ZeRO paper
 //    (Rajbhandari et al., arXiv 1910.02054, §3.1 and §5, Figure 1) for mixed-precision AdamW
 //    (bf16 parameters and gradients, fp32 master weights, m and v: K = 12) with Ψ parameters
-//    over N GPUs: dp 16Ψ, zero1 4Ψ + 12Ψ/N, zero2 2Ψ + 14Ψ/N;
+//    over N GPUs: dp 16Ψ, zero1 4Ψ + 12Ψ/N, zero2 2Ψ + 14Ψ/N, zero3 16Ψ/N;
 //  * activations: exactly what GPT2Model allocates on the CUDA backend (bf16, fused attention
 //    saving log-sum-exp [B, NH, T] in fp32) for a micro-batch of B sequences of T tokens;
-//  * buffers: the strategy's gradient bucket buffers (zero2), the cuBLASLt workspace (32 MiB)
+//  * buffers: the strategy's gradient bucket buffers (zero2), zero3's gathered layers and
+//    per-layer gradient buffers at their peak (a replay of its schedule), the cuBLASLt
+//    workspace (32 MiB)
 //    and the CUDA context (~500 MiB, an assumption: it varies with the driver and the GPU).
 // Not counted: NCCL's internal buffers, the caching allocator's rounding and fragmentation, and
 // the transient copies made while writing a checkpoint.
@@ -21,6 +23,7 @@
 
 #include "io/config.h"
 #include "model/gpt2_config.h"
+#include "parallel/zero3_schedule.h"
 
 namespace shardtrain {
 
@@ -37,6 +40,9 @@ struct MemoryEstimateOptions {
   /// on several GPUs (of one node: the copy-engine collectives) is kOverlapBucketElements and
   /// on one GPU DeepSpeed's 5e8.
   std::optional<int64_t> reduce_bucket_size;
+  /// zero3's stage3_* settings (DeepSpeed's defaults).
+  Zero3Limits zero3;
+  int64_t persistence_threshold = 100'000;  ///< stage3_param_persistence_threshold
 };
 
 /// Activation memory (bytes) of one micro-batch, by part.
@@ -68,8 +74,8 @@ struct MemoryEstimate {
   std::vector<StrategyEstimate> strategies;  ///< dp, zero1, zero2, then the unavailable ones
 };
 
-/// Model-state bytes per GPU of strategy `s` (dp, zero1 or zero2) for `psi` parameters over
-/// `gpus` GPUs, by the ZeRO paper's formulas (§5, K = 12). Throws ConfigError for other
+/// Model-state bytes per GPU of strategy `s` (dp, zero1, zero2 or zero3) for `psi` parameters
+/// over `gpus` GPUs, by the ZeRO paper's formulas (§5, K = 12). Throws ConfigError for other
 /// strategies and gpus < 1.
 double zero_model_state_bytes(StrategyKind s, int64_t psi, int gpus);
 
@@ -97,7 +103,13 @@ ActivationEstimate estimate_activations(const GPT2Config& model, int64_t micro_b
 double gradient_bucket_bytes(StrategyKind s, const GPT2Config& model, int gpus,
                              int64_t reduce_bucket_size);
 
-/// Everything above for dp, zero1 and zero2 (zero3, offload and infinity listed as not
+/// zero3's transient buffers at their peak (bytes, bf16): the layers gathered at once and the
+/// per-layer gradient buffers, from a replay of the strategy's schedule (parallel/zero3_schedule.h)
+/// over `gpus` ranks. 0 on one GPU (every layer is resident there).
+double zero3_transient_bytes(const GPT2Config& model, int gpus, const Zero3Limits& limits,
+                             int64_t persistence_threshold);
+
+/// Everything above for dp, zero1, zero2 and zero3 (offload and infinity listed as not
 /// available). Throws ConfigError for gpus, micro_batch < 1 or a max_length outside
 /// [1, n_positions].
 MemoryEstimate estimate_memory(const MemoryEstimateOptions& options);
