@@ -230,6 +230,20 @@ class ZeroEquivalence : public ::testing::Test {
     EXPECT_EQ(s.optimizer_steps, ref.optimizer_steps) << what;
   }
 
+  /// Trains `run` for kSteps and checks its gradient norms, state and held-out loss against the
+  /// reference's.
+  void train_and_expect_reference(const std::string& what, Trainee& run) {
+    const Reference& ref = reference();
+    run.train(0, kSteps);
+    for (int64_t s = 0; s < kSteps; ++s)
+      EXPECT_LE(rel(run.norms[static_cast<size_t>(s)], ref.norms[static_cast<size_t>(s)]),
+                kTolerance)
+          << what << ": gradient norm of step " << s;
+    expect_state(what, run.strategy->gather_state(), ref.at_checkpoint);
+    // Every rank's model is bound to the updated full parameters (all-gathered).
+    EXPECT_LE(rel(run.eval_loss(), ref.eval_at_checkpoint), kTolerance) << what;
+  }
+
   std::unique_ptr<st::Communicator> comm;
 };
 
@@ -272,14 +286,7 @@ TEST_F(ZeroEquivalence, SameParametersAsOneRank) {
       const std::string what = fmt::format("{} on {} ranks, reduce_bucket_size {}",
                                            st::to_string(kind), world(), bucket);
       Trainee run(kind, *comm, bucket, ref.init);
-      run.train(0, kSteps);
-      for (int64_t s = 0; s < kSteps; ++s)
-        EXPECT_LE(rel(run.norms[static_cast<size_t>(s)], ref.norms[static_cast<size_t>(s)]),
-                  kTolerance)
-            << what << ": gradient norm of step " << s;
-      expect_state(what, run.strategy->gather_state(), ref.at_checkpoint);
-      // Every rank's model is bound to the updated full parameters (all-gathered).
-      EXPECT_LE(rel(run.eval_loss(), ref.eval_at_checkpoint), kTolerance) << what;
+      train_and_expect_reference(what, run);
       if (kind != st::StrategyKind::kDataParallel && world() > 1) {
         // Optimizer state partitioned: master weights, m and v of (about) 1/W of the elements.
         Trainee dp(st::StrategyKind::kDataParallel, *comm, bucket, ref.init);
@@ -322,13 +329,7 @@ TEST_F(ZeroEquivalence, Zero3OptionsAllMatchOneRank) {
                     c.prefetch, c.reuse, c.checkpointing ? " checkpointing" : "");
     Trainee run(zero3_options(c.persistence, c.prefetch, c.reuse), *comm, ref.init,
                 c.checkpointing);
-    run.train(0, kSteps);
-    for (int64_t s = 0; s < kSteps; ++s)
-      EXPECT_LE(rel(run.norms[static_cast<size_t>(s)], ref.norms[static_cast<size_t>(s)]),
-                kTolerance)
-          << what << ": gradient norm of step " << s;
-    expect_state(what, run.strategy->gather_state(), ref.at_checkpoint);
-    EXPECT_LE(rel(run.eval_loss(), ref.eval_at_checkpoint), kTolerance) << what;
+    train_and_expect_reference(what, run);
     {
       // The gathered parameters and gradient buffers the strategy held at their peak are what
       // the estimator's replay of the same schedule predicts (parallel/zero3_schedule.h).
