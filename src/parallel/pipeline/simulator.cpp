@@ -1,0 +1,218 @@
+#include "parallel/pipeline/simulator.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <tuple>
+
+#include "core/error.h"
+
+namespace shardtrain {
+namespace {
+
+/// Key of a pass: (kind, micro-batch, virtual stage); kind 0 forward, 1 input gradient (the
+/// fused backward counts as one), 2 weight gradient.
+using PassKey = std::tuple<int, int, int>;
+
+int pass_kind(ActionType t) {
+  switch (t) {
+    case ActionType::kForward:
+      return 0;
+    case ActionType::kBackward:
+    case ActionType::kBackwardInput:
+      return 1;
+    default:
+      return 2;
+  }
+}
+
+double duration(ActionType t, const PipelineOpTimes& times) {
+  switch (t) {
+    case ActionType::kForward:
+      return times.forward;
+    case ActionType::kBackward:
+      return times.backward_input + times.backward_weight;
+    case ActionType::kBackwardInput:
+      return times.backward_input;
+    default:
+      return times.backward_weight;
+  }
+}
+
+char letter(ActionType t) {
+  switch (t) {
+    case ActionType::kForward:
+      return 'F';
+    case ActionType::kBackwardWeight:
+      return 'W';
+    default:
+      return 'B';
+  }
+}
+
+std::string label(const PipelineShape& s, const PipelineAction& a) {
+  std::string l = fmt::format("{}{}", letter(a.type), a.micro_batch);
+  if (s.virtual_stages > 1) l += static_cast<char>('a' + a.chunk);
+  return l;
+}
+
+}  // namespace
+
+double PipelineTimeline::bubble_fraction() const {
+  if (makespan <= 0) return 0;
+  double total = 0;
+  for (double b : busy) total += b;
+  return 1.0 - total / (static_cast<double>(busy.size()) * makespan);
+}
+
+double PipelineTimeline::utilization(int rank) const {
+  return makespan > 0 ? busy[static_cast<size_t>(rank)] / makespan : 0;
+}
+
+PipelineTimeline simulate_pipeline(PipelineSchedule schedule, const PipelineShape& s,
+                                   const PipelineOpTimes& times) {
+  const int P = s.stages, last = s.stages * s.virtual_stages - 1;
+  std::vector<std::vector<PipelineAction>> actions(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r)
+    actions[static_cast<size_t>(r)] = pipeline_compute_actions(schedule, s, r);
+  PipelineTimeline t;
+  t.schedule = schedule;
+  t.shape = s;
+  t.busy.assign(static_cast<size_t>(P), 0.0);
+  t.peak_in_flight.assign(static_cast<size_t>(P), 0);
+  std::map<PassKey, double> done;  // pass → end time
+  std::vector<size_t> next(static_cast<size_t>(P), 0);
+  std::vector<double> free_at(static_cast<size_t>(P), 0.0);
+  std::vector<int> in_flight(static_cast<size_t>(P), 0);
+  size_t remaining = 0;
+  for (const auto& a : actions) remaining += a.size();
+  while (remaining > 0) {
+    bool progressed = false;
+    for (int r = 0; r < P; ++r) {
+      auto& list = actions[static_cast<size_t>(r)];
+      size_t& i = next[static_cast<size_t>(r)];
+      while (i < list.size()) {
+        const PipelineAction& a = list[i];
+        const int v = virtual_stage(s, r, a.chunk), kind = pass_kind(a.type);
+        PassKey dep{-1, 0, 0};
+        if (kind == 0 && v > 0) dep = {0, a.micro_batch, v - 1};
+        if (kind == 1)
+          dep = v < last ? PassKey{1, a.micro_batch, v + 1} : PassKey{0, a.micro_batch, v};
+        if (kind == 2) dep = {1, a.micro_batch, v};
+        double ready = 0;
+        if (std::get<0>(dep) >= 0) {
+          const auto it = done.find(dep);
+          if (it == done.end()) break;  // blocked on a receive
+          ready = it->second;
+        }
+        TimelineEntry e{r, a, std::max(ready, free_at[static_cast<size_t>(r)]), 0};
+        e.end = e.start + duration(a.type, times);
+        free_at[static_cast<size_t>(r)] = e.end;
+        t.busy[static_cast<size_t>(r)] += e.end - e.start;
+        done[{kind, a.micro_batch, v}] = e.end;
+        int& held = in_flight[static_cast<size_t>(r)];
+        if (kind == 0) ++held;
+        if (a.type == ActionType::kBackward || a.type == ActionType::kBackwardWeight) --held;
+        t.peak_in_flight[static_cast<size_t>(r)] =
+            std::max(t.peak_in_flight[static_cast<size_t>(r)], held);
+        t.makespan = std::max(t.makespan, e.end);
+        t.entries.push_back(e);
+        ++i;
+        --remaining;
+        progressed = true;
+      }
+    }
+    if (!progressed)
+      throw RuntimeFailure(fmt::format(
+          "pipeline schedule {} deadlocks for {} stages, {} micro-batches, {} virtual stages: "
+          "every rank waits for a transfer no rank will send",
+          to_string(schedule), s.stages, s.micro_batches, s.virtual_stages));
+  }
+  std::stable_sort(t.entries.begin(), t.entries.end(),
+                   [](const TimelineEntry& a, const TimelineEntry& b) { return a.rank < b.rank; });
+  return t;
+}
+
+std::string format_timeline_text(const PipelineTimeline& t, double unit) {
+  ST_ASSERT(unit > 0);
+  std::string out;
+  const auto column = [&](double time) { return static_cast<size_t>(std::lround(time / unit)); };
+  constexpr size_t kCell = 4;  // characters per unit of time
+  for (int r = 0; r < t.shape.stages; ++r) {
+    std::string row(column(t.makespan) * kCell, '.');
+    for (const TimelineEntry& e : t.entries) {
+      if (e.rank != r) continue;
+      const size_t b = column(e.start) * kCell,
+                   n = std::max<size_t>(1, column(e.end - e.start)) * kCell;
+      std::string cell = label(t.shape, e.action);
+      cell.resize(n - 1, ' ');
+      cell += '|';
+      row.replace(b, std::min(n, row.size() - b), cell.substr(0, std::min(n, row.size() - b)));
+    }
+    out += fmt::format("stage {:>2} |{}\n", r, row);
+  }
+  return out;
+}
+
+std::string format_timeline_summary(const PipelineTimeline& t) {
+  const PipelineShape& s = t.shape;
+  std::string out = fmt::format(
+      "schedule {} | {} stages × {} micro-batches{} | step time {:g} | bubble {:.1f}% "
+      "(GPipe/1F1B theory (P−1)/(M+P−1) = {:.1f}%)\n",
+      to_string(t.schedule), s.stages, s.micro_batches,
+      s.virtual_stages > 1 ? fmt::format(" × {} virtual stages", s.virtual_stages) : "", t.makespan,
+      100.0 * t.bubble_fraction(),
+      100.0 * (s.stages - 1) / static_cast<double>(s.micro_batches + s.stages - 1));
+  for (int r = 0; r < s.stages; ++r)
+    out += fmt::format(
+        "  stage {:>2}: utilization {:5.1f}% | peak in-flight activations {} "
+        "micro-batch{}\n",
+        r, 100.0 * t.utilization(r), t.peak_in_flight[static_cast<size_t>(r)],
+        s.virtual_stages > 1 ? " chunks" : "es");
+  if (t.schedule == PipelineSchedule::k2BW)
+    out +=
+        "  weights (PipeDream-2BW, arXiv 2006.09503): every forward and backward of step t "
+        "uses W(t−1) (the\n  stashed copy); the update W(t+1) = W(t) − η·∇f(W(t−1)) applies "
+        "after step t's last backward: one step stale, two versions held\n";
+  return out;
+}
+
+std::string timeline_svg(const PipelineTimeline& t, const std::string& title) {
+  const double width = 960, left = 70, row = 34, top = 44;
+  const double scale = t.makespan > 0 ? (width - left - 10) / t.makespan : 1;
+  const double height = top + row * t.shape.stages + 40;
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" "
+      "viewBox=\"0 0 {:.0f} {:.0f}\" font-family=\"sans-serif\">\n"
+      "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      "<text x=\"{:.0f}\" y=\"22\" font-size=\"15\">{}</text>\n",
+      width, height, width, height, left, title);
+  for (int r = 0; r < t.shape.stages; ++r)
+    svg += fmt::format("<text x=\"8\" y=\"{:.1f}\" font-size=\"12\">stage {}</text>\n",
+                       top + row * r + row * 0.6, r);
+  for (const TimelineEntry& e : t.entries) {
+    const char* colors[] = {"#4e79a7", "#59a14f", "#f28e2b"};
+    const char* fill = colors[pass_kind(e.action.type)];
+    const double x = left + e.start * scale, w = (e.end - e.start) * scale;
+    const double y = top + row * e.rank + 3;
+    const double opacity = 1.0 - 0.35 * e.action.chunk / std::max(1, t.shape.virtual_stages);
+    svg += fmt::format(
+        "<rect x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{:.1f}\" fill=\"{}\" "
+        "fill-opacity=\"{:.2f}\" stroke=\"white\" stroke-width=\"1\"/>\n",
+        x, y, w, row - 6, fill, opacity);
+    if (w >= 14)
+      svg += fmt::format(
+          "<text x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"10\" fill=\"white\" "
+          "text-anchor=\"middle\">{}</text>\n",
+          x + w / 2, y + (row - 6) / 2 + 4, label(t.shape, e.action));
+  }
+  svg += fmt::format(
+      "<text x=\"{:.0f}\" y=\"{:.1f}\" font-size=\"12\">bubble {:.1f}% · F blue, B green, W "
+      "orange · time →</text>\n</svg>\n",
+      left, top + row * t.shape.stages + 24, 100.0 * t.bubble_fraction());
+  return svg;
+}
+
+}  // namespace shardtrain
