@@ -7,11 +7,12 @@
 
 namespace shardtrain {
 
-void register_train_command(CLI::App& app);     // app/cmd_train.cpp
-void register_tokenize_command(CLI::App& app);  // app/cmd_tokenize.cpp
-void register_generate_command(CLI::App& app);  // app/cmd_generate.cpp
-void register_launch_command(CLI::App& app);    // app/cmd_launch.cpp
-void register_export_command(CLI::App& app);    // app/cmd_export.cpp
-void register_estimate_command(CLI::App& app);  // app/cmd_estimate.cpp
+void register_train_command(CLI::App& app);        // app/cmd_train.cpp
+void register_tokenize_command(CLI::App& app);     // app/cmd_tokenize.cpp
+void register_generate_command(CLI::App& app);     // app/cmd_generate.cpp
+void register_launch_command(CLI::App& app);       // app/cmd_launch.cpp
+void register_export_command(CLI::App& app);       // app/cmd_export.cpp
+void register_estimate_command(CLI::App& app);     // app/cmd_estimate.cpp
+void register_consolidate_command(CLI::App& app);  // app/cmd_consolidate.cpp
 
 }  // namespace shardtrain
