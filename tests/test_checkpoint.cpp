@@ -5,7 +5,9 @@
 // Face model (fp32 and bf16) against the dp run's export.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <barrier>
+#include <cmath>
 #include <exception>
 #include <filesystem>
 #include <memory>
@@ -27,6 +29,7 @@
 #include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
 #include "parallel/strategy.h"
+#include "train/trainer.h"
 
 using namespace shardtrain;
 namespace fs = std::filesystem;
@@ -459,5 +462,52 @@ TEST(ShardedCheckpoint, ConsolidateEqualsTheDataParallelExport) {
   // The checkpoint's own bf16 model (written before the directory was published) is the same file.
   EXPECT_EQ(read_file(ck / "model.safetensors"), read_file(dir / "bf16" / "model.safetensors"));
   EXPECT_TRUE(info.files.contains("model.safetensors"));
+  fs::remove_all(dir);
+}
+
+TEST(ShardedCheckpoint, TrainerWritesTheGathered16BitModelAndInitsFromShards) {
+  const fs::path dir = temp_dir("trainer");
+  TrainConfig c;
+  c.model = "gpt2-micro";
+  c.device = "cpu";
+  c.train_file = std::string(SHARDTRAIN_DEFAULT_DATA_DIR) + "/wikitext-2/wiki.valid.tokens";
+  c.cache_dir = (dir / "cache").string();
+  c.output_dir = (dir / "run").string();
+  c.max_length = 32;
+  c.micro_batch_size = 2;
+  c.train_batch_size = 2;
+  c.max_steps = 2;
+  c.log_interval = 1000;
+  c.zero.stage3_gather_16bit_weights_on_model_save = true;
+  auto comm = make_local_communicator();
+  train(c, *comm);
+  const CheckpointInfo info = read_checkpoint_info(c.output_dir);
+  const fs::path ck = info.dir;
+  ASSERT_TRUE(fs::exists(ck / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(ck / "config.json"));
+  EXPECT_TRUE(info.files.contains("model.safetensors"));
+  // The same bytes as consolidating the shards afterwards.
+  export_hf_model(info, dir / "hf", default_data_dir() / "gpt2-tokenizer", HfDtype::kBF16);
+  EXPECT_EQ(read_file(ck / "model.safetensors"), read_file(dir / "hf" / "model.safetensors"));
+
+  // --init-from a sharded checkpoint: its weights (one step at a negligible learning rate keeps
+  // them to within 1e-20), a fresh optimizer (AdamW step 1 after one step).
+  TrainConfig fine = c;
+  fine.output_dir = (dir / "fine").string();
+  fine.init_from = ck.string();
+  fine.max_steps = 1;
+  fine.lr = 1e-30;
+  fine.zero.stage3_gather_16bit_weights_on_model_save = false;
+  train(fine, *comm);
+  const CheckpointInfo after = read_checkpoint_info(fine.output_dir);
+  EXPECT_EQ(after.optimizer_step, 1);
+  auto be = make_cpu_backend();
+  GPT2Model model(gpt2_preset("gpt2-micro"), *be);
+  const std::vector<float> a = load_checkpoint_params(info, model.layout()),
+                           b = load_checkpoint_params(after, model.layout());
+  ASSERT_EQ(a.size(), b.size());
+  float worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+  EXPECT_LT(worst, 1e-20f);
   fs::remove_all(dir);
 }
