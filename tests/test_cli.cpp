@@ -132,7 +132,17 @@ TEST(Cli, TrainGenerateAndResume) {
   EXPECT_NE(r.output.find("validation"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("perplexity"), std::string::npos) << r.output;
   EXPECT_TRUE(fs::exists(dir / "out" / "metrics.jsonl"));
-  EXPECT_TRUE(fs::exists(dir / "out" / "checkpoint-000003" / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(dir / "out" / "checkpoint-000003" / "manifest.json"));
+
+  r = run("consolidate " + (dir / "out").string() + " --output " + (dir / "hf").string() +
+          " --dtype bf16");
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* f : {"model.safetensors", "config.json", "vocab.json", "merges.txt"})
+    EXPECT_TRUE(fs::exists(dir / "hf" / f)) << f;
+  r = run("consolidate " + (dir / "out").string() + " --output " + (dir / "hf").string() +
+          " --dtype fp8");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("use bf16 or fp32"), std::string::npos) << r.output;
 
   r = run("generate --checkpoint " + (dir / "out").string() +
           " --prompt \"The game\" --max-new-tokens 5 --device cpu");

@@ -226,7 +226,8 @@ TEST(LaunchTrain, TwoRanksTrainThroughMpirun) {
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("× 2 ranks"), std::string::npos) << r.output;
   EXPECT_EQ(count(r.output, "done | 3 steps"), 1u) << "only rank 0 prints\n" << r.output;
-  EXPECT_TRUE(fs::exists(dir / "out" / "checkpoint-000003" / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(dir / "out" / "checkpoint-000003" / "manifest.json"));
+  EXPECT_TRUE(fs::exists(dir / "out" / "checkpoint-000003" / "rank-00001-of-00002.safetensors"));
   fs::remove_all(dir);
 }
 

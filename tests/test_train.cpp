@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "io/atomic_file.h"
 #include "io/checkpoint.h"
+#include "io/sharded_checkpoint.h"
 #include "train/trainer.h"
 
 using namespace shardtrain;
@@ -155,11 +156,9 @@ TEST(Train, ResumeContinuesTheSameTrajectoryBitForBit) {
   ASSERT_EQ(b.losses.size(), 7u);
   for (size_t i = 0; i < 7; ++i) EXPECT_EQ(a.losses[5 + i], b.losses[i]) << "step " << 6 + i;
   // Final weights and optimizer state are byte-identical.
-  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
-    EXPECT_EQ(read_file(fs::path(straight.output_dir) / "checkpoint-000012" / f),
-              read_file(fs::path(second.output_dir) / "checkpoint-000012" / f))
-        << f;
-  }
+  const char* shard = "rank-00000-of-00001.safetensors";
+  EXPECT_EQ(read_file(fs::path(straight.output_dir) / "checkpoint-000012" / shard),
+            read_file(fs::path(second.output_dir) / "checkpoint-000012" / shard));
   fs::remove_all(dir);
 }
 
@@ -182,20 +181,22 @@ TEST(Checkpoint, CorruptionAndIncompleteSavesAreDetected) {
   GPT2Model model(mc, *be);
   const CheckpointInfo info = read_checkpoint_info(out);
   EXPECT_EQ(info.progress.step, 2);
-  EXPECT_NO_THROW(load_checkpoint_state(info, model.layout(), true));
+  EXPECT_NO_THROW(load_full_state(info, model.layout(), true));
 
-  {  // flip one byte of the weights
-    std::fstream f(ck / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+  const fs::path shard = ck / "rank-00000-of-00001.safetensors";
+  {  // flip one byte of the state
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(-3, std::ios::end);
     f.put('\x7f');
   }
-  EXPECT_THROW(load_checkpoint_state(info, model.layout(), true), CheckpointError);
-  fs::resize_file(ck / "optimizer.safetensors", 100);
+  EXPECT_THROW(load_full_state(info, model.layout(), true), CheckpointError);
+  fs::resize_file(shard, 100);
   try {
-    load_checkpoint_state(info, model.layout(), true);
+    load_full_state(info, model.layout(), true);
     FAIL() << "truncated checkpoint accepted";
   } catch (const CheckpointError& e) {
-    EXPECT_NE(std::string(e.what()).find("model.safetensors"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank-00000-of-00001.safetensors"), std::string::npos)
+        << e.what();
   }
   write_file_atomic(ck / "manifest.json", "{ not json");
   EXPECT_THROW(read_checkpoint_info(ck), CheckpointError);

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Round-trip check of shardtrain's Hugging Face export: transformers loads a shardtrain
-checkpoint directory (model.safetensors + config.json) as GPT2LMHeadModel, reporting any missing
-or unexpected tensor, then continues a prompt greedily; `shardtrain generate --temperature 0` on
+"""Round-trip check of shardtrain's Hugging Face export: `shardtrain consolidate` merges a
+checkpoint's shards into a temporary Hugging Face directory, transformers loads it as
+GPT2LMHeadModel, reporting any missing or unexpected tensor, then continues a prompt greedily; `shardtrain generate --temperature 0` on
 the same checkpoint must print the same text. Usage:
     python3 tools/check_hf_export.py CHECKPOINT_DIR SHARDTRAIN_BINARY [PROMPT]
 Tooling only (needs torch + transformers).
@@ -42,7 +42,10 @@ def decode(ids):
 def main() -> None:
     ckpt, binary = sys.argv[1], sys.argv[2]
     prompt = sys.argv[3] if len(sys.argv) > 3 else "The game"
-    model, info = GPT2LMHeadModel.from_pretrained(ckpt, output_loading_info=True)
+    hf_dir = tempfile.mkdtemp(prefix="shardtrain_hf_")
+    subprocess.run([binary, "consolidate", ckpt, "--output", hf_dir], check=True,
+                   capture_output=True, text=True)
+    model, info = GPT2LMHeadModel.from_pretrained(hf_dir, output_loading_info=True)
     model = model.float().eval()
     missing = [k for k in info["missing_keys"] if not k.endswith("attn.bias") and k != "lm_head.weight"]
     assert not missing and not info["unexpected_keys"], info

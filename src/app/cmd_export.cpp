@@ -5,6 +5,7 @@
 #include "data/bpe_tokenizer.h"
 #include "data/dataset.h"
 #include "io/checkpoint.h"
+#include "io/hf_export.h"
 
 namespace shardtrain {
 
@@ -16,7 +17,8 @@ void register_export_command(CLI::App& app) {
       "write a checkpoint as a Hugging Face GPT-2 directory (model.safetensors, config.json, "
       "vocab.json, merges.txt) that transformers' GPT2LMHeadModel.from_pretrained loads");
   cmd->add_option("--checkpoint", *checkpoint,
-                  "checkpoint directory, or an output directory (its latest checkpoint)")
+                  "checkpoint directory (sharded or full), or an output directory (its latest "
+                  "checkpoint)")
       ->required();
   cmd->add_option("--output", *output, "directory to write")->required();
   cmd->callback([checkpoint, output]() {

@@ -10,6 +10,7 @@
 #include "core/rng.h"
 #include "data/bpe_tokenizer.h"
 #include "io/checkpoint.h"
+#include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
 #include "train/trainer.h"
 
@@ -60,9 +61,9 @@ void run_generate(const GenerateOptions& o) {
   const CheckpointInfo info = read_checkpoint_info(o.checkpoint);
   auto backend = make_backend(o.device, 0);
   GPT2Model model(info.model, *backend);
-  FullState state = load_checkpoint_state(info, model.layout(), false);
+  const std::vector<float> weights = load_checkpoint_params(info, model.layout());
   FlatBuffer params(*backend, DType::kF32, model.layout().numel());
-  backend->copy_from_host(params.data(), state.params.data(), state.params.size() * sizeof(float));
+  backend->copy_from_host(params.data(), weights.data(), weights.size() * sizeof(float));
   if (backend->compute_dtype() != DType::kF32) {
     FlatBuffer compute(*backend, backend->compute_dtype(), model.layout().numel());
     backend->convert(compute.view(), params.view());

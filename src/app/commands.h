@@ -13,6 +13,7 @@ void register_generate_command(CLI::App& app);      // app/cmd_generate.cpp
 void register_launch_command(CLI::App& app);        // app/cmd_launch.cpp
 void register_export_command(CLI::App& app);        // app/cmd_export.cpp
 void register_estimate_command(CLI::App& app);      // app/cmd_estimate.cpp
+void register_consolidate_command(CLI::App& app);   // app/cmd_consolidate.cpp
 void register_pipeline_sim_command(CLI::App& app);  // app/cmd_pipeline_sim.cpp
 
 }  // namespace shardtrain

@@ -44,6 +44,7 @@ int main(int argc, char** argv) {
   shardtrain::register_launch_command(app);
   shardtrain::register_export_command(app);
   shardtrain::register_estimate_command(app);
+  shardtrain::register_consolidate_command(app);
   shardtrain::register_pipeline_sim_command(app);
   try {
     app.parse(argc, argv);

@@ -7,8 +7,10 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "core/error.h"
+#include "core/hash.h"
 
 namespace shardtrain {
 
@@ -39,6 +41,20 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view conte
     throw RuntimeFailure(
         fmt::format("cannot rename {} to {}: {}", tmp, path.string(), ec.message()));
   fsync_path(path.has_parent_path() ? path.parent_path() : std::filesystem::path("."));
+}
+
+uint64_t fnv1a64_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    throw RuntimeFailure(fmt::format("cannot read {}: {}", path.string(), std::strerror(errno)));
+  std::vector<char> buf(size_t{1} << 20);
+  uint64_t h = fnv1a64(nullptr, 0);
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    h = fnv1a64(buf.data(), static_cast<size_t>(in.gcount()), h);
+  }
+  if (in.bad()) throw RuntimeFailure(fmt::format("reading {} failed", path.string()));
+  return h;
 }
 
 std::string read_file(const std::filesystem::path& path) {

@@ -1,6 +1,7 @@
 // Crash-safe file and directory replacement: write to a temporary name, fsync, rename.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <string_view>
 
@@ -12,6 +13,10 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view conte
 
 /// fsync()s a file or directory. Throws RuntimeFailure on failure.
 void fsync_path(const std::filesystem::path& path);
+
+/// FNV-1a 64 (core/hash.h) of a whole file, read in pieces of 1 MiB. Throws RuntimeFailure
+/// naming the path when it cannot be read.
+uint64_t fnv1a64_file(const std::filesystem::path& path);
 
 /// Reads a whole file. Throws the given error kind (via a flag) naming the path when missing.
 std::string read_file(const std::filesystem::path& path);

@@ -4,11 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <bit>
-#include <cmath>
-#include <fstream>
 
 #include "core/error.h"
+#include "core/half.h"
 #include "core/hash.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
@@ -19,24 +17,11 @@ using nlohmann::json;
 
 namespace {
 
-constexpr const char* kFormat = "shardtrain-checkpoint";
-constexpr int kVersion = 1;
-
-uint64_t hash_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) throw CheckpointError(fmt::format("checkpoint file {} is missing", p.string()));
-  std::vector<char> buf(1 << 20);
-  uint64_t h = fnv1a64(nullptr, 0);
-  while (in) {
-    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    h = fnv1a64(buf.data(), static_cast<size_t>(in.gcount()), h);
-  }
-  return h;
-}
-
-json model_json(const GPT2Config& c) {
-  return {{"name", c.name},     {"n_layer", c.n_layer},       {"n_head", c.n_head},
-          {"n_embd", c.n_embd}, {"vocab_size", c.vocab_size}, {"n_positions", c.n_positions}};
+/// FNV-1a of a checkpoint file as the manifest writes it (16 hex digits).
+std::string checksum_hex(const fs::path& p) {
+  if (!fs::exists(p))
+    throw CheckpointError(fmt::format("checkpoint file {} is missing", p.string()));
+  return fmt::format("{:016x}", fnv1a64_file(p));
 }
 
 // HF name without the "transformer." prefix (GPT2Model checkpoints on the hub use these).
@@ -55,52 +40,91 @@ void read_as_f32(const SafetensorsFile& st, const std::string& name, const std::
   const size_t n = st.entry(name).bytes / 2;
   std::vector<uint16_t> half(n);
   st.read(name, half.data());
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    if (dtype == "BF16") {
-      bits = static_cast<uint32_t>(half[i]) << 16;
-    } else {  // IEEE fp16 -> fp32
-      const uint32_t sign = (half[i] & 0x8000u) << 16, exp = (half[i] >> 10) & 0x1f,
-                     mant = half[i] & 0x3ffu;
-      if (exp == 0) {
-        const float v = std::ldexp(static_cast<float>(mant), -24);
-        bits = std::bit_cast<uint32_t>(v) | sign;
-      } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-      } else {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-      }
-    }
-    out[i] = std::bit_cast<float>(bits);
-  }
+  for (size_t i = 0; i < n; ++i)
+    out[i] = dtype == "BF16" ? bf16_to_float(half[i]) : fp16_to_float(half[i]);
 }
 
 }  // namespace
 
-void save_hf_weights(const fs::path& file, const ParamLayout& layout, const float* flat) {
-  std::vector<std::vector<float>> transposed;
+json manifest_model_json(const GPT2Config& c) {
+  return {{"name", c.name},     {"n_layer", c.n_layer},       {"n_head", c.n_head},
+          {"n_embd", c.n_embd}, {"vocab_size", c.vocab_size}, {"n_positions", c.n_positions}};
+}
+
+json manifest_progress_json(const TrainingProgress& p) {
+  return {{"step", p.step},
+          {"epoch", p.epoch},
+          {"step_in_epoch", p.step_in_epoch},
+          {"tokens_seen", p.tokens_seen},
+          {"rng", {{"algorithm", "splitmix64(seed, epoch)"}, {"seed", p.seed}}}};
+}
+
+HfDtype parse_hf_dtype(const std::string& s) {
+  if (s == "fp32" || s == "f32" || s == "float32") return HfDtype::kF32;
+  if (s == "bf16" || s == "bfloat16") return HfDtype::kBF16;
+  throw ConfigError(fmt::format("--dtype {} is not supported: use bf16 or fp32", s));
+}
+
+namespace {
+
+std::vector<SafetensorEntry> hf_entries(const ParamLayout& layout, HfDtype dtype) {
   std::vector<SafetensorEntry> entries;
+  const size_t esize = dtype == HfDtype::kF32 ? 4 : 2;
   for (const ParamTensor* t : layout.tensors()) {
     SafetensorEntry e;
     e.name = t->name;
-    e.dtype = "F32";
-    e.bytes = static_cast<size_t>(t->numel) * sizeof(float);
-    if (t->hf_transposed) {
-      const int64_t rows = t->shape[0], cols = t->shape[1];  // ours [out, in]
-      auto& buf = transposed.emplace_back(static_cast<size_t>(t->numel));
-      const float* src = flat + t->offset;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c)
-          buf[static_cast<size_t>(c * rows + r)] = src[r * cols + c];
-      e.shape = {cols, rows};
-      e.data = buf.data();
-    } else {
-      e.shape = t->shape;
-      e.data = flat + t->offset;
-    }
+    e.dtype = dtype == HfDtype::kF32 ? "F32" : "BF16";
+    e.shape = t->shape;
+    if (t->hf_transposed) std::swap(e.shape[0], e.shape[1]);
+    e.bytes = static_cast<size_t>(t->numel) * esize;
     entries.push_back(std::move(e));
   }
-  write_safetensors(file, entries, {{"format", "pt"}});
+  return entries;
+}
+
+}  // namespace
+
+HfWeightsWriter::HfWeightsWriter(const fs::path& file, const ParamLayout& layout, HfDtype dtype)
+    : tensors_(layout.tensors()),
+      dtype_(dtype),
+      writer_(file, hf_entries(layout, dtype), {{"format", "pt"}}) {}
+
+void HfWeightsWriter::write(const ParamTensor& t, const float* data) {
+  if (next_ >= tensors_.size() || tensors_[next_]->name != t.name)
+    throw RuntimeFailure(fmt::format("{}: tensor '{}' written out of layout order (expected '{}')",
+                                     writer_.path().string(), t.name,
+                                     next_ < tensors_.size() ? tensors_[next_]->name : "none"));
+  ++next_;
+  const auto n = static_cast<size_t>(t.numel);
+  std::vector<float> transposed;
+  if (t.hf_transposed) {
+    const int64_t rows = t.shape[0], cols = t.shape[1];  // ours [out, in]
+    transposed.resize(n);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        transposed[static_cast<size_t>(c * rows + r)] = data[r * cols + c];
+    data = transposed.data();
+  }
+  if (dtype_ == HfDtype::kF32) {
+    writer_.write(data, n * sizeof(float));
+    return;
+  }
+  std::vector<uint16_t> half(n);
+  for (size_t i = 0; i < n; ++i) half[i] = float_to_bf16(data[i]);
+  writer_.write(half.data(), n * sizeof(uint16_t));
+}
+
+WrittenFile HfWeightsWriter::finish() {
+  if (next_ != tensors_.size())
+    throw RuntimeFailure(fmt::format("{}: only {} of {} tensors were written",
+                                     writer_.path().string(), next_, tensors_.size()));
+  return writer_.finish();
+}
+
+void save_hf_weights(const fs::path& file, const ParamLayout& layout, const float* flat) {
+  HfWeightsWriter w(file, layout, HfDtype::kF32);
+  for (const ParamTensor* t : layout.tensors()) w.write(*t, flat + t->offset);
+  w.finish();
 }
 
 void load_hf_weights(const fs::path& file, const ParamLayout& layout, float* flat) {
@@ -168,77 +192,25 @@ void save_hf_config(const fs::path& dir, const GPT2Config& c) {
   write_file_atomic(dir / "config.json", cfg.dump(2) + "\n");
 }
 
-void export_hf_model(const CheckpointInfo& info, const fs::path& out_dir,
-                     const fs::path& tokenizer_dir) {
-  std::error_code ec;
-  fs::create_directories(out_dir, ec);
-  if (ec)
-    throw RuntimeFailure(
-        fmt::format("cannot create export directory {}: {}", out_dir.string(), ec.message()));
-  const auto copy = [&](const fs::path& from, const fs::path& to) {
-    fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
-    if (ec)
-      throw RuntimeFailure(
-          fmt::format("cannot copy {} to {}: {}", from.string(), to.string(), ec.message()));
-  };
-  copy(info.dir / "model.safetensors", out_dir / "model.safetensors");
-  save_hf_config(out_dir, info.model);
-  copy(tokenizer_dir / "encoder.json", out_dir / "vocab.json");
-  copy(tokenizer_dir / "vocab.bpe", out_dir / "merges.txt");
-}
-
-fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
-                         const ParamLayout& layout, const FullState& state,
-                         const CheckpointInfo& info) {
+fs::path create_checkpoint_tmp_dir(const fs::path& output_dir, const std::string& name,
+                                   const std::string& id) {
   std::error_code ec;
   fs::create_directories(output_dir, ec);
   if (ec)
     throw RuntimeFailure(
         fmt::format("cannot create output directory {}: {}", output_dir.string(), ec.message()));
-  const fs::path final_dir = output_dir / name;
-  const fs::path tmp_dir = output_dir / fmt::format(".{}.tmp.{}", name, ::getpid());
+  const fs::path tmp_dir = output_dir / fmt::format(".{}.tmp.{}", name, id);
   fs::remove_all(tmp_dir, ec);
   fs::create_directories(tmp_dir, ec);
   if (ec) throw RuntimeFailure(fmt::format("cannot create {}: {}", tmp_dir.string(), ec.message()));
+  return tmp_dir;
+}
 
-  save_hf_weights(tmp_dir / "model.safetensors", layout, state.params.data());
-  const size_t bytes = state.exp_avg.size() * sizeof(float);
-  write_safetensors(tmp_dir / "optimizer.safetensors",
-                    {{"exp_avg",
-                      "F32",
-                      {static_cast<int64_t>(state.exp_avg.size())},
-                      state.exp_avg.data(),
-                      bytes},
-                     {"exp_avg_sq",
-                      "F32",
-                      {static_cast<int64_t>(state.exp_avg_sq.size())},
-                      state.exp_avg_sq.data(),
-                      bytes}});
-
-  save_hf_config(tmp_dir, info.model);
-  json files = json::object();
-  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
-    fsync_path(tmp_dir / f);
-    files[f] = {{"bytes", fs::file_size(tmp_dir / f)},
-                {"fnv1a64", fmt::format("{:016x}", hash_file(tmp_dir / f))}};
-  }
-  const TrainingProgress& p = info.progress;
-  json manifest = {
-      {"format", kFormat},
-      {"version", kVersion},
-      {"model", model_json(info.model)},
-      {"progress",
-       {{"step", p.step},
-        {"epoch", p.epoch},
-        {"step_in_epoch", p.step_in_epoch},
-        {"tokens_seen", p.tokens_seen},
-        {"rng", {{"algorithm", "splitmix64(seed, epoch)"}, {"seed", p.seed}}}}},
-      {"optimizer",
-       {{"type", "AdamW"}, {"step", state.optimizer_steps}, {"flat_numel", layout.numel()}}},
-      {"config", info.config},
-      {"files", files}};
-  write_file_atomic(tmp_dir / "manifest.json", manifest.dump(2) + "\n");
-
+fs::path publish_checkpoint_dir(const fs::path& output_dir, const fs::path& tmp_dir,
+                                const std::string& name) {
+  std::error_code ec;
+  fsync_path(tmp_dir);
+  const fs::path final_dir = output_dir / name;
   // Swap the finished directory in; an older checkpoint of the same name goes last.
   if (fs::exists(final_dir)) {
     const fs::path old = output_dir / fmt::format(".{}.old.{}", name, ::getpid());
@@ -256,6 +228,42 @@ fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
   fsync_path(output_dir);
   write_file_atomic(output_dir / "latest", name + "\n");
   return final_dir;
+}
+
+fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
+                         const ParamLayout& layout, const FullState& state,
+                         const CheckpointInfo& info) {
+  const fs::path tmp_dir = create_checkpoint_tmp_dir(output_dir, name, std::to_string(::getpid()));
+  save_hf_weights(tmp_dir / "model.safetensors", layout, state.params.data());
+  const size_t bytes = state.exp_avg.size() * sizeof(float);
+  write_safetensors(tmp_dir / "optimizer.safetensors",
+                    {{"exp_avg",
+                      "F32",
+                      {static_cast<int64_t>(state.exp_avg.size())},
+                      state.exp_avg.data(),
+                      bytes},
+                     {"exp_avg_sq",
+                      "F32",
+                      {static_cast<int64_t>(state.exp_avg_sq.size())},
+                      state.exp_avg_sq.data(),
+                      bytes}});
+
+  save_hf_config(tmp_dir, info.model);
+  json files = json::object();
+  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+    files[f] = {{"bytes", fs::file_size(tmp_dir / f)}, {"fnv1a64", checksum_hex(tmp_dir / f)}};
+  }
+  json manifest = {
+      {"format", kCheckpointFormat},
+      {"version", 1},
+      {"model", manifest_model_json(info.model)},
+      {"progress", manifest_progress_json(info.progress)},
+      {"optimizer",
+       {{"type", "AdamW"}, {"step", state.optimizer_steps}, {"flat_numel", layout.numel()}}},
+      {"config", info.config},
+      {"files", files}};
+  write_file_atomic(tmp_dir / "manifest.json", manifest.dump(2) + "\n");
+  return publish_checkpoint_dir(output_dir, tmp_dir, name);
 }
 
 fs::path resolve_checkpoint(const fs::path& dir) {
@@ -282,10 +290,11 @@ CheckpointInfo read_checkpoint_info(const fs::path& path) {
   json m;
   try {
     m = json::parse(read_file(info.dir / "manifest.json"));
-    if (m.at("format") != kFormat)
+    if (m.at("format") != kCheckpointFormat)
       throw CheckpointError(fmt::format("{}/manifest.json is not a shardtrain checkpoint manifest",
                                         info.dir.string()));
-    if (m.at("version").get<int>() > kVersion)
+    info.version = m.at("version").get<int>();
+    if (info.version > kCheckpointVersion)
       throw CheckpointError(
           fmt::format("{} was written by a newer shardtrain (format version {}); "
                       "upgrade shardtrain to read it",
@@ -306,15 +315,21 @@ CheckpointInfo read_checkpoint_info(const fs::path& path) {
     info.config = m.value("config", json::object());
     info.files = m.at("files");
     info.optimizer_step = m.at("optimizer").at("step");
+    info.loss_scaler = m.value("loss_scaler", json());
   } catch (const json::exception& e) {
     throw CheckpointError(
         fmt::format("{}/manifest.json is corrupt: {}", info.dir.string(), e.what()));
   }
+  info.manifest = std::move(m);
   return info;
 }
 
 FullState load_checkpoint_state(const CheckpointInfo& info, const ParamLayout& layout,
                                 bool with_optimizer) {
+  check<CheckpointError>(info.version == 1,
+                         "{} is a format-{} checkpoint; load_checkpoint_state reads format 1 (a "
+                         "bug: call load_full_state)",
+                         info.dir.string(), info.version);
   const json& files = info.files;
   for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
     if (!with_optimizer && std::string(f) == "optimizer.safetensors") continue;
@@ -328,7 +343,7 @@ FullState load_checkpoint_state(const CheckpointInfo& info, const ParamLayout& l
           fmt::format("{} is {} bytes but the manifest says {}: the file is "
                       "truncated or was replaced",
                       p.string(), fs::file_size(p), want_bytes));
-    if (fmt::format("{:016x}", hash_file(p)) != files.at(f).at("fnv1a64").get<std::string>())
+    if (checksum_hex(p) != files.at(f).at("fnv1a64").get<std::string>())
       throw CheckpointError(
           fmt::format("{} fails its checksum: the checkpoint is corrupt; resume "
                       "from an earlier one",

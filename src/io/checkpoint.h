@@ -1,4 +1,7 @@
-// Checkpoints: a directory per save, written atomically.
+// Checkpoints: a directory per save, written atomically; the shared parts of both formats.
+//
+// Format 2 (what training writes, sharded: io/sharded_checkpoint.h) has one file per rank. Format 1
+// (below; still read, and written by save_checkpoint for tests and tools) holds the full state:
 //
 //   OUT/checkpoint-000300/
 //     manifest.json        format, model shape, progress (step, epoch, data position, RNG),
@@ -19,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "io/safetensors.h"
 #include "memory/param_layout.h"
 #include "model/gpt2_config.h"
 #include "parallel/strategy.h"
@@ -42,10 +46,37 @@ struct CheckpointInfo {
   std::filesystem::path dir;
   nlohmann::json files;        ///< file name -> {bytes, fnv1a64} (read from the manifest)
   int64_t optimizer_step = 0;  ///< AdamW's step count (bias correction)
+  /// Dynamic loss scaling state (fp16) as written by the trainer; null when not used.
+  nlohmann::json loss_scaler;
+  int version = 0;          ///< format version (read from the manifest)
+  nlohmann::json manifest;  ///< the whole manifest.json (read_checkpoint_info)
 };
 
-/// Saves `state` as `output_dir/name` and points `output_dir/latest` at it. Returns the
-/// directory. Throws RuntimeFailure on I/O errors (the previous checkpoint stays intact).
+/// manifest.json's "format" (both versions).
+inline constexpr const char* kCheckpointFormat = "shardtrain-checkpoint";
+/// The newest checkpoint format version this build reads and writes.
+inline constexpr int kCheckpointVersion = 2;
+
+/// The manifest's "model" and "progress" objects (shared by both formats).
+nlohmann::json manifest_model_json(const GPT2Config& model);
+nlohmann::json manifest_progress_json(const TrainingProgress& progress);
+
+/// Creates (empty) `output_dir/.NAME.tmp.ID`, removing a stale one of the same name first.
+/// Returns its path. Throws RuntimeFailure naming the directory on failure.
+std::filesystem::path create_checkpoint_tmp_dir(const std::filesystem::path& output_dir,
+                                                const std::string& name, const std::string& id);
+
+/// Moves the finished `tmp_dir` (every file fsync'ed, manifest.json last) to `output_dir/name`
+/// (replacing an older checkpoint of that name) and then atomically points `output_dir/latest`
+/// at it. Returns the final directory. Throws RuntimeFailure; until the rename the previous
+/// checkpoint and `latest` are untouched.
+std::filesystem::path publish_checkpoint_dir(const std::filesystem::path& output_dir,
+                                             const std::filesystem::path& tmp_dir,
+                                             const std::string& name);
+
+/// Saves `state` as a format-1 (full state) checkpoint `output_dir/name` and points
+/// `output_dir/latest` at it. Returns the directory. Throws RuntimeFailure on I/O errors (the
+/// previous checkpoint stays intact).
 std::filesystem::path save_checkpoint(const std::filesystem::path& output_dir,
                                       const std::string& name, const ParamLayout& layout,
                                       const FullState& state, const CheckpointInfo& info);
@@ -58,9 +89,10 @@ std::filesystem::path resolve_checkpoint(const std::filesystem::path& dir);
 /// CheckpointError for a missing or corrupt manifest.
 CheckpointInfo read_checkpoint_info(const std::filesystem::path& dir);
 
-/// Loads a checkpoint's full state for `layout`, verifying sizes and checksums. With
+/// Loads a format-1 checkpoint's full state for `layout`, verifying sizes and checksums. With
 /// `with_optimizer` false only the parameters are read. Throws CheckpointError naming the file
-/// or tensor on any mismatch.
+/// or tensor on any mismatch, and for other formats (load_full_state in
+/// io/sharded_checkpoint.h reads every format).
 FullState load_checkpoint_state(const CheckpointInfo& info, const ParamLayout& layout,
                                 bool with_optimizer);
 
@@ -73,14 +105,32 @@ void load_hf_weights(const std::filesystem::path& file, const ParamLayout& layou
 void save_hf_weights(const std::filesystem::path& file, const ParamLayout& layout,
                      const float* flat);
 
+/// Element type of an exported Hugging Face model.
+enum class HfDtype { kF32, kBF16 };
+
+/// Parses "fp32"/"f32"/"float32" and "bf16"/"bfloat16". Throws ConfigError naming the choices.
+HfDtype parse_hf_dtype(const std::string& s);
+
+/// Streams a Hugging Face model.safetensors tensor by tensor (HF names, Conv1D weights
+/// transposed to [in, out], fp32 or bf16 rounded to nearest even): construct, then write() every
+/// tensor of the layout in layout order, then finish(). Memory: one tensor. Throws RuntimeFailure
+/// on I/O errors and when tensors come out of order.
+class HfWeightsWriter {
+ public:
+  HfWeightsWriter(const std::filesystem::path& file, const ParamLayout& layout, HfDtype dtype);
+  /// `data`: tensor `t` in our layout (t.numel fp32 values, linear weights [out, in]).
+  void write(const ParamTensor& t, const float* data);
+  WrittenFile finish();
+
+ private:
+  std::vector<const ParamTensor*> tensors_;
+  size_t next_ = 0;
+  HfDtype dtype_;
+  SafetensorsWriter writer_;
+};
+
 /// Writes a Hugging Face GPT2Config (config.json) for `model` into `dir`, so that
 /// GPT2LMHeadModel.from_pretrained(dir) loads the model.safetensors beside it.
 void save_hf_config(const std::filesystem::path& dir, const GPT2Config& model);
-
-/// Copies a checkpoint's weights as a Hugging Face model directory: model.safetensors,
-/// config.json and the GPT-2 tokenizer files (vocab.json = encoder.json, merges.txt =
-/// vocab.bpe). Throws CheckpointError / RuntimeFailure naming the file on failure.
-void export_hf_model(const CheckpointInfo& info, const std::filesystem::path& out_dir,
-                     const std::filesystem::path& tokenizer_dir);
 
 }  // namespace shardtrain

@@ -16,6 +16,7 @@
 #include "data/dataset.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
+#include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
@@ -273,7 +274,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
             !fs::exists(p / "manifest.json"))
           load_hf_weights(p / "model.safetensors", model.layout(), init.data());
         else if (fs::is_directory(p))
-          init = load_checkpoint_state(read_checkpoint_info(p), model.layout(), false).params;
+          init = load_checkpoint_params(read_checkpoint_info(p), model.layout());
         else
           load_hf_weights(p, model.layout(), init.data());
       } else {
@@ -283,7 +284,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     strategy->setup(model, init);
   }
   if (resume) {
-    strategy->load_state(load_checkpoint_state(*resume, model.layout(), true));
+    load_sharded_checkpoint(*resume, model.layout(), *strategy, comm);
     progress = resume->progress;
     check<CheckpointError>(progress.step <= total_steps,
                            "checkpoint {} is at step {} but this run has only {} steps: raise "
@@ -348,11 +349,14 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   ck.config = config_snapshot(cfg);
   auto save = [&]() {
     if (!cfg.save_checkpoints) return;
-    FullState state = strategy->gather_state();
-    if (!rank0) return;
     ck.progress = progress;
-    const fs::path dir = save_checkpoint(out_dir, fmt::format("checkpoint-{:06d}", progress.step),
-                                         model.layout(), state, ck);
+    if (scaler.enabled())
+      ck.loss_scaler = {{"scale", scaler.scale()}, {"skipped_steps", scaler.skipped_steps()}};
+    ShardedSaveOptions opts;
+    opts.consolidated_bf16_model = cfg.zero.stage3_gather_16bit_weights_on_model_save;
+    const fs::path dir =
+        save_sharded_checkpoint(out_dir, fmt::format("checkpoint-{:06d}", progress.step),
+                                model.layout(), *strategy, comm, ck, opts);
     summary.checkpoint = dir.string();
     out.line("saved checkpoint {}", dir.string());
   };

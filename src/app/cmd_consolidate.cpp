@@ -1,0 +1,35 @@
+// `shardtrain consolidate`: a (sharded) checkpoint as one Hugging Face model directory, streamed
+// tensor by tensor from the rank files (DeepSpeed's zero_to_fp32.py, without holding the model).
+#include <fmt/core.h>
+
+#include "app/commands.h"
+#include "data/dataset.h"
+#include "io/checkpoint.h"
+#include "io/hf_export.h"
+
+namespace shardtrain {
+
+void register_consolidate_command(CLI::App& app) {
+  auto checkpoint = std::make_shared<std::string>();
+  auto output = std::make_shared<std::string>();
+  auto dtype = std::make_shared<std::string>("fp32");
+  CLI::App* cmd = app.add_subcommand(
+      "consolidate",
+      "merge a checkpoint's per-rank shards into a Hugging Face GPT-2 directory "
+      "(model.safetensors, config.json, vocab.json, merges.txt), one tensor in memory at a time");
+  cmd->add_option("checkpoint", *checkpoint,
+                  "checkpoint directory, or an output directory (its latest checkpoint)")
+      ->required();
+  cmd->add_option("--output", *output, "directory to write")->required();
+  cmd->add_option("--dtype", *dtype, "bf16 | fp32 (default fp32)");
+  cmd->callback([checkpoint, output, dtype]() {
+    const HfDtype dt = parse_hf_dtype(*dtype);
+    const CheckpointInfo info = read_checkpoint_info(*checkpoint);
+    export_hf_model(info, *output, default_data_dir() / "gpt2-tokenizer", dt);
+    fmt::print("consolidated {} (model {}, step {}, {}) into {}\n", info.dir.string(),
+               info.model.name, info.progress.step, dt == HfDtype::kBF16 ? "bf16" : "fp32",
+               *output);
+  });
+}
+
+}  // namespace shardtrain
