@@ -11,7 +11,7 @@ namespace shardtrain {
 
 StrategyOptions strategy_options(const TrainConfig& cfg) {
   StrategyOptions o;
-  o.plan = plan_of(cfg);
+  o.plan = cfg.plan;  // derived by validate()
   o.adamw = AdamWHyper{cfg.beta1, cfg.beta2, cfg.adam_eps, cfg.weight_decay};
   o.reduce_bucket_size = cfg.zero.reduce_bucket_size;
   o.reduce_bucket_size_set = cfg.zero.reduce_bucket_size_set;
@@ -27,11 +27,11 @@ StrategyOptions strategy_options(const TrainConfig& cfg) {
 std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend& backend,
                                         Communicator& comm) {
   const ParallelPlan& plan = options.plan;
-  check<ConfigError>(plan.optimizer_offload == OffloadDevice::kNone &&
-                         plan.param_offload == OffloadDevice::kNone,
-                     "offloading optimizer state or parameters (zero_optimization.offload_optimizer "
-                     "/ offload_param) is not available yet in this release: remove the offload "
-                     "sections or set their device to \"none\"");
+  check<ConfigError>(
+      plan.optimizer_offload == OffloadDevice::kNone && plan.param_offload == OffloadDevice::kNone,
+      "offloading optimizer state or parameters (zero_optimization.offload_optimizer "
+      "/ offload_param) is not available yet in this release: remove the offload "
+      "sections or set their device to \"none\"");
   check<ConfigError>(plan.pipeline_stages == 1,
                      "pipeline parallelism is not available yet in this release: use --strategy "
                      "dp, zero1, zero2 or zero3");
@@ -44,7 +44,8 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend&
     case 3:
       return make_zero3_strategy(options, backend, comm);
     default:
-      throw ConfigError(fmt::format("ZeRO stage {} does not exist: use 0, 1, 2 or 3", plan.zero_stage));
+      throw ConfigError(
+          fmt::format("ZeRO stage {} does not exist: use 0, 1, 2 or 3", plan.zero_stage));
   }
 }
 
