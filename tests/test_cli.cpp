@@ -57,7 +57,7 @@ void expect_error(const std::string& args, const std::string& needle) {
 TEST(Cli, UnknownModelAndStrategy) {
   expect_error("--model gpt3 --dataset wikitext-2", "gpt3");
   expect_error("--model gpt2-tiniest --dataset wikitext-2", "did you mean 'gpt2-tiny'");
-  expect_error("--strategy zero3 --dataset wikitext-2", "not available yet");
+  expect_error("--strategy offload --dataset wikitext-2", "not available yet");
   expect_error("--strategy zero9 --dataset wikitext-2", "zero9");
 }
 

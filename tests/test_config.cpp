@@ -154,33 +154,46 @@ TEST(ZeroStages, StrategyForZero) {
   EXPECT_EQ(zero_stage_of(StrategyKind::kZero3), 3);
 }
 
-// ---- strategies not available yet ----------------------------------------------------------
+// ---- strategies and the parallel plan ----------------------------------------------------------
 
 TEST_F(ConfigTest, StrategyFlagAliasesResolve) {
   EXPECT_EQ(finalize({"--strategy", "ddp"}).strategy, StrategyKind::kDataParallel);
   EXPECT_EQ(finalize({"--strategy", "fsdp_stage2"}).strategy, StrategyKind::kZero2);
-  const std::string msg = config_error([&] { finalize({"--strategy", "fsdp_stage3"}); });
-  EXPECT_CONTAINS(msg, "strategy 'zero3'");
-  EXPECT_CONTAINS(msg, "fsdp_stage3");
+  const TrainConfig cfg = finalize({"--strategy", "fsdp_stage3"});
+  EXPECT_EQ(cfg.strategy, StrategyKind::kZero3);
+  EXPECT_EQ(cfg.plan.zero_stage, 3);
 }
 
-TEST_F(ConfigTest, ZeroStagesOneAndTwoAreAvailable) {
+TEST_F(ConfigTest, ZeroStagesOneTwoAndThreeAreAvailable) {
   TrainConfig cfg = finalize({"--strategy", "zero1"});
   EXPECT_EQ(cfg.strategy, StrategyKind::kZero1);
   EXPECT_EQ(cfg.zero.stage, 1);
+  EXPECT_EQ(cfg.plan.zero_stage, 1);
   cfg = finalize({"--strategy", "zero2"});
   EXPECT_EQ(cfg.strategy, StrategyKind::kZero2);
   EXPECT_EQ(cfg.zero.stage, 2);
+  EXPECT_EQ(cfg.plan.zero_stage, 2);
   EXPECT_EQ(finalize({"--zero-stage", "1"}).strategy, StrategyKind::kZero1);
   EXPECT_EQ(finalize({"--zero-stage", "2"}).strategy, StrategyKind::kZero2);
   const std::string path = write("zero2.json", R"({"zero_optimization": {"stage": 2}})");
   cfg = finalize({"--deepspeed-config", path});
   EXPECT_EQ(cfg.strategy, StrategyKind::kZero2);
   EXPECT_EQ(cfg.zero.stage, 2);
+  // Stage 3: the zero3 preset of the plan, from --strategy, --zero-stage or the JSON.
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--strategy", "zero3"},
+        {"--zero-stage", "3"},
+        {"--deepspeed-config", write("zero3.json", R"({"zero_optimization": {"stage": 3}})")}}) {
+    cfg = finalize(args);
+    EXPECT_EQ(cfg.strategy, StrategyKind::kZero3) << args[0];
+    EXPECT_EQ(cfg.zero.stage, 3) << args[0];
+    EXPECT_EQ(cfg.plan, (ParallelPlan{3, OffloadDevice::kNone, 1.0, OffloadDevice::kNone, 1}))
+        << args[0];
+  }
 }
 
 TEST_F(ConfigTest, OtherStrategiesAreNotAvailableYet) {
-  for (const char* s : {"zero3", "offload", "infinity", "pipeline"}) {
+  for (const char* s : {"offload", "infinity", "pipeline"}) {
     const std::string msg = config_error([&] { finalize({"--strategy", s}); });
     EXPECT_CONTAINS(msg, fmt::format("strategy '{}'", s));
     EXPECT_CONTAINS(msg, "not available yet in this release");
@@ -188,11 +201,7 @@ TEST_F(ConfigTest, OtherStrategiesAreNotAvailableYet) {
   }
 }
 
-TEST_F(ConfigTest, ZeroStageFlagNotAvailableYet) {
-  const std::string msg = config_error([&] { finalize({"--zero-stage", "3"}); });
-  EXPECT_CONTAINS(msg, "--zero-stage 3");
-  EXPECT_CONTAINS(msg, "not available yet");
-  EXPECT_CONTAINS(msg, "--zero-stage 0");
+TEST_F(ConfigTest, ZeroStageFlagZeroIsDataParallel) {
   EXPECT_EQ(finalize({"--zero-stage", "0"}).strategy, StrategyKind::kDataParallel);
 }
 
@@ -213,13 +222,137 @@ TEST_F(ConfigTest, UnknownStrategyFlagFailsWhileParsing) {
   }
 }
 
-TEST_F(ConfigTest, JsonZeroStageNotAvailableYet) {
-  const std::string path = write("zero3.json", R"({"zero_optimization": {"stage": 3}})");
+TEST_F(ConfigTest, JsonZeroStageWithOffloadNotAvailableYet) {
+  const std::string path =
+      write("zero3.json", R"({"zero_optimization": {"stage": 3, "cpu_offload": true}})");
   const std::string msg = config_error([&] { finalize({"--deepspeed-config", path}); });
   EXPECT_CONTAINS(msg, "zero_optimization.stage 3");
   EXPECT_CONTAINS(msg, path);
+  EXPECT_CONTAINS(msg, "strategy 'infinity'");
   EXPECT_CONTAINS(msg, "not available yet");
-  EXPECT_CONTAINS(msg, "\"stage\": 0");
+  EXPECT_CONTAINS(msg, "\"stage\": 0, 1, 2 or 3 and the offload devices to \"none\"");
+}
+
+// ---- zero_optimization stage-3 keys -----------------------------------------------------------
+
+TEST_F(ConfigTest, Stage3KeysAreRead) {
+  TrainConfig c = apply_json(R"({"zero_optimization": {"stage": 3,
+      "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 1e4,
+      "stage3_max_live_parameters": 3e8, "stage3_max_reuse_distance": 0,
+      "stage3_gather_16bit_weights_on_model_save": true}})");
+  EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, 0);  // allowed: no prefetch
+  EXPECT_EQ(c.zero.stage3_param_persistence_threshold, 10'000);
+  EXPECT_EQ(c.zero.stage3_max_live_parameters, 300'000'000);
+  EXPECT_EQ(c.zero.stage3_max_reuse_distance, 0);
+  EXPECT_TRUE(c.zero.stage3_gather_16bit_weights_on_model_save);
+  EXPECT_EQ(c.strategy, StrategyKind::kZero3);
+  EXPECT_TRUE(ignored_.empty()) << ignored_.front();
+
+  // DeepSpeed's unprefixed names and the deprecated fp16 spelling mean the same.
+  c = apply_json(R"({"zero_optimization": {"prefetch_bucket_size": 7,
+      "param_persistence_threshold": 8, "max_live_parameters": 9, "max_reuse_distance": 10,
+      "stage3_gather_fp16_weights_on_model_save": true}})");
+  EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, 7);
+  EXPECT_EQ(c.zero.stage3_param_persistence_threshold, 8);
+  EXPECT_EQ(c.zero.stage3_max_live_parameters, 9);
+  EXPECT_EQ(c.zero.stage3_max_reuse_distance, 10);
+  EXPECT_TRUE(c.zero.stage3_gather_16bit_weights_on_model_save);
+  EXPECT_TRUE(apply_json(R"({"zero_optimization": {"gather_16bit_weights_on_model_save": true}})")
+                  .zero.stage3_gather_16bit_weights_on_model_save);
+
+  // Defaults (DeepSpeed's) when absent.
+  c = apply_json(R"({"zero_optimization": {"stage": 3}})");
+  EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, 50'000'000);
+  EXPECT_EQ(c.zero.stage3_param_persistence_threshold, 100'000);
+  EXPECT_FALSE(c.zero.stage3_gather_16bit_weights_on_model_save);
+}
+
+TEST_F(ConfigTest, Stage3BadValuesNameKeyValueAndFix) {
+  const struct {
+    const char* json;
+    std::vector<std::string> expected;
+  } cases[] = {
+      {R"({"zero_optimization": {"stage3_prefetch_bucket_size": -1}})",
+       {"\"zero_optimization.stage3_prefetch_bucket_size\": -1 is not valid", ">= 0",
+        "0 = no prefetch"}},
+      {R"({"zero_optimization": {"stage3_max_live_parameters": 0}})",
+       {"\"zero_optimization.stage3_max_live_parameters\": 0 is not valid", "an integer >= 1"}},
+      {R"({"zero_optimization": {"max_live_parameters": -5}})",
+       {"\"zero_optimization.max_live_parameters\": -5 is not valid", ">= 1"}},
+      {R"({"zero_optimization": {"stage3_max_reuse_distance": -1}})",
+       {"\"zero_optimization.stage3_max_reuse_distance\": -1 is not valid", ">= 0"}},
+      {R"({"zero_optimization": {"stage3_param_persistence_threshold": -2}})",
+       {"\"zero_optimization.stage3_param_persistence_threshold\": -2 is not valid", ">= 0"}},
+      {R"({"zero_optimization": {"stage3_param_persistence_threshold": 1.5}})",
+       {"stage3_param_persistence_threshold\": 1.5 is not valid"}},
+      {R"({"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": 1}})",
+       {"stage3_gather_16bit_weights_on_model_save\": 1 is not valid", "true or false"}},
+      {R"({"zero_optimization": {"stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 2}})",
+       {"\"zero_optimization.stage3_prefetch_bucket_size\" and "
+        "\"zero_optimization.prefetch_bucket_size\" are both given",
+        "keep only \"stage3_prefetch_bucket_size\""}},
+      {R"({"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true,
+          "stage3_gather_fp16_weights_on_model_save": true}})",
+       {"are both given"}},
+  };
+  for (const auto& c : cases) {
+    const std::string msg = config_error([&] { apply_json(c.json); });
+    for (const auto& e : c.expected) EXPECT_CONTAINS(msg, e);
+  }
+}
+
+TEST_F(ConfigTest, PersistenceThresholdAboveEveryLayerWarns) {
+  TrainConfig cfg = valid_config();
+  cfg.strategy = StrategyKind::kZero3;
+  cfg.zero.stage = 3;
+  cfg.zero.stage3_param_persistence_threshold = 2'000'000;
+  validate(cfg, 1024);
+  const auto w = model_config_warnings(cfg, 1'500'000);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_CONTAINS(w[0], "zero_optimization.stage3_param_persistence_threshold 2000000");
+  EXPECT_CONTAINS(w[0], "every layer stays replicated: zero3 then saves no parameter memory");
+  EXPECT_CONTAINS(w[0], "1500000 parameters");
+  EXPECT_EQ(model_config_warnings(cfg, 1'500'000).size(), 1u);
+  EXPECT_TRUE(model_config_warnings(cfg, 3'000'000).empty());  // the largest layer is sharded
+  EXPECT_TRUE(model_config_warnings(cfg, 2'000'000).empty());  // not fewer than the threshold
+  cfg.zero.stage3_param_persistence_threshold = 100'000;       // DeepSpeed's default
+  EXPECT_TRUE(model_config_warnings(cfg, 1'500'000).empty());
+  cfg = valid_config();  // not stage 3: the threshold means nothing
+  cfg.zero.stage3_param_persistence_threshold = 2'000'000;
+  EXPECT_TRUE(model_config_warnings(cfg, 1'500'000).empty());
+}
+
+TEST_F(ConfigTest, Bf16ConfigRunsInFp32OnCpuWithOneWarning) {
+  const std::string path = write("gpu.json", R"({"bf16": {"enabled": true},
+      "zero_optimization": {"stage": 2}})");
+  TrainConfig cfg = finalize({"--deepspeed-config", path, "--device", "cpu"});
+  EXPECT_EQ(cfg.precision, Precision::kFp32);
+  ASSERT_EQ(warnings_.size(), 1u);
+  EXPECT_CONTAINS(warnings_[0], "enables bf16");
+  EXPECT_CONTAINS(warnings_[0], "training in fp32");
+  EXPECT_EQ(warnings_[0].find('\n'), std::string::npos);
+  warnings_.clear();
+  const std::string fp16 = write("fp16.json", R"({"fp16": {"enabled": true}})");
+  EXPECT_EQ(finalize({"--deepspeed-config", fp16, "--device", "cpu"}).precision, Precision::kFp32);
+  EXPECT_EQ(warnings_.size(), 1u);
+  warnings_.clear();
+  // On GPUs (or auto) the file's precision stands.
+  EXPECT_EQ(finalize({"--deepspeed-config", path, "--device", "cuda"}).precision, Precision::kBf16);
+  EXPECT_TRUE(warnings_.empty());
+}
+
+TEST_F(ConfigTest, ExplicitHalfPrecisionOnCpuIsAnError) {
+  for (const char* p : {"bf16", "fp16"}) {
+    const std::string msg = config_error([&] { finalize({"--precision", p, "--device", "cpu"}); });
+    EXPECT_CONTAINS(msg, fmt::format("--precision {} needs --device cuda", p));
+    EXPECT_CONTAINS(msg, "--precision fp32");
+  }
+  // Also when a DeepSpeed config agrees with the flag.
+  const std::string path = write("gpu.json", R"({"bf16": {"enabled": true}})");
+  const std::string msg = config_error([&] {
+    finalize({"--deepspeed-config", path, "--precision", "bf16", "--device", "cpu"});
+  });
+  EXPECT_CONTAINS(msg, "--precision bf16 needs --device cuda");
 }
 
 TEST_F(ConfigTest, JsonOffloadNotAvailableYet) {
@@ -373,11 +506,23 @@ TEST_F(ConfigTest, WrongTypesNameKeyValueAndExpectation) {
 
 TEST_F(ConfigTest, SizesWrittenAsFloatsAreIntegers) {
   const TrainConfig cfg = apply_json(R"({"zero_optimization": {"reduce_bucket_size": 5e8,
-      "allgather_bucket_size": 2e8, "overlap_comm": false, "reduce_scatter": false}})");
+      "allgather_bucket_size": 2e8, "overlap_comm": false}})");
   EXPECT_EQ(cfg.zero.reduce_bucket_size, 500'000'000);
   EXPECT_EQ(cfg.zero.allgather_bucket_size, 200'000'000);
   EXPECT_FALSE(cfg.zero.overlap_comm);
-  EXPECT_FALSE(cfg.zero.reduce_scatter);
+}
+
+// contiguous_gradients and reduce_scatter are valid but not implemented as options (ZeRO always
+// keeps contiguous gradient buckets and reduce-scatters): warned about only when turned off.
+TEST_F(ConfigTest, ContiguousGradientsAndReduceScatterWarnOnlyWhenOff) {
+  apply_json(R"({"zero_optimization": {"contiguous_gradients": true, "reduce_scatter": true}})");
+  EXPECT_TRUE(ignored_.empty()) << ignored_.front();
+  apply_json(R"({"zero_optimization": {"contiguous_gradients": false, "reduce_scatter": false}})");
+  EXPECT_EQ(ignored_, (std::vector<std::string>{"zero_optimization.contiguous_gradients: false",
+                                                "zero_optimization.reduce_scatter: false"}));
+  const std::string msg =
+      config_error([&] { apply_json(R"({"zero_optimization": {"reduce_scatter": "no"}})"); });
+  EXPECT_CONTAINS(msg, "zero_optimization.reduce_scatter");
 }
 
 TEST_F(ConfigTest, UnsupportedOptimizersAndSchedulers) {
@@ -574,7 +719,7 @@ TEST_F(ConfigTest, FlagsBindToFields) {
   const TrainConfig cfg = finalize({"--model",
                                     "gpt2-small",
                                     "--device",
-                                    "cpu",
+                                    "cuda",
                                     "--precision",
                                     "bf16",
                                     "--epochs",
@@ -621,7 +766,7 @@ TEST_F(ConfigTest, FlagsBindToFields) {
                                     "--init-from",
                                     "w.safetensors"});
   EXPECT_EQ(cfg.model, "gpt2-small");
-  EXPECT_EQ(cfg.device, "cpu");
+  EXPECT_EQ(cfg.device, "cuda");  // bf16 with --device cpu is an error
   EXPECT_EQ(cfg.precision, Precision::kBf16);
   EXPECT_EQ(cfg.epochs, 3);
   EXPECT_EQ(cfg.max_steps, 100);
@@ -773,11 +918,26 @@ TEST_F(ConfigTest, ValidateChecksEveryField) {
       {[](TrainConfig& c) { c.log_interval = 0; }, {"--log-interval 0"}},
       {[](TrainConfig& c) { c.world_size = 0; }, {"world size 0"}},
       {[](TrainConfig& c) {
-         c.strategy = StrategyKind::kZero3;
-         c.strategy_name = "zero3";
+         c.strategy = StrategyKind::kOffload;
+         c.strategy_name = "offload";
        },
-       {"strategy 'zero3'", "not available yet", "--strategy dp"}},
-      {[](TrainConfig& c) { c.zero.stage = 3; }, {"ZeRO stage 3", "not available yet"}},
+       {"strategy 'offload'", "not available yet", "--strategy dp"}},
+      {[](TrainConfig& c) { c.zero.stage = 3; },
+       {"ZeRO stage 3", "contradicts strategy 'dp'", "pick strategy 'zero3'"}},
+      {[](TrainConfig& c) { c.zero.stage = 4; }, {"ZeRO stage 4", "does not exist"}},
+      {[](TrainConfig& c) { c.zero.stage3_max_live_parameters = 0; },
+       {"zero_optimization.stage3_max_live_parameters 0 is not valid", ">= 1"}},
+      {[](TrainConfig& c) { c.zero.stage3_prefetch_bucket_size = -1; },
+       {"zero_optimization.stage3_prefetch_bucket_size -1 is not valid", ">= 0"}},
+      {[](TrainConfig& c) { c.zero.stage3_max_reuse_distance = -1; },
+       {"zero_optimization.stage3_max_reuse_distance -1"}},
+      {[](TrainConfig& c) { c.zero.stage3_param_persistence_threshold = -1; },
+       {"zero_optimization.stage3_param_persistence_threshold -1"}},
+      {[](TrainConfig& c) {
+         c.device = "cpu";
+         c.precision = Precision::kBf16;
+       },
+       {"--precision bf16 needs --device cuda"}},
       {[](TrainConfig& c) { c.zero.stage = 1; },
        {"ZeRO stage 1", "contradicts strategy 'dp'", "pick strategy 'zero1'"}},
       {[](TrainConfig& c) { c.zero.offload_param_device = "cpu"; },

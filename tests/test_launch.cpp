@@ -9,10 +9,14 @@
 
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
+#include <vector>
 
 namespace fs = std::filesystem;
 
@@ -228,6 +232,96 @@ TEST(LaunchTrain, TwoRanksTrainThroughMpirun) {
   EXPECT_EQ(count(r.output, "done | 3 steps"), 1u) << "only rank 0 prints\n" << r.output;
   EXPECT_TRUE(fs::exists(dir / "out" / "checkpoint-000003" / "manifest.json"));
   EXPECT_TRUE(fs::exists(dir / "out" / "checkpoint-000003" / "rank-00001-of-00002.safetensors"));
+  fs::remove_all(dir);
+}
+
+/// What a training run wrote to metrics.jsonl: the loss of every step (--log-interval 1) and the
+/// last validation.
+struct RunLog {
+  std::vector<double> losses;
+  double val_loss = std::nan("");
+  int64_t val_samples = -1;
+};
+
+RunLog read_run_log(const fs::path& metrics) {
+  RunLog log;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    const auto rec = nlohmann::json::parse(line);
+    if (rec.contains("loss") && rec.contains("grad_norm"))
+      log.losses.push_back(rec["loss"].get<double>());
+    if (rec.contains("val_samples")) {
+      log.val_loss = rec["val_loss"].get<double>();
+      log.val_samples = rec["val_samples"].get<int64_t>();
+    }
+  }
+  return log;
+}
+
+double rel_diff(double a, double b) { return std::fabs(a - b) / std::max(1e-12, std::fabs(b)); }
+
+// What multi-rank runs report is the global batch's: 1, 2 and 4 ranks with the same global batch
+// (4 samples: micro-batches of 4, 2 and 1) log the same training loss at every step, and the same
+// validation loss over all 37 validation samples (37 does not divide by 2 or 4: every sample is
+// counted once), within 1e-5 relative.
+TEST(LaunchTrain, RanksLogTheGlobalLossAndTheWholeValidation) {
+  const fs::path dir = temp_dir("global_loss");
+  const std::string data = std::string(SHARDTRAIN_DEFAULT_DATA_DIR) + "/wikitext-2/";
+  const std::string common =
+      "train --model gpt2-micro --device cpu --train-file " + data + "wiki.valid.tokens" +
+      " --valid-file " + data + "wiki.test.tokens --eval-samples 37 --num-samples 64 " +
+      "--max-length 32 --train-batch-size 4 --max-steps 4 --log-interval 1 --no-save " +
+      "--cache-dir " + (dir / "cache").string();
+  std::vector<RunLog> logs;
+  for (int ranks : {1, 2, 4}) {
+    const fs::path out = dir / ("out" + std::to_string(ranks));
+    const Result r = run("launch --nproc-per-node " + std::to_string(ranks) + " -- " + common +
+                         " --output-dir " + out.string());
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("| 37 samples in"), std::string::npos) << r.output;
+    logs.push_back(read_run_log(out / "metrics.jsonl"));
+  }
+  const RunLog& one = logs[0];
+  ASSERT_EQ(one.losses.size(), 4u);
+  ASSERT_EQ(one.val_samples, 37);
+  for (size_t i = 1; i < logs.size(); ++i) {
+    const int ranks = i == 1 ? 2 : 4;
+    ASSERT_EQ(logs[i].losses.size(), one.losses.size()) << ranks << " ranks";
+    for (size_t s = 0; s < one.losses.size(); ++s)
+      EXPECT_LE(rel_diff(logs[i].losses[s], one.losses[s]), 1e-5)
+          << ranks << " ranks, step " << s + 1 << ": " << logs[i].losses[s] << " vs "
+          << one.losses[s];
+    EXPECT_EQ(logs[i].val_samples, 37) << ranks << " ranks";
+    EXPECT_LE(rel_diff(logs[i].val_loss, one.val_loss), 1e-5)
+        << ranks << " ranks: " << logs[i].val_loss << " vs " << one.val_loss;
+  }
+  fs::remove_all(dir);
+}
+
+// mpirun gives ranks a pseudo-terminal as stdout whatever its own stdout is; the progress bar
+// must follow the launcher's stdout instead: none in a file, and (the control) there when the
+// launcher says its stdout is a terminal.
+TEST(LaunchTrain, NoProgressBarWhenStdoutIsAFile) {
+  const fs::path dir = temp_dir("bar");
+  const std::string cmd = std::string(SHARDTRAIN_BINARY) + " launch --nproc-per-node 2 -- " +
+                          train_args(dir) + " --no-save > " + (dir / "log.txt").string();
+  const auto file_text = [&] {
+    std::ifstream in(dir / "log.txt");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  Result r = run_shell("env OMP_NUM_THREADS=1 " + cmd);
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::string text = file_text();
+  EXPECT_NE(text.find("done | 3 steps"), std::string::npos) << text;
+  EXPECT_EQ(text.find('\r'), std::string::npos) << "progress bar redraws in the file:\n" << text;
+  EXPECT_EQ(text.find("tok/s"), std::string::npos) << text;
+
+  r = run_shell("env OMP_NUM_THREADS=1 SHARDTRAIN_STDOUT_TTY=1 " + cmd);
+  ASSERT_EQ(r.status, 0) << r.output;
+  text = file_text();
+  EXPECT_NE(text.find("\r["), std::string::npos) << "the control run drew no bar:\n" << text;
   fs::remove_all(dir);
 }
 

@@ -112,6 +112,11 @@ int launch(LaunchOptions& o) {
                      "--nproc-per-node 2 -- train --dataset wikitext-2`");
   check<ConfigError>(plan.exec || plan.command[0] != "launch",
                      "`launch -- launch` nests launchers: give the training command after '--'");
+  // Whether the ranks' stdout ends at a terminal is the launcher's to say: mpirun gives ranks a
+  // pseudo-terminal even when its own output goes to a file, and the trainer would redraw its
+  // progress bar into that file. Forwarded to every rank (SHARDTRAIN_* variables are); an outer
+  // launch (--hostfile) has set it already.
+  setenv("SHARDTRAIN_STDOUT_TTY", isatty(STDOUT_FILENO) ? "1" : "0", 0);
   const std::string device = plan.exec ? "" : device_flag(plan.command);
   const int gpus = plan.exec || device == "cpu" ? 0 : cuda_device_count();
   const bool gpu_job = !plan.exec && (device == "cuda" || (device == "auto" && gpus > 0));

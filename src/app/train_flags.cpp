@@ -130,7 +130,8 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
   cmd.add_option("--strategy", cfg.strategy_name,
                  fmt::format("parallelism strategy: dp|ddp (data parallel), zero1, "
                              "zero2|fsdp_stage2, zero3|fsdp_stage3, offload, infinity, pipeline; "
-                             "dp, zero1 and zero2 are available in this release (default: {})",
+                             "dp, zero1, zero2 and zero3 are available in this release (default: "
+                             "{})",
                              cfg.strategy_name))
       ->type_name("NAME")
       ->check(strategy_name());
@@ -147,8 +148,8 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->type_name("PREC")
       ->check(one_of({"auto", "fp32", "bf16", "fp16"}));
   cmd.add_option("--zero-stage", cfg.zero.stage,
-                 fmt::format("ZeRO stage 0|1|2|3 (DeepSpeed zero_optimization.stage); 0, 1 and 2 "
-                             "are available in this release (default: {})",
+                 fmt::format("ZeRO stage 0|1|2|3 (DeepSpeed zero_optimization.stage; 3 selects "
+                             "zero3) (default: {})",
                              cfg.zero.stage))
       ->type_name("N")
       ->check(one_of({"0", "1", "2", "3"}));
@@ -393,6 +394,17 @@ TrainConfig finalize_train_config(const CLI::App& cmd, TrainConfig cfg, int64_t 
     if (!overridden.empty()) {
       warnings.push_back(fmt::format("command-line flags take precedence over '{}': {}",
                                      cfg.deepspeed_config, join(overridden, ", ")));
+    }
+    // One config file serves a CPU smoke test and the GPU run: its bf16/fp16 section applies on
+    // GPUs; the CPU path computes in fp32. (An explicit --precision bf16 on CPU stays an error.)
+    const bool half = cfg.precision == Precision::kBf16 || cfg.precision == Precision::kFp16;
+    if (half && cfg.device == "cpu" && !contains(flags, "precision")) {
+      warnings.push_back(fmt::format(
+          "'{}' enables {} ({}.enabled), which --device cpu cannot run: training in fp32 (the "
+          "same file runs {} on GPUs)",
+          cfg.deepspeed_config, to_string(cfg.precision), to_string(cfg.precision),
+          to_string(cfg.precision)));
+      cfg.precision = Precision::kFp32;
     }
   }
 

@@ -162,12 +162,51 @@ const KeyList kZeroHonoured = {
     "reduce_bucket_size",
     "allgather_bucket_size",
     "overlap_comm",
-    "contiguous_gradients",
-    "reduce_scatter",
     "offload_optimizer",
     "offload_param",
     "cpu_offload",
     "cpu_offload_param",
+    "stage3_prefetch_bucket_size",
+    "prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "param_persistence_threshold",
+    "stage3_max_live_parameters",
+    "max_live_parameters",
+    "stage3_max_reuse_distance",
+    "max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save",
+    "gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+};
+
+// zero_optimization booleans that are on by default and cannot be turned off here: ZeRO keeps
+// its gradients in contiguous flat buffers and reduce-scatters them. Listed as ignored (warned
+// about) only when a config sets them to false.
+const KeyList kZeroOnByDefaultIgnored = {"contiguous_gradients", "reduce_scatter"};
+
+/// A stage-3 size of zero_optimization: DeepSpeed's stage3_* key, its unprefixed alias (DeepSpeed's
+/// config model accepts both), the field it sets, the smallest valid value and what it means.
+struct Stage3Size {
+  const char* key;
+  const char* alias;
+  int64_t ZeroConfig::*field;
+  int64_t min;
+  const char* expected;
+};
+
+const Stage3Size kStage3Sizes[] = {
+    {"stage3_prefetch_bucket_size", "prefetch_bucket_size",
+     &ZeroConfig::stage3_prefetch_bucket_size, 0,
+     "an integer >= 0 (parameter elements gathered ahead of use; 0 = no prefetch), e.g. 5e7"},
+    {"stage3_param_persistence_threshold", "param_persistence_threshold",
+     &ZeroConfig::stage3_param_persistence_threshold, 0,
+     "an integer >= 0 (layers with fewer parameters stay replicated; 0 = partition every layer), "
+     "e.g. 1e5"},
+    {"stage3_max_live_parameters", "max_live_parameters", &ZeroConfig::stage3_max_live_parameters,
+     1, "an integer >= 1 (most gathered parameter elements alive at once on a rank), e.g. 1e9"},
+    {"stage3_max_reuse_distance", "max_reuse_distance", &ZeroConfig::stage3_max_reuse_distance, 0,
+     "an integer >= 0 (a gathered layer needed again within this many parameter elements is "
+     "kept; 0 = never kept), e.g. 1e9"},
 };
 
 const KeyList kZeroIgnored = {
@@ -195,19 +234,8 @@ const KeyList kZeroIgnored = {
     "zero_quantized_weights",
     "zero_quantized_nontrainable_weights",
     "zero_quantized_gradients",
-    "stage3_prefetch_bucket_size",
-    "prefetch_bucket_size",
-    "stage3_param_persistence_threshold",
-    "param_persistence_threshold",
     "stage3_model_persistence_threshold",
     "model_persistence_threshold",
-    "stage3_max_live_parameters",
-    "max_live_parameters",
-    "stage3_max_reuse_distance",
-    "max_reuse_distance",
-    "stage3_gather_16bit_weights_on_model_save",
-    "gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save",
     "stage3_module_granularity_threshold",
     "module_granularity_threshold",
     "stage3_use_all_reduce_for_fetch_params",
@@ -858,7 +886,9 @@ class DeepSpeedReader {
       bad_value("zero_optimization", z, "an object {\"stage\": 0, ...}");
     } else {
       const std::string prefix = "zero_optimization";
-      check_keys(z, prefix, kZeroHonoured, kZeroIgnored);
+      KeyList known = kZeroHonoured;
+      known.insert(known.end(), kZeroOnByDefaultIgnored.begin(), kZeroOnByDefaultIgnored.end());
+      check_keys(z, prefix, known, kZeroIgnored);
       stage = get_int(z, "stage", prefix, 0, "a ZeRO stage 0, 1, 2 or 3");
       if (stage && *stage > 3)
         bad_value("zero_optimization.stage", z.at("stage"), "a ZeRO stage 0, 1, 2 or 3");
@@ -870,8 +900,11 @@ class DeepSpeedReader {
         zc.allgather_bucket_size = *v;
       }
       if (auto v = get_bool(z, "overlap_comm", prefix)) zc.overlap_comm = *v;
-      if (auto v = get_bool(z, "contiguous_gradients", prefix)) zc.contiguous_gradients = *v;
-      if (auto v = get_bool(z, "reduce_scatter", prefix)) zc.reduce_scatter = *v;
+      for (const std::string& key : kZeroOnByDefaultIgnored) {
+        if (auto v = get_bool(z, key.c_str(), prefix); v && !*v)
+          ignored_.push_back(path_of(prefix, key) + ": false");
+      }
+      read_stage3(z);
       // Deprecated spellings of offload_optimizer / offload_param {"device": "cpu"}.
       if (auto v = get_bool(z, "cpu_offload", prefix); v && *v) zc.offload_optimizer_device = "cpu";
       if (auto v = get_bool(z, "cpu_offload_param", prefix); v && *v) {
@@ -891,6 +924,40 @@ class DeepSpeedReader {
                                       zc.offload_param_device);
     cfg_.strategy_name = to_string(cfg_.strategy);
     cfg_.strategy_source = "deepspeed";
+  }
+
+  /// The key of zero_optimization that is given among `key` and its other spellings `aliases`,
+  /// or nullptr; two spellings of the same setting are an error.
+  const char* stage3_key(const json& z, const char* key,
+                         std::initializer_list<const char*> aliases) const {
+    const char* given = has(z, key) ? key : nullptr;
+    for (const char* alias : aliases) {
+      if (!has(z, alias)) continue;
+      if (given != nullptr) {
+        fail(fmt::format(
+            "\"zero_optimization.{}\" and \"zero_optimization.{}\" are both given: they are "
+            "the same setting (DeepSpeed accepts either spelling); keep only \"{}\"",
+            given, alias, key));
+      }
+      given = alias;
+    }
+    return given;
+  }
+
+  void read_stage3(const json& z) {
+    const std::string prefix = "zero_optimization";
+    ZeroConfig& zc = cfg_.zero;
+    for (const Stage3Size& s : kStage3Sizes) {
+      if (const char* key = stage3_key(z, s.key, {s.alias})) {
+        if (auto v = get_int(z, key, prefix, s.min, s.expected)) zc.*s.field = *v;
+      }
+    }
+    if (const char* key =
+            stage3_key(z, "stage3_gather_16bit_weights_on_model_save",
+                       {"gather_16bit_weights_on_model_save",
+                        "stage3_gather_fp16_weights_on_model_save"})) {  // the last: deprecated
+      if (auto v = get_bool(z, key, prefix)) zc.stage3_gather_16bit_weights_on_model_save = *v;
+    }
   }
 
   void read_activation_checkpointing(const json& ac) {
@@ -986,7 +1053,8 @@ json parse_json_file(const std::string& path) {
 // ---- validation helpers ---------------------------------------------------------------------
 
 bool strategy_available(StrategyKind s) {
-  return s == StrategyKind::kDataParallel || s == StrategyKind::kZero1 || s == StrategyKind::kZero2;
+  return s == StrategyKind::kDataParallel || s == StrategyKind::kZero1 ||
+         s == StrategyKind::kZero2 || s == StrategyKind::kZero3;
 }
 
 void check_strategy(const TrainConfig& c) {
@@ -999,29 +1067,29 @@ void check_strategy(const TrainConfig& c) {
     if (c.strategy_source == "deepspeed") {
       throw ConfigError(fmt::format(
           "zero_optimization.stage {} in {} selects strategy '{}' ({}), which is not available "
-          "yet in this release: only data parallelism and ZeRO stages 1 and 2 (strategies 'dp', "
-          "'zero1', 'zero2') are implemented; set \"stage\": 0, 1 or 2{} in {}",
+          "yet in this release: only data parallelism and ZeRO stages 1, 2 and 3 (strategies "
+          "'dp', 'zero1', 'zero2', 'zero3') are implemented; set \"stage\": 0, 1, 2 or 3{} in {}",
           c.zero.stage, file, canonical, describe(c.strategy),
           any_offload ? " and the offload devices to \"none\"" : "", file));
     }
     if (c.strategy_source == "--zero-stage") {
       throw ConfigError(fmt::format(
           "--zero-stage {} selects strategy '{}' ({}), which is not available yet in this "
-          "release: only data parallelism and ZeRO stages 1 and 2 are implemented; use "
-          "--zero-stage 0, 1 or 2 (or --strategy dp, zero1 or zero2)",
+          "release: only data parallelism and ZeRO stages 1, 2 and 3 are implemented; use "
+          "--zero-stage 0, 1, 2 or 3 without offload (or --strategy dp, zero1, zero2 or zero3)",
           c.zero.stage, canonical, describe(c.strategy)));
     }
     const std::string given = c.strategy_name.empty() ? canonical : c.strategy_name;
     throw ConfigError(fmt::format(
         "--strategy {}: strategy '{}' ({}) is not available yet in this release: only data "
-        "parallelism and ZeRO stages 1 and 2 are implemented; use --strategy dp, zero1 or zero2",
+        "parallelism and ZeRO stages 1, 2 and 3 are implemented; use --strategy dp, zero1, zero2 "
+        "or zero3",
         given, canonical, describe(c.strategy)));
   }
-  if (c.zero.stage < 0 || c.zero.stage > 2) {
+  if (c.zero.stage < 0 || c.zero.stage > 3) {
     throw ConfigError(fmt::format(
-        "ZeRO stage {} (--zero-stage / zero_optimization.stage) is not available yet in this "
-        "release: only stages 0 (--strategy dp), 1 (zero1) and 2 (zero2) are implemented; use "
-        "stage 0, 1 or 2",
+        "ZeRO stage {} (--zero-stage / zero_optimization.stage) does not exist: use stage 0 "
+        "(--strategy dp), 1 (zero1), 2 (zero2) or 3 (zero3)",
         c.zero.stage));
   }
   if (c.zero.stage != zero_stage_of(c.strategy)) {
@@ -1044,6 +1112,17 @@ void check_strategy(const TrainConfig& c) {
         "available yet in this release; set it to \"none\" (or remove offload_param / "
         "cpu_offload_param)",
         c.zero.offload_param_device, file));
+  }
+}
+
+/// The stage-3 sizes (set by the DeepSpeed reader, or in code) must be usable.
+void check_stage3(const ZeroConfig& z) {
+  for (const Stage3Size& s : kStage3Sizes) {
+    const int64_t v = z.*s.field;
+    if (v < s.min) {
+      throw ConfigError(
+          fmt::format("zero_optimization.{} {} is not valid: use {}", s.key, v, s.expected));
+    }
   }
 }
 
@@ -1201,8 +1280,8 @@ StrategyKind parse_strategy(const std::string& name) {
   std::string hint;
   if (auto best = closest_match(key, names)) hint = fmt::format(": did you mean '{}'?", *best);
   throw ConfigError(
-      fmt::format("unknown strategy '{}'{} Valid strategies: {} (dp, zero1 and zero2 are "
-                  "available in this release)",
+      fmt::format("unknown strategy '{}'{} Valid strategies: {} (dp, zero1, zero2 and zero3 "
+                  "are available in this release)",
                   name, hint.empty() ? "." : hint, kValidStrategies));
 }
 
@@ -1219,6 +1298,18 @@ LrSchedule parse_lr_schedule(const std::string& name) {
   }
   throw ConfigError(
       fmt::format("unknown learning-rate schedule '{}': use constant, linear or cosine", name));
+}
+
+std::string to_string(OffloadDevice d) {
+  switch (d) {
+    case OffloadDevice::kNone:
+      return "none";
+    case OffloadDevice::kCpu:
+      return "cpu";
+    case OffloadDevice::kNvme:
+      return "nvme";
+  }
+  return "unknown";
 }
 
 ParallelPlan plan_of(const TrainConfig& cfg) {
@@ -1288,9 +1379,18 @@ void apply_deepspeed_config(const std::string& path, TrainConfig& cfg,
 
 void validate(TrainConfig& cfg, int64_t model_context) {
   check_strategy(cfg);
+  check_stage3(cfg.zero);
+  cfg.plan = plan_of(cfg);
 
   if (cfg.device != "auto" && cfg.device != "cpu" && cfg.device != "cuda") {
     throw ConfigError(fmt::format("--device '{}' is not valid: use auto, cpu or cuda", cfg.device));
+  }
+  if (cfg.device == "cpu" && cfg.precision != Precision::kAuto &&
+      cfg.precision != Precision::kFp32) {
+    throw ConfigError(fmt::format(
+        "--precision {} needs --device cuda; the CPU path computes in fp32 (use --precision fp32 "
+        "or leave it unset)",
+        to_string(cfg.precision)));
   }
   if (cfg.model.empty()) {
     throw ConfigError("--model is empty: name a model preset (e.g. --model gpt2-tiny)");
@@ -1435,6 +1535,21 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         "and step from a checkpoint, --init-from only loads initial weights; use one",
         cfg.resume, cfg.init_from));
   }
+}
+
+std::vector<std::string> model_config_warnings(const TrainConfig& cfg,
+                                               int64_t largest_layer_numel) {
+  std::vector<std::string> out;
+  const int64_t threshold = cfg.zero.stage3_param_persistence_threshold;
+  // A layer with fewer parameters than the threshold stays replicated (parallel/zero3.cpp).
+  if (plan_of(cfg).zero_stage == 3 && largest_layer_numel > 0 && threshold > largest_layer_numel) {
+    out.push_back(fmt::format(
+        "zero_optimization.stage3_param_persistence_threshold {} is above the largest layer of "
+        "model '{}' ({} parameters): every layer stays replicated: zero3 then saves no parameter "
+        "memory; set it to at most {} (DeepSpeed's default is 100000)",
+        threshold, cfg.model, largest_layer_numel, largest_layer_numel));
+  }
+  return out;
 }
 
 }  // namespace shardtrain

@@ -38,22 +38,27 @@ struct ZeroConfig {
   int64_t reduce_bucket_size = 500'000'000;     ///< elements (DeepSpeed's default)
   bool reduce_bucket_size_set = false;          ///< given explicitly (DeepSpeed JSON)
   int64_t allgather_bucket_size = 500'000'000;  ///< elements
+  /// Launch gradient reductions (and stage-3 prefetches) while computing; false: after
+  /// backward / when a layer is needed.
   bool overlap_comm = true;
-  bool contiguous_gradients = true;
   std::string offload_optimizer_device = "none";  ///< none | cpu | nvme
   std::string offload_param_device = "none";      ///< none | cpu | nvme
   std::string nvme_path;
-  bool reduce_scatter = true;  ///< reduce-scatter instead of all-reduce for gradients
-  // ---- stage 3 (DeepSpeed's stage3_* keys; element counts) ----
-  /// Elements of parameters gathered ahead of the layer that needs them (prefetch window).
+  // (contiguous_gradients and reduce_scatter are not options here: ZeRO gradients always live
+  // in contiguous flat buffers and are always reduce-scattered; the reader warns when a
+  // DeepSpeed config turns them off.)
+  // ---- stage 3 (DeepSpeed's stage3_* keys, also accepted without the prefix; element counts)
+  /// Elements of parameters gathered ahead of the layer that needs them (prefetch window);
+  /// 0 = no prefetch (gather each layer when it is needed). >= 0.
   int64_t stage3_prefetch_bucket_size = 50'000'000;
-  /// A layer with fewer parameters than this stays replicated (never partitioned).
+  /// A layer with fewer parameters than this stays replicated (never partitioned). >= 0.
   int64_t stage3_param_persistence_threshold = 100'000;
-  /// Most gathered parameter elements alive at once on a rank.
+  /// Most gathered parameter elements alive at once on a rank. >= 1.
   int64_t stage3_max_live_parameters = 1'000'000'000;
-  /// A gathered layer needed again within this many elements of parameters is kept.
+  /// A gathered layer needed again within this many elements of parameters is kept. >= 0.
   int64_t stage3_max_reuse_distance = 1'000'000'000;
   /// Checkpoints also carry a consolidated 16-bit model.safetensors (rank 0 streams it).
+  /// (Deprecated spelling: stage3_gather_fp16_weights_on_model_save.)
   bool stage3_gather_16bit_weights_on_model_save = false;
 };
 
@@ -70,6 +75,8 @@ struct ParallelPlan {
   double optimizer_offload_ratio = 1.0;  ///< fraction of the optimizer state offloaded
   OffloadDevice param_offload = OffloadDevice::kNone;  ///< stage 3: where bf16 params live
   int pipeline_stages = 1;
+
+  bool operator==(const ParallelPlan&) const = default;
 };
 
 struct TrainConfig {
@@ -81,6 +88,9 @@ struct TrainConfig {
   Precision precision = Precision::kAuto;
   LossScaleConfig loss_scale;
   ZeroConfig zero;
+  /// What runs: derived by validate() from `strategy` (a preset) and `zero` (plan_of). train()
+  /// refuses a config whose plan does not match them (validate() was not called).
+  ParallelPlan plan;
   bool activation_checkpointing = false;
   /// Where `strategy` came from, for error messages: "" (default or set in code), "--strategy",
   /// "--zero-stage" or "deepspeed" (zero_optimization.stage in the DeepSpeed JSON).
@@ -147,6 +157,8 @@ struct TrainConfig {
 std::string to_string(StrategyKind s);
 std::string to_string(LrSchedule s);
 std::string to_string(Precision p);
+/// "none", "cpu", "nvme".
+std::string to_string(OffloadDevice d);
 
 /// Parses a strategy name or alias: dp|ddp, zero1, zero2|fsdp_stage2, zero3|fsdp_stage3,
 /// offload, infinity, pipeline (case-insensitive, '-' read as '_'). Throws ConfigError listing
@@ -206,11 +218,19 @@ void apply_deepspeed_config(const std::string& path, TrainConfig& cfg,
 /// train_batch_size 0 it is derived; otherwise the sizes not given explicitly
 /// (micro_batch_set / accumulation_set) are derived from it (both missing: accumulation 1),
 /// and the identity is checked. warmup_steps -1 is left as is: the trainer resolves it once it
-/// knows the total number of steps. Only strategies dp, zero1 and zero2 (ZeRO stage 0, 1, 2,
-/// matching the strategy) without offload are available in this release; anything else is a
-/// ConfigError saying so.
+/// knows the total number of steps. Strategies dp, zero1, zero2 and zero3 (ZeRO stage 0-3,
+/// matching the strategy) without offload are available; offload, infinity and pipeline are a
+/// ConfigError saying "not available yet". Sets cfg.plan = plan_of(cfg). Checks the stage-3
+/// settings (zero_optimization.stage3_*) and refuses bf16/fp16 with --device cpu.
 /// `model_context` is the model's maximum sequence length (n_positions); <= 0 skips that check.
 /// Throws ConfigError naming the flag or key, its value and the fix.
 void validate(TrainConfig& cfg, int64_t model_context);
+
+/// Warnings about settings that are valid but do not do what they are meant to for this model,
+/// one line each (empty: none). `largest_layer_numel`: parameters of the model's largest layer.
+/// Today: at ZeRO stage 3, a stage3_param_persistence_threshold above it keeps every layer
+/// replicated (a layer with fewer parameters than the threshold is not partitioned), so ZeRO-3
+/// saves no parameter memory.
+std::vector<std::string> model_config_warnings(const TrainConfig& cfg, int64_t largest_layer_numel);
 
 }  // namespace shardtrain

@@ -40,7 +40,7 @@ struct StrategyOptions {
   int64_t max_reuse_distance = 1'000'000'000;
 };
 
-/// The options `cfg` gives its strategy.
+/// The options `cfg` (validated: its plan set) gives its strategy.
 StrategyOptions strategy_options(const TrainConfig& cfg);
 
 /// One of the fp32 quantities a checkpoint holds per element of the flat layout.

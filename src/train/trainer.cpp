@@ -21,6 +21,7 @@
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
 #include "parallel/strategy.h"
+#include "train/train_step.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;
@@ -40,8 +41,26 @@ size_t peak_rss_bytes() {
 }
 
 json config_snapshot(const TrainConfig& c) {
+  const ZeroConfig& z = c.zero;
   return {{"model", c.model},
           {"strategy", to_string(c.strategy)},
+          {"plan",
+           {{"zero_stage", c.plan.zero_stage},
+            {"optimizer_offload", to_string(c.plan.optimizer_offload)},
+            {"optimizer_offload_ratio", c.plan.optimizer_offload_ratio},
+            {"param_offload", to_string(c.plan.param_offload)},
+            {"pipeline_stages", c.plan.pipeline_stages}}},
+          {"zero_optimization",
+           {{"stage", z.stage},
+            {"reduce_bucket_size", z.reduce_bucket_size},
+            {"allgather_bucket_size", z.allgather_bucket_size},
+            {"overlap_comm", z.overlap_comm},
+            {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
+            {"stage3_param_persistence_threshold", z.stage3_param_persistence_threshold},
+            {"stage3_max_live_parameters", z.stage3_max_live_parameters},
+            {"stage3_max_reuse_distance", z.stage3_max_reuse_distance},
+            {"stage3_gather_16bit_weights_on_model_save",
+             z.stage3_gather_16bit_weights_on_model_save}}},
           {"device", c.device},
           {"precision", to_string(c.precision)},
           {"micro_batch_size", c.micro_batch_size},
@@ -66,10 +85,34 @@ json config_snapshot(const TrainConfig& c) {
           {"valid_file", c.valid_file}};
 }
 
+/// Parameters of the largest layer of `layout` (its tensors' elements, without padding): what
+/// ZeRO-3's persistence threshold is compared with.
+int64_t largest_layer_numel(const ParamLayout& layout) {
+  int64_t largest = 0;
+  for (const LayerRange& layer : layout.layers()) {
+    int64_t n = 0;
+    for (const ParamTensor& t : layer.tensors) n += t.numel;
+    largest = std::max(largest, n);
+  }
+  return largest;
+}
+
+/// Whether this process's stdout ends at a terminal, so that a progress bar may be redrawn there.
+/// `shardtrain launch` says so for its ranks in SHARDTRAIN_STDOUT_TTY (its own stdout decides):
+/// mpirun (Open MPI) gives each rank a pseudo-terminal as stdout even when mpirun's output goes
+/// to a file or pipe, so isatty() in a rank says nothing. Under a plain mpirun (no launcher):
+/// no bar.
+bool stdout_is_terminal() {
+  if (const char* v = std::getenv("SHARDTRAIN_STDOUT_TTY")) return std::string_view(v) == "1";
+  if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMIX_RANK") != nullptr)
+    return false;
+  return isatty(STDOUT_FILENO) != 0;
+}
+
 /// Prints on rank 0 only; a progress bar (stdout a terminal) is erased before each line.
 class Console {
  public:
-  explicit Console(bool active) : active_(active), tty_(active && isatty(STDOUT_FILENO)) {}
+  explicit Console(bool active) : active_(active), tty_(active && stdout_is_terminal()) {}
   template <typename... Args>
   void line(fmt::format_string<Args...> f, Args&&... args) {
     if (!active_) return;
@@ -102,75 +145,172 @@ class Console {
   bool bar_shown_ = false;
 };
 
+/// The step log: a console line and a metrics.jsonl record every `log_interval` steps (and at
+/// the first and last step), with the means over the steps since the previous line: time, tokens/s,
+/// MFU on GPUs and (wall_clock_breakdown) the device time of each phase.
+class StepLog {
+ public:
+  StepLog(Console& out, MetricsWriter& metrics, const TrainConfig& cfg, const GPT2Config& model,
+          int world_size, bool on_gpu, int64_t tokens_per_step, int64_t total_steps)
+      : out_(out),
+        metrics_(metrics),
+        cfg_(cfg),
+        model_(model),
+        world_size_(world_size),
+        on_gpu_(on_gpu),
+        tokens_per_step_(tokens_per_step),
+        total_steps_(total_steps),
+        step_digits_(static_cast<int>(fmt::formatted_size("{}", total_steps))) {}
+
+  /// Records step number `progress.step` (just taken, in `seconds`, at learning rate `lr`);
+  /// logs when it is due. `loss_scale`: the fp16 scale now (nullopt without fp16).
+  void add(const StepResult& r, double seconds, double lr, const TrainingProgress& progress,
+           int64_t epoch, std::optional<double> loss_scale) {
+    seconds_ += seconds;
+    loss_ += r.loss;
+    ++steps_;
+    if (r.phases) phases_ += *r.phases;
+    const int64_t step = progress.step;
+    if (step % cfg_.log_interval != 0 && step != total_steps_ && step != 1) return;
+    const double per_step = seconds_ / static_cast<double>(steps_);
+    const double tok_s = static_cast<double>(tokens_per_step_ * steps_) / seconds_;
+    // MFU: model FLOPs per token (6N + 12·L·d·T) at the measured rate, against the dense bf16
+    // peak of the ranks' GPUs (--peak-tflops each).
+    const double mfu = model_.flops_per_token(cfg_.max_length) * tok_s /
+                       (cfg_.peak_tflops * 1e12 * static_cast<double>(world_size_));
+    out_.line(
+        "epoch {} | step {:>{}}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} "
+        "tokens/s{} | {:.3f} s/step",
+        epoch + 1, step, step_digits_, total_steps_, r.loss, lr, r.grad_norm, tok_s,
+        on_gpu_ ? fmt::format(" | MFU {:.1f}%", 100.0 * mfu) : std::string(), per_step);
+    json rec = {{"step", step},
+                {"epoch", epoch + 1},
+                {"loss", r.loss},
+                {"avg_loss", loss_ / static_cast<double>(steps_)},
+                {"lr", lr},
+                {"grad_norm", r.grad_norm},
+                {"tokens_per_s", tok_s},
+                {"step_time_s", per_step},
+                {"tokens_seen", progress.tokens_seen}};
+    if (on_gpu_) rec["mfu"] = mfu;
+    if (loss_scale) rec["loss_scale"] = *loss_scale;
+    if (r.phases) {
+      const PhaseTimes ms = phases_.scaled(1e3 / static_cast<double>(steps_));
+      out_.line(
+          "  device time per step: forward {:.2f} ms | backward {:.2f} ms | gradient "
+          "reduction wait {:.2f} ms | optimizer {:.2f} ms",
+          ms.forward, ms.backward, ms.reduce_wait, ms.optimizer);
+      rec["forward_ms"] = ms.forward;
+      rec["backward_ms"] = ms.backward;
+      rec["reduce_wait_ms"] = ms.reduce_wait;
+      rec["optimizer_ms"] = ms.optimizer;
+    }
+    metrics_.write(rec);
+    seconds_ = loss_ = 0;
+    steps_ = 0;
+    phases_ = PhaseTimes{};
+  }
+
+ private:
+  Console& out_;
+  MetricsWriter& metrics_;
+  const TrainConfig& cfg_;
+  const GPT2Config& model_;
+  int world_size_;
+  bool on_gpu_;
+  int64_t tokens_per_step_, total_steps_;
+  int step_digits_;
+  // Since the last log line:
+  double seconds_ = 0, loss_ = 0;
+  int64_t steps_ = 0;
+  PhaseTimes phases_;
+};
+
+/// The steps of one epoch this run executed.
+struct EpochStats {
+  int64_t epoch = 0;      ///< 0-based
+  bool complete = false;  ///< the epoch's data was used up (not cut by --max-steps)
+  int64_t steps = 0;      ///< > 0
+  double loss_sum = 0;    ///< Σ step losses
+  double seconds = 0;
+  double samples = 0;         ///< global samples trained on
+  int64_t seq_len = 0;        ///< T
+  int64_t skipped_steps = 0;  ///< fp16 overflows so far
+};
+
+/// The epoch summary: a console line and a metrics.jsonl record with throughput and peak memory
+/// (the GPU's peak allocated bytes, or the process's peak resident set on CPU).
+void log_epoch(Console& out, MetricsWriter& metrics, Backend& backend, const EpochStats& e) {
+  const bool on_gpu = backend.kind() == DeviceKind::kCUDA;
+  const size_t peak = on_gpu ? backend.peak_allocated_bytes() : peak_rss_bytes();
+  const std::string mem =
+      on_gpu ? fmt::format("peak memory {} allocated, {} reserved",
+                           human_bytes(static_cast<double>(peak)),
+                           human_bytes(static_cast<double>(backend.peak_reserved_bytes())))
+             : fmt::format("peak memory {}", human_bytes(static_cast<double>(peak)));
+  const double avg_loss = e.loss_sum / static_cast<double>(e.steps);
+  const double tokens_per_s = e.samples * static_cast<double>(e.seq_len) / e.seconds;
+  out.line(
+      "epoch {}{} | {} steps | avg loss {:.4f} | {:.1f} s | {:.1f} samples/s | {:.0f} "
+      "tokens/s | {}",
+      e.epoch + 1, e.complete ? "" : " (partial)", e.steps, avg_loss, e.seconds,
+      e.samples / e.seconds, tokens_per_s, mem);
+  metrics.write({{"epoch", e.epoch + 1},
+                 {"epoch_complete", e.complete},
+                 {"steps", e.steps},
+                 {"avg_loss", avg_loss},
+                 {"time_s", e.seconds},
+                 {"samples_per_s", e.samples / e.seconds},
+                 {"tokens_per_s", tokens_per_s},
+                 {"peak_memory_bytes", peak},
+                 {"device_allocated_bytes", backend.allocated_bytes()},
+                 {"device_reserved_bytes", backend.reserved_bytes()},
+                 {"device_peak_allocated_bytes", backend.peak_allocated_bytes()},
+                 {"device_peak_reserved_bytes", backend.peak_reserved_bytes()},
+                 {"skipped_steps", e.skipped_steps}});
+}
+
 struct Evaluation {
   double loss = std::numeric_limits<double>::quiet_NaN();
   int64_t samples = 0;
   double seconds = 0;
 };
 
+/// Mean loss over the whole of `data`, the samples divided over the ranks in contiguous ranges
+/// (even_split: every sample counted exactly once, also when the split does not divide evenly),
+/// each rank running batches of up to `batch` samples; the per-sample loss sums and the sample
+/// counts are summed over the ranks (`reduce`), so every rank returns the same evaluation.
+/// Collective.
 Evaluation evaluate(GPT2Model& model, const PackedDataset& data, int64_t batch,
-                    const Communicator& comm) {
+                    const Communicator& comm, ScalarAllReduce& reduce) {
   Evaluation ev;
   const auto t0 = Clock::now();
   const int64_t T = data.max_length();
   std::vector<int32_t> buf(static_cast<size_t>(T + 1));
   std::vector<int32_t> tokens, targets;
-  double loss_sum = 0;
-  int64_t rows = 0;
-  // Each rank evaluates every world-th batch; a single-rank run evaluates them all.
-  for (int64_t start = comm.rank() * batch; start < data.size();
-       start += batch * comm.world_size()) {
-    const int64_t b = std::min(batch, data.size() - start);
-    tokens.resize(static_cast<size_t>(b * T));
-    targets.resize(static_cast<size_t>(b * T));
-    for (int64_t i = 0; i < b; ++i) {
-      data.sample(start + i, buf.data());
-      std::copy(buf.begin(), buf.end() - 1, tokens.begin() + i * T);
-      std::copy(buf.begin() + 1, buf.end(), targets.begin() + i * T);
+  double totals[2] = {0, 0};  // Σ per-sample mean losses, samples
+  for (const FlatRange& range : even_split(data.size(), comm.world_size(), comm.rank())) {
+    const int64_t end = range.offset + range.numel;
+    for (int64_t start = range.offset; start < end; start += batch) {
+      const int64_t b = std::min(batch, end - start);
+      tokens.resize(static_cast<size_t>(b * T));
+      targets.resize(static_cast<size_t>(b * T));
+      for (int64_t i = 0; i < b; ++i) {
+        data.sample(start + i, buf.data());
+        std::copy(buf.begin(), buf.end() - 1, tokens.begin() + i * T);
+        std::copy(buf.begin() + 1, buf.end(), targets.begin() + i * T);
+      }
+      totals[0] +=
+          model.forward(tokens.data(), targets.data(), b, T, 1.0f, false) * static_cast<double>(b);
+      totals[1] += static_cast<double>(b);
     }
-    loss_sum +=
-        model.forward(tokens.data(), targets.data(), b, T, 1.0f, false) * static_cast<double>(b);
-    rows += b;
   }
-  ev.samples = rows;
-  ev.loss = rows ? loss_sum / static_cast<double>(rows) : ev.loss;
+  reduce.sum(totals);
+  ev.samples = static_cast<int64_t>(totals[1]);
+  ev.loss = ev.samples ? totals[0] / totals[1] : ev.loss;
   ev.seconds = seconds_since(t0);
   return ev;
 }
-
-/// Device time of the phases of optimizer steps (DeepSpeed wall_clock_breakdown), in seconds:
-/// forward (with zeroing the gradients and preparing the batch), backward (with the reductions
-/// it launches), the wait for the gradient reductions still running after backward
-/// (Strategy::finish_gradients) and the optimizer (gradient norm, clipping, update, and for ZeRO
-/// the all-gather of the updated parameters).
-struct PhaseTimes {
-  double forward = 0, backward = 0, reduce_wait = 0, optimizer = 0;
-
-  /// From the intervals between the marks of one step: [forward, backward] per micro-step, then
-  /// the reduction wait and the optimizer.
-  static PhaseTimes from_marks(const std::vector<double>& t) {
-    ST_ASSERT(t.size() >= 4 && t.size() % 2 == 0);
-    PhaseTimes p;
-    const size_t micro = t.size() - 2;
-    for (size_t i = 0; i < micro; i += 2) {
-      p.forward += t[i];
-      p.backward += t[i + 1];
-    }
-    p.reduce_wait = t[micro];
-    p.optimizer = t[micro + 1];
-    return p;
-  }
-  PhaseTimes& operator+=(const PhaseTimes& o) {
-    forward += o.forward;
-    backward += o.backward;
-    reduce_wait += o.reduce_wait;
-    optimizer += o.optimizer;
-    return *this;
-  }
-  PhaseTimes scaled(double f) const {
-    return {forward * f, backward * f, reduce_wait * f, optimizer * f};
-  }
-};
 
 /// The GPU index of this rank: LOCAL_RANK as set by launchers (torchrun, shardtrain launch,
 /// SLURM, mpirun), else the rank.
@@ -219,6 +359,12 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   } compute_stream_reset{comm};
   LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
   GPT2Model model(model_cfg, *backend, cfg.activation_checkpointing);
+  check<ConfigError>(cfg.plan == plan_of(cfg),
+                     "TrainConfig.plan (ZeRO stage {}) does not match strategy '{}' and its "
+                     "zero_optimization section: call validate() on the config before train()",
+                     cfg.plan.zero_stage, to_string(cfg.strategy));
+  for (const std::string& w : model_config_warnings(cfg, largest_layer_numel(model.layout())))
+    out.warn(w);
 
   // ---- resume: read the checkpoint first so a mismatch fails before any work ----
   std::optional<CheckpointInfo> resume;
@@ -360,9 +506,10 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     summary.checkpoint = dir.string();
     out.line("saved checkpoint {}", dir.string());
   };
+  ScalarAllReduce eval_reduce(*backend, comm, 2);
   auto validate_now = [&](int64_t epoch) {
     if (!valid_data) return;
-    const Evaluation ev = evaluate(model, *valid_data, B, comm);
+    const Evaluation ev = evaluate(model, *valid_data, B, comm, eval_reduce);
     summary.val_loss = ev.loss;
     summary.val_ppl = std::exp(ev.loss);
     out.line(
@@ -377,12 +524,13 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                    {"time_s", ev.seconds}});
   };
 
-  double window_time = 0, window_loss = 0;
-  int64_t window_steps = 0;
   // wall_clock_breakdown: device time of each phase, summed over the log window, in seconds.
   std::unique_ptr<StreamClock> clock =
       cfg.wall_clock_breakdown ? backend->make_stream_clock() : nullptr;
-  PhaseTimes window_phases;
+  TrainStep train_step(model, *strategy, comm, *backend, scaler,
+                       TrainStepOptions{accum, cfg.gradient_clipping}, clock.get());
+  StepLog step_log(out, metrics, cfg, model_cfg, comm.world_size(), on_gpu, tokens_per_step,
+                   total_steps);
   bool validated_at_end = false;
   while (progress.step < total_steps) {
     const int64_t epoch = progress.epoch;
@@ -392,110 +540,35 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     int64_t epoch_steps = 0;
     while (progress.step_in_epoch < steps_per_epoch && progress.step < total_steps) {
       const auto t_step = Clock::now();
-      if (clock) clock->mark();
-      strategy->zero_grad();
-      double loss = 0;
-      for (int64_t k = 0; k < accum; ++k) {
+      // This rank's micro-batch k of the step, from the sampler.
+      const MicroBatchSource batch = [&](int64_t k) {
         const auto idx = sampler.micro_batch_indices(epoch, progress.step_in_epoch, k);
         for (int64_t i = 0; i < B; ++i) {
           train_data.sample(idx[static_cast<size_t>(i)], sample.data());
           std::copy(sample.begin(), sample.end() - 1, tokens.begin() + i * T);
           std::copy(sample.begin() + 1, sample.end(), targets.begin() + i * T);
         }
-        strategy->begin_micro_step(k, accum);
-        loss +=
-            model.forward(tokens.data(), targets.data(), B, T,
-                          static_cast<float>(scaler.scale() / static_cast<double>(B * T)), true);
-        if (clock) clock->mark();
-        model.backward();
-        if (clock) clock->mark();
-      }
-      loss /= static_cast<double>(accum);
-      strategy->finish_gradients();
-      if (clock) clock->mark();
-      // Gradients hold Σ over micro-steps and ranks of ∂(loss_scale · mean micro-batch loss)/∂θ.
-      const double mean_scale =
-          1.0 / (static_cast<double>(accum * comm.world_size()) * scaler.scale());
-      const double norm = strategy->grad_norm(mean_scale);
-      const bool overflow = !std::isfinite(norm);
+        return MicroBatch{tokens.data(), targets.data(), B, T};
+      };
       const double lr = learning_rate(progress.step, cfg.lr, warmup, total_steps, cfg.lr_schedule,
                                       cfg.min_lr_ratio, cfg.warmup_min_ratio);
-      const double used_scale = scaler.scale();
-      if (scaler.update(overflow)) {
+      const StepResult r = train_step.run(progress.step, lr, batch);
+      if (r.skipped)
         out.line(
             "step {}: fp16 gradients overflowed at loss scale {:g}: step skipped, scale now {:g}",
-            progress.step + 1, used_scale, scaler.scale());
-      } else {
-        check<RuntimeFailure>(!overflow,
-                              "gradients became non-finite (norm {}) at step {}: training "
-                              "diverged; lower --lr (now {:g}) or raise --warmup-steps",
-                              norm, progress.step + 1, cfg.lr);
-        const double clip = cfg.gradient_clipping > 0 && norm > cfg.gradient_clipping
-                                ? cfg.gradient_clipping / (norm + 1e-6)
-                                : 1.0;
-        strategy->step(lr, mean_scale * clip);
-      }
-      if (clock) clock->mark();
-      backend->synchronize();
-      if (clock) window_phases += PhaseTimes::from_marks(clock->intervals());  // no further wait
+            progress.step + 1, r.loss_scale, scaler.scale());
       const double dt = seconds_since(t_step);
       ++progress.step;
       ++progress.step_in_epoch;  // before any checkpoint: the data position of the next step
       progress.tokens_seen += tokens_per_step;
-      check<RuntimeFailure>(
-          std::isfinite(loss),
-          "loss became {} at step {}: training diverged; lower --lr (now {:g}) or "
-          "raise --warmup-steps",
-          loss, progress.step, cfg.lr);
-      if (summary.losses.empty()) summary.first_loss = loss;
-      summary.losses.push_back(loss);
-      summary.last_loss = loss;
-      epoch_loss += loss;
+      if (summary.losses.empty()) summary.first_loss = r.loss;
+      summary.losses.push_back(r.loss);
+      summary.last_loss = r.loss;
+      epoch_loss += r.loss;
       ++epoch_steps;
-      window_time += dt;
-      window_loss += loss;
-      ++window_steps;
-      out.bar(progress.step, total_steps, loss, static_cast<double>(tokens_per_step) / dt);
-      if (progress.step % cfg.log_interval == 0 || progress.step == total_steps ||
-          progress.step == 1) {
-        const double tok_s = static_cast<double>(tokens_per_step * window_steps) / window_time;
-        // MFU: model FLOPs per token (6N + 12·L·d·T) at the measured rate, against the dense
-        // bf16 peak of the ranks' GPUs (--peak-tflops each).
-        const double mfu = model_cfg.flops_per_token(T) * tok_s /
-                           (cfg.peak_tflops * 1e12 * static_cast<double>(comm.world_size()));
-        out.line(
-            "epoch {} | step {:>{}}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} "
-            "tokens/s{} | {:.3f} s/step",
-            epoch + 1, progress.step, fmt::formatted_size("{}", total_steps), total_steps, loss, lr,
-            norm, tok_s, on_gpu ? fmt::format(" | MFU {:.1f}%", 100.0 * mfu) : std::string(),
-            window_time / static_cast<double>(window_steps));
-        json rec = {{"step", progress.step},
-                    {"epoch", epoch + 1},
-                    {"loss", loss},
-                    {"avg_loss", window_loss / static_cast<double>(window_steps)},
-                    {"lr", lr},
-                    {"grad_norm", norm},
-                    {"tokens_per_s", tok_s},
-                    {"step_time_s", window_time / static_cast<double>(window_steps)},
-                    {"tokens_seen", progress.tokens_seen}};
-        if (on_gpu) rec["mfu"] = mfu;
-        if (scaler.enabled()) rec["loss_scale"] = scaler.scale();
-        if (clock) {
-          const PhaseTimes ms = window_phases.scaled(1e3 / static_cast<double>(window_steps));
-          out.line(
-              "  device time per step: forward {:.2f} ms | backward {:.2f} ms | gradient "
-              "reduction wait {:.2f} ms | optimizer {:.2f} ms",
-              ms.forward, ms.backward, ms.reduce_wait, ms.optimizer);
-          rec["forward_ms"] = ms.forward;
-          rec["backward_ms"] = ms.backward;
-          rec["reduce_wait_ms"] = ms.reduce_wait;
-          rec["optimizer_ms"] = ms.optimizer;
-          window_phases = PhaseTimes{};
-        }
-        metrics.write(rec);
-        window_time = window_loss = 0;
-        window_steps = 0;
-      }
+      out.bar(progress.step, total_steps, r.loss, static_cast<double>(tokens_per_step) / dt);
+      step_log.add(r, dt, lr, progress, epoch,
+                   scaler.enabled() ? std::optional<double>(scaler.scale()) : std::nullopt);
       validated_at_end = false;
       if (cfg.eval_interval > 0 && progress.step % cfg.eval_interval == 0) {
         validate_now(epoch);
@@ -509,33 +582,10 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     const double epoch_time = seconds_since(t_epoch);
     const bool complete = progress.step_in_epoch >= steps_per_epoch;
     if (epoch_steps > 0) {
-      const double samples = static_cast<double>(epoch_steps * sampler.global_batch());
-      // Peak memory: the GPU's peak allocated bytes, or the process's peak resident set on CPU.
-      const size_t peak = on_gpu ? backend->peak_allocated_bytes() : peak_rss_bytes();
-      const std::string mem =
-          on_gpu ? fmt::format("peak memory {} allocated, {} reserved",
-                               human_bytes(static_cast<double>(peak)),
-                               human_bytes(static_cast<double>(backend->peak_reserved_bytes())))
-                 : fmt::format("peak memory {}", human_bytes(static_cast<double>(peak)));
-      out.line(
-          "epoch {}{} | {} steps | avg loss {:.4f} | {:.1f} s | {:.1f} samples/s | {:.0f} "
-          "tokens/s | {}",
-          epoch + 1, complete ? "" : " (partial)", epoch_steps,
-          epoch_loss / static_cast<double>(epoch_steps), epoch_time, samples / epoch_time,
-          samples * static_cast<double>(T) / epoch_time, mem);
-      metrics.write({{"epoch", epoch + 1},
-                     {"epoch_complete", complete},
-                     {"steps", epoch_steps},
-                     {"avg_loss", epoch_loss / static_cast<double>(epoch_steps)},
-                     {"time_s", epoch_time},
-                     {"samples_per_s", samples / epoch_time},
-                     {"tokens_per_s", samples * static_cast<double>(T) / epoch_time},
-                     {"peak_memory_bytes", peak},
-                     {"device_allocated_bytes", backend->allocated_bytes()},
-                     {"device_reserved_bytes", backend->reserved_bytes()},
-                     {"device_peak_allocated_bytes", backend->peak_allocated_bytes()},
-                     {"device_peak_reserved_bytes", backend->peak_reserved_bytes()},
-                     {"skipped_steps", scaler.skipped_steps()}});
+      log_epoch(
+          out, metrics, *backend,
+          {epoch, complete, epoch_steps, epoch_loss, epoch_time,
+           static_cast<double>(epoch_steps * sampler.global_batch()), T, scaler.skipped_steps()});
       if (cfg.eval_interval == 0 && !validated_at_end) {
         validate_now(epoch);
         validated_at_end = true;

@@ -9,8 +9,8 @@
 // optimizer step takes a global batch of 16 samples: 2 micro-steps (gradient accumulation) of 8
 // samples, split evenly over the W ranks (8/W each, in rank order, as DistributedSampler does).
 // The reference is data parallelism on one rank (LocalCommunicator) with micro-batches of 8, run
-// on every rank. The loop is the trainer's (train/trainer.cpp): zero_grad, begin_micro_step,
-// forward/backward, finish_gradients, grad_norm, clipping (at 0.65), step.
+// on every rank. The step is the trainer's own (train/train_step.h, TrainStep): zero_grad,
+// begin_micro_step, forward/backward, finish_gradients, grad_norm, clipping (at 0.65), step.
 //
 // Measure (the bar): ‖a − b‖ / ‖b‖ ≤ 1e-6 over all parameters, b the reference. Also: every
 // element within 0.1·lr of the reference (an element that missed an update is ~lr off), the
@@ -44,9 +44,11 @@
 #include "comm/communicator.h"
 #include "core/rng.h"
 #include "model/gpt2.h"
+#include "optim/loss_scaler.h"
 #include "parallel/buckets.h"
 #include "parallel/strategy.h"
 #include "parallel/zero3.h"
+#include "train/train_step.h"
 
 namespace st = shardtrain;
 
@@ -92,6 +94,7 @@ st::TrainConfig config(st::StrategyKind kind, int64_t reduce_bucket) {
   cfg.zero.allgather_bucket_size = 4000;  // several all-gathers in flight, and some waits
   cfg.weight_decay = 0.1;
   cfg.gradient_clipping = kClip;
+  cfg.plan = st::plan_of(cfg);
   return cfg;
 }
 
@@ -109,30 +112,26 @@ struct Trainee {
     strategy->setup(model, init);
   }
 
-  /// Optimizer steps [first, first + count) with the global batches of those steps.
+  /// Optimizer steps [first, first + count) with the global batches of those steps, through the
+  /// trainer's TrainStep.
   void train(int64_t first, int64_t count) {
     const int W = comm.world_size(), r = comm.rank();
     const int64_t B = kMicroSamples / W;
     std::vector<int32_t> tokens(static_cast<size_t>(B * kT)), targets(tokens.size());
+    st::TrainStep train_step(model, *strategy, comm, *backend, scaler,
+                             st::TrainStepOptions{kAccum, kClip});
     for (int64_t step = first; step < first + count; ++step) {
-      strategy->zero_grad();
-      for (int64_t k = 0; k < kAccum; ++k) {
+      const st::MicroBatchSource batch = [&](int64_t k) {
         for (int64_t i = 0; i < B; ++i) {
           const auto s = sample_tokens(step * kGlobal + k * kMicroSamples + r * B + i);
           std::copy(s.begin(), s.end() - 1, tokens.begin() + i * kT);
           std::copy(s.begin() + 1, s.end(), targets.begin() + i * kT);
         }
-        strategy->begin_micro_step(k, kAccum);
-        model.forward(tokens.data(), targets.data(), B, kT, 1.0f / static_cast<float>(B * kT),
-                      true);
-        model.backward();
-      }
-      strategy->finish_gradients();
-      const double mean_scale = 1.0 / static_cast<double>(kAccum * W);
-      const double norm = strategy->grad_norm(mean_scale);
-      norms.push_back(norm);
-      const double clip = norm > kClip ? kClip / (norm + 1e-6) : 1.0;
-      strategy->step(learning_rate(step), mean_scale * clip);
+        return st::MicroBatch{tokens.data(), targets.data(), B, kT};
+      };
+      const st::StepResult res = train_step.run(step, learning_rate(step), batch);
+      norms.push_back(res.grad_norm);
+      losses.push_back(res.loss);
     }
   }
 
@@ -151,8 +150,10 @@ struct Trainee {
   st::Communicator& comm;
   std::unique_ptr<st::Backend> backend;
   st::GPT2Model model;
+  st::LossScaler scaler{st::LossScaleConfig{}, false};  ///< disabled (fp32): scale 1
   std::unique_ptr<st::Strategy> strategy;
   std::vector<double> norms;
+  std::vector<double> losses;  ///< per step, mean over the global batch (TrainStep)
 };
 
 struct Diff {
@@ -184,6 +185,7 @@ struct Reference {
   std::vector<float> init;
   st::FullState at_checkpoint, at_end;
   std::vector<double> norms;
+  std::vector<double> losses;
   double eval_at_checkpoint = 0;
 };
 
@@ -202,6 +204,7 @@ const Reference& reference() {
     run.train(kSteps, kMore);
     r.at_end = run.strategy->gather_state();
     r.norms = run.norms;
+    r.losses = run.losses;
     return r;
   }();
   return ref;
@@ -235,10 +238,15 @@ class ZeroEquivalence : public ::testing::Test {
   void train_and_expect_reference(const std::string& what, Trainee& run) {
     const Reference& ref = reference();
     run.train(0, kSteps);
-    for (int64_t s = 0; s < kSteps; ++s)
+    for (int64_t s = 0; s < kSteps; ++s) {
       EXPECT_LE(rel(run.norms[static_cast<size_t>(s)], ref.norms[static_cast<size_t>(s)]),
                 kTolerance)
           << what << ": gradient norm of step " << s;
+      // The step's loss is the global batch's on every rank, not this rank's share.
+      EXPECT_LE(rel(run.losses[static_cast<size_t>(s)], ref.losses[static_cast<size_t>(s)]),
+                kTolerance)
+          << what << ": loss of step " << s;
+    }
     expect_state(what, run.strategy->gather_state(), ref.at_checkpoint);
     // Every rank's model is bound to the updated full parameters (all-gathered).
     EXPECT_LE(rel(run.eval_loss(), ref.eval_at_checkpoint), kTolerance) << what;

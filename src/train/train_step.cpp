@@ -1,0 +1,144 @@
+#include "train/train_step.h"
+
+#include <cmath>
+#include <utility>
+
+#include "core/error.h"
+
+namespace shardtrain {
+
+// ---- ScalarAllReduce ----------------------------------------------------------------------------
+
+ScalarAllReduce::ScalarAllReduce(Backend& backend, Communicator& comm, int capacity)
+    : backend_(backend), comm_(comm), capacity_(capacity) {
+  ST_ASSERT(capacity >= 1);
+  if (comm_.world_size() > 1) {
+    buf_ = FlatBuffer(backend, DType::kF32, int64_t{2} * capacity * comm_.world_size());
+    host_.resize(static_cast<size_t>(buf_.numel()));
+  }
+}
+
+void ScalarAllReduce::sum(std::span<double> values) {
+  const int world = comm_.world_size();
+  if (world == 1) return;
+  const int64_t n = static_cast<int64_t>(values.size());
+  ST_ASSERT(n <= capacity_);
+  const int64_t words = 2 * n;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = values[static_cast<size_t>(i)];
+    const float hi = static_cast<float>(v);
+    host_[static_cast<size_t>(2 * i)] = hi;
+    host_[static_cast<size_t>(2 * i + 1)] = static_cast<float>(v - static_cast<double>(hi));
+  }
+  const Tensor own = buf_.slice(comm_.rank() * words, words);
+  backend_.copy_from_host(own.data, host_.data(), own.bytes());
+  // In place: this rank's words are its slice of the output.
+  comm_.all_gather(buf_.slice(0, world * words), own)->wait();
+  backend_.copy_to_host(host_.data(), buf_.data(),
+                        static_cast<size_t>(world * words) * sizeof(float));
+  for (int64_t i = 0; i < n; ++i) {
+    double s = 0;
+    for (int r = 0; r < world; ++r) {
+      const size_t at = static_cast<size_t>(r * words + 2 * i);
+      s += static_cast<double>(host_[at]) + static_cast<double>(host_[at + 1]);
+    }
+    values[static_cast<size_t>(i)] = s;
+  }
+}
+
+// ---- PhaseTimes ---------------------------------------------------------------------------------
+
+PhaseTimes PhaseTimes::from_marks(const std::vector<double>& t) {
+  ST_ASSERT(t.size() >= 4 && t.size() % 2 == 0);
+  PhaseTimes p;
+  const size_t micro = t.size() - 2;
+  for (size_t i = 0; i < micro; i += 2) {
+    p.forward += t[i];
+    p.backward += t[i + 1];
+  }
+  p.reduce_wait = t[micro];
+  p.optimizer = t[micro + 1];
+  return p;
+}
+
+PhaseTimes& PhaseTimes::operator+=(const PhaseTimes& o) {
+  forward += o.forward;
+  backward += o.backward;
+  reduce_wait += o.reduce_wait;
+  optimizer += o.optimizer;
+  return *this;
+}
+
+PhaseTimes PhaseTimes::scaled(double f) const {
+  return {forward * f, backward * f, reduce_wait * f, optimizer * f};
+}
+
+// ---- TrainStep ----------------------------------------------------------------------------------
+
+TrainStep::TrainStep(GPT2Model& model, Strategy& strategy, Communicator& comm, Backend& backend,
+                     LossScaler& scaler, TrainStepOptions options, StreamClock* clock)
+    : model_(model),
+      strategy_(strategy),
+      comm_(comm),
+      backend_(backend),
+      scaler_(scaler),
+      options_(options),
+      clock_(clock),
+      loss_sum_(backend, comm, 1) {
+  check<ConfigError>(options_.accumulation_steps >= 1,
+                     "gradient_accumulation_steps {} is not valid: it must be >= 1",
+                     options_.accumulation_steps);
+  check<ConfigError>(options_.gradient_clipping >= 0,
+                     "gradient_clipping {} is not valid: use 0 (off) or a max norm > 0",
+                     options_.gradient_clipping);
+}
+
+StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batches) {
+  const int64_t accum = options_.accumulation_steps;
+  StepResult r;
+  r.loss_scale = scaler_.scale();
+  if (clock_) clock_->mark();
+  strategy_.zero_grad();
+  double loss = 0;
+  for (int64_t k = 0; k < accum; ++k) {
+    const MicroBatch mb = batches(k);
+    strategy_.begin_micro_step(k, accum);
+    // Each micro-batch's loss is a mean over its B·T tokens, scaled for fp16.
+    loss += model_.forward(
+        mb.tokens, mb.targets, mb.batch, mb.seq_len,
+        static_cast<float>(r.loss_scale / static_cast<double>(mb.batch * mb.seq_len)), true);
+    if (clock_) clock_->mark();
+    model_.backward();
+    if (clock_) clock_->mark();
+  }
+  strategy_.finish_gradients();
+  if (clock_) clock_->mark();
+  // Gradients hold Σ over micro-steps and ranks of ∂(loss_scale · mean micro-batch loss)/∂θ.
+  const double mean_scale = 1.0 / (static_cast<double>(accum * comm_.world_size()) * r.loss_scale);
+  r.grad_norm = strategy_.grad_norm(mean_scale);
+  const bool overflow = !std::isfinite(r.grad_norm);
+  r.skipped = scaler_.update(overflow);
+  if (!r.skipped) {
+    check<RuntimeFailure>(!overflow,
+                          "gradients became non-finite (norm {}) at step {} (learning rate "
+                          "{:g}): training diverged; lower --lr or raise --warmup-steps",
+                          r.grad_norm, step + 1, lr);
+    const double clip = options_.gradient_clipping;
+    r.clip_coef = clip > 0 && r.grad_norm > clip ? clip / (r.grad_norm + 1e-6) : 1.0;
+    strategy_.step(lr, mean_scale * r.clip_coef);
+  }
+  if (clock_) clock_->mark();
+  // The global batch's loss: every rank's micro-batches weigh equally (as in the gradient).
+  double sum = loss;
+  loss_sum_.sum(std::span<double>(&sum, 1));
+  r.loss = sum / static_cast<double>(accum * comm_.world_size());
+  backend_.synchronize();
+  if (clock_) r.phases = PhaseTimes::from_marks(clock_->intervals());  // no further wait
+  check<RuntimeFailure>(std::isfinite(r.loss),
+                        "loss became {} at step {} (learning rate {:g}): training diverged; "
+                        "lower --lr or raise --warmup-steps",
+                        r.loss, step + 1, lr);
+  return r;
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,122 @@
+// TrainStep: one optimizer step of data-parallel / ZeRO training, in one place.
+//
+//   zero_grad → for each micro-batch k: begin_micro_step(k), forward, backward
+//   → finish_gradients → global gradient norm → fp16 overflow check (skip) → clipping
+//   → strategy step → loss averaged over the global batch (all ranks, all micro-batches)
+//
+// The trainer (train/trainer.cpp) and the MPI tests (tests/mpi/test_zero_equivalence.cpp) both
+// run their steps through it; each feeds micro-batches its own way (MicroBatchSource). A pipeline
+// schedule will supply its own step object behind the same result type.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "backend/backend.h"
+#include "comm/communicator.h"
+#include "memory/flat_buffer.h"
+#include "model/gpt2.h"
+#include "optim/loss_scaler.h"
+#include "parallel/strategy.h"
+
+namespace shardtrain {
+
+/// Sums a few host doubles over the ranks of a communicator, cheaply and precisely.
+/// Communicators reduce backend tensors, so the values travel through a tiny fp32 device buffer:
+/// each as two fp32 words (hi + lo: about 48 bits), all-gathered, and summed on the host in double
+/// in rank order — the same result on every rank, independent of how MPI/NCCL order a reduction.
+/// On one rank the values are returned unchanged and nothing is communicated or allocated.
+class ScalarAllReduce {
+ public:
+  /// Room for up to `capacity` values per call.
+  ScalarAllReduce(Backend& backend, Communicator& comm, int capacity);
+  /// Replaces every value by its sum over the ranks. Collective: every rank calls it with the
+  /// same number of values (≤ capacity). Waits for the result (one small device sync on GPU).
+  void sum(std::span<double> values);
+
+ private:
+  Backend& backend_;
+  Communicator& comm_;
+  int capacity_;
+  FlatBuffer buf_;  ///< [2·capacity] this rank's words, then [world · 2·capacity] gathered
+  std::vector<float> host_;
+};
+
+/// One micro-batch: host int32 tokens and next-token targets, [batch · seq_len] each, row-major.
+/// The pointers must stay valid until the model's forward returned.
+struct MicroBatch {
+  const int32_t* tokens = nullptr;
+  const int32_t* targets = nullptr;
+  int64_t batch = 0;    ///< samples B
+  int64_t seq_len = 0;  ///< tokens per sample T
+};
+
+/// Gives micro-batch `k` (0 ≤ k < accumulation_steps) of the step being run. Every micro-batch of
+/// a step, on every rank, must have the same B·T (the gradient and the loss average the
+/// micro-batch means with equal weights).
+using MicroBatchSource = std::function<MicroBatch(int64_t k)>;
+
+/// Device time of the phases of one or more optimizer steps (DeepSpeed wall_clock_breakdown), in
+/// seconds: forward (with zeroing the gradients and preparing the batch), backward (with the
+/// reductions it launches), the wait for the gradient reductions still running after backward
+/// (Strategy::finish_gradients) and the optimizer (gradient norm, clipping, update, and for ZeRO
+/// the all-gather of the updated parameters).
+struct PhaseTimes {
+  double forward = 0, backward = 0, reduce_wait = 0, optimizer = 0;
+
+  /// From the intervals between the marks of one step: [forward, backward] per micro-step, then
+  /// the reduction wait and the optimizer.
+  static PhaseTimes from_marks(const std::vector<double>& t);
+  PhaseTimes& operator+=(const PhaseTimes& o);
+  PhaseTimes scaled(double f) const;
+};
+
+/// The narrow options of a step.
+struct TrainStepOptions {
+  int64_t accumulation_steps = 1;  ///< micro-batches per optimizer step on each rank (≥ 1)
+  double gradient_clipping = 0;    ///< max global L2 norm of the mean gradient; 0 = off
+};
+
+/// What one step did.
+struct StepResult {
+  /// Mean per-token loss over the global batch (every micro-batch of every rank; the same value
+  /// on every rank). The loss of the parameters before the update.
+  double loss = 0;
+  /// Global L2 norm of the mean gradient, before clipping (inf or NaN: fp16 overflow).
+  double grad_norm = 0;
+  bool skipped = false;   ///< fp16 overflow: the optimizer step was skipped, the scale lowered
+  double loss_scale = 1;  ///< the fp16 loss scale the step ran with (1 without fp16)
+  double clip_coef = 1;   ///< factor applied to the gradients by clipping (1 = not clipped)
+  /// Device time of the phases; set when the step was given a StreamClock.
+  std::optional<PhaseTimes> phases;
+};
+
+class TrainStep {
+ public:
+  /// All references must outlive the TrainStep. `strategy` must be set up on `model` already.
+  /// `clock` (nullable): marks the phases of each step (wall_clock_breakdown). Throws ConfigError
+  /// for accumulation_steps < 1 or a negative gradient_clipping.
+  TrainStep(GPT2Model& model, Strategy& strategy, Communicator& comm, Backend& backend,
+            LossScaler& scaler, TrainStepOptions options, StreamClock* clock = nullptr);
+
+  /// Runs optimizer step number `step` (0-based, for messages) at learning rate `lr` on the
+  /// micro-batches `batches` gives. Collective. Returns when the step's device work finished.
+  /// Throws RuntimeFailure when the gradients (without fp16) or the loss become non-finite
+  /// (training diverged), naming the step and the learning rate.
+  StepResult run(int64_t step, double lr, const MicroBatchSource& batches);
+
+ private:
+  GPT2Model& model_;
+  Strategy& strategy_;
+  Communicator& comm_;
+  Backend& backend_;
+  LossScaler& scaler_;
+  TrainStepOptions options_;
+  StreamClock* clock_;
+  ScalarAllReduce loss_sum_;
+};
+
+}  // namespace shardtrain
