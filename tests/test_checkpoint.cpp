@@ -197,6 +197,7 @@ std::unique_ptr<Strategy> real_strategy(StrategyKind kind, Backend& backend, Com
   cfg.strategy_name = to_string(kind);
   cfg.zero.stage = zero_stage_of(kind);
   cfg.zero.reduce_bucket_size = 5000;
+  cfg.plan = plan_of(cfg);  // what validate() derives
   auto s = make_strategy(cfg, backend, comm);
   std::vector<float> init(static_cast<size_t>(model.layout().numel()), 0.0f);
   s->setup(model, init);

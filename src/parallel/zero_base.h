@@ -5,12 +5,11 @@
 #pragma once
 
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
-#include <limits>
 #include <memory>
 #include <vector>
 
+#include "comm/scalar_all_reduce.h"
 #include "core/error.h"
 #include "parallel/buckets.h"
 #include "parallel/registered_buffers.h"
@@ -61,7 +60,7 @@ class ZeroStrategy : public Strategy {
         optimizers_[i] =
             std::make_unique<AdamW>(backend_, layout, p.owned_offset, p.owned_numel, hyper);
     }
-    norm_buf_ = FlatBuffer(backend_, DType::kF32, 2 * static_cast<int64_t>(world_));
+    norm_reduce_ = std::make_unique<ScalarAllReduce>(backend_, comm_, 1);
     allocate_gradients();
     std::vector<Tensor> buffers = gradient_buffers();
     for (const Tensor& t : param_buffers()) buffers.push_back(t);
@@ -290,27 +289,11 @@ class ZeroStrategy : public Strategy {
                                      offset, offset + numel, rank_));
   }
 
-  /// Σ over ranks of `x` in double, added in rank order: identical on every rank. Each rank
-  /// contributes x as the float pair (hi, x - hi), which keeps ~48 bits.
+  /// Σ over ranks of `x` in double, added in rank order: identical on every rank (each rank
+  /// contributes x as a float pair, about 48 bits: ScalarAllReduce).
   double sum_over_ranks(double x) {
-    float pair[2] = {0.0f, 0.0f};
-    if (std::isfinite(x) && std::fabs(x) <= static_cast<double>(FLT_MAX)) {
-      pair[0] = static_cast<float>(x);
-      pair[1] = static_cast<float>(x - static_cast<double>(pair[0]));
-    } else {
-      pair[0] = std::isnan(x) ? std::numeric_limits<float>::quiet_NaN()
-                              : std::numeric_limits<float>::infinity();
-    }
-    Tensor own = norm_buf_.slice(2 * static_cast<int64_t>(rank_), 2);
-    backend_.copy_from_host(own.data, pair, sizeof pair);
-    comm_.all_gather(norm_buf_.view(), own)->wait();
-    std::vector<float> all(static_cast<size_t>(2 * world_));
-    backend_.copy_to_host(all.data(), norm_buf_.data(), all.size() * sizeof(float));
-    double sum = 0;
-    for (int r = 0; r < world_; ++r)
-      sum += static_cast<double>(all[2 * static_cast<size_t>(r)]) +
-             static_cast<double>(all[2 * static_cast<size_t>(r) + 1]);
-    return sum;
+    norm_reduce_->sum(std::span<double>(&x, 1));
+    return x;
   }
 
   StrategyOptions opt_;
@@ -329,7 +312,7 @@ class ZeroStrategy : public Strategy {
   int64_t gathered_bytes_ = 0;  ///< parameter bytes all-gathered since zero_grad()
   FlatBuffer master_;  ///< [shard_numel_] fp32 owned master weights; empty for fp32 compute
   std::vector<std::unique_ptr<AdamW>> optimizers_;  ///< per part; null where nothing is owned
-  FlatBuffer norm_buf_;                             ///< [2·world] fp32 for sum_over_ranks
+  std::unique_ptr<ScalarAllReduce> norm_reduce_;    ///< for sum_over_ranks
   int64_t steps_ = 0;
   // params_ and gradient_buffers() for the copy-engine collectives. It outlives the subclasses'
   // gradient buffers by the rest of the destructor chain, which is harmless: nothing allocates

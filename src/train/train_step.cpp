@@ -7,45 +7,6 @@
 
 namespace shardtrain {
 
-// ---- ScalarAllReduce ----------------------------------------------------------------------------
-
-ScalarAllReduce::ScalarAllReduce(Backend& backend, Communicator& comm, int capacity)
-    : backend_(backend), comm_(comm), capacity_(capacity) {
-  ST_ASSERT(capacity >= 1);
-  if (comm_.world_size() > 1) {
-    buf_ = FlatBuffer(backend, DType::kF32, int64_t{2} * capacity * comm_.world_size());
-    host_.resize(static_cast<size_t>(buf_.numel()));
-  }
-}
-
-void ScalarAllReduce::sum(std::span<double> values) {
-  const int world = comm_.world_size();
-  if (world == 1) return;
-  const int64_t n = static_cast<int64_t>(values.size());
-  ST_ASSERT(n <= capacity_);
-  const int64_t words = 2 * n;
-  for (int64_t i = 0; i < n; ++i) {
-    const double v = values[static_cast<size_t>(i)];
-    const float hi = static_cast<float>(v);
-    host_[static_cast<size_t>(2 * i)] = hi;
-    host_[static_cast<size_t>(2 * i + 1)] = static_cast<float>(v - static_cast<double>(hi));
-  }
-  const Tensor own = buf_.slice(comm_.rank() * words, words);
-  backend_.copy_from_host(own.data, host_.data(), own.bytes());
-  // In place: this rank's words are its slice of the output.
-  comm_.all_gather(buf_.slice(0, world * words), own)->wait();
-  backend_.copy_to_host(host_.data(), buf_.data(),
-                        static_cast<size_t>(world * words) * sizeof(float));
-  for (int64_t i = 0; i < n; ++i) {
-    double s = 0;
-    for (int r = 0; r < world; ++r) {
-      const size_t at = static_cast<size_t>(r * words + 2 * i);
-      s += static_cast<double>(host_[at]) + static_cast<double>(host_[at + 1]);
-    }
-    values[static_cast<size_t>(i)] = s;
-  }
-}
-
 // ---- PhaseTimes ---------------------------------------------------------------------------------
 
 PhaseTimes PhaseTimes::from_marks(const std::vector<double>& t) {

@@ -236,18 +236,34 @@ struct EpochStats {
   double samples = 0;         ///< global samples trained on
   int64_t seq_len = 0;        ///< T
   int64_t skipped_steps = 0;  ///< fp16 overflows so far
+  double gathered_bytes = 0;  ///< Σ over the steps of the parameter bytes this rank all-gathered
 };
 
-/// The epoch summary: a console line and a metrics.jsonl record with throughput and peak memory
-/// (the GPU's peak allocated bytes, or the process's peak resident set on CPU).
-void log_epoch(Console& out, MetricsWriter& metrics, Backend& backend, const EpochStats& e) {
+/// The epoch summary: a console line and a metrics.jsonl record with throughput, peak memory
+/// (the GPU's peak allocated bytes, or the process's peak resident set on CPU) of every rank, and
+/// the parameter bytes all-gathered per step. Collective (the ranks' peaks are gathered).
+void log_epoch(Console& out, MetricsWriter& metrics, Backend& backend, ScalarAllReduce& reduce,
+               const EpochStats& e) {
   const bool on_gpu = backend.kind() == DeviceKind::kCUDA;
   const size_t peak = on_gpu ? backend.peak_allocated_bytes() : peak_rss_bytes();
-  const std::string mem =
+  const double mine[] = {static_cast<double>(peak),
+                         static_cast<double>(on_gpu ? backend.peak_reserved_bytes() : peak)};
+  const std::vector<double> all = reduce.gather(mine);  // [rank][allocated, reserved]
+  std::vector<size_t> peaks;
+  std::string per_rank;
+  for (size_t r = 0; r < all.size() / 2; ++r) {
+    peaks.push_back(static_cast<size_t>(all[2 * r]));
+    per_rank += fmt::format("{}{}", r ? ", " : "", human_bytes(all[2 * r]));
+  }
+  std::string mem =
       on_gpu ? fmt::format("peak memory {} allocated, {} reserved",
                            human_bytes(static_cast<double>(peak)),
                            human_bytes(static_cast<double>(backend.peak_reserved_bytes())))
              : fmt::format("peak memory {}", human_bytes(static_cast<double>(peak)));
+  if (peaks.size() > 1) mem += fmt::format(" (rank 0; ranks: {})", per_rank);
+  const double gathered_per_step = e.gathered_bytes / static_cast<double>(e.steps);
+  if (gathered_per_step > 0)
+    mem += fmt::format(" | all-gathered {} per step", human_bytes(gathered_per_step));
   const double avg_loss = e.loss_sum / static_cast<double>(e.steps);
   const double tokens_per_s = e.samples * static_cast<double>(e.seq_len) / e.seconds;
   out.line(
@@ -267,6 +283,8 @@ void log_epoch(Console& out, MetricsWriter& metrics, Backend& backend, const Epo
                  {"device_reserved_bytes", backend.reserved_bytes()},
                  {"device_peak_allocated_bytes", backend.peak_allocated_bytes()},
                  {"device_peak_reserved_bytes", backend.peak_reserved_bytes()},
+                 {"peak_memory_bytes_per_rank", peaks},
+                 {"gathered_bytes_per_step", gathered_per_step},
                  {"skipped_steps", e.skipped_steps}});
 }
 
@@ -506,10 +524,10 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     summary.checkpoint = dir.string();
     out.line("saved checkpoint {}", dir.string());
   };
-  ScalarAllReduce eval_reduce(*backend, comm, 2);
+  ScalarAllReduce rank_scalars(*backend, comm, 2);
   auto validate_now = [&](int64_t epoch) {
     if (!valid_data) return;
-    const Evaluation ev = evaluate(model, *valid_data, B, comm, eval_reduce);
+    const Evaluation ev = evaluate(model, *valid_data, B, comm, rank_scalars);
     summary.val_loss = ev.loss;
     summary.val_ppl = std::exp(ev.loss);
     out.line(
@@ -536,7 +554,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     const int64_t epoch = progress.epoch;
     const auto t_epoch = Clock::now();
     backend->reset_peak_memory();
-    double epoch_loss = 0;
+    double epoch_loss = 0, epoch_gathered = 0;
     int64_t epoch_steps = 0;
     while (progress.step_in_epoch < steps_per_epoch && progress.step < total_steps) {
       const auto t_step = Clock::now();
@@ -565,6 +583,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
       summary.losses.push_back(r.loss);
       summary.last_loss = r.loss;
       epoch_loss += r.loss;
+      epoch_gathered += static_cast<double>(strategy->gathered_bytes_last_step());
       ++epoch_steps;
       out.bar(progress.step, total_steps, r.loss, static_cast<double>(tokens_per_step) / dt);
       step_log.add(r, dt, lr, progress, epoch,
@@ -582,10 +601,10 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     const double epoch_time = seconds_since(t_epoch);
     const bool complete = progress.step_in_epoch >= steps_per_epoch;
     if (epoch_steps > 0) {
-      log_epoch(
-          out, metrics, *backend,
-          {epoch, complete, epoch_steps, epoch_loss, epoch_time,
-           static_cast<double>(epoch_steps * sampler.global_batch()), T, scaler.skipped_steps()});
+      log_epoch(out, metrics, *backend, rank_scalars,
+                {epoch, complete, epoch_steps, epoch_loss, epoch_time,
+                 static_cast<double>(epoch_steps * sampler.global_batch()), T,
+                 scaler.skipped_steps(), epoch_gathered});
       if (cfg.eval_interval == 0 && !validated_at_end) {
         validate_now(epoch);
         validated_at_end = true;
