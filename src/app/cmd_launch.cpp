@@ -31,6 +31,7 @@ namespace {
 struct LaunchOptions {
   LaunchPlan plan;
   std::string hostfile;
+  std::string device;  ///< --device given to launch: passed on to the training command
   double grace_s = 10;
   bool watch_stdin = false;
   bool dry_run = false;
@@ -117,6 +118,19 @@ int launch(LaunchOptions& o) {
   // progress bar into that file. Forwarded to every rank (SHARDTRAIN_* variables are); an outer
   // launch (--hostfile) has set it already.
   setenv("SHARDTRAIN_STDOUT_TTY", isatty(STDOUT_FILENO) ? "1" : "0", 0);
+  if (!o.device.empty()) {
+    check<ConfigError>(!plan.exec,
+                       "launch --device applies to shardtrain commands, not to --exec "
+                       "programs: pass the device to the program itself");
+    const std::string given = device_flag(plan.command);
+    const bool has_own = std::any_of(plan.command.begin(), plan.command.end(), [](const auto& a) {
+      return a == "--device" || a.rfind("--device=", 0) == 0;
+    });
+    check<ConfigError>(!has_own || given == o.device,
+                       "launch --device {} contradicts the command's --device {}: give one",
+                       o.device, given);
+    if (!has_own) plan.command.insert(plan.command.begin() + 1, {"--device", o.device});
+  }
   const std::string device = plan.exec ? "" : device_flag(plan.command);
   const int gpus = plan.exec || device == "cpu" ? 0 : cuda_device_count();
   const bool gpu_job = !plan.exec && (device == "cuda" || (device == "auto" && gpus > 0));
@@ -192,6 +206,10 @@ void register_launch_command(CLI::App& app) {
                                    "(default 127.0.0.1; with --hostfile the first host)");
   cmd->add_option("--master-port", p.master_port, "port of the rendezvous store (default 29500)")
       ->check(CLI::Range(1, 65535));
+  cmd->add_option("--device", o->device,
+                  "cpu | cuda | auto: run the ranks on CPUs (under mpirun) or one GPU each; "
+                  "passed on to the command (default: the command's own --device, else auto)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   cmd->add_option("--hostfile", o->hostfile,
                   "hosts of a multi-node job, one 'HOST slots=N' per line (DeepSpeed's format): "
                   "GPU jobs start over ssh (SHARDTRAIN_SSH overrides 'ssh -o BatchMode=yes'), CPU "
