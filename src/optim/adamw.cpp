@@ -4,18 +4,28 @@
 #include <cmath>
 #include <numbers>
 
+#include "core/error.h"
 #include "io/config.h"
 
 namespace shardtrain {
 
 AdamW::AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_t numel,
              AdamWHyper hyper)
-    : backend_(backend),
-      offset_(offset),
-      numel_(numel),
-      hyper_(hyper),
-      m_(backend, DType::kF32, numel),
-      v_(backend, DType::kF32, numel) {
+    : AdamW(backend, layout, offset, numel, hyper, Tensor(), Tensor()) {}
+
+AdamW::AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_t numel,
+             AdamWHyper hyper, Tensor exp_avg, Tensor exp_avg_sq)
+    : backend_(backend), offset_(offset), numel_(numel), hyper_(hyper) {
+  if (exp_avg.empty()) {
+    owned_m_ = FlatBuffer(backend, DType::kF32, numel);
+    owned_v_ = FlatBuffer(backend, DType::kF32, numel);
+    exp_avg = owned_m_.view();
+    exp_avg_sq = owned_v_.view();
+  }
+  ST_ASSERT(exp_avg.numel() == numel && exp_avg_sq.numel() == numel &&
+            exp_avg.dtype == DType::kF32 && exp_avg_sq.dtype == DType::kF32);
+  m_ = exp_avg;
+  v_ = exp_avg_sq;
   // Cut [offset, offset+numel) into runs of equal decay; padding between tensors is "no decay"
   // (it is zero and stays zero either way).
   const int64_t end = offset + numel;
@@ -51,7 +61,7 @@ void AdamW::step(Tensor master, Tensor grads, Tensor params_out, double lr, doub
   for (const Segment& s : segments_) {
     a.weight_decay = s.decay ? static_cast<float>(hyper_.weight_decay) : 0.0f;
     backend_.adamw(master.slice1d(s.begin, s.count), grads.slice1d(s.begin, s.count),
-                   m_.slice(s.begin, s.count), v_.slice(s.begin, s.count),
+                   m_.slice1d(s.begin, s.count), v_.slice1d(s.begin, s.count),
                    params_out.empty() ? Tensor() : params_out.slice1d(s.begin, s.count), a);
   }
 }

@@ -26,6 +26,11 @@ class AdamW {
   /// caller (they alias the parameters when those are fp32).
   AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_t numel,
         AdamWHyper hyper);
+  /// The same over caller-owned state: `exp_avg` and `exp_avg_sq` fp32 [numel] (zeroed), e.g.
+  /// slices of one buffer shared by the AdamW objects of several ZeRO slices (one allocation
+  /// instead of one per slice, each rounded up by the device allocator).
+  AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_t numel,
+        AdamWHyper hyper, Tensor exp_avg, Tensor exp_avg_sq);
 
   /// One update: master [numel] fp32, grads [numel] (grad dtype); `grad_scale` multiplies the
   /// gradients first (gradient averaging, clipping and loss-scale removal folded into one
@@ -34,8 +39,9 @@ class AdamW {
 
   int64_t step_count() const { return t_; }
   void set_step_count(int64_t t) { t_ = t; }
-  FlatBuffer& exp_avg() { return m_; }
-  FlatBuffer& exp_avg_sq() { return v_; }
+  /// m and v, fp32 [numel].
+  const Tensor& exp_avg() const { return m_; }
+  const Tensor& exp_avg_sq() const { return v_; }
   int64_t offset() const { return offset_; }
   int64_t numel() const { return numel_; }
   const AdamWHyper& hyper() const { return hyper_; }
@@ -49,7 +55,8 @@ class AdamW {
   int64_t offset_, numel_;
   AdamWHyper hyper_;
   std::vector<Segment> segments_;
-  FlatBuffer m_, v_;
+  FlatBuffer owned_m_, owned_v_;  ///< empty when the caller owns the state
+  Tensor m_, v_;
   int64_t t_ = 0;
 };
 

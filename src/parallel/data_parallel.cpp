@@ -87,8 +87,8 @@ class DataParallel final : public Strategy {
     s.exp_avg_sq.resize(n);
     const FlatBuffer& master = master_.numel() ? master_ : params_;
     backend_.copy_to_host(s.params.data(), master.data(), n * sizeof(float));
-    backend_.copy_to_host(s.exp_avg.data(), optimizer_->exp_avg().data(), n * sizeof(float));
-    backend_.copy_to_host(s.exp_avg_sq.data(), optimizer_->exp_avg_sq().data(), n * sizeof(float));
+    backend_.copy_to_host(s.exp_avg.data(), optimizer_->exp_avg().data, n * sizeof(float));
+    backend_.copy_to_host(s.exp_avg_sq.data(), optimizer_->exp_avg_sq().data, n * sizeof(float));
     s.optimizer_steps = optimizer_->step_count();
     return s;
   }
@@ -99,9 +99,8 @@ class DataParallel final : public Strategy {
     FlatBuffer& master = master_.numel() ? master_ : params_;
     backend_.copy_from_host(master.data(), s.params.data(), n * sizeof(float));
     if (master_.numel()) backend_.convert(params_.view(), master_.view());
-    backend_.copy_from_host(optimizer_->exp_avg().data(), s.exp_avg.data(), n * sizeof(float));
-    backend_.copy_from_host(optimizer_->exp_avg_sq().data(), s.exp_avg_sq.data(),
-                            n * sizeof(float));
+    backend_.copy_from_host(optimizer_->exp_avg().data, s.exp_avg.data(), n * sizeof(float));
+    backend_.copy_from_host(optimizer_->exp_avg_sq().data, s.exp_avg_sq.data(), n * sizeof(float));
     optimizer_->set_step_count(s.optimizer_steps);
   }
 
@@ -133,9 +132,9 @@ class DataParallel final : public Strategy {
   Tensor state(StateTensor q) const {
     switch (q) {
       case StateTensor::kExpAvg:
-        return optimizer_->exp_avg().view();
+        return optimizer_->exp_avg();
       case StateTensor::kExpAvgSq:
-        return optimizer_->exp_avg_sq().view();
+        return optimizer_->exp_avg_sq();
       case StateTensor::kParams:
         break;
     }

@@ -51,14 +51,19 @@ class ZeroStrategy : public Strategy {
     }
     allocate_params();
     if (dtype_ != DType::kF32) master_ = FlatBuffer(backend_, DType::kF32, shard_numel_);
-    const AdamWHyper hyper = opt_.adamw;
+    // AdamW m and v of every owned slice in two buffers laid out like the slices (one device
+    // allocation each rather than two per slice).
+    exp_avg_ = FlatBuffer(backend_, DType::kF32, shard_numel_);
+    exp_avg_sq_ = FlatBuffer(backend_, DType::kF32, shard_numel_);
     optimizers_.clear();
     optimizers_.resize(parts_.size());
     for (size_t i = 0; i < parts_.size(); ++i) {
       const BucketPartition& p = parts_[i];
       if (p.owned_numel > 0)
         optimizers_[i] =
-            std::make_unique<AdamW>(backend_, layout, p.owned_offset, p.owned_numel, hyper);
+            std::make_unique<AdamW>(backend_, layout, p.owned_offset, p.owned_numel, opt_.adamw,
+                                    exp_avg_.slice(p.shard_offset, p.owned_numel),
+                                    exp_avg_sq_.slice(p.shard_offset, p.owned_numel));
     }
     norm_reduce_ = std::make_unique<ScalarAllReduce>(backend_, comm_, 1);
     allocate_gradients();
@@ -106,8 +111,8 @@ class ZeroStrategy : public Strategy {
       AdamW* opt = optimizers_[i].get();
       const std::pair<Tensor, std::vector<float>*> quantities[] = {
           {opt ? master(i) : Tensor(), &s.params},
-          {opt ? opt->exp_avg().view() : Tensor(), &s.exp_avg},
-          {opt ? opt->exp_avg_sq().view() : Tensor(), &s.exp_avg_sq}};
+          {opt ? opt->exp_avg() : Tensor(), &s.exp_avg},
+          {opt ? opt->exp_avg_sq() : Tensor(), &s.exp_avg_sq}};
       for (const auto& [src, dst] : quantities) {
         Tensor own = stage.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
         backend_.fill_zero(own);
@@ -164,8 +169,7 @@ class ZeroStrategy : public Strategy {
 
   size_t model_state_bytes() const override {
     size_t bytes = param_bytes() + master_.bytes() + gradient_bytes();
-    for (const auto& opt : optimizers_)
-      if (opt) bytes += opt->exp_avg().bytes() + opt->exp_avg_sq().bytes();
+    bytes += exp_avg_.bytes() + exp_avg_sq_.bytes();
     return bytes;
   }
 
@@ -281,8 +285,8 @@ class ZeroStrategy : public Strategy {
       const BucketPartition& p = parts_[i];
       if (offset < p.owned_offset || offset + numel > p.owned_offset + p.owned_numel) continue;
       const Tensor whole = q == StateTensor::kParams   ? master(i)
-                           : q == StateTensor::kExpAvg ? optimizers_[i]->exp_avg().view()
-                                                       : optimizers_[i]->exp_avg_sq().view();
+                           : q == StateTensor::kExpAvg ? optimizers_[i]->exp_avg()
+                                                       : optimizers_[i]->exp_avg_sq();
       return whole.slice1d(offset - p.owned_offset, numel);
     }
     throw RuntimeFailure(fmt::format("{}: elements [{}, {}) are not owned by rank {}", name(),
@@ -311,6 +315,7 @@ class ZeroStrategy : public Strategy {
   FlatBuffer params_;           ///< stages 1/2: [padded_numel_] compute dtype, every parameter
   int64_t gathered_bytes_ = 0;  ///< parameter bytes all-gathered since zero_grad()
   FlatBuffer master_;  ///< [shard_numel_] fp32 owned master weights; empty for fp32 compute
+  FlatBuffer exp_avg_, exp_avg_sq_;  ///< [shard_numel_] fp32 AdamW m and v, laid out like master_
   std::vector<std::unique_ptr<AdamW>> optimizers_;  ///< per part; null where nothing is owned
   std::unique_ptr<ScalarAllReduce> norm_reduce_;    ///< for sum_over_ranks
   int64_t steps_ = 0;

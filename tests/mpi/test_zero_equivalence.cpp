@@ -362,14 +362,14 @@ TEST_F(ZeroEquivalence, Zero3OptionsAllMatchOneRank) {
       Trainee zero2(st::StrategyKind::kZero2, *comm, 500'000'000, ref.init);
       const size_t z3 = run.strategy->model_state_bytes(), z2 = zero2.strategy->model_state_bytes();
       EXPECT_LT(z3, z2) << what;
-      // fp32 compute: parameters and gradients of the rank's slice of every layer (4 + 4 bytes
-      // per element, its padding included: each layer is padded to a multiple of W·16
-      // elements), AdamW m and v of the real elements it owns (4 + 4 bytes).
+      // fp32 compute: parameters, gradients and AdamW m and v of the rank's slice of every
+      // layer (4 + 4 + 4 + 4 bytes per element, its padding included: each layer is padded to a
+      // multiple of W·16 elements).
       const st::ParamLayout& layout = run.model.layout();
       int64_t expected = 0;
       for (const st::BucketPartition& p :
            st::partition_buckets(st::build_grad_buckets(layout, 1), world(), rank()))
-        expected += 8 * p.shard + 8 * p.owned_numel;
+        expected += 16 * p.shard;
       EXPECT_EQ(z3, static_cast<size_t>(expected)) << what;
       if (rank() == 0)
         std::printf("  %-58s model states %zu B per rank (zero2 %zu B, 16Ψ/N %lld B)\n",
