@@ -12,11 +12,13 @@ namespace shardtrain {
 class FlatBuffer {
  public:
   FlatBuffer() = default;
-  /// Allocates `numel` zeroed elements of `dtype` on `backend`. Throws RuntimeFailure (OOM).
+  /// Allocates `numel` zeroed elements of `dtype` on `backend`; nothing for numel 0 (an empty
+  /// buffer: data() null). Throws RuntimeFailure (OOM).
   FlatBuffer(Backend& backend, DType dtype, int64_t numel)
       : backend_(&backend),
-        view_(backend.allocate(static_cast<size_t>(numel) * dtype_size(dtype)), dtype,
-              backend.kind(), {numel}) {}
+        view_(numel > 0 ? backend.allocate(static_cast<size_t>(numel) * dtype_size(dtype))
+                        : nullptr,
+              dtype, backend.kind(), {numel}) {}
   FlatBuffer(const FlatBuffer&) = delete;
   FlatBuffer& operator=(const FlatBuffer&) = delete;
   FlatBuffer(FlatBuffer&& o) noexcept : backend_(o.backend_), view_(o.view_) { o.view_ = {}; }
