@@ -29,6 +29,7 @@
 #include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
 #include "parallel/strategy.h"
+#include "tiny_gpt2.h"
 #include "train/trainer.h"
 
 using namespace shardtrain;
@@ -45,14 +46,7 @@ fs::path temp_dir(const std::string& name) {
 }
 
 GPT2Config tiny_model(int64_t n_positions = 16) {
-  GPT2Config c;
-  c.name = "ckpt-tiny";
-  c.n_layer = 2;
-  c.n_head = 3;
-  c.n_embd = 27;
-  c.vocab_size = 97;
-  c.n_positions = n_positions;
-  return c;
+  return test_support::tiny_gpt2("ckpt-tiny", n_positions);
 }
 
 /// A state with distinct values in every tensor element (v > 0), zero alignment padding (as

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "../tiny_gpt2.h"
 #include "backend/backend.h"
 #include "comm/communicator.h"
 #include "core/rng.h"
@@ -26,16 +27,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-st::GPT2Config tiny_model() {
-  st::GPT2Config c;
-  c.name = "sharded-checkpoint";
-  c.n_layer = 2;
-  c.n_head = 3;
-  c.n_embd = 27;
-  c.vocab_size = 97;
-  c.n_positions = 16;
-  return c;
-}
+st::GPT2Config tiny_model() { return st::test_support::tiny_gpt2("sharded-checkpoint"); }
 
 /// One model + strategy on one communicator, holding `state`.
 struct Trainee {

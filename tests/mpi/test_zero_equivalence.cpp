@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "../tiny_gpt2.h"
 #include "backend/backend.h"
 #include "comm/communicator.h"
 #include "core/rng.h"
@@ -63,16 +64,7 @@ constexpr int64_t kMore = 2;                         ///< steps after it
 constexpr double kTolerance = 1e-6;
 constexpr double kClip = 0.65;  ///< gradient clipping: some steps of the reference clip, some not
 
-st::GPT2Config tiny_model() {
-  st::GPT2Config c;
-  c.name = "zero-equivalence";
-  c.n_layer = 2;
-  c.n_head = 3;
-  c.n_embd = 27;
-  c.vocab_size = 97;
-  c.n_positions = kT;
-  return c;
-}
+st::GPT2Config tiny_model() { return st::test_support::tiny_gpt2("zero-equivalence", kT); }
 
 /// Tokens of sample `s`: T + 1 ids (inputs and shifted targets), deterministic.
 std::vector<int32_t> sample_tokens(int64_t s) {
