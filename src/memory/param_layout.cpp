@@ -60,6 +60,13 @@ std::vector<int> ParamLayout::users(int layer) const {
   return out;
 }
 
+std::vector<int> ParamLayout::tied_sources() const {
+  std::vector<int> out;
+  for (int l = 0; l < num_layers(); ++l)
+    if (is_tied_source(l)) out.push_back(l);
+  return out;
+}
+
 int64_t ParamLayout::num_parameters() const {
   int64_t n = 0;
   for (const auto& l : layers_)

@@ -59,6 +59,8 @@ class ParamLayout {
   std::vector<int> users(int layer) const;
   /// Whether another layer reads `layer`'s parameters (a tied source).
   bool is_tied_source(int layer) const { return users(layer).size() > 1; }
+  /// The tied sources, ascending (GPT-2: the embedding).
+  std::vector<int> tied_sources() const;
   /// Elements in the flat buffer (≥ num_parameters() because of alignment padding).
   int64_t numel() const { return numel_; }
   /// Real parameters (sum of tensor sizes).

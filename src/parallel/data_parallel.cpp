@@ -26,16 +26,15 @@ class DataParallel final : public Strategy {
     model_ = &model;
     const ParamLayout& layout = model.layout();
     const int64_t n = layout.numel();
-    ST_ASSERT(static_cast<int64_t>(init.size()) == n);
+    ST_ASSERT(init.empty() || static_cast<int64_t>(init.size()) == n);
     const DType dt = backend_.compute_dtype();
     params_ = FlatBuffer(backend_, dt, n);
     grads_ = FlatBuffer(backend_, dt, n);
-    if (dt == DType::kF32) {
-      backend_.copy_from_host(params_.data(), init.data(), init.size() * sizeof(float));
-    } else {
-      master_ = FlatBuffer(backend_, DType::kF32, n);
-      backend_.copy_from_host(master_.data(), init.data(), init.size() * sizeof(float));
-      backend_.convert(params_.view(), master_.view());
+    if (dt != DType::kF32) master_ = FlatBuffer(backend_, DType::kF32, n);
+    if (!init.empty()) {
+      FlatBuffer& master = dt == DType::kF32 ? params_ : master_;
+      backend_.copy_from_host(master.data(), init.data(), init.size() * sizeof(float));
+      if (dt != DType::kF32) backend_.convert(params_.view(), master_.view());
     }
     optimizer_ = std::make_unique<AdamW>(backend_, layout, 0, n, opt_.adamw);
     model.bind(params_.view(), grads_.view());

@@ -88,19 +88,20 @@ double gradient_bucket_bytes(StrategyKind s, const GPT2Config& model, int gpus,
                              int64_t reduce_bucket_size) {
   if (s != StrategyKind::kZero2) return 0;
   const ParamLayout layout = layout_of(model);
-  const auto buckets = build_grad_buckets(layout, reduce_bucket_size, {0});
-  int64_t embed = 0, max_regular = 0;
+  // As zero2 builds them (zero_base.h): tied sources alone, each with a persistent buffer.
+  const auto buckets = build_grad_buckets(layout, reduce_bucket_size, layout.tied_sources());
+  int64_t tied = 0, max_regular = 0;
   int regular = 0;
   for (const GradBucket& b : buckets) {
     const int64_t padded = zero_padded_numel(b.numel, gpus);
-    if (b.first_layer == 0) {
-      embed = padded;
+    if (b.num_layers() == 1 && layout.is_tied_source(b.first_layer)) {
+      tied += padded;
     } else {
       max_regular = std::max(max_regular, padded);
       ++regular;
     }
   }
-  return kBf16 * static_cast<double>(embed + std::min(2, regular) * max_regular);
+  return kBf16 * static_cast<double>(tied + std::min(2, regular) * max_regular);
 }
 
 double zero3_transient_bytes(const GPT2Config& model, int gpus, const Zero3Limits& limits,

@@ -29,7 +29,7 @@ class ZeroStrategy : public Strategy {
   void setup(GPT2Model& model, const std::vector<float>& init) final {
     model_ = &model;
     const ParamLayout& layout = model.layout();
-    ST_ASSERT(static_cast<int64_t>(init.size()) == layout.numel());
+    ST_ASSERT(init.empty() || static_cast<int64_t>(init.size()) == layout.numel());
     world_ = comm_.world_size();
     rank_ = comm_.rank();
     dtype_ = backend_.compute_dtype();
@@ -70,7 +70,7 @@ class ZeroStrategy : public Strategy {
     std::vector<Tensor> buffers = gradient_buffers();
     for (const Tensor& t : param_buffers()) buffers.push_back(t);
     registered_ = RegisteredBuffers(comm_, backend_, buffers);
-    write_full(init.data(), nullptr, nullptr, 0);
+    if (!init.empty()) write_full(init.data(), nullptr, nullptr, 0);  // else all zero
     bind_layers();
     model.set_hooks(this);
   }
@@ -205,11 +205,9 @@ class ZeroStrategy : public Strategy {
         !opt_.reduce_bucket_size_set && comm_.registration_staging_bytes() > 0;
     // Tied sources (the embedding, whose wte the LM head reads) get buckets of their own: their
     // gradients are written by a later layer's backward before their own (ParamLayout::tie).
-    std::vector<int> tied_sources;
-    for (int l = 0; l < layout.num_layers(); ++l)
-      if (layout.is_tied_source(l)) tied_sources.push_back(l);
-    return build_grad_buckets(
-        layout, overlap_default ? kOverlapBucketElements : opt_.reduce_bucket_size, tied_sources);
+    return build_grad_buckets(layout,
+                              overlap_default ? kOverlapBucketElements : opt_.reduce_bucket_size,
+                              layout.tied_sources());
   }
   /// Allocates the parameter storage (stages 1/2: every parameter, padded buckets).
   virtual void allocate_params() { params_ = FlatBuffer(backend_, dtype_, padded_numel_); }

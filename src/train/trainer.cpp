@@ -430,8 +430,11 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   TrainingProgress progress;
   progress.seed = cfg.seed;
   {
-    std::vector<float> init(static_cast<size_t>(model.layout().numel()), 0.0f);
+    // Resuming loads each rank's own ranges of the checkpoint into zeroed buffers: no rank holds
+    // the full fp32 parameters.
+    std::vector<float> init;
     if (!resume) {
+      init.assign(static_cast<size_t>(model.layout().numel()), 0.0f);
       if (!cfg.init_from.empty()) {
         const fs::path p = cfg.init_from;
         if (fs::is_directory(p) && fs::exists(p / "model.safetensors") &&
