@@ -16,9 +16,9 @@ class FlatBuffer {
   /// buffer: data() null). Throws RuntimeFailure (OOM).
   FlatBuffer(Backend& backend, DType dtype, int64_t numel)
       : backend_(&backend),
-        view_(numel > 0 ? backend.allocate(static_cast<size_t>(numel) * dtype_size(dtype))
-                        : nullptr,
-              dtype, backend.kind(), {numel}) {}
+        view_(
+            numel > 0 ? backend.allocate(static_cast<size_t>(numel) * dtype_size(dtype)) : nullptr,
+            dtype, backend.kind(), {numel}) {}
   FlatBuffer(const FlatBuffer&) = delete;
   FlatBuffer& operator=(const FlatBuffer&) = delete;
   FlatBuffer(FlatBuffer&& o) noexcept : backend_(o.backend_), view_(o.view_) { o.view_ = {}; }

@@ -11,7 +11,8 @@ namespace shardtrain {
 
 StrategyOptions strategy_options(const TrainConfig& cfg) {
   StrategyOptions o;
-  o.plan = plan_of(cfg);  // the same as the cfg.plan validate() derives, also for configs it never saw
+  o.plan =
+      plan_of(cfg);  // the same as the cfg.plan validate() derives, also for configs it never saw
   o.adamw = AdamWHyper{cfg.beta1, cfg.beta2, cfg.adam_eps, cfg.weight_decay};
   o.reduce_bucket_size = cfg.zero.reduce_bucket_size;
   o.reduce_bucket_size_set = cfg.zero.reduce_bucket_size_set;
