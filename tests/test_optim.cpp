@@ -88,6 +88,25 @@ TEST(LearningRate, WarmupThenCosineAndLinear) {
   EXPECT_NEAR(learning_rate(0, lr, 10, 110, LrSchedule::kCosine, 0.1, 0.5), lr * 0.55, 1e-15);
 }
 
+// A scaler restored from another's state continues exactly as the original would.
+TEST(LossScaler, RestoredStateContinuesTheSameSchedule) {
+  LossScaleConfig c;
+  c.loss_scale_window = 3;
+  c.hysteresis = 2;
+  LossScaler a(c, true), b(c, true);
+  const bool outcomes[] = {true, false, false, true, true, false, false, false, true, false};
+  for (int i = 0; i < 5; ++i) a.update(outcomes[i]);
+  b.restore(a.state());
+  for (int i = 5; i < 10; ++i) {
+    EXPECT_EQ(a.update(outcomes[i]), b.update(outcomes[i]));
+    EXPECT_EQ(a.scale(), b.scale()) << "step " << i;
+    EXPECT_EQ(a.skipped_steps(), b.skipped_steps());
+  }
+  LossScaler off(c, false);
+  off.restore(a.state());  // disabled scalers ignore it
+  EXPECT_EQ(off.scale(), 1.0);
+}
+
 TEST(LossScaler, DeepSpeedDynamicScaling) {
   LossScaleConfig c;
   c.initial_scale_power = 4;  // 16

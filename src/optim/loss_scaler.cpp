@@ -13,6 +13,14 @@ LossScaler::LossScaler(const LossScaleConfig& cfg, bool enabled)
                                   : std::ldexp(1.0, cfg.initial_scale_power)),
       hysteresis_left_(cfg.hysteresis) {}
 
+void LossScaler::restore(const State& s) {
+  if (!enabled_) return;
+  scale_ = s.scale;
+  hysteresis_left_ = s.hysteresis_left;
+  clean_steps_ = s.clean_steps;
+  skipped_ = s.skipped_steps;
+}
+
 bool LossScaler::update(bool overflow) {
   if (!enabled_) return false;
   const bool dynamic = cfg_.loss_scale <= 0;

@@ -24,6 +24,18 @@ class LossScaler {
   bool update(bool overflow);
   int64_t skipped_steps() const { return skipped_; }
 
+  /// Everything update() depends on, for checkpoints: a resumed run continues the same scale
+  /// schedule (the manifest's "loss_scaler" object).
+  struct State {
+    double scale = 1;
+    int hysteresis_left = 0;
+    int64_t clean_steps = 0;  ///< clean steps since the last change of scale
+    int64_t skipped_steps = 0;
+  };
+  State state() const { return {scale_, hysteresis_left_, clean_steps_, skipped_}; }
+  /// Continues from `s` (no-op when disabled).
+  void restore(const State& s);
+
  private:
   LossScaleConfig cfg_;
   bool enabled_;

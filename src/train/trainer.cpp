@@ -453,6 +453,16 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   if (resume) {
     load_sharded_checkpoint(*resume, model.layout(), *strategy, comm);
     progress = resume->progress;
+    // An fp16 run's loss-scale schedule continues where it stopped (other precisions have none).
+    if (scaler.enabled() && resume->loss_scaler.is_object()) {
+      const nlohmann::json& j = resume->loss_scaler;
+      LossScaler::State st = scaler.state();
+      st.scale = j.value("scale", st.scale);
+      st.hysteresis_left = j.value("hysteresis_left", st.hysteresis_left);
+      st.clean_steps = j.value("clean_steps", st.clean_steps);
+      st.skipped_steps = j.value("skipped_steps", st.skipped_steps);
+      scaler.restore(st);
+    }
     check<CheckpointError>(progress.step <= total_steps,
                            "checkpoint {} is at step {} but this run has only {} steps: raise "
                            "--max-steps or --epochs to continue training",
@@ -517,8 +527,13 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   auto save = [&]() {
     if (!cfg.save_checkpoints) return;
     ck.progress = progress;
-    if (scaler.enabled())
-      ck.loss_scaler = {{"scale", scaler.scale()}, {"skipped_steps", scaler.skipped_steps()}};
+    if (scaler.enabled()) {
+      const LossScaler::State st = scaler.state();
+      ck.loss_scaler = {{"scale", st.scale},
+                        {"hysteresis_left", st.hysteresis_left},
+                        {"clean_steps", st.clean_steps},
+                        {"skipped_steps", st.skipped_steps}};
+    }
     ShardedSaveOptions opts;
     opts.consolidated_bf16_model = cfg.zero.stage3_gather_16bit_weights_on_model_save;
     const fs::path dir =
