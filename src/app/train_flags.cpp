@@ -129,9 +129,9 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->type_name("NAME");
   cmd.add_option("--strategy", cfg.strategy_name,
                  fmt::format("parallelism strategy: dp|ddp (data parallel), zero1, "
-                             "zero2|fsdp_stage2, zero3|fsdp_stage3, offload, infinity, pipeline; "
-                             "dp, zero1, zero2 and zero3 are available in this release (default: "
-                             "{})",
+                             "zero2|fsdp_stage2, zero3|fsdp_stage3, offload (zero2 + optimizer on "
+                             "the CPU), infinity (zero3 + optimizer on NVMe, parameters on the "
+                             "CPU), pipeline (not in this release) (default: {})",
                              cfg.strategy_name))
       ->type_name("NAME")
       ->check(strategy_name());
@@ -153,6 +153,18 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                              cfg.zero.stage))
       ->type_name("N")
       ->check(one_of({"0", "1", "2", "3"}));
+  cmd.add_option("--offload-ratio", cfg.zero.offload_ratio,
+                 "offload, infinity: fraction of the optimizer state and step on the host, the "
+                 "rest on the GPU (DeepSpeed offload_optimizer.ratio) (default: 1)")
+      ->type_name("R");
+  cmd.add_flag("--offload-delayed-update", cfg.zero.offload_delayed_update,
+               "offload: ZeRO-Offload's one-step delayed parameter update: the CPU step of step "
+               "t runs while the GPU computes step t+1 on the parameters of step t-1 (default: "
+               "off, exact)");
+  cmd.add_option("--nvme-path", cfg.zero.nvme_path,
+                 "infinity: directory for the per-rank swap files of state offloaded to NVMe "
+                 "(DeepSpeed offload_optimizer.nvme_path)")
+      ->type_name("DIR");
   cmd.add_flag("--activation-checkpointing", cfg.activation_checkpointing,
                "recompute activations in the backward pass to save memory (default: off)");
   cmd.add_flag("--no-save{false}", cfg.save_checkpoints,

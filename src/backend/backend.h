@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/host_transfer.h"
 #include "core/tensor.h"
 
 namespace shardtrain {
@@ -93,6 +94,19 @@ class Backend {
   /// peak; equal to the allocated bytes for backends without a cache.
   virtual size_t reserved_bytes() const { return allocated_bytes(); }
   virtual size_t peak_reserved_bytes() const { return peak_allocated_bytes(); }
+
+  // ---- host memory for transfers (offload) ---------------------------------------------------
+  /// Allocates `bytes` of host memory that copy streams move at full speed: page-locked (pinned)
+  /// on CUDA, plain 4096-byte aligned memory on CPU. Not zeroed. Throws RuntimeFailure naming the
+  /// request, what this process already holds and what the host has available when it cannot be
+  /// had (with the fixes: lower the request, raise the container's memory limit).
+  virtual void* allocate_pinned(size_t bytes);
+  /// Frees what allocate_pinned(bytes) returned.
+  virtual void free_pinned(void* ptr, size_t bytes) noexcept;
+  /// Pinned bytes held now (allocate_pinned minus free_pinned).
+  size_t pinned_bytes() const { return pinned_bytes_; }
+  /// A new stream for host ↔ device copies beside the compute stream (see CopyStream).
+  virtual std::unique_ptr<CopyStream> make_copy_stream() { return std::make_unique<CopyStream>(); }
 
   // ---- dtype conversion ----------------------------------------------------------------------
   /// dst = src element-wise with dtype conversion (round-to-nearest-even for bf16/fp16).
@@ -185,6 +199,9 @@ class Backend {
   };
   virtual void adamw(Tensor master, Tensor grad, Tensor m, Tensor v, Tensor params_out,
                      const AdamWArgs& args) = 0;
+
+ protected:
+  size_t pinned_bytes_ = 0;  ///< kept by allocate_pinned / free_pinned
 };
 
 /// The CPU backend (fp32, OpenMP threads, BLAS matmuls).

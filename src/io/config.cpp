@@ -246,10 +246,10 @@ const KeyList kZeroIgnored = {
     "partition_stream_chunk_size",
 };
 
-const KeyList kOffloadHonoured = {"device", "nvme_path"};
+const KeyList kOffloadHonoured = {"device", "nvme_path", "ratio", "delayed_update"};
 const KeyList kOffloadOptimizerIgnored = {
-    "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",      "fast_init",
-    "ratio",        "pipeline",   "super_offload", "convert_grad_on_cpu", "cpuadam_cores_perc",
+    "buffer_count",  "pin_memory",          "pipeline_read",      "pipeline_write", "fast_init",
+    "super_offload", "convert_grad_on_cpu", "cpuadam_cores_perc", "pipeline",
 };
 const KeyList kOffloadParamIgnored = {"buffer_count", "buffer_size", "max_in_cpu", "pin_memory"};
 
@@ -874,6 +874,23 @@ class DeepSpeedReader {
     if (auto path = get_string(*off, "nvme_path", prefix, "a directory path")) {
       cfg_.zero.nvme_path = *path;
     }
+    const char* fraction = "a number in [0, 1] (the fraction of the optimizer state offloaded)";
+    if (has(*off, "ratio")) {
+      if (std::string(key) != "offload_optimizer")
+        throw ConfigError(fmt::format("{}.ratio in '{}': ratio belongs to offload_optimizer, not "
+                                      "{}; move it there",
+                                      prefix, file_, key));
+      auto r = get_number(*off, "ratio", prefix, 0.0, false, fraction);
+      if (r && *r > 1.0) bad_value(prefix + ".ratio", off->at("ratio"), fraction);
+      if (r) cfg_.zero.offload_ratio = *r;
+    }
+    if (has(*off, "delayed_update")) {
+      if (std::string(key) != "offload_optimizer")
+        throw ConfigError(fmt::format("{}.delayed_update in '{}': the delayed update belongs to "
+                                      "offload_optimizer; move it there",
+                                      prefix, file_));
+      if (auto v = get_bool(*off, "delayed_update", prefix)) cfg_.zero.offload_delayed_update = *v;
+    }
     return current;
   }
 
@@ -1052,10 +1069,7 @@ json parse_json_file(const std::string& path) {
 
 // ---- validation helpers ---------------------------------------------------------------------
 
-bool strategy_available(StrategyKind s) {
-  return s == StrategyKind::kDataParallel || s == StrategyKind::kZero1 ||
-         s == StrategyKind::kZero2 || s == StrategyKind::kZero3;
-}
+bool strategy_available(StrategyKind s) { return s != StrategyKind::kPipeline; }
 
 void check_strategy(const TrainConfig& c) {
   const std::string file = c.deepspeed_config.empty() ? std::string("the DeepSpeed config")
@@ -1092,26 +1106,47 @@ void check_strategy(const TrainConfig& c) {
         "(--strategy dp), 1 (zero1), 2 (zero2) or 3 (zero3)",
         c.zero.stage));
   }
-  if (c.zero.stage != zero_stage_of(c.strategy)) {
+  const bool offload_stage1 = c.strategy == StrategyKind::kOffload && c.zero.stage == 1;
+  if (c.zero.stage != zero_stage_of(c.strategy) && !offload_stage1) {
     throw ConfigError(fmt::format(
         "ZeRO stage {} (--zero-stage / zero_optimization.stage) contradicts strategy '{}', which "
         "runs at ZeRO stage {}: set the stage to {} or pick strategy '{}'",
         c.zero.stage, to_string(c.strategy), zero_stage_of(c.strategy), zero_stage_of(c.strategy),
         to_string(strategy_for_zero(c.zero.stage))));
   }
-  if (c.zero.offload_optimizer_device != "none") {
+  if (c.zero.offload_param_device != "none" && c.zero.stage != 3) {
     throw ConfigError(fmt::format(
-        "zero_optimization.offload_optimizer.device \"{}\" in {}: offloading the optimizer is "
-        "not available yet in this release; set it to \"none\" (or remove offload_optimizer / "
-        "cpu_offload)",
-        c.zero.offload_optimizer_device, file));
+        "zero_optimization.offload_param.device \"{}\" in {} needs ZeRO stage 3 (parameters are "
+        "partitioned only there), but the stage is {}: set \"stage\": 3, or remove "
+        "offload_param and offload only the optimizer (offload_optimizer)",
+        c.zero.offload_param_device, file, c.zero.stage));
   }
-  if (c.zero.offload_param_device != "none") {
+  if (c.zero.offload_ratio < 0 || c.zero.offload_ratio > 1) {
     throw ConfigError(fmt::format(
-        "zero_optimization.offload_param.device \"{}\" in {}: offloading parameters is not "
-        "available yet in this release; set it to \"none\" (or remove offload_param / "
-        "cpu_offload_param)",
-        c.zero.offload_param_device, file));
+        "offload ratio {} (--offload-ratio / offload_optimizer.ratio) is not valid: use a "
+        "fraction in [0, 1] of the optimizer state to offload (1 = all of it, the default)",
+        c.zero.offload_ratio));
+  }
+  const ParallelPlan plan = plan_of(c);
+  if (plan.optimizer_offload == OffloadDevice::kNone &&
+      (c.zero.offload_delayed_update || c.zero.offload_ratio != 1.0)) {
+    throw ConfigError(
+        "--offload-delayed-update / --offload-ratio (offload_optimizer.delayed_update / ratio) "
+        "need the optimizer offloaded: use --strategy offload (or infinity), or set "
+        "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
+  }
+  if (c.zero.offload_delayed_update && plan.param_offload != OffloadDevice::kNone) {
+    throw ConfigError(
+        "the delayed parameter update (--offload-delayed-update) is not available with "
+        "offload_param: the parameters offloaded to the host are read by every step; drop one "
+        "of the two");
+  }
+  const bool nvme =
+      plan.optimizer_offload == OffloadDevice::kNvme || plan.param_offload == OffloadDevice::kNvme;
+  if (nvme && c.zero.nvme_path.empty()) {
+    throw ConfigError(
+        "offloading to NVMe needs a directory for the swap files: give --nvme-path DIR (or "
+        "\"nvme_path\" in zero_optimization.offload_optimizer / offload_param)");
   }
 }
 
@@ -1320,8 +1355,22 @@ ParallelPlan plan_of(const TrainConfig& cfg) {
   };
   ParallelPlan plan;
   plan.zero_stage = zero_stage_of(cfg.strategy);
+  // DeepSpeed runs offload at stage 1 too (zero_optimization.stage 1 + offload_optimizer).
+  if (cfg.strategy == StrategyKind::kOffload && cfg.zero.stage == 1) plan.zero_stage = 1;
   plan.optimizer_offload = device(cfg.zero.offload_optimizer_device);
   plan.param_offload = device(cfg.zero.offload_param_device);
+  // The presets: offload = the optimizer on the CPU; infinity = the optimizer on NVMe and the
+  // parameters on the CPU, unless the config places them.
+  const bool placed =
+      plan.optimizer_offload != OffloadDevice::kNone || plan.param_offload != OffloadDevice::kNone;
+  if (cfg.strategy == StrategyKind::kOffload && plan.optimizer_offload == OffloadDevice::kNone)
+    plan.optimizer_offload = OffloadDevice::kCpu;
+  if (cfg.strategy == StrategyKind::kInfinity && !placed) {
+    plan.optimizer_offload = OffloadDevice::kNvme;
+    plan.param_offload = OffloadDevice::kCpu;
+  }
+  plan.optimizer_offload_ratio =
+      plan.optimizer_offload == OffloadDevice::kNone ? 1.0 : cfg.zero.offload_ratio;
   return plan;
 }
 

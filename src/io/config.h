@@ -44,6 +44,13 @@ struct ZeroConfig {
   std::string offload_optimizer_device = "none";  ///< none | cpu | nvme
   std::string offload_param_device = "none";      ///< none | cpu | nvme
   std::string nvme_path;
+  /// offload_optimizer.ratio: fraction of the optimizer state (and step) on the host; the rest
+  /// stays on the GPU (partial offload). In [0, 1].
+  double offload_ratio = 1.0;
+  /// offload_optimizer.delayed_update (shardtrain's key; --offload-delayed-update): ZeRO-Offload's
+  /// one-step delayed parameter update (arXiv 2101.06840, §4.3): the CPU step of step t overlaps
+  /// the GPU's step t+1, which computes on the parameters of step t-1.
+  bool offload_delayed_update = false;
   // (contiguous_gradients and reduce_scatter are not options here: ZeRO gradients always live
   // in contiguous flat buffers and are always reduce-scattered; the reader warns when a
   // DeepSpeed config turns them off.)

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "io/config.h"
+#include "optim/cpu_adamw.h"
 
 namespace shardtrain {
 
@@ -48,7 +49,7 @@ AdamW::AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_
   push(pos, end, false);
 }
 
-void AdamW::step(Tensor master, Tensor grads, Tensor params_out, double lr, double grad_scale) {
+Backend::AdamWArgs AdamW::next_args(double lr, double grad_scale) {
   ++t_;
   Backend::AdamWArgs a{};
   a.lr = static_cast<float>(lr);
@@ -58,11 +59,39 @@ void AdamW::step(Tensor master, Tensor grads, Tensor params_out, double lr, doub
   a.grad_scale = static_cast<float>(grad_scale);
   a.bias_correction1 = static_cast<float>(1.0 - std::pow(hyper_.beta1, static_cast<double>(t_)));
   a.bias_correction2 = static_cast<float>(1.0 - std::pow(hyper_.beta2, static_cast<double>(t_)));
+  return a;
+}
+
+void AdamW::step(Tensor master, Tensor grads, Tensor params_out, double lr, double grad_scale) {
+  Backend::AdamWArgs a = next_args(lr, grad_scale);
   for (const Segment& s : segments_) {
     a.weight_decay = s.decay ? static_cast<float>(hyper_.weight_decay) : 0.0f;
     backend_.adamw(master.slice1d(s.begin, s.count), grads.slice1d(s.begin, s.count),
                    m_.slice1d(s.begin, s.count), v_.slice1d(s.begin, s.count),
                    params_out.empty() ? Tensor() : params_out.slice1d(s.begin, s.count), a);
+  }
+}
+
+void AdamW::step_on_host(Tensor master, Tensor grads, Tensor params_out, double lr,
+                         double grad_scale, Tensor exp_avg, Tensor exp_avg_sq) {
+  if (exp_avg.empty()) {
+    exp_avg = m_;
+    exp_avg_sq = v_;
+  }
+  ST_ASSERT(master.device == DeviceKind::kCPU && grads.device == DeviceKind::kCPU &&
+            exp_avg.device == DeviceKind::kCPU && master.numel() == numel_ &&
+            grads.numel() == numel_ && exp_avg.numel() == numel_);
+  static const CpuSimd simd = best_cpu_simd();
+  Backend::AdamWArgs a = next_args(lr, grad_scale);
+  for (const Segment& s : segments_) {
+    a.weight_decay = s.decay ? static_cast<float>(hyper_.weight_decay) : 0.0f;
+    const size_t gsz = dtype_size(grads.dtype);
+    void* out = params_out.empty()
+                    ? nullptr
+                    : static_cast<char*>(params_out.data) + s.begin * dtype_size(params_out.dtype);
+    cpu_adamw(master.f32() + s.begin, static_cast<const char*>(grads.data) + s.begin * gsz,
+              grads.dtype, exp_avg.f32() + s.begin, exp_avg_sq.f32() + s.begin, out,
+              params_out.empty() ? DType::kF32 : params_out.dtype, s.count, a, simd);
   }
 }
 

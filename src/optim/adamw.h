@@ -37,6 +37,13 @@ class AdamW {
   /// factor). `params_out`, when non-empty, receives the updated weights in its dtype.
   void step(Tensor master, Tensor grads, Tensor params_out, double lr, double grad_scale);
 
+  /// The same update over host memory with the CPU AdamW (optim/cpu_adamw.h: vectorized,
+  /// threaded, fused with the conversions): master fp32, grads bf16/fp16/fp32, params_out (may be
+  /// empty) in its dtype, all host tensors [numel]. m and v are the object's own state unless
+  /// `exp_avg` / `exp_avg_sq` are given (host fp32 [numel]: state paged in from NVMe).
+  void step_on_host(Tensor master, Tensor grads, Tensor params_out, double lr, double grad_scale,
+                    Tensor exp_avg = {}, Tensor exp_avg_sq = {});
+
   int64_t step_count() const { return t_; }
   void set_step_count(int64_t t) { t_ = t; }
   /// m and v, fp32 [numel].
@@ -51,6 +58,9 @@ class AdamW {
     int64_t begin, count;  ///< relative to offset_
     bool decay;
   };
+  /// Counts the step and returns its arguments (weight decay set per segment by the caller).
+  Backend::AdamWArgs next_args(double lr, double grad_scale);
+
   Backend& backend_;
   int64_t offset_, numel_;
   AdamWHyper hyper_;

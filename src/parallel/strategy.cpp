@@ -22,17 +22,25 @@ StrategyOptions strategy_options(const TrainConfig& cfg) {
   o.param_persistence_threshold = cfg.zero.stage3_param_persistence_threshold;
   o.max_live_parameters = cfg.zero.stage3_max_live_parameters;
   o.max_reuse_distance = cfg.zero.stage3_max_reuse_distance;
+  o.delayed_update = cfg.zero.offload_delayed_update;
   return o;
 }
 
 std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend& backend,
                                         Communicator& comm) {
   const ParallelPlan& plan = options.plan;
-  check<ConfigError>(
-      plan.optimizer_offload == OffloadDevice::kNone && plan.param_offload == OffloadDevice::kNone,
-      "offloading optimizer state or parameters (zero_optimization.offload_optimizer "
-      "/ offload_param) is not available yet in this release: remove the offload "
-      "sections or set their device to \"none\"");
+  check<ConfigError>(plan.optimizer_offload == OffloadDevice::kNone || plan.zero_stage >= 1,
+                     "zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (got stage "
+                     "{}): use --strategy offload (stage 2) or set zero_optimization.stage",
+                     plan.zero_stage);
+  check<ConfigError>(plan.param_offload == OffloadDevice::kNone || plan.zero_stage == 3,
+                     "zero_optimization.offload_param needs ZeRO stage 3 (got stage {}): set "
+                     "\"stage\": 3, or offload only the optimizer (offload_optimizer)",
+                     plan.zero_stage);
+  check<ConfigError>(plan.optimizer_offload_ratio >= 0 && plan.optimizer_offload_ratio <= 1,
+                     "offload_optimizer.ratio {} is not valid: use a fraction in [0, 1] of the "
+                     "optimizer state to offload (1 = all)",
+                     plan.optimizer_offload_ratio);
   check<ConfigError>(plan.pipeline_stages == 1,
                      "pipeline parallelism is not available yet in this release: use --strategy "
                      "dp, zero1, zero2 or zero3");

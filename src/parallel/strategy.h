@@ -5,7 +5,8 @@
 // never knows which strategy runs it (torchtitan's habit: parallelism applied to a plain model).
 //
 // Strategies: dp (parallel/data_parallel.cpp), zero1 and zero2 (parallel/zero.cpp), zero3
-// (parallel/zero3.cpp); offload and pipeline arrive in later releases behind the same interface.
+// (parallel/zero3.cpp), each optionally with its optimizer offloaded to the host
+// (parallel/host_optimizer.h); pipeline arrives in a later release behind the same interface.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +39,15 @@ struct StrategyOptions {
   int64_t param_persistence_threshold = 100'000;
   int64_t max_live_parameters = 1'000'000'000;
   int64_t max_reuse_distance = 1'000'000'000;
+  /// Offloaded optimizer: ZeRO-Offload's one-step delayed parameter update (host_optimizer.h).
+  bool delayed_update = false;
+};
+
+/// Host memory a rank holds for offloaded state (bytes).
+struct HostMemory {
+  size_t pinned = 0;    ///< page-locked transfer buffers (gradients, offloaded parameters)
+  size_t pageable = 0;  ///< fp32 master weights and AdamW moments stepped on the CPU
+  size_t nvme = 0;      ///< bytes of the swap file under nvme_path
 };
 
 /// The options `cfg` (validated: its plan set) gives its strategy.
@@ -118,6 +128,10 @@ class Strategy : public LayerHooks {
   /// The most bytes this rank has held at once, since setup, in buffers that exist only while
   /// a layer runs: ZeRO-3's gathered parameters and per-layer gradient buffers; 0 for others.
   virtual size_t peak_transient_bytes() const { return 0; }
+  /// Host memory held for offloaded state (zero without offload).
+  virtual HostMemory host_memory() const { return {}; }
+  /// Host seconds of the last completed CPU optimizer step (0 without offload).
+  virtual double host_step_seconds() const { return 0; }
 };
 
 /// Builds the strategy that runs `options.plan` (zero stage 0: dp, 1/2: zero.h, 3: zero3.h).

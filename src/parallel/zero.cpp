@@ -81,8 +81,9 @@ class Zero1 final : public ZeroStrategy {
     // overlap_comm false: every bucket is reduced here, after backward.
     if (!opt_.overlap_comm)
       for (size_t b = 0; b < parts_.size(); ++b) reduce(b);
-    for (auto& w : pending_) w->wait();
-    pending_.clear();
+    for (auto& w : reductions_) w->wait();
+    reductions_.clear();
+    offload_remaining_gradients();
   }
 
  protected:
@@ -110,8 +111,8 @@ class Zero1 final : public ZeroStrategy {
   /// Reduce-scatters bucket `b` in place: the rank's own slice receives the sum over ranks.
   void reduce(size_t b) {
     const BucketPartition& p = parts_[b];
-    pending_.push_back(comm_.reduce_scatter(own_grads(b), grads_.slice(p.padded_offset, p.padded),
-                                            ReduceOp::kSum));
+    reductions_.push_back(comm_.reduce_scatter(
+        own_grads(b), grads_.slice(p.padded_offset, p.padded), ReduceOp::kSum));
   }
 
   Tensor own_grads(size_t i) const {
@@ -121,7 +122,7 @@ class Zero1 final : public ZeroStrategy {
 
   FlatBuffer grads_;  ///< [padded_numel_] compute dtype, laid out like params_
   BucketReadiness readiness_;
-  std::vector<std::unique_ptr<Work>> pending_;
+  std::vector<std::unique_ptr<Work>> reductions_;
   bool last_micro_ = true;
 };
 
@@ -139,7 +140,7 @@ class Zero2 final : public ZeroStrategy {
     backend_.fill_zero(shard_.view());
   }
 
-  void begin_micro_step(int64_t, int64_t) override {}
+  void begin_micro_step(int64_t index, int64_t count) override { last_micro_ = index + 1 == count; }
 
   void before_backward(int layer) override {
     const ParamLayout& layout = model_->layout();
@@ -171,12 +172,16 @@ class Zero2 final : public ZeroStrategy {
     const FlatBuffer& buf = buffer(tag);
     Tensor own = buf.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
     // In place: the rank's own slice of the bucket buffer receives the sum over ranks.
-    pending_.push_back(
-        {i, tag, own, comm_.reduce_scatter(own, buf.slice(0, p.padded), ReduceOp::kSum)});
+    reductions_.push_back({i, tag, own,
+                           comm_.reduce_scatter(own, buf.slice(0, p.padded), ReduceOp::kSum),
+                           last_micro_});
     if (!opt_.overlap_comm) drain_all();  // no reduction runs behind the rest of backward
   }
 
-  void finish_gradients() override { drain_all(); }
+  void finish_gradients() override {
+    drain_all();
+    offload_remaining_gradients();
+  }
 
  protected:
   void allocate_gradients() override {
@@ -243,34 +248,37 @@ class Zero2 final : public ZeroStrategy {
   }
 
   /// A reduce-scatter in flight: its result lands in `own` (a slice of bucket buffer `tag`).
-  struct Pending {
+  struct Reduction {
     int part;
     int tag;  ///< see buffer()
     Tensor own;
     std::unique_ptr<Work> work;
+    bool last_micro;  ///< of the step's last micro-batch: completes the part's gradient
   };
 
-  /// Waits for the oldest pending reduction and adds it into the gradient shard.
+  /// Waits for the oldest pending reduction and adds it into the gradient shard; with the
+  /// optimizer offloaded, a part's final gradient then leaves for the host (during backward).
   void complete_front() {
-    Pending& q = pending_.front();
+    Reduction& q = reductions_.front();
     q.work->wait();
     const BucketPartition& p = parts_[static_cast<size_t>(q.part)];
     Tensor dst = shard_.slice(p.shard_offset, p.shard);
     backend_.add(dst, dst, q.own);
-    pending_.pop_front();
+    if (q.last_micro) offload_gradient(static_cast<size_t>(q.part));
+    reductions_.pop_front();
   }
 
   /// Completes pending reductions in issue order up to the last one using buffer `tag`.
   void drain_through(int tag) {
-    size_t last = pending_.size();
-    for (size_t k = 0; k < pending_.size(); ++k)
-      if (pending_[k].tag == tag) last = k;
-    if (last == pending_.size()) return;
+    size_t last = reductions_.size();
+    for (size_t k = 0; k < reductions_.size(); ++k)
+      if (reductions_[k].tag == tag) last = k;
+    if (last == reductions_.size()) return;
     for (size_t k = 0; k <= last; ++k) complete_front();
   }
 
   void drain_all() {
-    while (!pending_.empty()) complete_front();
+    while (!reductions_.empty()) complete_front();
   }
 
   FlatBuffer shard_;  ///< [shard_numel_] compute dtype: Σ over micro-steps and ranks, owned
@@ -280,7 +288,8 @@ class Zero2 final : public ZeroStrategy {
   std::vector<FlatBuffer> slots_;  ///< 1 or 2 transient bucket buffers [max padded bucket]
   std::vector<int> slot_of_part_;
   int next_slot_ = 0;
-  std::deque<Pending> pending_;
+  std::deque<Reduction> reductions_;
+  bool last_micro_ = true;
 };
 
 }  // namespace

@@ -77,7 +77,10 @@ class Zero3 final : public ZeroStrategy {
     if (layer == 0) drain_reductions();
   }
 
-  void finish_gradients() override { drain_reductions(); }
+  void finish_gradients() override {
+    drain_reductions();
+    offload_remaining_gradients();
+  }
 
   size_t peak_transient_bytes() const override { return peak_transient_bytes_; }
 
@@ -198,6 +201,8 @@ class Zero3 final : public ZeroStrategy {
   /// Before position `p` runs: its units gathered and bound, the next ones prefetched.
   void enter_pos(int p) {
     const auto& uses = schedule_.uses(p);
+    // Offloaded optimizer: the units' updates must have landed (and resident ones been gathered).
+    for (int u : uses) ensure_published(static_cast<size_t>(part_of(u)));
     for (int u : uses) start_gather(u);
     for (int u : schedule_.prefetch(
              p, [&](int u) { return unit(u).gathered.numel() > 0; }, live_numel_))
@@ -226,6 +231,7 @@ class Zero3 final : public ZeroStrategy {
   void start_gather(int layer) {
     Unit& x = unit(layer);
     if (x.resident || x.gathered.numel() > 0) return;
+    ensure_published(static_cast<size_t>(part_of(layer)));
     const BucketPartition& p = partition(layer);
     x.gathered = FlatBuffer(backend_, dtype_, p.padded);
     x.gathering =

@@ -6,12 +6,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <vector>
 
 #include "comm/scalar_all_reduce.h"
 #include "core/error.h"
+#include "core/half.h"
 #include "parallel/buckets.h"
+#include "parallel/host_optimizer.h"
 #include "parallel/registered_buffers.h"
 #include "parallel/strategy.h"
 
@@ -50,21 +53,29 @@ class ZeroStrategy : public Strategy {
         part_of_layer_[static_cast<size_t>(l)] = static_cast<int>(i);
     }
     allocate_params();
-    if (dtype_ != DType::kF32) master_ = FlatBuffer(backend_, DType::kF32, shard_numel_);
+    split_optimizer();
+    if (dtype_ != DType::kF32) master_ = FlatBuffer(backend_, DType::kF32, device_state_numel_);
     // AdamW m and v of every owned slice in two buffers laid out like the slices (one device
     // allocation each rather than two per slice).
-    exp_avg_ = FlatBuffer(backend_, DType::kF32, shard_numel_);
-    exp_avg_sq_ = FlatBuffer(backend_, DType::kF32, shard_numel_);
+    exp_avg_ = FlatBuffer(backend_, DType::kF32, device_state_numel_);
+    exp_avg_sq_ = FlatBuffer(backend_, DType::kF32, device_state_numel_);
     optimizers_.clear();
     optimizers_.resize(parts_.size());
+    std::vector<FlatRange> host_ranges;
     for (size_t i = 0; i < parts_.size(); ++i) {
       const BucketPartition& p = parts_[i];
-      if (p.owned_numel > 0)
-        optimizers_[i] =
-            std::make_unique<AdamW>(backend_, layout, p.owned_offset, p.owned_numel, opt_.adamw,
-                                    exp_avg_.slice(p.shard_offset, p.owned_numel),
-                                    exp_avg_sq_.slice(p.shard_offset, p.owned_numel));
+      const int64_t g = on_device_[i], off = device_offset_[i];
+      if (g > 0)
+        optimizers_[i] = std::make_unique<AdamW>(backend_, layout, p.owned_offset, g, opt_.adamw,
+                                                 exp_avg_.slice(off, g), exp_avg_sq_.slice(off, g));
+      host_ranges.push_back({p.owned_offset + g, p.owned_numel - g});
     }
+    host_.reset();
+    if (opt_.plan.optimizer_offload != OffloadDevice::kNone)
+      host_ = std::make_unique<HostOptimizer>(backend_, layout, std::move(host_ranges), opt_.adamw,
+                                              dtype_, dtype_, opt_.delayed_update);
+    sent_.assign(parts_.size(), false);
+    pending_.clear();
     norm_reduce_ = std::make_unique<ScalarAllReduce>(backend_, comm_, 1);
     allocate_gradients();
     std::vector<Tensor> buffers = gradient_buffers();
@@ -73,6 +84,13 @@ class ZeroStrategy : public Strategy {
     if (!init.empty()) write_full(init.data(), nullptr, nullptr, 0);  // else all zero
     bind_layers();
     model.set_hooks(this);
+  }
+
+  /// Makes every part's updated parameters visible to the model (offloaded updates: queued
+  /// copies, then the all-gathers).
+  void before_forward(int layer) override {
+    if (!host_) return;
+    for (int u : model_->layout().uses(layer)) ensure_published(static_cast<size_t>(part_of(u)));
   }
 
   double grad_norm(double scale) override {
@@ -84,21 +102,41 @@ class ZeroStrategy : public Strategy {
 
   void step(double lr, double grad_scale) override {
     ++steps_;
+    publish_all();  // (delayed offload: a skipped step leaves nothing pending)
     before_update();
     const bool separate_master = master_.numel() > 0;
-    AllGatherWindow window(comm_, opt_.allgather_bucket_size);
     for (size_t i = 0; i < parts_.size(); ++i) {
-      const BucketPartition& p = parts_[i];
+      const int64_t g = on_device_[i];
       if (optimizers_[i]) {
-        optimizers_[i]->step(master(i), grad_shard(i),
-                             separate_master ? own_params(i).slice1d(0, p.owned_numel) : Tensor(),
-                             lr, grad_scale);
+        optimizers_[i]->step(master(i), grad_shard(i).slice1d(0, g),
+                             separate_master ? own_params(i).slice1d(0, g) : Tensor(), lr,
+                             grad_scale);
       }
-      publish(i, window);
     }
+    if (host_) {
+      // The host half: queued on the CPU worker, parts in forward order; each part is published
+      // (all-gathered) when the next forward first needs it (before_forward).
+      offload_remaining_gradients();
+      std::vector<Tensor> targets;
+      for (size_t i = 0; i < parts_.size(); ++i)
+        targets.push_back(own_params(i).slice1d(on_device_[i], host_->range(i).numel));
+      host_->step(lr, grad_scale, forward_order_, targets);
+      pending_.assign(parts_.size(), true);
+      sent_.assign(parts_.size(), false);
+      return;
+    }
+    AllGatherWindow window(comm_, opt_.allgather_bucket_size);
+    for (size_t i = 0; i < parts_.size(); ++i) publish(i, window);
   }
 
+  HostMemory host_memory() const override {
+    if (!host_) return {};
+    return {host_->pinned_bytes() + extra_pinned_bytes(), host_->pageable_bytes(), 0};
+  }
+  double host_step_seconds() const override { return host_ ? host_->last_step_seconds() : 0; }
+
   FullState gather_state() override {
+    publish_all();
     const auto n = static_cast<size_t>(model_->layout().numel());
     FullState s;
     s.params.resize(n);
@@ -113,10 +151,18 @@ class ZeroStrategy : public Strategy {
           {opt ? master(i) : Tensor(), &s.params},
           {opt ? opt->exp_avg() : Tensor(), &s.exp_avg},
           {opt ? opt->exp_avg_sq() : Tensor(), &s.exp_avg_sq}};
+      const StateTensor qs[] = {StateTensor::kParams, StateTensor::kExpAvg,
+                                StateTensor::kExpAvgSq};
+      int k = 0;
       for (const auto& [src, dst] : quantities) {
         Tensor own = stage.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
         backend_.fill_zero(own);
         if (opt) backend_.copy(own.data, src.data, src.bytes());
+        if (host_ && host_->range(i).numel > 0) {
+          const Tensor h = host_->state(qs[k], i);
+          backend_.copy_from_host(own.slice1d(on_device_[i], h.numel()).data, h.data, h.bytes());
+        }
+        ++k;
         comm_.all_gather(stage.slice(0, p.padded), own)->wait();
         backend_.copy_to_host(dst->data() + p.bucket.offset, stage.data(),
                               static_cast<size_t>(p.bucket.numel) * sizeof(float));
@@ -133,8 +179,13 @@ class ZeroStrategy : public Strategy {
 
   std::vector<FlatRange> save_ranges() const final {
     std::vector<FlatRange> out;
-    for (const BucketPartition& p : parts_)
-      if (p.owned_numel > 0) out.push_back({p.owned_offset, p.owned_numel});
+    for (size_t i = 0; i < parts_.size(); ++i) {
+      const BucketPartition& p = parts_[i];
+      const int64_t g = on_device_[i];
+      // The part stepped on the device, then the one stepped on the host (offload).
+      if (g > 0) out.push_back({p.owned_offset, g});
+      if (p.owned_numel > g) out.push_back({p.owned_offset + g, p.owned_numel - g});
+    }
     std::sort(out.begin(), out.end(),
               [](const FlatRange& x, const FlatRange& y) { return x.offset < y.offset; });
     return out;
@@ -142,31 +193,45 @@ class ZeroStrategy : public Strategy {
   std::vector<FlatRange> load_ranges() const final { return save_ranges(); }
 
   void read_state(StateTensor q, int64_t offset, int64_t numel, float* host) final {
-    const Tensor src = owned_state(q, offset, numel);
-    backend_.copy_to_host(host, src.data, src.bytes());
+    if (host_) host_->wait_all();
+    const auto [src, in_host] = owned_state(q, offset, numel);
+    if (in_host)
+      std::memcpy(host, src.data, src.bytes());
+    else
+      backend_.copy_to_host(host, src.data, src.bytes());
   }
   void write_state(StateTensor q, int64_t offset, int64_t numel, const float* host) final {
-    const Tensor dst = owned_state(q, offset, numel);
-    backend_.copy_from_host(dst.data, host, dst.bytes());
+    if (host_) host_->wait_all();
+    const auto [dst, in_host] = owned_state(q, offset, numel);
+    if (in_host)
+      std::memcpy(dst.data, host, dst.bytes());
+    else
+      backend_.copy_from_host(dst.data, host, dst.bytes());
   }
   void finish_load(int64_t optimizer_steps) final {
+    if (host_) host_->wait_all();
+    pending_.clear();
     before_update();
     AllGatherWindow window(comm_, opt_.allgather_bucket_size);
     for (size_t i = 0; i < parts_.size(); ++i) {
-      const BucketPartition& p = parts_[i];
+      const int64_t g = on_device_[i];
       if (optimizers_[i]) {
         optimizers_[i]->set_step_count(optimizer_steps);
-        if (master_.numel() > 0)
-          backend_.convert(own_params(i).slice1d(0, p.owned_numel), master(i));
+        if (master_.numel() > 0) backend_.convert(own_params(i).slice1d(0, g), master(i));
       }
+      if (host_ && host_->range(i).numel > 0)
+        write_host_params(own_params(i).slice1d(g, host_->range(i).numel),
+                          host_->state(StateTensor::kParams, i));
       publish(i, window);
     }
     window.drain();
+    if (host_) host_->set_step_count(optimizer_steps);
     steps_ = optimizer_steps;
   }
   int64_t optimizer_steps() const final { return steps_; }
   int64_t gathered_bytes_last_step() const override { return gathered_bytes_; }
 
+  /// Device bytes of parameters, gradients and the optimizer state stepped on the device.
   size_t model_state_bytes() const override {
     size_t bytes = param_bytes() + master_.bytes() + gradient_bytes();
     bytes += exp_avg_.bytes() + exp_avg_sq_.bytes();
@@ -227,6 +292,34 @@ class ZeroStrategy : public Strategy {
   /// Called before the parameters change (step, load): stage 3 drops gathered copies.
   virtual void before_update() {}
 
+  /// Offload: part `i`'s reduced gradient of this step is final in grad_shard(i) (compute-stream
+  /// order): its host-stepped tail leaves for the host now. Stages call it as soon as they can
+  /// (during backward); offload_remaining_gradients() sends the rest.
+  void offload_gradient(size_t i) {
+    if (!host_ || sent_[i]) return;
+    sent_[i] = true;
+    const int64_t g = on_device_[i];
+    host_->gradient_ready(i, grad_shard(i).slice1d(g, host_->range(i).numel));
+  }
+  void offload_remaining_gradients() {
+    if (!host_) return;
+    if (sent_.size() != parts_.size()) sent_.assign(parts_.size(), false);
+    for (size_t i = 0; i < parts_.size(); ++i) offload_gradient(i);
+  }
+  /// Offload: part `i`'s update has reached its parameters (and been all-gathered).
+  void ensure_published(size_t i) {
+    if (pending_.empty() || !pending_[i]) return;
+    pending_[i] = false;
+    host_->wait_part(i);
+    AllGatherWindow window(comm_, opt_.allgather_bucket_size);
+    publish(i, window);
+  }
+  void publish_all() {
+    for (size_t i = 0; i < pending_.size(); ++i) ensure_published(i);
+  }
+  /// Pinned bytes a stage holds besides the optimizer's (stage 3's offloaded parameters).
+  virtual size_t extra_pinned_bytes() const { return 0; }
+
   /// Makes part `i`'s updated own slice visible where the model reads it.
   void publish(size_t i, AllGatherWindow& window) {
     const Tensor target = gather_target(i);
@@ -272,20 +365,82 @@ class ZeroStrategy : public Strategy {
 
   /// fp32 master weights of the real elements owned in part `i` [owned_numel].
   Tensor master(size_t i) const {
-    const BucketPartition& p = parts_[i];
-    if (master_.numel() == 0) return own_params(i).slice1d(0, p.owned_numel);
-    return master_.slice(p.shard_offset, p.owned_numel);
+    const int64_t g = on_device_[i];
+    if (master_.numel() == 0) return own_params(i).slice1d(0, g);
+    return master_.slice(device_offset_[i], g);
   }
 
-  /// Quantity `q` of the owned flat elements [offset, offset + numel) (inside one owned slice).
-  Tensor owned_state(StateTensor q, int64_t offset, int64_t numel) const {
+  /// Splits each owned slice into the elements stepped on the device, [0, on_device_[i]), and on
+  /// the host (offload): offload_optimizer.ratio of all owned elements go to the host, the parts
+  /// that come LAST in forward order first, so that the device-stepped parts are the ones the next
+  /// forward needs first. Device cuts fall on 64-element boundaries.
+  void split_optimizer() {
+    const size_t n = parts_.size();
+    forward_order_.resize(n);
+    for (size_t i = 0; i < n; ++i) forward_order_[i] = i;
+    std::sort(forward_order_.begin(), forward_order_.end(), [&](size_t a, size_t b) {
+      return parts_[a].bucket.first_layer < parts_[b].bucket.first_layer;
+    });
+    on_device_.assign(n, 0);
+    device_offset_.assign(n, 0);
+    const bool offload = opt_.plan.optimizer_offload != OffloadDevice::kNone;
+    int64_t owned = 0;
+    for (const BucketPartition& p : parts_) owned += p.owned_numel;
+    int64_t budget = offload ? static_cast<int64_t>(std::llround(
+                                   (1.0 - opt_.plan.optimizer_offload_ratio) *
+                                   static_cast<double>(owned)))
+                             : owned;
+    for (size_t i : forward_order_) {
+      const int64_t want = parts_[i].owned_numel;
+      int64_t g = std::min(want, budget);
+      if (g < want) g = g / 64 * 64;
+      on_device_[i] = g;
+      budget -= g;
+    }
+    device_state_numel_ = 0;
+    for (size_t i = 0; i < n; ++i) {
+      // Without offload the device state is laid out like the slices (padding included).
+      device_offset_[i] = offload ? device_state_numel_ : parts_[i].shard_offset;
+      device_state_numel_ += offload ? on_device_[i] : parts_[i].shard;
+    }
+  }
+
+  /// Sets parameters `dst` ([n], compute dtype; device memory, or pinned host memory for
+  /// offloaded parameters) from fp32 host master weights `src` [n]. Blocking.
+  void write_host_params(Tensor dst, Tensor src) {
+    const int64_t n = src.numel();
+    if (n == 0) return;
+    const bool host_dst = dst.device == DeviceKind::kCPU;
+    if (dtype_ == DType::kF32) {
+      if (host_dst)
+        std::memcpy(dst.data, src.data, src.bytes());
+      else
+        backend_.copy_from_host(dst.data, src.data, src.bytes());
+      return;
+    }
+    std::vector<uint16_t> tmp(host_dst ? 0 : static_cast<size_t>(n));
+    uint16_t* out = host_dst ? static_cast<uint16_t*>(dst.data) : tmp.data();
+    const float* in = src.f32();
+    for (int64_t k = 0; k < n; ++k)
+      out[k] = dtype_ == DType::kBF16 ? float_to_bf16(in[k]) : float_to_fp16(in[k]);
+    if (!host_dst) backend_.copy_from_host(dst.data, tmp.data(), static_cast<size_t>(n) * 2);
+  }
+
+  /// Quantity `q` of the owned flat elements [offset, offset + numel) (inside one range of
+  /// save_ranges()), and whether it lies in host memory (the offloaded state).
+  std::pair<Tensor, bool> owned_state(StateTensor q, int64_t offset, int64_t numel) const {
     for (size_t i = 0; i < parts_.size(); ++i) {
       const BucketPartition& p = parts_[i];
-      if (offset < p.owned_offset || offset + numel > p.owned_offset + p.owned_numel) continue;
-      const Tensor whole = q == StateTensor::kParams   ? master(i)
-                           : q == StateTensor::kExpAvg ? optimizers_[i]->exp_avg()
-                                                       : optimizers_[i]->exp_avg_sq();
-      return whole.slice1d(offset - p.owned_offset, numel);
+      const int64_t g = on_device_[i];
+      if (offset >= p.owned_offset && offset + numel <= p.owned_offset + g) {
+        const Tensor whole = q == StateTensor::kParams   ? master(i)
+                             : q == StateTensor::kExpAvg ? optimizers_[i]->exp_avg()
+                                                         : optimizers_[i]->exp_avg_sq();
+        return {whole.slice1d(offset - p.owned_offset, numel), false};
+      }
+      if (host_ && offset >= p.owned_offset + g &&
+          offset + numel <= p.owned_offset + p.owned_numel)
+        return {host_->state(q, i).slice1d(offset - p.owned_offset - g, numel), true};
     }
     throw RuntimeFailure(fmt::format("{}: elements [{}, {}) are not owned by rank {}", name(),
                                      offset, offset + numel, rank_));
@@ -312,8 +467,15 @@ class ZeroStrategy : public Strategy {
   int64_t max_padded_ = 0;
   FlatBuffer params_;           ///< stages 1/2: [padded_numel_] compute dtype, every parameter
   int64_t gathered_bytes_ = 0;  ///< parameter bytes all-gathered since zero_grad()
-  FlatBuffer master_;  ///< [shard_numel_] fp32 owned master weights; empty for fp32 compute
-  FlatBuffer exp_avg_, exp_avg_sq_;  ///< [shard_numel_] fp32 AdamW m and v, laid out like master_
+  FlatBuffer master_;  ///< [device_state_numel_] fp32 master weights; empty for fp32 compute
+  FlatBuffer exp_avg_, exp_avg_sq_;  ///< [device_state_numel_] fp32 AdamW m and v, like master_
+  std::vector<int64_t> on_device_;      ///< per part: owned elements stepped on the device
+  std::vector<int64_t> device_offset_;  ///< per part: its start in master_ / exp_avg_
+  int64_t device_state_numel_ = 0;
+  std::vector<size_t> forward_order_;     ///< parts by first layer
+  std::unique_ptr<HostOptimizer> host_;   ///< offload: the host-stepped elements
+  std::vector<bool> pending_;             ///< offload: part updated, not yet published
+  std::vector<bool> sent_;                ///< offload: part's gradient handed to the host
   std::vector<std::unique_ptr<AdamW>> optimizers_;  ///< per part; null where nothing is owned
   std::unique_ptr<ScalarAllReduce> norm_reduce_;    ///< for sum_over_ranks
   int64_t steps_ = 0;

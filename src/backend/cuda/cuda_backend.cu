@@ -42,6 +42,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_common.h"
+#include "backend/cuda/cuda_host_transfer.h"
 #include "backend/cuda/cuda_ops.h"
 
 namespace shardtrain::cuda {
@@ -898,6 +899,19 @@ class CudaBackend final : public Backend {
     if (ptr == nullptr) return;
     (void)cudaSetDevice(device_);
     alloc_->deallocate(ptr);
+  }
+  void* allocate_pinned(size_t bytes) override {
+    void* p = pinned_allocate(device_, bytes, pinned_bytes_);
+    pinned_bytes_ += bytes;
+    return p;
+  }
+  void free_pinned(void* ptr, size_t bytes) noexcept override {
+    if (ptr == nullptr) return;
+    pinned_free(device_, ptr);
+    pinned_bytes_ -= bytes;
+  }
+  std::unique_ptr<CopyStream> make_copy_stream() override {
+    return cuda::make_copy_stream(device_, ctx_.stream);
   }
   void copy_to_host(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return;

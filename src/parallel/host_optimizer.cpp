@@ -1,0 +1,270 @@
+// The host half of an offloaded optimizer: see host_optimizer.h for the design.
+#include "parallel/host_optimizer.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "core/error.h"
+
+namespace shardtrain {
+
+HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
+                             std::vector<FlatRange> ranges, AdamWHyper hyper, DType grad_dtype,
+                             DType param_dtype, bool delayed_update)
+    : backend_(backend),
+      ranges_(std::move(ranges)),
+      grad_dtype_(grad_dtype),
+      param_dtype_(param_dtype),
+      delayed_(delayed_update) {
+  ST_ASSERT(dtype_size(grad_dtype) == dtype_size(param_dtype));  // results overwrite gradients
+  int64_t total = 0;
+  for (const FlatRange& r : ranges_) {
+    host_offset_.push_back(total);
+    total += r.numel;
+  }
+  master_ = HostBuffer(DType::kF32, total);
+  exp_avg_ = HostBuffer(DType::kF32, total);
+  exp_avg_sq_ = HostBuffer(DType::kF32, total);
+  grads_[0] = PinnedBuffer(backend, grad_dtype, total);
+  if (delayed_) grads_[1] = PinnedBuffer(backend, grad_dtype, total);
+  for (size_t i = 0; i < ranges_.size(); ++i) {
+    const FlatRange& r = ranges_[i];
+    adam_.push_back(r.numel == 0 ? nullptr
+                                 : std::make_unique<AdamW>(
+                                       backend, layout, r.offset, r.numel, hyper,
+                                       exp_avg_.slice(host_offset_[i], r.numel),
+                                       exp_avg_sq_.slice(host_offset_[i], r.numel)));
+  }
+  to_host_ = backend.make_copy_stream();
+  to_device_ = backend.make_copy_stream();
+  grad_fence_.assign(ranges_.size(), 0);
+  ready_gen_.assign(ranges_.size(), 0);
+  ready_fence_.assign(ranges_.size(), 0);
+  wanted_gen_.assign(ranges_.size(), 0);
+  done_gen_.assign(ranges_.size(), 0);
+  // The CPU step's threads: every core, but one left to the thread that feeds the GPU.
+  const int threads = backend.kind() == DeviceKind::kCPU
+                          ? omp_get_max_threads()
+                          : std::max(1, omp_get_max_threads() - 1);
+  worker_ = std::thread([this, threads] {
+    omp_set_num_threads(threads);
+    worker_loop();
+  });
+}
+
+HostOptimizer::~HostOptimizer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void HostOptimizer::post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_all();
+}
+
+void HostOptimizer::worker_loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stop_ and drained
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    try {
+      task();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!failure_) failure_ = std::current_exception();
+    }
+    cv_.notify_all();
+  }
+}
+
+void HostOptimizer::rethrow_failure() {
+  if (failure_) std::rethrow_exception(failure_);
+}
+
+Tensor HostOptimizer::pinned(const PinnedBuffer& buf, size_t i) const {
+  return buf.slice(host_offset_[i], ranges_[i].numel);
+}
+
+void HostOptimizer::gradient_ready(size_t i, Tensor grad) {
+  ST_ASSERT(i < ranges_.size() && grad.numel() == ranges_[i].numel && grad.dtype == grad_dtype_);
+  if (ranges_[i].numel == 0) return;
+  // The buffer may still be feeding the previous update's copy to the device: the compute stream
+  // (and thus this copy, queued after it) waits for that first.
+  wait_part(i);
+  const int b = delayed_ ? static_cast<int>(step_ % 2) : 0;
+  to_host_->after_compute();
+  to_host_->to_host(pinned(grads_[b], i).data, grad.data, grad.bytes());
+  grad_fence_[i] = to_host_->fence();
+}
+
+void HostOptimizer::queue_update(double lr, double grad_scale, const std::vector<size_t>& order,
+                                 const std::vector<Tensor>& targets, int buffer, int64_t gen,
+                                 bool to_device) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_left_ = 0;
+    for (size_t i : order)
+      if (adam_[i]) ++tasks_left_;
+    acc_seconds_ = 0;
+  }
+  for (size_t i : order) {
+    if (!adam_[i]) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_gen_[i] = done_gen_[i] = gen;
+      continue;
+    }
+    const Tensor target = targets[i];
+    // Parameters kept in host memory by a GPU run (offload_param) are written in place; on the
+    // CPU backend "device" memory is host memory too, but it is the model's: copied like a
+    // device's, so that the delayed mode holds it back.
+    const bool on_host =
+        target.device == DeviceKind::kCPU && backend_.kind() != DeviceKind::kCPU;
+    ST_ASSERT(target.numel() == ranges_[i].numel && target.dtype == param_dtype_);
+    const uint64_t fence = grad_fence_[i];
+    post([this, i, lr, grad_scale, target, on_host, buffer, gen, fence, to_device] {
+      const auto t0 = std::chrono::steady_clock::now();
+      to_host_->host_wait(fence);
+      const Tensor g = pinned(grads_[buffer], i);
+      const int64_t n = ranges_[i].numel;
+      // The bf16 result overwrites the gradient it came from (same element size), unless the
+      // parameters live in host memory, which is written directly.
+      const Tensor out = on_host ? target : g;
+      adam_[i]->step_on_host(master_.slice(host_offset_[i], n), g, out, lr, grad_scale);
+      const double dt =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      uint64_t copied = 0;
+      if (to_device && !on_host) {
+        to_device_->to_device(target.data, out.data, out.bytes());
+        copied = to_device_->fence();
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      done_gen_[i] = gen;
+      if (to_device) {
+        ready_gen_[i] = gen;
+        ready_fence_[i] = copied;
+      }
+      acc_seconds_ += dt;
+      if (--tasks_left_ == 0) last_seconds_ = acc_seconds_;
+    });
+  }
+}
+
+void HostOptimizer::apply_in_flight() {
+  if (!in_flight_.active) return;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] {
+      if (failure_) return true;
+      for (size_t i : in_flight_.order)
+        if (done_gen_[i] < in_flight_.gen) return false;
+      return true;
+    });
+    rethrow_failure();
+  }
+  // The device finished reading the old parameters (the step just computed) before they change.
+  to_device_->after_compute();
+  for (size_t i : in_flight_.order) {
+    uint64_t fence = 0;
+    if (adam_[i]) {
+      const Tensor src = pinned(grads_[in_flight_.buffer], i);
+      to_device_->to_device(in_flight_.targets[i].data, src.data, src.bytes());
+      fence = to_device_->fence();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_gen_[i] = in_flight_.gen;
+    ready_fence_[i] = fence;
+    wanted_gen_[i] = in_flight_.gen;
+  }
+  in_flight_.active = false;
+}
+
+void HostOptimizer::step(double lr, double grad_scale, const std::vector<size_t>& order,
+                         const std::vector<Tensor>& targets) {
+  ST_ASSERT(order.size() == ranges_.size() && targets.size() == ranges_.size());
+  rethrow_failure();
+  const int buffer = delayed_ ? static_cast<int>(step_ % 2) : 0;
+  const int64_t gen = ++gen_;
+  // Steps 1 and 2 are exact in delayed mode: step 1's update is applied at once, step 2's is
+  // the first one held back.
+  const bool hold_back = delayed_ && step_ >= 1;
+  ++step_;
+  if (!hold_back) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i : order) wanted_gen_[i] = gen;
+    }
+    // Parameters land on the device in copies queued by the worker; they replace what the
+    // compute stream has been reading, so the copies wait for it.
+    to_device_->after_compute();
+    queue_update(lr, grad_scale, order, targets, buffer, gen, true);
+    return;
+  }
+  apply_in_flight();
+  queue_update(lr, grad_scale, order, targets, buffer, gen, false);
+  in_flight_ = InFlight{true, order, targets, buffer, gen};
+}
+
+void HostOptimizer::wait_part(size_t i) {
+  uint64_t fence = 0;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return failure_ || ready_gen_[i] >= wanted_gen_[i]; });
+    rethrow_failure();
+    fence = ready_fence_[i];
+  }
+  if (fence) to_device_->compute_waits(fence);
+}
+
+void HostOptimizer::wait_all() {
+  apply_in_flight();  // delayed mode: a checkpoint or state read flushes the held-back update
+  for (size_t i = 0; i < ranges_.size(); ++i) wait_part(i);
+  uint64_t last = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (uint64_t f : ready_fence_) last = std::max(last, f);
+  }
+  if (last) to_device_->host_wait(last);
+}
+
+Tensor HostOptimizer::state(StateTensor q, size_t i) const {
+  const HostBuffer& b = q == StateTensor::kParams   ? master_
+                        : q == StateTensor::kExpAvg ? exp_avg_
+                                                    : exp_avg_sq_;
+  return b.slice(host_offset_[i], ranges_[i].numel);
+}
+
+int64_t HostOptimizer::step_count() const {
+  for (const auto& a : adam_)
+    if (a) return a->step_count();
+  return 0;
+}
+
+void HostOptimizer::set_step_count(int64_t t) {
+  for (auto& a : adam_)
+    if (a) a->set_step_count(t);
+}
+
+double HostOptimizer::last_step_seconds() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_seconds_;
+}
+
+size_t HostOptimizer::pinned_bytes() const { return grads_[0].bytes() + grads_[1].bytes(); }
+
+}  // namespace shardtrain

@@ -1,0 +1,148 @@
+// The host half of an offloaded optimizer (ZeRO-Offload: Ren et al., "ZeRO-Offload:
+// Democratizing Billion-Scale Model Training", arXiv 2101.06840, §4): the fp32 master weights and
+// AdamW moments of the elements a rank steps on the CPU, and the CPU step itself.
+//
+//   device grad (bf16) ──copy stream──▶ pinned grad buffer ──CPU AdamW (worker thread, OpenMP,
+//   AVX-512/AVX2, fused bf16 in/out)──▶ pinned bf16 params (in place) ──copy stream──▶ device
+//
+// Ranges. The strategy hands over one flat-layout range per ZeRO part (its owned slice, or the
+// offloaded tail of it when offload_optimizer.ratio < 1). Their gradients leave the device as soon
+// as the strategy declares them final (gradient_ready: an async device → host copy on a copy stream
+// of its own, ordered after the compute stream), during backward where the strategy can.
+//
+// Step. step() queues one update task per range on a worker thread, in the order given (the
+// strategy passes forward order, so that the first layers of the next forward are updated first)
+// and returns at once. Each task waits for its gradient copy, runs the CPU AdamW over the range —
+// reading the bf16 gradients and writing the bf16 parameters into the same pinned buffer — and
+// queues the host → device copy of the result. The strategy calls wait_part(i) before anything
+// reads range i's parameters on the device (the next forward's layer, an all-gather): the host
+// waits until the task has queued its copy, then the compute stream waits for the copy. The CPU
+// step thus overlaps the start of the next forward, and the copies overlap both.
+//
+// Delayed update (opt-in, ZeRO-Offload §4.3 "one-step delayed parameter update", DPU): from the
+// second step on, step(s) first applies update s−1 (which ran on the CPU while the GPU computed step
+// s) and then starts update s, which the device sees only at step s+1. The device thus computes
+// step s+1 on the parameters of step s−1: with W_s the master weights after s updates and g_s the
+// gradient of step s, W_s = W_{s−1} − η·adamw(g_s) with g_s = ∇f(W_{s−2}) for s ≥ 3 (steps 1 and
+// 2 are exact: g_1 = ∇f(W_0), g_2 = ∇f(W_1)). Gradients alternate between two pinned buffers so
+// that step s+1's copies do not overwrite the gradients update s is reading.
+//
+// State lives in pageable host memory (fp32 master, m, v: 12 bytes per element); the pinned
+// buffers hold 2 bytes (bf16/fp16) per element, twice in delayed mode.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "backend/backend.h"
+#include "memory/host_buffer.h"
+#include "memory/param_layout.h"
+#include "optim/adamw.h"
+#include "parallel/strategy.h"
+
+namespace shardtrain {
+
+class HostOptimizer {
+ public:
+  /// Host state for `ranges` (flat-layout element ranges, one per strategy part, any may be
+  /// empty) with AdamW `hyper` (weight decay masked by `layout`). Gradients arrive in
+  /// `grad_dtype`; parameters return in `param_dtype` (the compute dtype). Throws RuntimeFailure
+  /// when the host memory cannot be had (see Backend::allocate_pinned).
+  HostOptimizer(Backend& backend, const ParamLayout& layout, std::vector<FlatRange> ranges,
+                AdamWHyper hyper, DType grad_dtype, DType param_dtype, bool delayed_update);
+  ~HostOptimizer();
+  HostOptimizer(const HostOptimizer&) = delete;
+  HostOptimizer& operator=(const HostOptimizer&) = delete;
+
+  size_t num_parts() const { return ranges_.size(); }
+  const FlatRange& range(size_t i) const { return ranges_[i]; }
+
+  /// Range i's gradient of this step is final in `grad` (device, grad dtype, [range(i).numel])
+  /// in compute-stream order: queues its copy to the host. At most once per range and step.
+  void gradient_ready(size_t i, Tensor grad);
+  /// Queues the update of every range with gradients × `grad_scale` at learning rate `lr`,
+  /// ranges in `order` (each once); range i's new parameters go to `targets[i]` ([numel], param
+  /// dtype): device memory (copied there), or host memory (written directly, e.g. parameters
+  /// offloaded to pinned memory). Every range's gradient must have been handed over. Returns at
+  /// once (delayed mode: after applying the previous update, see the file comment).
+  void step(double lr, double grad_scale, const std::vector<size_t>& order,
+            const std::vector<Tensor>& targets);
+  /// Blocks until range i's latest update has been queued for the device, then orders the
+  /// compute stream after its copy. Rethrows a failure of the worker.
+  void wait_part(size_t i);
+  /// Every queued update done and copied (waits on the host). Rethrows a worker failure.
+  void wait_all();
+
+  /// fp32 master weights, m or v of range i (host memory, [numel]); call wait_all() first.
+  Tensor state(StateTensor q, size_t i) const;
+  int64_t step_count() const;
+  void set_step_count(int64_t t);
+  bool delayed() const { return delayed_; }
+
+  /// Host seconds the CPU AdamW took for the last completed step (all ranges), or 0 before one.
+  double last_step_seconds() const;
+  size_t pinned_bytes() const;
+  size_t pageable_bytes() const { return master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes(); }
+
+ private:
+  void post(std::function<void()> task);
+  void worker_loop();
+  void rethrow_failure();
+  /// Queues the update tasks of generation `gen` on gradient buffer `buffer`; `to_device`:
+  /// each task also queues the copy of its result to its device target and marks it ready.
+  void queue_update(double lr, double grad_scale, const std::vector<size_t>& order,
+                    const std::vector<Tensor>& targets, int buffer, int64_t gen, bool to_device);
+  /// Delayed mode: waits for the update in flight and queues its copies to the device.
+  void apply_in_flight();
+  /// Range i's slice of pinned buffer `buf`.
+  Tensor pinned(const PinnedBuffer& buf, size_t i) const;
+
+  Backend& backend_;
+  std::vector<FlatRange> ranges_;
+  std::vector<int64_t> host_offset_;  ///< start of range i in the host buffers
+  DType grad_dtype_, param_dtype_;
+  bool delayed_;
+  HostBuffer master_, exp_avg_, exp_avg_sq_;  ///< fp32 [Σ numel]
+  PinnedBuffer grads_[2];  ///< grad dtype [Σ numel]; [1] only in delayed mode
+  std::vector<std::unique_ptr<AdamW>> adam_;  ///< per range (null for empty ranges)
+  std::unique_ptr<CopyStream> to_host_, to_device_;
+
+  int64_t step_ = 0;                 ///< step() calls so far (chooses the gradient buffer)
+  std::vector<uint64_t> grad_fence_;  ///< per range: its gradient copy of this step
+
+  // Worker state (guarded by mu_).
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false;
+  std::exception_ptr failure_;
+  /// Per range: update generation queued for the device (and its copy fence); the strategy waits
+  /// for `wanted_` (the generation the device must see).
+  std::vector<int64_t> ready_gen_;
+  std::vector<uint64_t> ready_fence_;
+  std::vector<int64_t> wanted_gen_;
+  double last_seconds_ = 0;
+  double acc_seconds_ = 0;    ///< CPU AdamW seconds of the generation being computed
+  size_t tasks_left_ = 0;     ///< its update tasks not yet done
+  int64_t gen_ = 0;           ///< update generations queued
+  std::thread worker_;
+
+  // Delayed mode: the update queued last (applied at the next step()).
+  struct InFlight {
+    bool active = false;
+    std::vector<size_t> order;
+    std::vector<Tensor> targets;
+    int buffer = 0;
+    int64_t gen = 0;
+  } in_flight_;
+  std::vector<int64_t> done_gen_;  ///< per range: update generation computed (delayed mode)
+};
+
+}  // namespace shardtrain
