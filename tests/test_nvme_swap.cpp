@@ -168,6 +168,8 @@ TEST_P(SwapRoundTrip, ManyBlocksByteExact) {
   round_trip(f, region);
   EXPECT_EQ(f.bytes_written(), 2 * region);
   EXPECT_EQ(f.bytes_read(), 2 * region);
+  EXPECT_GE(f.peak_in_flight(), 1);
+  EXPECT_LE(f.peak_in_flight(), std::min(aio.thread_count, aio.queue_depth));
 }
 
 INSTANTIATE_TEST_SUITE_P(ThreadsAndQueueDepth, SwapRoundTrip,
@@ -203,11 +205,28 @@ TEST_F(NvmeSwapTest, ConcurrentTicketsCompleteInAnyOrder) {
   for (int i = 0; i < kRegions; ++i) EXPECT_TRUE(same_bytes(out[i], in[i])) << "region " << i;
   EXPECT_EQ(f.bytes_written(), kRegions * region);
   EXPECT_EQ(f.bytes_read(), kRegions * region);
+  EXPECT_LE(f.peak_in_flight(), 4);
 
   // A transfer of nothing is done at once.
   const SwapTicket none = f.write_async(0, out[0].data(), 0);
   EXPECT_TRUE(f.done(none));
   f.wait(none);
+}
+
+TEST_F(NvmeSwapTest, QueueDepthBoundsRequestsInFlight) {
+  AioConfig aio;
+  aio.block_size = 4096;
+  aio.thread_count = 8;
+  aio.queue_depth = 2;
+  const int64_t region = 2 * kMiB;  // 512 requests
+  SwapFile f(dir(), 0, region, aio);
+  AlignedHostBuffer out(region), in(region);
+  fill(out, 5);
+  f.wait(f.write_async(0, out.data(), region));
+  f.wait(f.read_async(0, in.data(), region));
+  EXPECT_TRUE(same_bytes(out, in));
+  EXPECT_GE(f.peak_in_flight(), 1);
+  EXPECT_LE(f.peak_in_flight(), 2);
 }
 
 TEST_F(NvmeSwapTest, TransfersFromSeveralThreads) {
@@ -243,11 +262,11 @@ TEST_F(NvmeSwapTest, DestructorWaitsAndRemovesTheFile) {
     AioConfig aio;
     aio.block_size = 4096;
     aio.queue_depth = 1;
+    AlignedHostBuffer data(2 * kMiB);  // outlives the file, which waits for the write
+    fill(data, 9);
     SwapFile f(dir(), 7, 2 * kMiB, aio);
     path = f.path();
     EXPECT_TRUE(fs::exists(path));
-    AlignedHostBuffer data(2 * kMiB);
-    fill(data, 9);
     f.write_async(0, data.data(), data.bytes());  // still in flight when the file goes
   }
   EXPECT_FALSE(fs::exists(path));

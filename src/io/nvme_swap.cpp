@@ -136,6 +136,7 @@ struct SwapFile::Impl {
   std::condition_variable done_cv;  ///< a request completed
   std::deque<Request> queue;        ///< requests not started, in submission order
   int in_flight = 0;                ///< requests running (<= aio.queue_depth)
+  int peak_in_flight = 0;
   bool stop = false;
   uint64_t next_ticket = 1;
   std::unordered_map<uint64_t, Transfer> transfers;
@@ -178,7 +179,7 @@ struct SwapFile::Impl {
       }
       const Request r = queue.front();
       queue.pop_front();
-      ++in_flight;
+      peak_in_flight = std::max(peak_in_flight, ++in_flight);
       lock.unlock();
       std::string error = run(r);
       lock.lock();
@@ -386,6 +387,10 @@ bool SwapFile::direct() const { return impl_->direct; }
 const AioConfig& SwapFile::aio() const { return impl_->aio; }
 int64_t SwapFile::bytes_read() const { return impl_->read_total.load(); }
 int64_t SwapFile::bytes_written() const { return impl_->written_total.load(); }
+int SwapFile::peak_in_flight() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->peak_in_flight;
+}
 
 // ---- check_nvme_path ----------------------------------------------------------------------------
 

@@ -106,6 +106,8 @@ class SwapFile {
   /// Bytes transferred by completed requests.
   int64_t bytes_read() const;
   int64_t bytes_written() const;
+  /// The most requests that have run at once so far: at most min(thread_count, queue_depth).
+  int peak_in_flight() const;
 
  private:
   struct Impl;
