@@ -661,7 +661,7 @@ TEST_F(ConfigTest, WallClockBreakdownFromJsonOrFlag) {
 TEST_F(ConfigTest, IgnoredKeysAreListedInOneWarning) {
   const std::string path = write("ds.json", R"({
     "train_micro_batch_size_per_gpu": 4,
-    "aio": {"block_size": 1048576},
+    "flops_profiler": {"enabled": true},
     "wall_clock_breakdown": false,
     "tensorboard": {"enabled": false, "output_path": "tb/"},
     "zero_allow_untested_optimizer": true,
@@ -673,7 +673,7 @@ TEST_F(ConfigTest, IgnoredKeysAreListedInOneWarning) {
   EXPECT_TRUE(cfg.activation_checkpointing);
   ASSERT_EQ(warnings_.size(), 1u);
   const std::string& w = warnings_[0];
-  EXPECT_CONTAINS(w, "aio");
+  EXPECT_CONTAINS(w, "flops_profiler");
   EXPECT_CONTAINS(w, "zero_allow_untested_optimizer");
   EXPECT_CONTAINS(w, "zero_optimization.sub_group_size");
   EXPECT_CONTAINS(w, "activation_checkpointing.partition_activations");
@@ -684,8 +684,77 @@ TEST_F(ConfigTest, IgnoredKeysAreListedInOneWarning) {
   EXPECT_EQ(w.find("cpu_checkpointing"), std::string::npos) << w;
 
   ignored_.clear();
-  apply_json(R"({"aio": {"block_size": 1}, "zero_optimization": {"sub_group_size": 100}})");
-  EXPECT_EQ(ignored_, (std::vector<std::string>{"aio", "zero_optimization.sub_group_size"}));
+  apply_json(R"({"memory_breakdown": true, "zero_optimization": {"sub_group_size": 100}})");
+  EXPECT_EQ(ignored_,
+            (std::vector<std::string>{"memory_breakdown", "zero_optimization.sub_group_size"}));
+}
+
+// ---- aio (the NVMe swap's I/O) -----------------------------------------------------------------
+
+TEST_F(ConfigTest, AioSectionIsRead) {
+  const TrainConfig defaults = apply_json("{}");
+  EXPECT_EQ(defaults.aio.block_size, 1048576);
+  EXPECT_EQ(defaults.aio.queue_depth, 8);
+  EXPECT_EQ(defaults.aio.thread_count, 1);
+  EXPECT_FALSE(defaults.aio.single_submit);
+  EXPECT_TRUE(defaults.aio.overlap_events);
+
+  const TrainConfig cfg = apply_json(R"({"aio": {"block_size": 262144, "queue_depth": 32,
+      "thread_count": 4, "single_submit": true, "overlap_events": false, "use_gds": false}})");
+  EXPECT_EQ(cfg.aio.block_size, 262144);
+  EXPECT_EQ(cfg.aio.queue_depth, 32);
+  EXPECT_EQ(cfg.aio.thread_count, 4);
+  EXPECT_TRUE(cfg.aio.single_submit);
+  EXPECT_FALSE(cfg.aio.overlap_events);
+  EXPECT_TRUE(ignored_.empty());
+
+  // DeepSpeed's other name of thread_count; sizes as floats; use_gds is accepted and ignored.
+  const TrainConfig alias = apply_json(
+      R"({"aio": {"intra_op_parallelism": 8, "block_size": 2.097152e6, "use_gds": true}})");
+  EXPECT_EQ(alias.aio.thread_count, 8);
+  EXPECT_EQ(alias.aio.block_size, 2097152);
+  EXPECT_EQ(ignored_, (std::vector<std::string>{"aio.use_gds"}));
+}
+
+TEST_F(ConfigTest, AioBadValuesNameKeyValueAndFix) {
+  const auto error = [&](const std::string& aio) {
+    return config_error([&] { apply_json(R"({"aio": )" + aio + "}"); });
+  };
+  std::string msg = error(R"({"block_size": 1000})");
+  EXPECT_CONTAINS(msg, "\"aio.block_size\": 1000 is not valid");
+  EXPECT_CONTAINS(msg, "a multiple of 4096");
+  EXPECT_CONTAINS(msg, "e.g. 1048576");
+  EXPECT_CONTAINS(error(R"({"block_size": 6000})"), "\"aio.block_size\": 6000 is not valid");
+  EXPECT_CONTAINS(error(R"({"block_size": 0})"), "\"aio.block_size\": 0 is not valid");
+  msg = error(R"({"queue_depth": 0})");
+  EXPECT_CONTAINS(msg, "\"aio.queue_depth\": 0 is not valid");
+  EXPECT_CONTAINS(msg, "an integer >= 1");
+  msg = error(R"({"thread_count": 0})");
+  EXPECT_CONTAINS(msg, "\"aio.thread_count\": 0 is not valid");
+  EXPECT_CONTAINS(msg, "[1, 256]");
+  EXPECT_CONTAINS(error(R"({"thread_count": 257})"), "\"aio.thread_count\": 257 is not valid");
+  EXPECT_CONTAINS(error(R"({"intra_op_parallelism": 300})"),
+                  "\"aio.intra_op_parallelism\": 300 is not valid");
+  EXPECT_CONTAINS(error(R"({"thread_count": 2, "intra_op_parallelism": 2})"),
+                  "keep only \"thread_count\"");
+  EXPECT_CONTAINS(error(R"({"single_submit": "yes"})"), "\"aio.single_submit\": \"yes\"");
+  EXPECT_CONTAINS(error(R"({"queue_dept": 8})"), "did you mean 'aio.queue_depth'?");
+  EXPECT_CONTAINS(error("4096"), "\"aio\": 4096 is not valid");
+}
+
+TEST_F(ConfigTest, AioInsideZeroOptimizationSaysToMoveIt) {
+  const std::string msg = config_error([&] {
+    apply_json(R"({"zero_optimization": {"stage": 3, "aio": {"block_size": 1048576}}})");
+  });
+  EXPECT_CONTAINS(msg, "\"zero_optimization.aio\"");
+  EXPECT_CONTAINS(msg, "move the \"aio\" section to the top level");
+  // Inside an offload section too.
+  EXPECT_CONTAINS(config_error([&] {
+                    apply_json(
+                        R"({"zero_optimization": {"offload_optimizer": {"device": "nvme",
+                            "aio": {"queue_depth": 8}}}})");
+                  }),
+                  "move the \"aio\" section to the top level");
 }
 
 // ---- flags and precedence ------------------------------------------------------------------

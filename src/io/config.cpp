@@ -104,6 +104,7 @@ const KeyList kTopHonoured = {
     "bfloat16",
     "zero_optimization",
     "activation_checkpointing",
+    "aio",
 };
 
 // Top-level DeepSpeed keys shardtrain accepts and ignores.
@@ -119,7 +120,6 @@ const KeyList kTopIgnored = {
     "communication_data_type",
     "seq_parallel_comm_data_type",
     "disable_allgather",
-    "aio",
     "flops_profiler",
     "tensorboard",
     "wandb",
@@ -253,6 +253,12 @@ const KeyList kOffloadOptimizerIgnored = {
 };
 const KeyList kOffloadParamIgnored = {"buffer_count", "buffer_size", "max_in_cpu", "pin_memory"};
 
+// The top-level aio section (the NVMe swap's I/O; AioConfig). intra_op_parallelism is
+// DeepSpeed's other name of thread_count; use_gds (GPUDirect Storage) is not implemented.
+const KeyList kAioHonoured = {"block_size",    "queue_depth",    "thread_count",
+                              "single_submit", "overlap_events", "intra_op_parallelism"};
+const KeyList kAioIgnored = {"use_gds"};
+
 const KeyList kOptimizerHonoured = {"type", "params"};
 const KeyList kOptimizerIgnored = {"legacy_fusion"};
 const KeyList kAdamHonoured = {"lr",      "betas",          "eps", "weight_decay", "adam_w_mode",
@@ -293,6 +299,7 @@ const std::vector<std::pair<std::string, const KeyList*>> kSections = {
     {"scheduler.params", &kWarmupCosineLrHonoured},
     {"fp16", &kFp16Honoured},
     {"activation_checkpointing", &kActivationCheckpointingKeys},
+    {"aio", &kAioHonoured},
 };
 
 // Keys of the CONFIG dict of the DeepSpeed GPT-2 tutorials, which are flags here, not JSON keys.
@@ -388,6 +395,7 @@ class DeepSpeedReader {
     read_precision(root);
     if (const json* zero = find(root, "zero_optimization")) read_zero(*zero);
     if (const json* ac = find(root, "activation_checkpointing")) read_activation_checkpointing(*ac);
+    if (const json* aio = find(root, "aio")) read_aio(*aio);
   }
 
  private:
@@ -405,6 +413,12 @@ class DeepSpeedReader {
   [[noreturn]] void unknown_key(const std::string& prefix, const std::string& key,
                                 const KeyList& honoured, const KeyList& ignored) const {
     const std::string path = path_of(prefix, key);
+    if (key == "aio" && !prefix.empty()) {
+      fail(fmt::format(
+          "\"{}\": the \"aio\" section belongs at the top level of the config, not inside "
+          "\"{}\" (DeepSpeed reads it only there): move the \"aio\" section to the top level",
+          path, prefix));
+    }
     if (prefix.empty()) {
       for (const auto& [name, flag] : kTutorialKeys) {
         if (key == name) {
@@ -993,6 +1007,40 @@ class DeepSpeedReader {
       on = on || is_on(*v);
     }
     if (on) assign("activation_checkpointing", prefix, true, cfg_.activation_checkpointing, true);
+  }
+
+  void read_aio(const json& a) {
+    const std::string prefix = "aio";
+    if (!a.is_object()) bad_value(prefix, a, "an object {\"block_size\": 1048576, ...}");
+    check_keys(a, prefix, kAioHonoured, kAioIgnored);
+    AioConfig& aio = cfg_.aio;
+    constexpr std::string_view kBlock =
+        "a multiple of 4096 (O_DIRECT alignment), at least 4096: bytes per read/write request, "
+        "e.g. 1048576";
+    if (auto v = get_int(a, "block_size", prefix, 4096, kBlock)) {
+      if (*v % 4096 != 0) bad_value("aio.block_size", a.at("block_size"), kBlock);
+      aio.block_size = *v;
+    }
+    constexpr std::string_view kDepth =
+        "an integer >= 1 (most read/write requests in flight per file), e.g. 8";
+    if (auto v = get_int(a, "queue_depth", prefix, 1, kDepth)) {
+      if (*v > std::numeric_limits<int>::max())
+        bad_value("aio.queue_depth", a.at("queue_depth"), kDepth);
+      aio.queue_depth = static_cast<int>(*v);
+    }
+    if (has(a, "thread_count") && has(a, "intra_op_parallelism")) {
+      fail(
+          "\"aio.thread_count\" and \"aio.intra_op_parallelism\" are both given: they are the "
+          "same setting (DeepSpeed accepts either name); keep only \"thread_count\"");
+    }
+    const char* threads = has(a, "intra_op_parallelism") ? "intra_op_parallelism" : "thread_count";
+    constexpr std::string_view kThreads = "an integer in [1, 256] (I/O threads per file), e.g. 1";
+    if (auto v = get_int(a, threads, prefix, 1, kThreads)) {
+      if (*v > 256) bad_value(path_of(prefix, threads), a.at(threads), kThreads);
+      aio.thread_count = static_cast<int>(*v);
+    }
+    if (auto v = get_bool(a, "single_submit", prefix)) aio.single_submit = *v;
+    if (auto v = get_bool(a, "overlap_events", prefix)) aio.overlap_events = *v;
   }
 
   std::string file_;

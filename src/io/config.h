@@ -69,6 +69,29 @@ struct ZeroConfig {
   bool stage3_gather_16bit_weights_on_model_save = false;
 };
 
+/// DeepSpeed's top-level "aio" section: how the NVMe swap of ZeRO-Infinity (io/nvme_swap.h) does
+/// its I/O. DeepSpeed drives libaio; shardtrain runs a pool of threads issuing pread/pwrite on a
+/// file opened with O_DIRECT, and maps the keys onto it as follows.
+struct AioConfig {
+  /// aio.block_size: bytes of each pread/pwrite request a transfer is split into (the last
+  /// request of a transfer may be shorter). >= 4096 and a multiple of 4096 (O_DIRECT alignment).
+  int64_t block_size = 1 << 20;
+  /// aio.queue_depth: most requests in flight on one swap file at once; further requests wait,
+  /// in submission order. As each I/O thread runs one request at a time, the requests that
+  /// actually run concurrently are min(thread_count, queue_depth). >= 1.
+  int queue_depth = 8;
+  /// aio.thread_count (DeepSpeed also spells it aio.intra_op_parallelism): I/O threads per swap
+  /// file; the requests of one transfer are spread over them. In [1, 256].
+  int thread_count = 1;
+  /// aio.single_submit: DeepSpeed submits requests one io_submit at a time instead of in
+  /// batches. Accepted; it changes nothing here, where every request is its own system call.
+  bool single_submit = false;
+  /// aio.overlap_events: DeepSpeed overlaps submitting new requests with reaping completed ones.
+  /// Accepted; it changes nothing here, where a thread starts the next waiting request as soon
+  /// as its previous one completes (always overlapped).
+  bool overlap_events = true;
+};
+
 /// Where a kind of state lives (DeepSpeed offload_optimizer / offload_param "device").
 enum class OffloadDevice { kNone, kCpu, kNvme };
 
@@ -95,6 +118,7 @@ struct TrainConfig {
   Precision precision = Precision::kAuto;
   LossScaleConfig loss_scale;
   ZeroConfig zero;
+  AioConfig aio;  ///< DeepSpeed "aio" section: I/O of the NVMe swap (ZeRO-Infinity)
   /// What runs: derived by validate() from `strategy` (a preset) and `zero` (plan_of). train()
   /// refuses a config whose plan does not match them (validate() was not called).
   ParallelPlan plan;
