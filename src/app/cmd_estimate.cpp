@@ -20,7 +20,7 @@ struct EstimateFlags {
 
 void run_estimate(const EstimateFlags& f) {
   MemoryEstimateOptions o = f.options;
-  o.model = gpt2_preset(f.model);
+  o.model = resolve_model(f.model);
   fmt::print("{}", format_memory_estimate(estimate_memory(o), o));
 }
 
@@ -31,7 +31,11 @@ void register_estimate_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "estimate",
       "estimate GPU memory per rank for dp, zero1, zero2 and zero3 (ZeRO paper formulas)");
-  cmd->add_option("--model", f->model, fmt::format("model preset (default {})", f->model));
+  cmd->add_option("--model", f->model,
+                  fmt::format("model preset, or the path of a Hugging Face style config.json "
+                              "(default {})",
+                              f->model))
+      ->type_name("NAME|PATH");
   MemoryEstimateOptions& o = f->options;
   cmd->add_option("--gpus", o.gpus, "data-parallel GPUs N (default 1)");
   cmd->add_option("--micro-batch", o.micro_batch,

@@ -67,8 +67,10 @@ void register_train_command(CLI::App& app) {
     set_gpu_rank_environment(env, cfg->device);  // before the first CUDA call
     with_rank_in_errors(env.rank, env.world_size, [&]() {
       std::vector<std::string> warnings;
+      // --resume without --model: the checkpoint's own shape (a custom one needs no config.json).
+      if (!cfg->resume.empty() && cmd->count("--model") == 0) cfg->model.clear();
       // The model's context bounds --max-length; an unknown model name fails here, clearly.
-      const int64_t context = gpt2_preset(cfg->model).n_positions;
+      const int64_t context = resolve_train_model(*cfg).n_positions;
       cfg->world_size = env.world_size;  // before validation: the batch identity needs it
       TrainConfig final_cfg = finalize_train_config(*cmd, *cfg, context, warnings);
       if (env.rank == 0)

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "model/gpt2_config.h"
 
 namespace shardtrain {
 
@@ -125,8 +126,13 @@ std::string join(const std::vector<std::string>& items, std::string_view sep) {
 
 void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
   // ---- model and placement ----
-  cmd.add_option("--model", cfg.model, fmt::format("GPT-2 model preset (default: {})", cfg.model))
-      ->type_name("NAME");
+  cmd.add_option("--model", cfg.model,
+                 fmt::format("GPT-2 model: a preset ({}) or the path of a Hugging Face style "
+                             "config.json (n_layer, n_embd, n_head, n_positions, vocab_size) or "
+                             "of a directory holding one; with --resume, leave it out to use the "
+                             "checkpoint's shape (default: {})",
+                             join(gpt2_preset_names(), ", "), cfg.model))
+      ->type_name("NAME|PATH");
   cmd.add_option("--strategy", cfg.strategy_name,
                  fmt::format("parallelism strategy: dp|ddp (data parallel), zero1, "
                              "zero2|fsdp_stage2, zero3|fsdp_stage3, offload (zero2 + optimizer on "

@@ -1489,8 +1489,10 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         "or leave it unset)",
         to_string(cfg.precision)));
   }
-  if (cfg.model.empty()) {
-    throw ConfigError("--model is empty: name a model preset (e.g. --model gpt2-tiny)");
+  if (cfg.model.empty() && cfg.resume.empty()) {
+    throw ConfigError(
+        "--model is empty: name a model preset (e.g. --model gpt2-tiny) or the path of a "
+        "config.json");
   }
   if (cfg.max_length < 1) {
     throw ConfigError(
@@ -1501,7 +1503,8 @@ void validate(TrainConfig& cfg, int64_t model_context) {
     throw ConfigError(
         fmt::format("--max-length {} exceeds the context of model '{}' (n_positions = {}): use "
                     "--max-length {} or less",
-                    cfg.max_length, cfg.model, model_context, model_context));
+                    cfg.max_length, cfg.model.empty() ? "of the checkpoint" : cfg.model,
+                    model_context, model_context));
   }
 
   check_batch(cfg);
@@ -1644,7 +1647,8 @@ std::vector<std::string> model_config_warnings(const TrainConfig& cfg,
         "zero_optimization.stage3_param_persistence_threshold {} is above the largest layer of "
         "model '{}' ({} parameters): every layer stays replicated: zero3 then saves no parameter "
         "memory; set it to at most {} (DeepSpeed's default is 100000)",
-        threshold, cfg.model, largest_layer_numel, largest_layer_numel));
+        threshold, cfg.model.empty() ? "of the checkpoint" : cfg.model, largest_layer_numel,
+        largest_layer_numel));
   }
   return out;
 }

@@ -111,7 +111,9 @@ struct ParallelPlan {
 
 struct TrainConfig {
   // ---- model and placement ----
-  std::string model = "gpt2-tiny";   ///< preset name (model/gpt2_config.h)
+  /// Preset name or path of a config.json (resolve_model in model/gpt2_config.h); empty with
+  /// `resume` set: the checkpoint's own shape (resolve_train_model in train/trainer.h).
+  std::string model = "gpt2-tiny";
   std::string strategy_name = "dp";  ///< as given by the user (aliases allowed)
   StrategyKind strategy = StrategyKind::kDataParallel;
   std::string device = "auto";  ///< auto | cpu | cuda

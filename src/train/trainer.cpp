@@ -357,6 +357,11 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int local_rank,
   return make_cuda_backend(local_rank, dt);
 }
 
+GPT2Config resolve_train_model(const TrainConfig& cfg) {
+  if (cfg.model.empty() && !cfg.resume.empty()) return read_checkpoint_info(cfg.resume).model;
+  return resolve_model(cfg.model);
+}
+
 TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   const bool rank0 = comm.rank() == 0;
   Console out(rank0);
@@ -364,7 +369,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   summary.val_loss = std::numeric_limits<double>::quiet_NaN();
 
   // ---- model and device ----
-  GPT2Config model_cfg = gpt2_preset(cfg.model);
+  GPT2Config model_cfg = resolve_train_model(cfg);
   std::unique_ptr<Backend> backend = make_backend(cfg.device, local_rank_of(comm), cfg.precision);
   const bool on_gpu = backend->kind() == DeviceKind::kCUDA;
   // Collectives must start after the kernels that produce their inputs (the backend computes on
@@ -383,16 +388,26 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                      cfg.plan.zero_stage, to_string(cfg.strategy));
   for (const std::string& w : model_config_warnings(cfg, largest_layer_numel(model.layout())))
     out.warn(w);
+  // Custom shapes may have head sizes the fused flash-attention kernels lack (32, 64, 128 in
+  // bf16/fp16): those run, on the materialized attention kernels.
+  const int head_size = model_cfg.n_embd / model_cfg.n_head;
+  if (on_gpu && backend->compute_dtype() != DType::kF32 && head_size != 32 && head_size != 64 &&
+      head_size != 128 && backend->attention_saves_probs(head_size))
+    out.warn(fmt::format(
+        "head size {} (n_embd {} / n_head {}): the fused flash-attention kernels take head sizes "
+        "32, 64 and 128, so attention runs on the materialized kernels (slower, and they keep "
+        "batch·n_head·T² probabilities per layer)",
+        head_size, model_cfg.n_embd, model_cfg.n_head));
 
   // ---- resume: read the checkpoint first so a mismatch fails before any work ----
   std::optional<CheckpointInfo> resume;
   if (!cfg.resume.empty()) {
     resume = read_checkpoint_info(cfg.resume);
-    check<CheckpointError>(resume->model.name == model_cfg.name,
-                           "checkpoint {} holds model '{}' but this run asks for '{}': pass "
-                           "--model {} to resume it",
-                           resume->dir.string(), resume->model.name, model_cfg.name,
-                           resume->model.name);
+    check<CheckpointError>(resume->model.same_shape(model_cfg),
+                           "checkpoint {} holds model '{}' ({}) but this run asks for '{}' ({}): "
+                           "leave --model out to resume with the checkpoint's shape",
+                           resume->dir.string(), resume->model.name, resume->model.shape_string(),
+                           model_cfg.name, model_cfg.shape_string());
   }
 
   // ---- data ----

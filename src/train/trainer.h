@@ -10,6 +10,7 @@
 #include "backend/backend.h"
 #include "comm/communicator.h"
 #include "io/config.h"
+#include "model/gpt2_config.h"
 
 namespace shardtrain {
 
@@ -27,6 +28,11 @@ struct TrainSummary {
 /// Trains per `cfg` (validated) on this rank of `comm`. Prints progress on rank 0 and writes
 /// metrics.jsonl and checkpoints under cfg.output_dir. Throws Error subclasses on bad input.
 TrainSummary train(const TrainConfig& cfg, Communicator& comm);
+
+/// The model a run of `cfg` trains: cfg.model resolved (resolve_model: a preset or a
+/// config.json), or, when cfg.model is empty and cfg.resume names a checkpoint, the shape that
+/// checkpoint records (so a custom shape resumes without its config.json).
+GPT2Config resolve_train_model(const TrainConfig& cfg);
 
 /// Picks the backend for `device` ("auto": CUDA when available, else CPU) on GPU `local_rank`,
 /// computing in the dtype `precision` asks for (auto: bf16 on GPU, fp32 on CPU). Throws
