@@ -336,9 +336,12 @@ Json run_adamw(const Options& o, double triad_bps) {
       .integer("bytes_per_element", 28)
       .obj("bf16_grads_bf16_params", bf16)
       .obj("fp32_grads_no_copy", fp32)
-      .str("counting",
-           "bf16: reads master, m, v 4+4+4 and grad 2, writes master, m, v 4+4+4 and params 2; "
-           "fp32: reads 4+4+4+4, writes 4+4+4; best of reps after one untimed step");
+      .str(
+          "counting",
+          "bf16: reads master, m, v 4+4+4 and grad 2, writes master, m, v 4+4+4 and params 2; "
+          "fp32: reads 4+4+4+4, writes 4+4+4; best of reps after one untimed step; the fraction of "
+          "the triad can exceed 1: the triad's store into a[] costs a write-allocate read that "
+          "STREAM does not count, AdamW's in-place updates have none");
 }
 
 // ---- disk (direct I/O) --------------------------------------------------------------------------
