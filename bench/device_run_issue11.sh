@@ -13,8 +13,9 @@
 #             --strategy offload; --deepspeed-config bench/configs/ds_stage3_cpu_offload.json;
 #             --deepspeed-config bench/configs/ds_infinity_nvme.json (NVMe under /tmp/nvme_offload).
 #             DW="offload stage3 infinity" picks them (one or two per call fit the 10 minutes)
-#   bench     bench/bench_offload.py --cases BENCH_CASES (default tutorial,xl2,xl16) with
-#             offload, offload-dpu, zero2, fsdp2-offload (+ EXTRA_FW, e.g. offload-r50,infinity)
+#   bench     bench/bench_offload.py --cases BENCH_CASES (default tutorial; then a second call
+#             with BENCH_CASES=xl2,xl16) with offload, offload-dpu, zero2, fsdp2-offload
+#             (+ EXTRA_FW, e.g. offload-r50,zero3-offload,infinity)
 #   sweep     bench/bench_offload.py --cases sweep2,sweep4,sweep8,sweep16 (DPU vs zero2 vs exact)
 #   largest   bench/bench_offload.py --largest --shapes SHAPES (default 7.3B and 12.2B) with
 #             LARGEST_FW (default offload,offload-dpu,zero3-offload,infinity), 10 steps each
@@ -128,7 +129,7 @@ for phase in "${phases[@]}"; do
     donewhen)
       for w in ${DW:-offload stage3 infinity}; do donewhen $w; done ;;
     bench)
-      offload_bench bench --cases ${BENCH_CASES:-tutorial,xl2,xl16} ${EXTRA_FW:+--extra-frameworks $EXTRA_FW} ;;
+      offload_bench bench --cases ${BENCH_CASES:-tutorial} ${EXTRA_FW:+--extra-frameworks $EXTRA_FW} ;;
     sweep)
       offload_bench sweep --cases ${SWEEP_CASES:-sweep2,sweep4,sweep8,sweep16} ;;
     largest)
