@@ -29,7 +29,7 @@ st_link_missing() {
   case ":$LD_LIBRARY_PATH:" in *":$dir:"*) ;; *) export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$dir" ;; esac
   for round in 1 2 3 4; do
     local missing
-    missing=$(for b in .device/shardtrain .device/test_*; do [ -x "$b" ] && ldd "$b" 2>/dev/null; done |
+    missing=$(for b in .device/shardtrain .device/test_* .device/bench_*; do [ -x "$b" ] && ldd "$b" 2>/dev/null; done |
       awk '/not found/ {print $1}' | sort -u)
     [ -n "$missing" ] || return 0
     for lib in $missing; do
@@ -40,7 +40,7 @@ st_link_missing() {
       done
     done
   done
-  for b in .device/shardtrain .device/test_*; do [ -x "$b" ] && ldd "$b" | grep "not found" | sed "s|^|device_env: $b still lacks |"; done
+  for b in .device/shardtrain .device/test_* .device/bench_*; do [ -x "$b" ] && ldd "$b" | grep "not found" | sed "s|^|device_env: $b still lacks |"; done
   return 0
 }
 [ -d .device ] && st_link_missing

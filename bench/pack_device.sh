@@ -7,7 +7,8 @@
 #
 # What goes in (ldd decides; this machine is Debian 12, the GPU machine's image Ubuntu 24.04):
 #   DEST/shardtrain, DEST/test_cuda_backend, test_hf_parity, test_nccl_comm, test_zero_equivalence
-#       (those that exist; stripped of symbols unless STRIP=0: the CUDA fat binaries stay)
+#       (those that exist; stripped of symbols unless STRIP=0: the CUDA fat binaries stay), and the
+#       benchmark programs of EXTRA_BINS (default bench_host_limits) found in BUILD
 #   DEST/lib/         shared libraries the GPU image lacks: OpenBLAS (OpenMP build), libgfortran,
 #                     libquadmath, fmt, PCRE2, ... (first on LD_LIBRARY_PATH there)
 #   DEST/libfallback/ libraries the image has its own, newer or same, copy of (GCC's runtime,
@@ -25,7 +26,8 @@
 # COMPRESS=always|never|auto (default auto) overrides that choice. TESTS="test_a test_b" picks the
 # test programs (default: test_cuda_backend test_hf_parity test_nccl_comm test_zero_equivalence;
 # test_nccl_comm needs two GPUs, so TESTS="test_cuda_backend test_hf_parity test_zero_equivalence"
-# is enough for one-GPU calls when the archive is too large).
+# is enough for one-GPU calls when the archive is too large). EXTRA_BINS="a b" names other programs
+# of BUILD to carry (default: bench_host_limits; left out with a note where not built).
 set -euo pipefail
 BUILD=${1:-build}
 DEST=${2:-.device}
@@ -43,6 +45,10 @@ bins=("$BUILD/shardtrain")
 for t in ${TESTS:-test_cuda_backend test_hf_parity test_nccl_comm test_zero_equivalence}; do
   if [ -x "$BUILD/tests/$t" ]; then bins+=("$BUILD/tests/$t")
   else echo "pack_device: note: $BUILD/tests/$t not built, left out" >&2; fi
+done
+for x in ${EXTRA_BINS-bench_host_limits}; do
+  if [ -x "$BUILD/$x" ]; then bins+=("$BUILD/$x")
+  else echo "pack_device: note: $BUILD/$x not built, left out" >&2; fi
 done
 for b in "${bins[@]}"; do
   cp "$b" "$DEST/"

@@ -9,7 +9,11 @@ zero (DDP + torch.distributed.optim.ZeroRedundancyOptimizer) ~ zero1; fsdp2 (ful
 block and at the root, reshard_after_forward=False: parameters stay gathered between forward and
 backward, gradients and optimizer state sharded) ~ zero2; with --reshard-after-forward, fsdp2
 frees each block's gathered parameters after its forward and gathers them again in backward
-~ zero3 (bench/bench_zero3_single_gpu.py). transformers GPT2LMHeadModel with SDPA, fp32
+~ zero3 (bench/bench_zero3_single_gpu.py); with --cpu-offload, fsdp2 keeps the sharded fp32
+parameters, their gradients and the AdamW state in pinned host memory (CPUOffloadPolicy(pin_memory=
+True)) and AdamW steps on the CPU ~ shardtrain's offload (bench/bench_offload.py); "cpu_step_ms" is
+then the host time of opt.step() per step. --shape L,H,C trains a GPT-2 of that shape instead of a
+preset (bench_offload.py --largest). transformers GPT2LMHeadModel with SDPA, fp32
 parameters, bf16 compute (autocast for ddp/zero, MixedPrecisionPolicy for fsdp2), AdamW (--adamw:
 fused, foreach, or auto = fused with a fall back to foreach if fused fails on fsdp2's DTensors),
 clipping 1.0, random tokens. The first --warmup steps are not timed ("timed_s"); "total_s" times
@@ -46,9 +50,9 @@ VOCAB, CONTEXT = 50257, 1024
 RESULT_TAG = "BENCH_RESULT "
 
 
-def build_model(model_name, device):
+def build_model(model_name, device, shape=None):
     from transformers import GPT2Config, GPT2LMHeadModel
-    L, H, C = SHAPES[model_name]
+    L, H, C = shape or SHAPES[model_name]
     cfg = GPT2Config(n_layer=L, n_head=H, n_embd=C, vocab_size=VOCAB, n_positions=CONTEXT,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     torch.manual_seed(0)
@@ -73,10 +77,20 @@ def fully_shard_api():
     return MixedPrecisionPolicy, fully_shard
 
 
+def cpu_offload_policy():
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import CPUOffloadPolicy
+    return CPUOffloadPolicy(pin_memory=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--strategy", choices=["ddp", "zero", "fsdp2"], required=True)
     ap.add_argument("--model", default="gpt2-medium", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default=None,
+                    help="n_layer,n_head,n_embd: train this shape instead of --model's")
     ap.add_argument("--batch", type=int, default=4, help="micro-batch per GPU")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
@@ -86,11 +100,19 @@ def main():
                     help="seconds a collective may hang before the job fails")
     ap.add_argument("--reshard-after-forward", action="store_true",
                     help="fsdp2: reshard_after_forward=True on every block (ZeRO-3) instead of False")
+    ap.add_argument("--cpu-offload", action="store_true",
+                    help="fsdp2: CPUOffloadPolicy(pin_memory=True): parameters, gradients and "
+                         "AdamW state on the host, the optimizer step on the CPU")
     ap.add_argument("--adamw", choices=["auto", "fused", "foreach"], default="auto",
                     help="AdamW implementation; auto: fused, foreach if fused fails (default)")
     a = ap.parse_args()
     if not 0 <= a.warmup < a.steps:
         ap.error("need 0 <= --warmup < --steps")
+    if a.cpu_offload and a.strategy != "fsdp2":
+        ap.error("--cpu-offload needs --strategy fsdp2")
+    shape = tuple(int(x) for x in a.shape.split(",")) if a.shape else None
+    if shape is not None and len(shape) != 3:
+        ap.error("--shape: n_layer,n_head,n_embd")
 
     cuda = a.device == "cuda"
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"),
@@ -109,7 +131,7 @@ def main():
         if cuda:
             torch.cuda.synchronize()
 
-    model = build_model(a.model, device)
+    model = build_model(a.model, device, shape)
     n_params = sum(p.numel() for p in model.parameters())  # tied wte/lm_head counted once
     autocast = True
     adamw = "foreach" if a.adamw == "foreach" else "fused"
@@ -120,11 +142,12 @@ def main():
     if a.strategy == "fsdp2":
         MixedPrecisionPolicy, fully_shard = fully_shard_api()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        extra = {"offload_policy": cpu_offload_policy()} if a.cpu_offload else {}
         for block in model.transformer.h:
-            fully_shard(block, mp_policy=mp, reshard_after_forward=a.reshard_after_forward)
+            fully_shard(block, mp_policy=mp, reshard_after_forward=a.reshard_after_forward, **extra)
         # the root's parameters (embeddings, final LayerNorm, tied LM head) are used first in
         # backward; FSDP2 keeps the root's gathered after forward whatever is asked here
-        fully_shard(model, mp_policy=mp, reshard_after_forward=a.reshard_after_forward)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=a.reshard_after_forward, **extra)
         train_model, autocast = model, False
         try:
             opt = make_adamw(model.parameters(), adamw)
@@ -150,6 +173,7 @@ def main():
         torch.cuda.reset_peak_memory_stats()
     first_loss = last_loss = None
     t0 = None
+    opt_s = 0.0  # host time of opt.step() over the timed steps
     sync()
     t_all = time.perf_counter()
     for s in range(a.steps):
@@ -174,7 +198,10 @@ def main():
                 opt = make_adamw(model.parameters(), adamw)
                 opt.step()
         else:
+            t_opt = time.perf_counter()
             opt.step()
+            if s >= a.warmup:
+                opt_s += time.perf_counter() - t_opt
         opt.zero_grad(set_to_none=True)
         if s == 0:
             first_loss = loss.item()
@@ -189,6 +216,7 @@ def main():
     else:  # peak resident set of the process (kilobytes on Linux)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         mem = [rss, rss]
+    host_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set
     peak = torch.tensor(mem, device=device, dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -201,6 +229,10 @@ def main():
             "peak_kind": "device" if cuda else "cpu_rss",
             "timed_steps": a.steps - a.warmup, "timed_s": dt, "total_s": t_end - t_all,
             "adamw": adamw, "reshard_after_forward": a.reshard_after_forward,
+            "cpu_offload": a.cpu_offload, "host_peak_rss_bytes": host_rss,
+            "opt_step_ms": 1e3 * opt_s / (a.steps - a.warmup),
+            "cpu_step_ms": 1e3 * opt_s / (a.steps - a.warmup) if a.cpu_offload else None,
+            "step_time_s": dt / (a.steps - a.warmup),
             "first_loss": first_loss, "last_loss": last_loss,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}), flush=True)
