@@ -17,7 +17,8 @@ AdamW::AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_
 AdamW::AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_t numel,
              AdamWHyper hyper, Tensor exp_avg, Tensor exp_avg_sq)
     : backend_(backend), offset_(offset), numel_(numel), hyper_(hyper) {
-  if (exp_avg.empty()) {
+  // A tensor with a shape but no data: the caller hands the state to each step_on_host.
+  if (exp_avg.empty() && exp_avg.ndim == 0) {
     owned_m_ = FlatBuffer(backend, DType::kF32, numel);
     owned_v_ = FlatBuffer(backend, DType::kF32, numel);
     exp_avg = owned_m_.view();

@@ -28,7 +28,8 @@ class AdamW {
         AdamWHyper hyper);
   /// The same over caller-owned state: `exp_avg` and `exp_avg_sq` fp32 [numel] (zeroed), e.g.
   /// slices of one buffer shared by the AdamW objects of several ZeRO slices (one allocation
-  /// instead of one per slice, each rounded up by the device allocator).
+  /// instead of one per slice, each rounded up by the device allocator). Tensors of shape
+  /// [numel] without data: no state is kept; every step_on_host is given it (NVMe paging).
   AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_t numel,
         AdamWHyper hyper, Tensor exp_avg, Tensor exp_avg_sq);
 

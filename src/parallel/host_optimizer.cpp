@@ -14,7 +14,7 @@ namespace shardtrain {
 
 HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
                              std::vector<FlatRange> ranges, AdamWHyper hyper, DType grad_dtype,
-                             DType param_dtype, bool delayed_update)
+                             DType param_dtype, bool delayed_update, const SwapOptions* swap)
     : backend_(backend),
       ranges_(std::move(ranges)),
       grad_dtype_(grad_dtype),
@@ -26,18 +26,45 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
     host_offset_.push_back(total);
     total += r.numel;
   }
-  master_ = HostBuffer(DType::kF32, total);
-  exp_avg_ = HostBuffer(DType::kF32, total);
-  exp_avg_sq_ = HostBuffer(DType::kF32, total);
+  if (swap) {
+    // [master | m | v] per range, each 4096-aligned; three staging slots of the largest range.
+    int64_t file = 0, largest = 0;
+    for (const FlatRange& r : ranges_) {
+      region_.push_back(file);
+      qbytes_.push_back(swap_round_up(r.numel * 4));
+      file += 3 * qbytes_.back();
+      largest = std::max(largest, 3 * qbytes_.back());
+    }
+    check_nvme_path(swap->dir, swap_round_up(std::max<int64_t>(file, 1)),
+                    "zero_optimization.offload_optimizer.nvme_path (--nvme-path)");
+    swap_ = std::make_unique<SwapFile>(swap->dir, swap->rank, std::max<int64_t>(file, 1),
+                                       swap->aio);
+    slots_.resize(3);
+    for (Slot& sl : slots_) sl.buf = AlignedHostBuffer(largest);
+    // A fresh file reads as zeros (m, v of a new run; the master weights are written next).
+    std::vector<char> zeros(static_cast<size_t>(std::min<int64_t>(largest, int64_t{64} << 20)));
+    AlignedHostBuffer z(static_cast<int64_t>(zeros.size()));
+    std::memset(z.data(), 0, static_cast<size_t>(z.bytes()));
+    for (int64_t pos = 0; pos < swap_->bytes(); pos += z.bytes())
+      swap_->wait(swap_->write_async(pos, z.data(), std::min(z.bytes(), swap_->bytes() - pos)));
+  } else {
+    master_ = HostBuffer(DType::kF32, total);
+    exp_avg_ = HostBuffer(DType::kF32, total);
+    exp_avg_sq_ = HostBuffer(DType::kF32, total);
+  }
   grads_[0] = PinnedBuffer(backend, grad_dtype, total);
   if (delayed_) grads_[1] = PinnedBuffer(backend, grad_dtype, total);
   for (size_t i = 0; i < ranges_.size(); ++i) {
     const FlatRange& r = ranges_[i];
-    adam_.push_back(r.numel == 0 ? nullptr
-                                 : std::make_unique<AdamW>(
-                                       backend, layout, r.offset, r.numel, hyper,
-                                       exp_avg_.slice(host_offset_[i], r.numel),
-                                       exp_avg_sq_.slice(host_offset_[i], r.numel)));
+    // On NVMe the moments are handed to each step from a staging slot.
+    const Tensor none(nullptr, DType::kF32, DeviceKind::kCPU, {r.numel});
+    adam_.push_back(
+        r.numel == 0
+            ? nullptr
+            : std::make_unique<AdamW>(
+                  backend, layout, r.offset, r.numel, hyper,
+                  swap_ ? none : exp_avg_.slice(host_offset_[i], r.numel),
+                  swap_ ? none : exp_avg_sq_.slice(host_offset_[i], r.numel)));
   }
   to_host_ = backend.make_copy_stream();
   to_device_ = backend.make_copy_stream();
@@ -137,15 +164,20 @@ void HostOptimizer::queue_update(double lr, double grad_scale, const std::vector
         target.device == DeviceKind::kCPU && backend_.kind() != DeviceKind::kCPU;
     ST_ASSERT(target.numel() == ranges_[i].numel && target.dtype == param_dtype_);
     const uint64_t fence = grad_fence_[i];
-    post([this, i, lr, grad_scale, target, on_host, buffer, gen, fence, to_device] {
+    // The next range this generation updates: its state is read ahead (NVMe).
+    int64_t next = -1;
+    for (size_t k = 0; k + 1 < order.size(); ++k)
+      if (order[k] == i)
+        for (size_t j = k + 1; j < order.size() && next < 0; ++j)
+          if (adam_[order[j]]) next = static_cast<int64_t>(order[j]);
+    post([this, i, next, lr, grad_scale, target, on_host, buffer, gen, fence, to_device] {
       const auto t0 = std::chrono::steady_clock::now();
       to_host_->host_wait(fence);
       const Tensor g = pinned(grads_[buffer], i);
-      const int64_t n = ranges_[i].numel;
       // The bf16 result overwrites the gradient it came from (same element size), unless the
       // parameters live in host memory, which is written directly.
       const Tensor out = on_host ? target : g;
-      adam_[i]->step_on_host(master_.slice(host_offset_[i], n), g, out, lr, grad_scale);
+      update_range(i, next, g, out, lr, grad_scale);
       const double dt =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       uint64_t copied = 0;
@@ -163,6 +195,53 @@ void HostOptimizer::queue_update(double lr, double grad_scale, const std::vector
       if (--tasks_left_ == 0) last_seconds_ = acc_seconds_;
     });
   }
+}
+
+HostOptimizer::Slot& HostOptimizer::victim(const Slot* keep) {
+  for (;;) {
+    Slot& v = slots_[next_victim_];
+    next_victim_ = (next_victim_ + 1) % slots_.size();
+    if (&v == keep) continue;
+    swap_->wait(v.write);  // its state is on disk before the slot is reused
+    v.write = {};
+    return v;
+  }
+}
+
+void HostOptimizer::prefetch(size_t i, const Slot* keep) {
+  for (Slot& sl : slots_)
+    if (sl.range == static_cast<int>(i)) return;
+  Slot& v = victim(keep);
+  v.range = static_cast<int>(i);
+  v.read = swap_->read_async(region_[i], v.buf.data(), 3 * qbytes_[i]);
+}
+
+HostOptimizer::Slot& HostOptimizer::page_in(size_t i, const Slot* keep) {
+  prefetch(i, keep);
+  for (Slot& sl : slots_) {
+    if (sl.range != static_cast<int>(i)) continue;
+    swap_->wait(sl.read);
+    sl.read = {};
+    return sl;
+  }
+  ST_ASSERT(false && "page_in: range not in a slot");
+  return slots_[0];
+}
+
+void HostOptimizer::update_range(size_t i, int64_t next, const Tensor& grads, const Tensor& out,
+                                 double lr, double grad_scale) {
+  const int64_t n = ranges_[i].numel;
+  if (!swap_) {
+    adam_[i]->step_on_host(master_.slice(host_offset_[i], n), grads, out, lr, grad_scale);
+    return;
+  }
+  Slot& sl = page_in(i, nullptr);
+  if (next >= 0) prefetch(static_cast<size_t>(next), &sl);  // read ahead of the next step
+  char* base = static_cast<char*>(sl.buf.data());
+  const int64_t q = qbytes_[i];
+  const auto view = [&](int k) { return Tensor(base + k * q, DType::kF32, DeviceKind::kCPU, {n}); };
+  adam_[i]->step_on_host(view(0), grads, out, lr, grad_scale, view(1), view(2));
+  sl.write = swap_->write_async(region_[i], base, 3 * q);  // written behind the next steps
 }
 
 void HostOptimizer::apply_in_flight() {
@@ -242,11 +321,45 @@ void HostOptimizer::wait_all() {
   if (last) to_device_->host_wait(last);
 }
 
-Tensor HostOptimizer::state(StateTensor q, size_t i) const {
-  const HostBuffer& b = q == StateTensor::kParams   ? master_
-                        : q == StateTensor::kExpAvg ? exp_avg_
-                                                    : exp_avg_sq_;
-  return b.slice(host_offset_[i], ranges_[i].numel);
+void HostOptimizer::read_state(StateTensor q, size_t i, int64_t offset, int64_t numel,
+                               float* dst) {
+  ST_ASSERT(offset >= 0 && offset + numel <= ranges_[i].numel);
+  const int k = q == StateTensor::kParams ? 0 : q == StateTensor::kExpAvg ? 1 : 2;
+  if (!swap_) {
+    const HostBuffer& b = k == 0 ? master_ : k == 1 ? exp_avg_ : exp_avg_sq_;
+    std::memcpy(dst, b.slice(host_offset_[i] + offset, numel).data,
+                static_cast<size_t>(numel) * 4);
+    return;
+  }
+  swap_->wait_all();
+  AlignedHostBuffer tmp(qbytes_[i]);
+  swap_->wait(swap_->read_async(region_[i] + k * qbytes_[i], tmp.data(), qbytes_[i]));
+  std::memcpy(dst, static_cast<const float*>(tmp.data()) + offset, static_cast<size_t>(numel) * 4);
+}
+
+void HostOptimizer::write_state(StateTensor q, size_t i, int64_t offset, int64_t numel,
+                                const float* src) {
+  ST_ASSERT(offset >= 0 && offset + numel <= ranges_[i].numel);
+  const int k = q == StateTensor::kParams ? 0 : q == StateTensor::kExpAvg ? 1 : 2;
+  if (!swap_) {
+    HostBuffer& b = k == 0 ? master_ : k == 1 ? exp_avg_ : exp_avg_sq_;
+    std::memcpy(b.slice(host_offset_[i] + offset, numel).data, src,
+                static_cast<size_t>(numel) * 4);
+    return;
+  }
+  swap_->wait_all();
+  for (Slot& sl : slots_) sl.range = -1;  // staged copies are stale now
+  AlignedHostBuffer tmp(qbytes_[i]);
+  const int64_t at = region_[i] + k * qbytes_[i];
+  swap_->wait(swap_->read_async(at, tmp.data(), qbytes_[i]));
+  std::memcpy(static_cast<float*>(tmp.data()) + offset, src, static_cast<size_t>(numel) * 4);
+  swap_->wait(swap_->write_async(at, tmp.data(), qbytes_[i]));
+}
+
+size_t HostOptimizer::pageable_bytes() const {
+  size_t b = master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes();
+  for (const Slot& sl : slots_) b += static_cast<size_t>(sl.buf.bytes());
+  return b;
 }
 
 int64_t HostOptimizer::step_count() const {

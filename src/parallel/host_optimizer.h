@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "io/nvme_swap.h"
 #include "memory/host_buffer.h"
 #include "memory/param_layout.h"
 #include "optim/adamw.h"
@@ -49,14 +50,26 @@
 
 namespace shardtrain {
 
+/// Where the host state of an offloaded optimizer is paged to NVMe (ZeRO-Infinity, Rajbhandari
+/// et al., arXiv 2104.07857, §5): one swap file per rank under `dir` (io/nvme_swap.h).
+struct SwapOptions {
+  std::string dir;  ///< nvme_path
+  int rank = 0;
+  AioConfig aio;
+};
+
 class HostOptimizer {
  public:
   /// Host state for `ranges` (flat-layout element ranges, one per strategy part, any may be
   /// empty) with AdamW `hyper` (weight decay masked by `layout`). Gradients arrive in
   /// `grad_dtype`; parameters return in `param_dtype` (the compute dtype). Throws RuntimeFailure
   /// when the host memory cannot be had (see Backend::allocate_pinned).
+  /// With `swap` set, the fp32 master weights, m and v live in a swap file instead (read ahead of
+  /// each range's CPU step, written behind it, three staging slots in host memory); ConfigError
+  /// when swap->dir is missing, unwritable or too small.
   HostOptimizer(Backend& backend, const ParamLayout& layout, std::vector<FlatRange> ranges,
-                AdamWHyper hyper, DType grad_dtype, DType param_dtype, bool delayed_update);
+                AdamWHyper hyper, DType grad_dtype, DType param_dtype, bool delayed_update,
+                const SwapOptions* swap = nullptr);
   ~HostOptimizer();
   HostOptimizer(const HostOptimizer&) = delete;
   HostOptimizer& operator=(const HostOptimizer&) = delete;
@@ -80,8 +93,10 @@ class HostOptimizer {
   /// Every queued update done and copied (waits on the host). Rethrows a worker failure.
   void wait_all();
 
-  /// fp32 master weights, m or v of range i (host memory, [numel]); call wait_all() first.
-  Tensor state(StateTensor q, size_t i) const;
+  /// Copies quantity `q` of elements [offset, offset + numel) of range i to `dst` (fp32), or sets
+  /// them from `src`; blocking (reads the swap file). Call wait_all() first.
+  void read_state(StateTensor q, size_t i, int64_t offset, int64_t numel, float* dst);
+  void write_state(StateTensor q, size_t i, int64_t offset, int64_t numel, const float* src);
   int64_t step_count() const;
   void set_step_count(int64_t t);
   bool delayed() const { return delayed_; }
@@ -89,12 +104,20 @@ class HostOptimizer {
   /// Host seconds the CPU AdamW took for the last completed step (all ranges), or 0 before one.
   double last_step_seconds() const;
   size_t pinned_bytes() const;
-  size_t pageable_bytes() const { return master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes(); }
+  size_t pageable_bytes() const;
+  /// Bytes of the swap file (0 without NVMe).
+  size_t nvme_bytes() const { return swap_ ? static_cast<size_t>(swap_->bytes()) : 0; }
+  /// The swap file (null without NVMe), for its counters and whether it runs O_DIRECT.
+  const SwapFile* swap_file() const { return swap_.get(); }
 
  private:
   void post(std::function<void()> task);
   void worker_loop();
   void rethrow_failure();
+  /// The update of range i (worker thread): pages its state in when on NVMe, steps it, writes
+  /// it behind; `next`: the range the next task updates (read ahead), or -1.
+  void update_range(size_t i, int64_t next, const Tensor& grads, const Tensor& out, double lr,
+                    double grad_scale);
   /// Queues the update tasks of generation `gen` on gradient buffer `buffer`; `to_device`:
   /// each task also queues the copy of its result to its device target and marks it ready.
   void queue_update(double lr, double grad_scale, const std::vector<size_t>& order,
@@ -112,6 +135,23 @@ class HostOptimizer {
   HostBuffer master_, exp_avg_, exp_avg_sq_;  ///< fp32 [Σ numel]
   PinnedBuffer grads_[2];  ///< grad dtype [Σ numel]; [1] only in delayed mode
   std::vector<std::unique_ptr<AdamW>> adam_;  ///< per range (null for empty ranges)
+
+  // NVMe: range i's [master | m | v] at file offset region_[i], each quantity qbytes_[i] long
+  // (4096-aligned); used by the worker thread only, except in read_state / write_state.
+  struct Slot {
+    AlignedHostBuffer buf;  ///< 3 quantities of the largest range
+    int range = -1;         ///< range held (read issued), or -1
+    SwapTicket read, write;
+  };
+  /// The slot holding range i with its read complete (reads it, evicting the oldest other slot).
+  Slot& page_in(size_t i, const Slot* keep);
+  /// Starts reading range i into a slot other than `keep` unless it is held already.
+  void prefetch(size_t i, const Slot* keep);
+  Slot& victim(const Slot* keep);
+  std::unique_ptr<SwapFile> swap_;
+  std::vector<int64_t> region_, qbytes_;
+  std::vector<Slot> slots_;
+  size_t next_victim_ = 0;
   std::unique_ptr<CopyStream> to_host_, to_device_;
 
   int64_t step_ = 0;                 ///< step() calls so far (chooses the gradient buffer)

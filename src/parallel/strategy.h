@@ -41,6 +41,9 @@ struct StrategyOptions {
   int64_t max_reuse_distance = 1'000'000'000;
   /// Offloaded optimizer: ZeRO-Offload's one-step delayed parameter update (host_optimizer.h).
   bool delayed_update = false;
+  /// NVMe offload: the directory of the swap files and DeepSpeed's aio settings.
+  std::string nvme_path;
+  AioConfig aio;
 };
 
 /// Host memory a rank holds for offloaded state (bytes).

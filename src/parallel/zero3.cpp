@@ -36,8 +36,10 @@
 // copy (they are stale) and updates each owned slice in place.
 #include "parallel/zero3.h"
 
+#include <cstring>
 #include <deque>
 
+#include "memory/host_buffer.h"
 #include "parallel/zero3_schedule.h"
 #include "parallel/zero_base.h"
 
@@ -106,12 +108,21 @@ class Zero3 final : public ZeroStrategy {
       int64_t params = 0;  // real parameters of the layer (alignment padding not counted)
       for (const ParamTensor& t : layout.layers()[static_cast<size_t>(l)].tensors)
         params += t.numel;
-      u.resident = world_ == 1 || params < opt_.param_persistence_threshold;
+      // Offloaded parameters stream in per layer even on one rank.
+      u.resident = (world_ == 1 && !params_offloaded()) ||
+                   params < opt_.param_persistence_threshold;
       u.offset = u.resident ? resident : sharded;
       (u.resident ? resident : sharded) += u.resident ? p.padded : p.shard;
     }
     resident_ = FlatBuffer(backend_, dtype_, resident);
-    sharded_ = FlatBuffer(backend_, dtype_, sharded);
+    if (params_offloaded()) {
+      // offload_param: the rank's slices in pinned host memory, copied to the device per layer.
+      host_shards_ = PinnedBuffer(backend_, dtype_, sharded);
+      if (sharded > 0) std::memset(host_shards_.data(), 0, host_shards_.bytes());
+      copies_ = backend_.make_copy_stream();
+    } else {
+      sharded_ = FlatBuffer(backend_, dtype_, sharded);
+    }
     std::vector<int64_t> padded(static_cast<size_t>(n));
     std::vector<bool> is_resident(static_cast<size_t>(n));
     for (int l = 0; l < n; ++l) {
@@ -127,12 +138,14 @@ class Zero3 final : public ZeroStrategy {
     return {resident_.view()};
   }
   size_t param_bytes() const override { return resident_.bytes() + sharded_.bytes(); }
+  size_t extra_pinned_bytes() const override { return host_shards_.bytes(); }
 
   Tensor own_params(size_t i) const override {
     const BucketPartition& p = parts_[i];
     const Unit& u = unit(p.bucket.first_layer);
     if (u.resident)
       return resident_.slice(u.offset + static_cast<int64_t>(rank_) * p.shard, p.shard);
+    if (params_offloaded()) return host_shards_.slice(u.offset, p.shard);
     return sharded_.slice(u.offset, p.shard);
   }
 
@@ -146,6 +159,8 @@ class Zero3 final : public ZeroStrategy {
   void before_update() override {
     drain_reductions();
     release_all();
+    // The host shards change next: no copy to the device may still be reading them.
+    if (copies_ && last_copy_) copies_->host_wait(last_copy_);
   }
 
   void allocate_gradients() override { grad_shard_ = FlatBuffer(backend_, dtype_, shard_numel_); }
@@ -234,8 +249,19 @@ class Zero3 final : public ZeroStrategy {
     ensure_published(static_cast<size_t>(part_of(layer)));
     const BucketPartition& p = partition(layer);
     x.gathered = FlatBuffer(backend_, dtype_, p.padded);
-    x.gathering =
-        comm_.all_gather(x.gathered.view(), own_params(static_cast<size_t>(part_of(layer))));
+    const Tensor own = own_params(static_cast<size_t>(part_of(layer)));
+    if (params_offloaded()) {
+      // The slice comes from host memory on the copy stream (after the buffer's zero-fill on the
+      // compute stream), then the all-gather runs in place.
+      Tensor slot = x.gathered.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
+      copies_->after_compute();
+      copies_->to_device(slot.data, own.data, own.bytes());
+      last_copy_ = copies_->fence();
+      copies_->compute_waits(last_copy_);
+      if (world_ > 1) x.gathering = comm_.all_gather(x.gathered.view(), slot);
+    } else {
+      x.gathering = comm_.all_gather(x.gathered.view(), own);
+    }
     x.params = x.gathered.view();
     live_numel_ += p.padded;
     note_peak();
@@ -314,6 +340,10 @@ class Zero3 final : public ZeroStrategy {
   std::vector<Unit> units_;  ///< per layer
   FlatBuffer resident_;      ///< resident units, full [padded] each, compute dtype
   FlatBuffer sharded_;       ///< partitioned units, this rank's slice [shard] each
+  PinnedBuffer host_shards_;  ///< offload_param: sharded_ in pinned host memory instead
+  std::unique_ptr<CopyStream> copies_;  ///< offload_param: host → device copies of the slices
+  uint64_t last_copy_ = 0;
+  bool params_offloaded() const { return opt_.plan.param_offload != OffloadDevice::kNone; }
   FlatBuffer grad_shard_;    ///< [shard_numel_] compute dtype: Σ over micro-steps, ranks
   Zero3Schedule schedule_;
   int64_t live_numel_ = 0;           ///< elements of gathered (non-resident) units held now

@@ -71,9 +71,13 @@ class ZeroStrategy : public Strategy {
       host_ranges.push_back({p.owned_offset + g, p.owned_numel - g});
     }
     host_.reset();
-    if (opt_.plan.optimizer_offload != OffloadDevice::kNone)
-      host_ = std::make_unique<HostOptimizer>(backend_, layout, std::move(host_ranges), opt_.adamw,
-                                              dtype_, dtype_, opt_.delayed_update);
+    if (opt_.plan.optimizer_offload != OffloadDevice::kNone) {
+      SwapOptions swap{opt_.nvme_path, rank_, opt_.aio};
+      host_ = std::make_unique<HostOptimizer>(
+          backend_, layout, std::move(host_ranges), opt_.adamw, dtype_, dtype_,
+          opt_.delayed_update,
+          opt_.plan.optimizer_offload == OffloadDevice::kNvme ? &swap : nullptr);
+    }
     sent_.assign(parts_.size(), false);
     pending_.clear();
     norm_reduce_ = std::make_unique<ScalarAllReduce>(backend_, comm_, 1);
@@ -131,7 +135,8 @@ class ZeroStrategy : public Strategy {
 
   HostMemory host_memory() const override {
     if (!host_) return {};
-    return {host_->pinned_bytes() + extra_pinned_bytes(), host_->pageable_bytes(), 0};
+    return {host_->pinned_bytes() + extra_pinned_bytes(), host_->pageable_bytes(),
+            host_->nvme_bytes()};
   }
   double host_step_seconds() const override { return host_ ? host_->last_step_seconds() : 0; }
 
@@ -159,8 +164,10 @@ class ZeroStrategy : public Strategy {
         backend_.fill_zero(own);
         if (opt) backend_.copy(own.data, src.data, src.bytes());
         if (host_ && host_->range(i).numel > 0) {
-          const Tensor h = host_->state(qs[k], i);
-          backend_.copy_from_host(own.slice1d(on_device_[i], h.numel()).data, h.data, h.bytes());
+          const int64_t hn = host_->range(i).numel;
+          std::vector<float> h(static_cast<size_t>(hn));
+          host_->read_state(qs[k], i, 0, hn, h.data());
+          backend_.copy_from_host(own.slice1d(on_device_[i], hn).data, h.data(), h.size() * 4);
         }
         ++k;
         comm_.all_gather(stage.slice(0, p.padded), own)->wait();
@@ -194,19 +201,17 @@ class ZeroStrategy : public Strategy {
 
   void read_state(StateTensor q, int64_t offset, int64_t numel, float* host) final {
     if (host_) host_->wait_all();
-    const auto [src, in_host] = owned_state(q, offset, numel);
-    if (in_host)
-      std::memcpy(host, src.data, src.bytes());
-    else
-      backend_.copy_to_host(host, src.data, src.bytes());
+    if (const auto [i, at] = host_range_of(offset, numel); i >= 0)
+      return host_->read_state(q, static_cast<size_t>(i), at, numel, host);
+    const Tensor src = owned_state(q, offset, numel);
+    backend_.copy_to_host(host, src.data, src.bytes());
   }
   void write_state(StateTensor q, int64_t offset, int64_t numel, const float* host) final {
     if (host_) host_->wait_all();
-    const auto [dst, in_host] = owned_state(q, offset, numel);
-    if (in_host)
-      std::memcpy(dst.data, host, dst.bytes());
-    else
-      backend_.copy_from_host(dst.data, host, dst.bytes());
+    if (const auto [i, at] = host_range_of(offset, numel); i >= 0)
+      return host_->write_state(q, static_cast<size_t>(i), at, numel, host);
+    const Tensor dst = owned_state(q, offset, numel);
+    backend_.copy_from_host(dst.data, host, dst.bytes());
   }
   void finish_load(int64_t optimizer_steps) final {
     if (host_) host_->wait_all();
@@ -219,9 +224,13 @@ class ZeroStrategy : public Strategy {
         optimizers_[i]->set_step_count(optimizer_steps);
         if (master_.numel() > 0) backend_.convert(own_params(i).slice1d(0, g), master(i));
       }
-      if (host_ && host_->range(i).numel > 0)
-        write_host_params(own_params(i).slice1d(g, host_->range(i).numel),
-                          host_->state(StateTensor::kParams, i));
+      if (host_ && host_->range(i).numel > 0) {
+        const int64_t n = host_->range(i).numel;
+        std::vector<float> m(static_cast<size_t>(n));
+        host_->read_state(StateTensor::kParams, i, 0, n, m.data());
+        write_host_params(own_params(i).slice1d(g, n),
+                          Tensor(m.data(), DType::kF32, DeviceKind::kCPU, {n}));
+      }
       publish(i, window);
     }
     window.drain();
@@ -426,21 +435,28 @@ class ZeroStrategy : public Strategy {
     if (!host_dst) backend_.copy_from_host(dst.data, tmp.data(), static_cast<size_t>(n) * 2);
   }
 
-  /// Quantity `q` of the owned flat elements [offset, offset + numel) (inside one range of
-  /// save_ranges()), and whether it lies in host memory (the offloaded state).
-  std::pair<Tensor, bool> owned_state(StateTensor q, int64_t offset, int64_t numel) const {
+  /// The host range (part index) holding the owned flat elements [offset, offset + numel) and
+  /// their offset in it, or {-1, 0} when they are stepped on the device.
+  std::pair<int, int64_t> host_range_of(int64_t offset, int64_t numel) const {
+    if (!host_) return {-1, 0};
+    for (size_t i = 0; i < parts_.size(); ++i) {
+      const FlatRange& r = host_->range(i);
+      if (r.numel > 0 && offset >= r.offset && offset + numel <= r.offset + r.numel)
+        return {static_cast<int>(i), offset - r.offset};
+    }
+    return {-1, 0};
+  }
+
+  /// Quantity `q` of the owned flat elements [offset, offset + numel) stepped on the device
+  /// (inside one range of save_ranges()).
+  Tensor owned_state(StateTensor q, int64_t offset, int64_t numel) const {
     for (size_t i = 0; i < parts_.size(); ++i) {
       const BucketPartition& p = parts_[i];
-      const int64_t g = on_device_[i];
-      if (offset >= p.owned_offset && offset + numel <= p.owned_offset + g) {
-        const Tensor whole = q == StateTensor::kParams   ? master(i)
-                             : q == StateTensor::kExpAvg ? optimizers_[i]->exp_avg()
-                                                         : optimizers_[i]->exp_avg_sq();
-        return {whole.slice1d(offset - p.owned_offset, numel), false};
-      }
-      if (host_ && offset >= p.owned_offset + g &&
-          offset + numel <= p.owned_offset + p.owned_numel)
-        return {host_->state(q, i).slice1d(offset - p.owned_offset - g, numel), true};
+      if (offset < p.owned_offset || offset + numel > p.owned_offset + on_device_[i]) continue;
+      const Tensor whole = q == StateTensor::kParams   ? master(i)
+                           : q == StateTensor::kExpAvg ? optimizers_[i]->exp_avg()
+                                                       : optimizers_[i]->exp_avg_sq();
+      return whole.slice1d(offset - p.owned_offset, numel);
     }
     throw RuntimeFailure(fmt::format("{}: elements [{}, {}) are not owned by rank {}", name(),
                                      offset, offset + numel, rank_));

@@ -165,8 +165,9 @@ class StepLog {
   /// Records step number `progress.step` (just taken, in `seconds`, at learning rate `lr`);
   /// logs when it is due. `loss_scale`: the fp16 scale now (nullopt without fp16).
   void add(const StepResult& r, double seconds, double lr, const TrainingProgress& progress,
-           int64_t epoch, std::optional<double> loss_scale) {
+           int64_t epoch, std::optional<double> loss_scale, double host_step_seconds = 0) {
     seconds_ += seconds;
+    host_step_ += host_step_seconds;
     loss_ += r.loss;
     ++steps_;
     if (r.phases) phases_ += *r.phases;
@@ -194,6 +195,9 @@ class StepLog {
                 {"tokens_seen", progress.tokens_seen}};
     if (on_gpu_) rec["mfu"] = mfu;
     if (loss_scale) rec["loss_scale"] = *loss_scale;
+    // The CPU optimizer step (offload) runs beside the device: host time of the last completed
+    // one, averaged over the window.
+    if (host_step_ > 0) rec["cpu_step_ms"] = 1e3 * host_step_ / static_cast<double>(steps_);
     if (r.phases) {
       const PhaseTimes ms = phases_.scaled(1e3 / static_cast<double>(steps_));
       out_.line(
@@ -206,7 +210,7 @@ class StepLog {
       rec["optimizer_ms"] = ms.optimizer;
     }
     metrics_.write(rec);
-    seconds_ = loss_ = 0;
+    seconds_ = loss_ = host_step_ = 0;
     steps_ = 0;
     phases_ = PhaseTimes{};
   }
@@ -221,7 +225,7 @@ class StepLog {
   int64_t tokens_per_step_, total_steps_;
   int step_digits_;
   // Since the last log line:
-  double seconds_ = 0, loss_ = 0;
+  double seconds_ = 0, loss_ = 0, host_step_ = 0;
   int64_t steps_ = 0;
   PhaseTimes phases_;
 };
@@ -243,7 +247,7 @@ struct EpochStats {
 /// (the GPU's peak allocated bytes, or the process's peak resident set on CPU) of every rank, and
 /// the parameter bytes all-gathered per step. Collective (the ranks' peaks are gathered).
 void log_epoch(Console& out, MetricsWriter& metrics, Backend& backend, ScalarAllReduce& reduce,
-               const EpochStats& e) {
+               const EpochStats& e, const HostMemory& host) {
   const bool on_gpu = backend.kind() == DeviceKind::kCUDA;
   const size_t peak = on_gpu ? backend.peak_allocated_bytes() : peak_rss_bytes();
   const double mine[] = {static_cast<double>(peak),
@@ -264,6 +268,11 @@ void log_epoch(Console& out, MetricsWriter& metrics, Backend& backend, ScalarAll
   const double gathered_per_step = e.gathered_bytes / static_cast<double>(e.steps);
   if (gathered_per_step > 0)
     mem += fmt::format(" | all-gathered {} per step", human_bytes(gathered_per_step));
+  if (host.pinned + host.pageable + host.nvme > 0)
+    mem += fmt::format(" | host {} pinned, {} pageable, NVMe {}",
+                       human_bytes(static_cast<double>(host.pinned)),
+                       human_bytes(static_cast<double>(host.pageable)),
+                       human_bytes(static_cast<double>(host.nvme)));
   const double avg_loss = e.loss_sum / static_cast<double>(e.steps);
   const double tokens_per_s = e.samples * static_cast<double>(e.seq_len) / e.seconds;
   out.line(
@@ -285,6 +294,10 @@ void log_epoch(Console& out, MetricsWriter& metrics, Backend& backend, ScalarAll
                  {"device_peak_reserved_bytes", backend.peak_reserved_bytes()},
                  {"peak_memory_bytes_per_rank", peaks},
                  {"gathered_bytes_per_step", gathered_per_step},
+                 {"host_pinned_bytes", host.pinned},
+                 {"host_pageable_bytes", host.pageable},
+                 {"nvme_bytes", host.nvme},
+                 {"peak_rss_bytes", peak_rss_bytes()},
                  {"skipped_steps", e.skipped_steps}});
 }
 
@@ -524,6 +537,27 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
           : "",
       human_bytes(static_cast<double>(strategy->model_state_bytes())),
       cfg.activation_checkpointing ? "on" : "off", out_dir.string());
+  if (cfg.plan.optimizer_offload != OffloadDevice::kNone ||
+      cfg.plan.param_offload != OffloadDevice::kNone) {
+    const HostMemory h = strategy->host_memory();
+    out.line(
+        "  offload: optimizer on {} (ratio {:g}), parameters on {} | host memory per rank: {} "
+        "pinned, {} pageable, {} on NVMe",
+        to_string(cfg.plan.optimizer_offload), cfg.plan.optimizer_offload_ratio,
+        cfg.plan.param_offload == OffloadDevice::kNone ? std::string("the device")
+                                                       : to_string(cfg.plan.param_offload),
+        human_bytes(static_cast<double>(h.pinned)), human_bytes(static_cast<double>(h.pageable)),
+        human_bytes(static_cast<double>(h.nvme)));
+    if (cfg.plan.param_offload == OffloadDevice::kNvme)
+      out.line(
+          "  note: offload_param.device \"nvme\": this release keeps the offloaded parameters in "
+          "pinned host memory (2 bytes per parameter); the optimizer state is on NVMe");
+    if (cfg.zero.offload_delayed_update)
+      out.line(
+          "  delayed parameter update (ZeRO-Offload DPU, arXiv 2101.06840 §4.3): from step 3 on, "
+          "step t+1 computes on the parameters of step t-1 while the CPU runs step t's update "
+          "(one step stale: W(t) = W(t-1) - lr·adamw(grad f(W(t-2))))");
+  }
   if (scaler.enabled())
     out.line("  fp16 dynamic loss scaling: initial scale {:g}, window {}, hysteresis {}, min {:g}",
              scaler.scale(), cfg.loss_scale.loss_scale_window, cfg.loss_scale.hysteresis,
@@ -620,7 +654,8 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
       ++epoch_steps;
       out.bar(progress.step, total_steps, r.loss, static_cast<double>(tokens_per_step) / dt);
       step_log.add(r, dt, lr, progress, epoch,
-                   scaler.enabled() ? std::optional<double>(scaler.scale()) : std::nullopt);
+                   scaler.enabled() ? std::optional<double>(scaler.scale()) : std::nullopt,
+                   strategy->host_step_seconds());
       validated_at_end = false;
       if (cfg.eval_interval > 0 && progress.step % cfg.eval_interval == 0) {
         validate_now(epoch);
@@ -637,7 +672,8 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
       log_epoch(out, metrics, *backend, rank_scalars,
                 {epoch, complete, epoch_steps, epoch_loss, epoch_time,
                  static_cast<double>(epoch_steps * sampler.global_batch()), T,
-                 scaler.skipped_steps(), epoch_gathered});
+                 scaler.skipped_steps(), epoch_gathered},
+                strategy->host_memory());
       if (cfg.eval_interval == 0 && !validated_at_end) {
         validate_now(epoch);
         validated_at_end = true;
