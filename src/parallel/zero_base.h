@@ -141,6 +141,7 @@ class ZeroStrategy : public Strategy {
   double host_step_seconds() const override { return host_ ? host_->last_step_seconds() : 0; }
 
   FullState gather_state() override {
+    if (host_) host_->wait_all();
     publish_all();
     const auto n = static_cast<size_t>(model_->layout().numel());
     FullState s;
