@@ -57,14 +57,15 @@ void expect_error(const std::string& args, const std::string& needle) {
 TEST(Cli, UnknownModelAndStrategy) {
   expect_error("--model gpt3 --dataset wikitext-2", "gpt3");
   expect_error("--model gpt2-tiniest --dataset wikitext-2", "did you mean 'gpt2-tiny'");
-  expect_error("--strategy offload --dataset wikitext-2", "not available yet");
+  expect_error("--strategy pipeline --dataset wikitext-2", "not available yet");
+  expect_error("--strategy infinity --dataset wikitext-2", "--nvme-path DIR");
   expect_error("--strategy zero9 --dataset wikitext-2", "zero9");
 }
 
 TEST(Cli, EstimatePrintsMemoryPerStrategy) {
   const Result r = run("estimate --model gpt2 --gpus 8 --micro-batch 4 --max-length 1024");
   EXPECT_EQ(r.status, 0) << r.output;
-  for (const char* needle : {"124,439,808", "8 GPUs", "zero1", "2Ψ + 14Ψ/N", "not available yet"})
+  for (const char* needle : {"124,439,808", "8 GPUs", "zero1", "2Ψ + 14Ψ/N", "infinity", "NVMe"})
     EXPECT_NE(r.output.find(needle), std::string::npos) << needle << "\n" << r.output;
   const Result bad = run("estimate --model gpt2 --gpus 8 --max-length 4096");
   EXPECT_EQ(bad.status, 2) << bad.output;

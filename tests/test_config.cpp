@@ -192,13 +192,26 @@ TEST_F(ConfigTest, ZeroStagesOneTwoAndThreeAreAvailable) {
   }
 }
 
-TEST_F(ConfigTest, OtherStrategiesAreNotAvailableYet) {
-  for (const char* s : {"offload", "infinity", "pipeline"}) {
-    const std::string msg = config_error([&] { finalize({"--strategy", s}); });
-    EXPECT_CONTAINS(msg, fmt::format("strategy '{}'", s));
-    EXPECT_CONTAINS(msg, "not available yet in this release");
-    EXPECT_CONTAINS(msg, "use --strategy dp");
-  }
+TEST_F(ConfigTest, PipelineIsNotAvailableYet) {
+  const std::string msg = config_error([&] { finalize({"--strategy", "pipeline"}); });
+  EXPECT_CONTAINS(msg, "strategy 'pipeline'");
+  EXPECT_CONTAINS(msg, "not available yet in this release");
+}
+
+TEST_F(ConfigTest, OffloadPresetsAndFlags) {
+  TrainConfig c = finalize({"--strategy", "offload"});
+  EXPECT_EQ(c.plan, (ParallelPlan{2, OffloadDevice::kCpu, 1.0, OffloadDevice::kNone, 1}));
+  c = finalize({"--strategy", "offload", "--offload-ratio", "0.25", "--offload-delayed-update"});
+  EXPECT_EQ(c.plan.optimizer_offload_ratio, 0.25);
+  EXPECT_TRUE(c.zero.offload_delayed_update);
+  c = finalize({"--strategy", "infinity", "--nvme-path", "/tmp"});
+  EXPECT_EQ(c.plan, (ParallelPlan{3, OffloadDevice::kNvme, 1.0, OffloadDevice::kCpu, 1}));
+  EXPECT_CONTAINS(config_error([&] { finalize({"--strategy", "infinity"}); }), "--nvme-path DIR");
+  EXPECT_CONTAINS(config_error([&] { finalize({"--strategy", "zero2", "--offload-ratio", "0.5"}); }),
+                  "need the optimizer offloaded");
+  EXPECT_CONTAINS(
+      config_error([&] { finalize({"--strategy", "offload", "--offload-ratio", "1.5"}); }),
+      "offload ratio 1.5");
 }
 
 TEST_F(ConfigTest, ZeroStageFlagZeroIsDataParallel) {
@@ -222,15 +235,20 @@ TEST_F(ConfigTest, UnknownStrategyFlagFailsWhileParsing) {
   }
 }
 
-TEST_F(ConfigTest, JsonZeroStageWithOffloadNotAvailableYet) {
+TEST_F(ConfigTest, JsonZeroStageWithOffloadSelectsThePlan) {
   const std::string path =
       write("zero3.json", R"({"zero_optimization": {"stage": 3, "cpu_offload": true}})");
-  const std::string msg = config_error([&] { finalize({"--deepspeed-config", path}); });
-  EXPECT_CONTAINS(msg, "zero_optimization.stage 3");
-  EXPECT_CONTAINS(msg, path);
-  EXPECT_CONTAINS(msg, "strategy 'infinity'");
-  EXPECT_CONTAINS(msg, "not available yet");
-  EXPECT_CONTAINS(msg, "\"stage\": 0, 1, 2 or 3 and the offload devices to \"none\"");
+  TrainConfig c = finalize({"--deepspeed-config", path});
+  EXPECT_EQ(c.strategy, StrategyKind::kInfinity);
+  EXPECT_EQ(c.plan, (ParallelPlan{3, OffloadDevice::kCpu, 1.0, OffloadDevice::kNone, 1}));
+  // DeepSpeed offloads at stage 1 too; the ratio and the delayed update are read.
+  const std::string s1 = write(
+      "zero1.json",
+      R"({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 0.5,
+          "delayed_update": true}}})");
+  c = finalize({"--deepspeed-config", s1});
+  EXPECT_EQ(c.plan, (ParallelPlan{1, OffloadDevice::kCpu, 0.5, OffloadDevice::kNone, 1}));
+  EXPECT_TRUE(c.zero.offload_delayed_update);
 }
 
 // ---- zero_optimization stage-3 keys -----------------------------------------------------------
@@ -355,20 +373,25 @@ TEST_F(ConfigTest, ExplicitHalfPrecisionOnCpuIsAnError) {
   EXPECT_CONTAINS(msg, "--precision bf16 needs --device cuda");
 }
 
-TEST_F(ConfigTest, JsonOffloadNotAvailableYet) {
-  const std::string stage0 =
-      write("off0.json", R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})");
-  std::string msg = config_error([&] { finalize({"--deepspeed-config", stage0}); });
-  EXPECT_CONTAINS(msg, "offload_optimizer.device \"cpu\"");
-  EXPECT_CONTAINS(msg, "set it to \"none\"");
+TEST_F(ConfigTest, JsonOffloadErrors) {
+  // offload_param needs stage 3.
+  const std::string stage2 = write(
+      "off2.json", R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})");
+  std::string msg = config_error([&] { finalize({"--deepspeed-config", stage2}); });
+  EXPECT_CONTAINS(msg, "offload_param.device \"cpu\"");
+  EXPECT_CONTAINS(msg, "needs ZeRO stage 3");
 
-  const std::string stage3 =
-      write("off3.json",
-            R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
-          "nvme_path": "/local_nvme"}}})");
-  msg = config_error([&] { finalize({"--deepspeed-config", stage3}); });
-  EXPECT_CONTAINS(msg, "strategy 'infinity'");
-  EXPECT_CONTAINS(msg, "offload devices to \"none\"");
+  // NVMe without a path.
+  const std::string nvme =
+      write("off3.json", R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})");
+  msg = config_error([&] { finalize({"--deepspeed-config", nvme}); });
+  EXPECT_CONTAINS(msg, "--nvme-path DIR");
+
+  const std::string ratio = write(
+      "offr.json",
+      R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 2}}})");
+  msg = config_error([&] { finalize({"--deepspeed-config", ratio}); });
+  EXPECT_CONTAINS(msg, "offload_optimizer.ratio");
 
   const std::string bad_device =
       write("offbad.json", R"({"zero_optimization": {"offload_param": {"device": "gpu"}}})");
@@ -987,10 +1010,10 @@ TEST_F(ConfigTest, ValidateChecksEveryField) {
       {[](TrainConfig& c) { c.log_interval = 0; }, {"--log-interval 0"}},
       {[](TrainConfig& c) { c.world_size = 0; }, {"world size 0"}},
       {[](TrainConfig& c) {
-         c.strategy = StrategyKind::kOffload;
-         c.strategy_name = "offload";
+         c.strategy = StrategyKind::kPipeline;
+         c.strategy_name = "pipeline";
        },
-       {"strategy 'offload'", "not available yet", "--strategy dp"}},
+       {"strategy 'pipeline'", "not available yet", "--strategy dp"}},
       {[](TrainConfig& c) { c.zero.stage = 3; },
        {"ZeRO stage 3", "contradicts strategy 'dp'", "pick strategy 'zero3'"}},
       {[](TrainConfig& c) { c.zero.stage = 4; }, {"ZeRO stage 4", "does not exist"}},
@@ -1010,7 +1033,7 @@ TEST_F(ConfigTest, ValidateChecksEveryField) {
       {[](TrainConfig& c) { c.zero.stage = 1; },
        {"ZeRO stage 1", "contradicts strategy 'dp'", "pick strategy 'zero1'"}},
       {[](TrainConfig& c) { c.zero.offload_param_device = "cpu"; },
-       {"offload_param.device \"cpu\"", "not available yet"}},
+       {"offload_param.device \"cpu\"", "needs ZeRO stage 3"}},
       {[](TrainConfig& c) { c.loss_scale.hysteresis = 0; }, {"fp16.hysteresis 0"}},
   };
   for (const Case& c : cases) {

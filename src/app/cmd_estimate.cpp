@@ -54,6 +54,10 @@ void register_estimate_command(CLI::App& app) {
   cmd->add_option("--stage3-max-reuse-distance", o.zero3.max_reuse_distance,
                   "zero3: keep a layer needed again within this many elements (default "
                   "1,000,000,000)");
+  cmd->add_option("--offload-ratio", o.offload_ratio,
+                  "offloaded plans: fraction r of the optimizer state on the host (default 1)");
+  cmd->add_flag("--offload-delayed-update", o.delayed_update,
+                "offloaded plans: the delayed update's second pinned gradient buffer");
   cmd->add_option("--stage3-param-persistence-threshold", o.persistence_threshold,
                   "zero3: layers with fewer parameters stay replicated (default 100,000)");
   cmd->callback([f]() { run_estimate(*f); });

@@ -105,7 +105,7 @@ double gradient_bucket_bytes(StrategyKind s, const GPT2Config& model, int gpus,
 }
 
 double zero3_transient_bytes(const GPT2Config& model, int gpus, const Zero3Limits& limits,
-                             int64_t persistence_threshold) {
+                             int64_t persistence_threshold, bool params_offloaded) {
   const ParamLayout layout = layout_of(model);
   std::vector<int64_t> padded;
   std::vector<bool> resident;
@@ -113,7 +113,7 @@ double zero3_transient_bytes(const GPT2Config& model, int gpus, const Zero3Limit
     int64_t params = 0;
     for (const ParamTensor& t : l.tensors) params += t.numel;
     padded.push_back(zero_padded_numel(l.numel, gpus));
-    resident.push_back(gpus == 1 || params < persistence_threshold);
+    resident.push_back((gpus == 1 && !params_offloaded) || params < persistence_threshold);
   }
   const Zero3Schedule schedule(layout, padded, resident, limits);
   return kBf16 * static_cast<double>(
@@ -160,10 +160,39 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
                 (o.gpus > 1 ? static_cast<double>(kPeerStagingBytes) : 0.0);
     e.strategies.push_back(s);
   }
-  for (StrategyKind kind : {StrategyKind::kOffload, StrategyKind::kInfinity}) {
+  // Offloaded plans: r of the fp32 state (12 bytes per element) and its step on the host; the
+  // gradients of those elements staged in pinned memory (bf16, twice with the delayed update).
+  const double psi = static_cast<double>(e.parameters), n = o.gpus, r = o.offload_ratio;
+  const double shard = psi / n, staging = (o.delayed_update ? 2.0 : 1.0) * kBf16 * r * shard;
+  const double fixed = kCublasWorkspaceBytes + kCudaContextBytes +
+                       (o.gpus > 1 ? static_cast<double>(kPeerStagingBytes) : 0.0);
+  // NVMe staging: three slots of the largest stage-3 unit's [master | m | v] (the embedding).
+  const double largest_unit =
+      static_cast<double>(o.model.vocab_size + o.model.n_positions) * o.model.n_embd / n;
+  struct Offloaded {
+    const char* name;
+    StrategyKind kind;
+    const char* formula;
+    bool stage3, nvme;
+  };
+  for (const Offloaded& p :
+       {Offloaded{"offload", StrategyKind::kOffload, "2Ψ + 2Ψ/N + (1-r)·12Ψ/N", false, false},
+        Offloaded{"zero3-offload", StrategyKind::kInfinity, "2Ψ/N + (1-r)·12Ψ/N", true, false},
+        Offloaded{"infinity", StrategyKind::kInfinity, "2Ψ/N + (1-r)·12Ψ/N", true, true}}) {
     StrategyEstimate s;
-    s.strategy = kind;
-    s.available = false;
+    s.strategy = p.kind;
+    s.name = p.name;
+    s.offloaded = true;
+    s.formula = p.formula;
+    s.model_states = (p.stage3 ? 0.0 : kBf16 * psi) + kBf16 * shard + (1 - r) * 12.0 * shard;
+    s.activations = e.activations.total();
+    s.buffers = fixed + (p.stage3 ? zero3_transient_bytes(o.model, o.gpus, o.zero3,
+                                                           o.persistence_threshold, true)
+                                   : gradient_bucket_bytes(StrategyKind::kZero2, o.model, o.gpus,
+                                                           bucket_elements(o)));
+    s.host_pinned = staging + (p.stage3 ? kBf16 * shard : 0.0);
+    s.host_pageable = p.nvme ? 3.0 * 12.0 * r * largest_unit : 12.0 * r * shard;
+    s.nvme = p.nvme ? 12.0 * r * shard : 0.0;
     e.strategies.push_back(s);
   }
   return e;
@@ -176,18 +205,27 @@ std::string format_memory_estimate(const MemoryEstimate& e, const MemoryEstimate
       "{} tokens, activation checkpointing {}\n\n",
       o.model.name, with_commas(e.parameters), o.gpus, o.gpus == 1 ? "" : "s", o.micro_batch,
       o.max_length, o.activation_checkpointing ? "on" : "off");
-  out += fmt::format("{:<9} {:>12} {:>12} {:>12} {:>12}   {}\n", "strategy", "model states",
+  out += fmt::format("{:<13} {:>12} {:>12} {:>12} {:>12}   {}\n", "strategy", "model states",
                      "activations", "buffers", "total", "model states formula");
   for (const StrategyEstimate& s : e.strategies) {
+    const std::string name = s.name.empty() ? to_string(s.strategy) : s.name;
     if (!s.available) {
-      out += fmt::format("{:<9} not available yet in this release ({})\n", to_string(s.strategy),
+      out += fmt::format("{:<13} not available yet in this release ({})\n", name,
                          describe_unavailable(s.strategy));
       continue;
     }
-    out += fmt::format("{:<9} {:>12} {:>12} {:>12} {:>12}   {}\n", to_string(s.strategy),
-                       gib(s.model_states), gib(s.activations), gib(s.buffers), gib(s.total()),
-                       s.formula);
+    out += fmt::format("{:<13} {:>12} {:>12} {:>12} {:>12}   {}\n", name, gib(s.model_states),
+                       gib(s.activations), gib(s.buffers), gib(s.total()), s.formula);
   }
+  out += fmt::format(
+      "\nHost and NVMe bytes per rank of the offloaded plans (offload_optimizer.ratio r = {:g}{}):"
+      "\n{:<13} {:>12} {:>12} {:>12}\n",
+      o.offload_ratio, o.delayed_update ? ", delayed update" : "", "strategy", "host pinned",
+      "host pageable", "NVMe");
+  for (const StrategyEstimate& s : e.strategies)
+    if (s.offloaded)
+      out += fmt::format("{:<13} {:>12} {:>12} {:>12}\n", s.name, gib(s.host_pinned),
+                         gib(s.host_pageable), gib(s.nvme));
   const ActivationEstimate& a = e.activations;
   out += fmt::format(
       "\nmodel states: ZeRO paper (arXiv 1910.02054) §5 for mixed-precision AdamW: bf16 "
