@@ -207,11 +207,14 @@ TEST_F(ConfigTest, OffloadPresetsAndFlags) {
   c = finalize({"--strategy", "infinity", "--nvme-path", "/tmp"});
   EXPECT_EQ(c.plan, (ParallelPlan{3, OffloadDevice::kNvme, 1.0, OffloadDevice::kCpu, 1}));
   EXPECT_CONTAINS(config_error([&] { finalize({"--strategy", "infinity"}); }), "--nvme-path DIR");
-  EXPECT_CONTAINS(config_error([&] { finalize({"--strategy", "zero2", "--offload-ratio", "0.5"}); }),
+  EXPECT_CONTAINS(config_error([&] {
+                    finalize({"--strategy", "zero2", "--offload-ratio", "0.5"});
+                  }),
                   "need the optimizer offloaded");
-  EXPECT_CONTAINS(
-      config_error([&] { finalize({"--strategy", "offload", "--offload-ratio", "1.5"}); }),
-      "offload ratio 1.5");
+  EXPECT_CONTAINS(config_error([&] {
+                    finalize({"--strategy", "offload", "--offload-ratio", "1.5"});
+                  }),
+                  "offload ratio 1.5");
 }
 
 TEST_F(ConfigTest, ZeroStageFlagZeroIsDataParallel) {
@@ -382,8 +385,8 @@ TEST_F(ConfigTest, JsonOffloadErrors) {
   EXPECT_CONTAINS(msg, "needs ZeRO stage 3");
 
   // NVMe without a path.
-  const std::string nvme =
-      write("off3.json", R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})");
+  const std::string nvme = write(
+      "off3.json", R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})");
   msg = config_error([&] { finalize({"--deepspeed-config", nvme}); });
   EXPECT_CONTAINS(msg, "--nvme-path DIR");
 

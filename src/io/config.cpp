@@ -891,18 +891,20 @@ class DeepSpeedReader {
     const char* fraction = "a number in [0, 1] (the fraction of the optimizer state offloaded)";
     if (has(*off, "ratio")) {
       if (std::string(key) != "offload_optimizer")
-        throw ConfigError(fmt::format("{}.ratio in '{}': ratio belongs to offload_optimizer, not "
-                                      "{}; move it there",
-                                      prefix, file_, key));
+        throw ConfigError(
+            fmt::format("{}.ratio in '{}': ratio belongs to offload_optimizer, not "
+                        "{}; move it there",
+                        prefix, file_, key));
       auto r = get_number(*off, "ratio", prefix, 0.0, false, fraction);
       if (r && *r > 1.0) bad_value(prefix + ".ratio", off->at("ratio"), fraction);
       if (r) cfg_.zero.offload_ratio = *r;
     }
     if (has(*off, "delayed_update")) {
       if (std::string(key) != "offload_optimizer")
-        throw ConfigError(fmt::format("{}.delayed_update in '{}': the delayed update belongs to "
-                                      "offload_optimizer; move it there",
-                                      prefix, file_));
+        throw ConfigError(
+            fmt::format("{}.delayed_update in '{}': the delayed update belongs to "
+                        "offload_optimizer; move it there",
+                        prefix, file_));
       if (auto v = get_bool(*off, "delayed_update", prefix)) cfg_.zero.offload_delayed_update = *v;
     }
     return current;

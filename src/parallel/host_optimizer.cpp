@@ -37,8 +37,8 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
     }
     check_nvme_path(swap->dir, swap_round_up(std::max<int64_t>(file, 1)),
                     "zero_optimization.offload_optimizer.nvme_path (--nvme-path)");
-    swap_ = std::make_unique<SwapFile>(swap->dir, swap->rank, std::max<int64_t>(file, 1),
-                                       swap->aio);
+    swap_ =
+        std::make_unique<SwapFile>(swap->dir, swap->rank, std::max<int64_t>(file, 1), swap->aio);
     slots_.resize(3);
     for (Slot& sl : slots_) sl.buf = AlignedHostBuffer(largest);
     // A fresh file reads as zeros (m, v of a new run; the master weights are written next).
@@ -58,13 +58,11 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
     const FlatRange& r = ranges_[i];
     // On NVMe the moments are handed to each step from a staging slot.
     const Tensor none(nullptr, DType::kF32, DeviceKind::kCPU, {r.numel});
-    adam_.push_back(
-        r.numel == 0
-            ? nullptr
-            : std::make_unique<AdamW>(
-                  backend, layout, r.offset, r.numel, hyper,
-                  swap_ ? none : exp_avg_.slice(host_offset_[i], r.numel),
-                  swap_ ? none : exp_avg_sq_.slice(host_offset_[i], r.numel)));
+    adam_.push_back(r.numel == 0 ? nullptr
+                                 : std::make_unique<AdamW>(
+                                       backend, layout, r.offset, r.numel, hyper,
+                                       swap_ ? none : exp_avg_.slice(host_offset_[i], r.numel),
+                                       swap_ ? none : exp_avg_sq_.slice(host_offset_[i], r.numel)));
   }
   to_host_ = backend.make_copy_stream();
   to_device_ = backend.make_copy_stream();
@@ -74,9 +72,8 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
   wanted_gen_.assign(ranges_.size(), 0);
   done_gen_.assign(ranges_.size(), 0);
   // The CPU step's threads: every core, but one left to the thread that feeds the GPU.
-  const int threads = backend.kind() == DeviceKind::kCPU
-                          ? omp_get_max_threads()
-                          : std::max(1, omp_get_max_threads() - 1);
+  const int threads = backend.kind() == DeviceKind::kCPU ? omp_get_max_threads()
+                                                         : std::max(1, omp_get_max_threads() - 1);
   worker_ = std::thread([this, threads] {
     omp_set_num_threads(threads);
     worker_loop();
@@ -160,8 +157,7 @@ void HostOptimizer::queue_update(double lr, double grad_scale, const std::vector
     // Parameters kept in host memory by a GPU run (offload_param) are written in place; on the
     // CPU backend "device" memory is host memory too, but it is the model's: copied like a
     // device's, so that the delayed mode holds it back.
-    const bool on_host =
-        target.device == DeviceKind::kCPU && backend_.kind() != DeviceKind::kCPU;
+    const bool on_host = target.device == DeviceKind::kCPU && backend_.kind() != DeviceKind::kCPU;
     ST_ASSERT(target.numel() == ranges_[i].numel && target.dtype == param_dtype_);
     const uint64_t fence = grad_fence_[i];
     // The next range this generation updates: its state is read ahead (NVMe).
@@ -321,14 +317,12 @@ void HostOptimizer::wait_all() {
   if (last) to_device_->host_wait(last);
 }
 
-void HostOptimizer::read_state(StateTensor q, size_t i, int64_t offset, int64_t numel,
-                               float* dst) {
+void HostOptimizer::read_state(StateTensor q, size_t i, int64_t offset, int64_t numel, float* dst) {
   ST_ASSERT(offset >= 0 && offset + numel <= ranges_[i].numel);
   const int k = q == StateTensor::kParams ? 0 : q == StateTensor::kExpAvg ? 1 : 2;
   if (!swap_) {
     const HostBuffer& b = k == 0 ? master_ : k == 1 ? exp_avg_ : exp_avg_sq_;
-    std::memcpy(dst, b.slice(host_offset_[i] + offset, numel).data,
-                static_cast<size_t>(numel) * 4);
+    std::memcpy(dst, b.slice(host_offset_[i] + offset, numel).data, static_cast<size_t>(numel) * 4);
     return;
   }
   swap_->wait_all();
@@ -343,8 +337,7 @@ void HostOptimizer::write_state(StateTensor q, size_t i, int64_t offset, int64_t
   const int k = q == StateTensor::kParams ? 0 : q == StateTensor::kExpAvg ? 1 : 2;
   if (!swap_) {
     HostBuffer& b = k == 0 ? master_ : k == 1 ? exp_avg_ : exp_avg_sq_;
-    std::memcpy(b.slice(host_offset_[i] + offset, numel).data, src,
-                static_cast<size_t>(numel) * 4);
+    std::memcpy(b.slice(host_offset_[i] + offset, numel).data, src, static_cast<size_t>(numel) * 4);
     return;
   }
   swap_->wait_all();

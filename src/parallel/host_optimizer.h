@@ -20,12 +20,12 @@
 // step thus overlaps the start of the next forward, and the copies overlap both.
 //
 // Delayed update (opt-in, ZeRO-Offload §4.3 "one-step delayed parameter update", DPU): from the
-// second step on, step(s) first applies update s−1 (which ran on the CPU while the GPU computed step
-// s) and then starts update s, which the device sees only at step s+1. The device thus computes
-// step s+1 on the parameters of step s−1: with W_s the master weights after s updates and g_s the
-// gradient of step s, W_s = W_{s−1} − η·adamw(g_s) with g_s = ∇f(W_{s−2}) for s ≥ 3 (steps 1 and
-// 2 are exact: g_1 = ∇f(W_0), g_2 = ∇f(W_1)). Gradients alternate between two pinned buffers so
-// that step s+1's copies do not overwrite the gradients update s is reading.
+// second step on, step(s) first applies update s−1 (which ran on the CPU while the GPU computed
+// step s) and then starts update s, which the device sees only at step s+1. The device thus
+// computes step s+1 on the parameters of step s−1: with W_s the master weights after s updates and
+// g_s the gradient of step s, W_s = W_{s−1} − η·adamw(g_s) with g_s = ∇f(W_{s−2}) for s ≥ 3 (steps
+// 1 and 2 are exact: g_1 = ∇f(W_0), g_2 = ∇f(W_1)). Gradients alternate between two pinned buffers
+// so that step s+1's copies do not overwrite the gradients update s is reading.
 //
 // State lives in pageable host memory (fp32 master, m, v: 12 bytes per element); the pinned
 // buffers hold 2 bytes (bf16/fp16) per element, twice in delayed mode.
@@ -133,7 +133,7 @@ class HostOptimizer {
   DType grad_dtype_, param_dtype_;
   bool delayed_;
   HostBuffer master_, exp_avg_, exp_avg_sq_;  ///< fp32 [Σ numel]
-  PinnedBuffer grads_[2];  ///< grad dtype [Σ numel]; [1] only in delayed mode
+  PinnedBuffer grads_[2];                     ///< grad dtype [Σ numel]; [1] only in delayed mode
   std::vector<std::unique_ptr<AdamW>> adam_;  ///< per range (null for empty ranges)
 
   // NVMe: range i's [master | m | v] at file offset region_[i], each quantity qbytes_[i] long
@@ -154,7 +154,7 @@ class HostOptimizer {
   size_t next_victim_ = 0;
   std::unique_ptr<CopyStream> to_host_, to_device_;
 
-  int64_t step_ = 0;                 ///< step() calls so far (chooses the gradient buffer)
+  int64_t step_ = 0;                  ///< step() calls so far (chooses the gradient buffer)
   std::vector<uint64_t> grad_fence_;  ///< per range: its gradient copy of this step
 
   // Worker state (guarded by mu_).
@@ -169,9 +169,9 @@ class HostOptimizer {
   std::vector<uint64_t> ready_fence_;
   std::vector<int64_t> wanted_gen_;
   double last_seconds_ = 0;
-  double acc_seconds_ = 0;    ///< CPU AdamW seconds of the generation being computed
-  size_t tasks_left_ = 0;     ///< its update tasks not yet done
-  int64_t gen_ = 0;           ///< update generations queued
+  double acc_seconds_ = 0;  ///< CPU AdamW seconds of the generation being computed
+  size_t tasks_left_ = 0;   ///< its update tasks not yet done
+  int64_t gen_ = 0;         ///< update generations queued
   std::thread worker_;
 
   // Delayed mode: the update queued last (applied at the next step()).

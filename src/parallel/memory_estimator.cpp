@@ -186,10 +186,11 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
     s.formula = p.formula;
     s.model_states = (p.stage3 ? 0.0 : kBf16 * psi) + kBf16 * shard + (1 - r) * 12.0 * shard;
     s.activations = e.activations.total();
-    s.buffers = fixed + (p.stage3 ? zero3_transient_bytes(o.model, o.gpus, o.zero3,
-                                                           o.persistence_threshold, true)
-                                   : gradient_bucket_bytes(StrategyKind::kZero2, o.model, o.gpus,
-                                                           bucket_elements(o)));
+    s.buffers =
+        fixed +
+        (p.stage3
+             ? zero3_transient_bytes(o.model, o.gpus, o.zero3, o.persistence_threshold, true)
+             : gradient_bucket_bytes(StrategyKind::kZero2, o.model, o.gpus, bucket_elements(o)));
     s.host_pinned = staging + (p.stage3 ? kBf16 * shard : 0.0);
     s.host_pageable = p.nvme ? 3.0 * 12.0 * r * largest_unit : 12.0 * r * shard;
     s.nvme = p.nvme ? 12.0 * r * shard : 0.0;

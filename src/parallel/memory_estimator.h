@@ -43,8 +43,8 @@ struct MemoryEstimateOptions {
   /// zero3's stage3_* settings (DeepSpeed's defaults).
   Zero3Limits zero3;
   int64_t persistence_threshold = 100'000;  ///< stage3_param_persistence_threshold
-  double offload_ratio = 1.0;    ///< offload_optimizer.ratio of the offloaded rows
-  bool delayed_update = false;   ///< offload: two pinned gradient buffers instead of one
+  double offload_ratio = 1.0;               ///< offload_optimizer.ratio of the offloaded rows
+  bool delayed_update = false;              ///< offload: two pinned gradient buffers instead of one
 };
 
 /// Activation memory (bytes) of one micro-batch, by part.
@@ -69,11 +69,11 @@ struct StrategyEstimate {
   double buffers = 0;       ///< bytes: gradient buckets + cuBLASLt workspace + CUDA context
   double total() const { return model_states + activations + buffers; }
   // Offloaded plans (parallel/host_optimizer.h): the row's name and the host side.
-  std::string name;            ///< row label; empty: to_string(strategy)
-  bool offloaded = false;      ///< the host columns apply
-  double host_pinned = 0;      ///< bytes: gradient staging (and offloaded parameters)
-  double host_pageable = 0;    ///< bytes: fp32 master, m, v on the host (NVMe: staging slots)
-  double nvme = 0;             ///< bytes of the swap file
+  std::string name;          ///< row label; empty: to_string(strategy)
+  bool offloaded = false;    ///< the host columns apply
+  double host_pinned = 0;    ///< bytes: gradient staging (and offloaded parameters)
+  double host_pageable = 0;  ///< bytes: fp32 master, m, v on the host (NVMe: staging slots)
+  double nvme = 0;           ///< bytes of the swap file
 };
 
 struct MemoryEstimate {
@@ -119,8 +119,8 @@ double zero3_transient_bytes(const GPT2Config& model, int gpus, const Zero3Limit
 
 /// Everything above for dp, zero1, zero2 and zero3, then the offloaded plans: offload (zero2 +
 /// optimizer on the CPU), zero3-offload (zero3 + optimizer and parameters on the CPU) and infinity
-/// (zero3 + optimizer on NVMe, parameters on the CPU), with their host and NVMe bytes. Throws ConfigError for gpus, micro_batch < 1 or a max_length outside
-/// [1, n_positions].
+/// (zero3 + optimizer on NVMe, parameters on the CPU), with their host and NVMe bytes. Throws
+/// ConfigError for gpus, micro_batch < 1 or a max_length outside [1, n_positions].
 MemoryEstimate estimate_memory(const MemoryEstimateOptions& options);
 
 /// The table `shardtrain estimate` prints, with its assumptions.

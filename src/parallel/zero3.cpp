@@ -109,8 +109,8 @@ class Zero3 final : public ZeroStrategy {
       for (const ParamTensor& t : layout.layers()[static_cast<size_t>(l)].tensors)
         params += t.numel;
       // Offloaded parameters stream in per layer even on one rank.
-      u.resident = (world_ == 1 && !params_offloaded()) ||
-                   params < opt_.param_persistence_threshold;
+      u.resident =
+          (world_ == 1 && !params_offloaded()) || params < opt_.param_persistence_threshold;
       u.offset = u.resident ? resident : sharded;
       (u.resident ? resident : sharded) += u.resident ? p.padded : p.shard;
     }
@@ -337,14 +337,14 @@ class Zero3 final : public ZeroStrategy {
     while (!reductions_.empty()) complete_reduction();
   }
 
-  std::vector<Unit> units_;  ///< per layer
-  FlatBuffer resident_;      ///< resident units, full [padded] each, compute dtype
-  FlatBuffer sharded_;       ///< partitioned units, this rank's slice [shard] each
-  PinnedBuffer host_shards_;  ///< offload_param: sharded_ in pinned host memory instead
+  std::vector<Unit> units_;             ///< per layer
+  FlatBuffer resident_;                 ///< resident units, full [padded] each, compute dtype
+  FlatBuffer sharded_;                  ///< partitioned units, this rank's slice [shard] each
+  PinnedBuffer host_shards_;            ///< offload_param: sharded_ in pinned host memory instead
   std::unique_ptr<CopyStream> copies_;  ///< offload_param: host → device copies of the slices
   uint64_t last_copy_ = 0;
   bool params_offloaded() const { return opt_.plan.param_offload != OffloadDevice::kNone; }
-  FlatBuffer grad_shard_;    ///< [shard_numel_] compute dtype: Σ over micro-steps, ranks
+  FlatBuffer grad_shard_;  ///< [shard_numel_] compute dtype: Σ over micro-steps, ranks
   Zero3Schedule schedule_;
   int64_t live_numel_ = 0;           ///< elements of gathered (non-resident) units held now
   int64_t grad_numel_ = 0;           ///< elements of full gradient buffers held now

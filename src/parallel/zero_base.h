@@ -74,8 +74,7 @@ class ZeroStrategy : public Strategy {
     if (opt_.plan.optimizer_offload != OffloadDevice::kNone) {
       SwapOptions swap{opt_.nvme_path, rank_, opt_.aio};
       host_ = std::make_unique<HostOptimizer>(
-          backend_, layout, std::move(host_ranges), opt_.adamw, dtype_, dtype_,
-          opt_.delayed_update,
+          backend_, layout, std::move(host_ranges), opt_.adamw, dtype_, dtype_, opt_.delayed_update,
           opt_.plan.optimizer_offload == OffloadDevice::kNvme ? &swap : nullptr);
     }
     sent_.assign(parts_.size(), false);
@@ -157,8 +156,7 @@ class ZeroStrategy : public Strategy {
           {opt ? master(i) : Tensor(), &s.params},
           {opt ? opt->exp_avg() : Tensor(), &s.exp_avg},
           {opt ? opt->exp_avg_sq() : Tensor(), &s.exp_avg_sq}};
-      const StateTensor qs[] = {StateTensor::kParams, StateTensor::kExpAvg,
-                                StateTensor::kExpAvgSq};
+      const StateTensor qs[] = {StateTensor::kParams, StateTensor::kExpAvg, StateTensor::kExpAvgSq};
       int k = 0;
       for (const auto& [src, dst] : quantities) {
         Tensor own = stage.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
@@ -396,10 +394,10 @@ class ZeroStrategy : public Strategy {
     const bool offload = opt_.plan.optimizer_offload != OffloadDevice::kNone;
     int64_t owned = 0;
     for (const BucketPartition& p : parts_) owned += p.owned_numel;
-    int64_t budget = offload ? static_cast<int64_t>(std::llround(
-                                   (1.0 - opt_.plan.optimizer_offload_ratio) *
-                                   static_cast<double>(owned)))
-                             : owned;
+    int64_t budget =
+        offload ? static_cast<int64_t>(std::llround((1.0 - opt_.plan.optimizer_offload_ratio) *
+                                                    static_cast<double>(owned)))
+                : owned;
     for (size_t i : forward_order_) {
       const int64_t want = parts_[i].owned_numel;
       int64_t g = std::min(want, budget);
@@ -485,14 +483,14 @@ class ZeroStrategy : public Strategy {
   FlatBuffer params_;           ///< stages 1/2: [padded_numel_] compute dtype, every parameter
   int64_t gathered_bytes_ = 0;  ///< parameter bytes all-gathered since zero_grad()
   FlatBuffer master_;  ///< [device_state_numel_] fp32 master weights; empty for fp32 compute
-  FlatBuffer exp_avg_, exp_avg_sq_;  ///< [device_state_numel_] fp32 AdamW m and v, like master_
+  FlatBuffer exp_avg_, exp_avg_sq_;     ///< [device_state_numel_] fp32 AdamW m and v, like master_
   std::vector<int64_t> on_device_;      ///< per part: owned elements stepped on the device
   std::vector<int64_t> device_offset_;  ///< per part: its start in master_ / exp_avg_
   int64_t device_state_numel_ = 0;
-  std::vector<size_t> forward_order_;     ///< parts by first layer
-  std::unique_ptr<HostOptimizer> host_;   ///< offload: the host-stepped elements
-  std::vector<bool> pending_;             ///< offload: part updated, not yet published
-  std::vector<bool> sent_;                ///< offload: part's gradient handed to the host
+  std::vector<size_t> forward_order_;               ///< parts by first layer
+  std::unique_ptr<HostOptimizer> host_;             ///< offload: the host-stepped elements
+  std::vector<bool> pending_;                       ///< offload: part updated, not yet published
+  std::vector<bool> sent_;                          ///< offload: part's gradient handed to the host
   std::vector<std::unique_ptr<AdamW>> optimizers_;  ///< per part; null where nothing is owned
   std::unique_ptr<ScalarAllReduce> norm_reduce_;    ///< for sum_over_ranks
   int64_t steps_ = 0;

@@ -520,7 +520,8 @@ TEST_F(ZeroEquivalence, DelayedUpdateFollowsItsRecurrence) {
   const st::FullState got = run.strategy->gather_state();
 
   // The recurrence, on one rank.
-  st::StrategyOptions d = st::strategy_options(config(st::StrategyKind::kDataParallel, 500'000'000));
+  st::StrategyOptions d =
+      st::strategy_options(config(st::StrategyKind::kDataParallel, 500'000'000));
   d.adamw.weight_decay = 0;
   auto local = st::make_local_communicator();
   Trainee dp(d, *local, ref.init);
