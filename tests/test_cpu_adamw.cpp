@@ -4,8 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
+#include "backend/backend.h"
+#include "core/error.h"
 #include "core/half.h"
 #include "core/rng.h"
 #include "optim/cpu_adamw.h"
@@ -77,10 +80,13 @@ TEST(CpuAdamW, EveryPathMatchesTheReference) {
           EXPECT_LE(rel_norm(m, rm), 1e-6) << what;
           EXPECT_LE(rel_norm(v, rv), 1e-6) << what;
           for (int64_t i = 0; i < n; ++i) {
-            if (odt == DType::kF32) ASSERT_EQ(out32[i], p[i]) << what << " at " << i;
-            if (odt == DType::kBF16)
+            if (odt == DType::kF32) {
+              ASSERT_EQ(out32[i], p[i]) << what << " at " << i;
+            } else if (odt == DType::kBF16) {
               ASSERT_EQ(out16[i], float_to_bf16(p[i])) << what << " at " << i;
-            if (odt == DType::kF16) ASSERT_EQ(out16[i], float_to_fp16(p[i])) << what << " at " << i;
+            } else {
+              ASSERT_EQ(out16[i], float_to_fp16(p[i])) << what << " at " << i;
+            }
           }
         }
       }
@@ -100,3 +106,19 @@ TEST(CpuAdamW, ConversionsRoundToNearestEvenAndKeepNaN) {
 
 }  // namespace
 }  // namespace shardtrain
+
+// Asking for more host memory than there is fails with the numbers and the fix, not a crash.
+TEST(HostMemory, TooLargeAPinnedRequestNamesTheNumbersAndTheFix) {
+  auto backend = shardtrain::make_cpu_backend();
+  try {
+    backend->allocate_pinned(size_t{1} << 60);
+    ADD_FAILURE() << "expected RuntimeFailure";
+  } catch (const shardtrain::RuntimeFailure& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("1073741824.00 GiB"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("available"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("offload_optimizer.ratio"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(backend->pinned_bytes(), 0u);
+  EXPECT_GT(shardtrain::available_host_bytes(), 0);
+}

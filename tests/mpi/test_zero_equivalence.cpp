@@ -505,6 +505,36 @@ TEST_F(ZeroEquivalence, OffloadMatchesOneRank) {
   EXPECT_TRUE(std::filesystem::is_empty(dir.path));
 }
 
+// Resume across offload settings: a state saved by offload (optimizer on the CPU) continues on
+// the device (zero2), and one saved there continues in infinity (state on NVMe, parameters
+// offloaded); each lands on the reference.
+TEST_F(ZeroEquivalence, ResumeAcrossOffloadSettings) {
+  using D = st::OffloadDevice;
+  const Reference& ref = reference();
+  TempDir dir;
+  st::FullState saved;
+  {
+    Trainee offload(offload_options(2, D::kCpu, D::kNone, 1.0), *comm, ref.init);
+    offload.train(0, kSteps);
+    saved = offload.strategy->gather_state();
+  }
+  expect_state(fmt::format("saved: offload ×{}", world()), saved, ref.at_checkpoint);
+  {
+    Trainee zero2(st::StrategyKind::kZero2, *comm, 10'000, ref.init);
+    zero2.strategy->load_state(saved);
+    zero2.train(kSteps, kMore);
+    expect_state(fmt::format("offload ×{} → zero2", world()), zero2.strategy->gather_state(),
+                 ref.at_end);
+  }
+  {
+    Trainee infinity(offload_options(3, D::kNvme, D::kCpu, 1.0, dir.path), *comm, {});
+    infinity.strategy->load_state(ref.at_checkpoint);
+    infinity.train(kSteps, kMore);
+    expect_state(fmt::format("zero2 → infinity ×{}", world()), infinity.strategy->gather_state(),
+                 ref.at_end);
+  }
+}
+
 // The delayed parameter update (ZeRO-Offload DPU, arXiv 2101.06840 §4.3) against its recurrence,
 // built from one-rank dp steps: steps 1 and 2 are exact; from step 3 on, step s computes its
 // gradient at W(s-2) and the update lands on W(s-1): W(s) = W(s-1) - lr·adam(g(W(s-2))). Without
