@@ -10,27 +10,15 @@
 #include <fstream>
 #include <string>
 
+#include "test_support.h"
+
 namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-  int status = -1;
-  std::string output;  // stdout and stderr together
-};
+using Result = shardtrain::test_support::CommandResult;
 
-Result run(const std::string& args) {
-  const std::string cmd = std::string(SHARDTRAIN_BINARY) + " " + args + " 2>&1";
-  Result r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int st = pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
+Result run(const std::string& args) { return shardtrain::test_support::run_shardtrain(args); }
 
 fs::path temp_dir(const std::string& name) {
   const fs::path p =

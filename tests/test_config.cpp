@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/strings.h"
 #include "io/config.h"
+#include "test_support.h"
 
 namespace shardtrain {
 namespace {
@@ -42,10 +43,7 @@ std::string config_error(const std::function<void()>& f) {
 class ConfigTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    static std::atomic<int> counter{0};
-    dir_ = fs::temp_directory_path() /
-           fmt::format("shardtrain_test_config_{}_{}", ::getpid(), counter++);
-    fs::create_directories(dir_);
+    dir_ = shardtrain::test_support::make_temp_dir("shardtrain_test_config");
   }
   void TearDown() override {
     std::error_code ec;

@@ -16,6 +16,7 @@
 #include "io/checkpoint.h"
 #include "model/gpt2.h"
 #include "model/gpt2_config.h"
+#include "test_support.h"
 
 namespace fs = std::filesystem;
 using namespace shardtrain;
@@ -58,23 +59,9 @@ void expect_refused(const std::string& text, std::initializer_list<const char*> 
 const char* kTiny =
     R"({"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 64, "vocab_size": 50257})";
 
-struct Result {
-  int status = -1;
-  std::string output;  // stdout and stderr together
-};
+using Result = shardtrain::test_support::CommandResult;
 
-Result run(const std::string& args) {
-  const std::string cmd = std::string(SHARDTRAIN_BINARY) + " " + args + " 2>&1";
-  Result r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int st = pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
+Result run(const std::string& args) { return shardtrain::test_support::run_shardtrain(args); }
 
 }  // namespace
 

@@ -24,6 +24,7 @@
 
 #include "core/error.h"
 #include "io/nvme_swap.h"
+#include "test_support.h"
 
 namespace shardtrain {
 namespace {
@@ -104,12 +105,7 @@ class ScopedEnv {
 
 class NvmeSwapTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    static std::atomic<int> counter{0};
-    dir_ = fs::temp_directory_path() /
-           fmt::format("shardtrain_test_nvme_{}_{}", ::getpid(), counter++);
-    fs::create_directories(dir_);
-  }
+  void SetUp() override { dir_ = shardtrain::test_support::make_temp_dir("shardtrain_test_nvme"); }
   void TearDown() override {
     std::error_code ec;
     fs::permissions(dir_, fs::perms::owner_all, fs::perm_options::add, ec);

@@ -14,6 +14,13 @@
 
 namespace shardtrain {
 
+/// Elements [offset, offset + count) of a host array of `numel` elements of `dtype` at `data`.
+inline Tensor host_slice(void* data, DType dtype, int64_t numel, int64_t offset, int64_t count) {
+  ST_ASSERT(offset >= 0 && offset + count <= numel);
+  return Tensor(static_cast<char*>(data) + offset * static_cast<int64_t>(dtype_size(dtype)), dtype,
+                DeviceKind::kCPU, {count});
+}
+
 /// `numel` elements of `dtype` from Backend::allocate_pinned (not zeroed), freed on destruction.
 class PinnedBuffer {
  public:
@@ -42,9 +49,7 @@ class PinnedBuffer {
   size_t bytes() const { return static_cast<size_t>(numel_) * dtype_size(dtype_); }
   /// Elements [offset, offset + count) as a host tensor.
   Tensor slice(int64_t offset, int64_t count) const {
-    ST_ASSERT(offset >= 0 && offset + count <= numel_);
-    return Tensor(static_cast<char*>(data_) + offset * static_cast<int64_t>(dtype_size(dtype_)),
-                  dtype_, DeviceKind::kCPU, {count});
+    return host_slice(data_, dtype_, numel_, offset, count);
   }
 
  private:
@@ -84,9 +89,7 @@ class HostBuffer {
   int64_t numel() const { return data_ ? numel_ : 0; }
   size_t bytes() const { return static_cast<size_t>(numel_) * dtype_size(dtype_); }
   Tensor slice(int64_t offset, int64_t count) const {
-    ST_ASSERT(offset >= 0 && offset + count <= numel_);
-    return Tensor(static_cast<char*>(data_) + offset * static_cast<int64_t>(dtype_size(dtype_)),
-                  dtype_, DeviceKind::kCPU, {count});
+    return host_slice(data_, dtype_, numel_, offset, count);
   }
 
  private:
