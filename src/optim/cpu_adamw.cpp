@@ -230,12 +230,14 @@ void cpu_adamw(float* master, const void* grad, DType grad_dtype, float* m, floa
   const auto ok = [](DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; };
   ST_ASSERT(ok(grad_dtype) && ok(out_dtype));
   ST_ASSERT(static_cast<int>(simd) <= static_cast<int>(best_cpu_simd()));
-  // Contiguous chunks, a multiple of 16 elements, one per thread (each thread streams its part).
-#pragma omp parallel
-  {
-    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t chunk = ((n + threads - 1) / threads + 15) & ~int64_t{15};
-    const int64_t begin = std::min(n, t * chunk), end = std::min(n, begin + chunk);
+  // Blocks of 64 Ki elements (a multiple of 16), handed out dynamically: the step shares the
+  // cores with the thread feeding the GPU (and on one rank per GPU, with other ranks), so equal
+  // static parts would make the whole team wait for the one that lost its core.
+  constexpr int64_t kBlock = int64_t{1} << 16;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
     switch (simd) {
       case CpuSimd::kAvx512:
         adamw_avx512(master, grad, grad_dtype, m, v, params_out, out_dtype, begin, end, args);

@@ -1,10 +1,10 @@
 // The CPU AdamW of ZeRO-Offload (Ren et al., "ZeRO-Offload: Democratizing Billion-Scale Model
 // Training", arXiv 2101.06840, §4.1 "CPU-Adam"): the optimizer step over host memory, vectorized
 // (AVX-512 or AVX2 + FMA chosen at run time, a scalar path everywhere), split over OpenMP threads
-// in contiguous chunks, and fused with the conversions around it — gradients read as bf16, fp16
-// or fp32, updated weights written as bf16, fp16 or fp32 in the same pass — so each element is
-// read and written once: 4 (master) + 4 (m) + 4 (v) + 2 (grad) bytes read and 4 + 4 + 4 + 2
-// bytes written for bf16 gradients and parameters.
+// in blocks of 64 Ki elements handed out dynamically, and fused with the conversions around it —
+// gradients read as bf16, fp16 or fp32, updated weights written as bf16, fp16 or fp32 in the same
+// pass — so each element is read and written once: 4 (master) + 4 (m) + 4 (v) + 2 (grad) bytes read
+// and 4 + 4 + 4 + 2 bytes written for bf16 gradients and parameters.
 //
 // The update is AdamW as the GPU and CPU backends compute it (Loshchilov & Hutter, arXiv
 // 1711.05101, Algorithm 2, with Adam's bias correction): g = grad·grad_scale; m = β1·m + (1−β1)·g;
@@ -29,7 +29,7 @@ std::string to_string(CpuSimd simd);
 /// One AdamW step over `n` elements in host memory: master, m, v fp32 [n] (updated in place);
 /// grad [n] of `grad_dtype` (kF32, kBF16 or kF16); params_out [n] of `out_dtype` (kF32, kBF16,
 /// kF16) receives the updated weights rounded to nearest even, or is null. `simd` must not be
-/// wider than best_cpu_simd(). Threads: OpenMP's, each on a contiguous chunk.
+/// wider than best_cpu_simd(). Threads: OpenMP's, on 64 Ki-element blocks (dynamic schedule).
 void cpu_adamw(float* master, const void* grad, DType grad_dtype, float* m, float* v,
                void* params_out, DType out_dtype, int64_t n, const Backend::AdamWArgs& args,
                CpuSimd simd);
