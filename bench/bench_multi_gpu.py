@@ -185,6 +185,26 @@ def describe(cmd):
         return repr(e)
 
 
+def bench_env(smoke):
+    """The environment of every bench job: NVLink multicast off (the device machines' rule),
+    unbuffered Python; in smoke mode oneDNN kept off AMX (its bf16 kernels die with SIGILL on VMs
+    that do not enable AMX)."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+    env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    if smoke:
+        env.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    return env
+
+
+def result_header(a, **extra):
+    """The fields every bench result JSON starts with (date, mode, binary version, GPUs), then
+    `extra`; `a` holds the parsed --shardtrain, --smoke and the device."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": a.smoke, "device": a.device,
+            "shardtrain_version": describe([a.shardtrain, "--version"]),
+            "gpu_names": [] if a.smoke else describe(["nvidia-smi", "-L"]).splitlines(), **extra}
+
+
 def human(b):
     if b is None:
         return "n/a"
@@ -271,19 +291,12 @@ def main():
     os.makedirs(a.workdir, exist_ok=True)
     start = time.time()
 
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
-    env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    if a.smoke:  # oneDNN's AMX bf16 kernels die with SIGILL on VMs that do not enable AMX
-        env.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    env = bench_env(a.smoke)
 
     wanted = a.pairs.split(",")
     pairs = [p for p in PAIRS if p[0] in wanted]
     gpu_counts = sorted({1, a.gpus})
-    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": a.smoke, "device": a.device,
-           "batch": a.batch, "seq": a.seq, "gpus": gpu_counts,
-           "shardtrain_version": describe([a.shardtrain, "--version"]),
-           "gpu_names": [] if a.smoke else describe(["nvidia-smi", "-L"]).splitlines(), "rows": []}
+    res = result_header(a, batch=a.batch, seq=a.seq, gpus=gpu_counts, rows=[])
     print(f"shardtrain: {res['shardtrain_version']}; GPUs: {res['gpu_names'] or a.device}", flush=True)
     port = 29500 + os.getpid() % 1000  # a fresh rendezvous port per shardtrain job
     for model in a.models.split(","):

@@ -41,8 +41,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_multi_gpu import (RESULT_TAG, WORKER, describe, human, job_error,  # noqa: E402
-                             parse_estimate, parse_metrics, run_job)
+from bench_multi_gpu import (RESULT_TAG, WORKER, bench_env, human, job_error,  # noqa: E402
+                             parse_estimate, parse_metrics, result_header, run_job)
 
 LOG_INTERVAL = 5
 # name: (model, micro-batch, sequence, steps, untimed warmup steps); warmup a multiple of
@@ -290,15 +290,8 @@ def main():
     a.torch_ok = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
     start = time.time()
 
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
-    env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    if a.smoke:  # oneDNN's AMX bf16 kernels die with SIGILL on VMs that do not enable AMX
-        env.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": a.smoke, "device": a.device,
-           "shardtrain_version": describe([a.shardtrain, "--version"]),
-           "gpu_names": [] if a.smoke else describe(["nvidia-smi", "-L"]).splitlines(),
-           "torch_importable": a.torch_ok, "rows": []}
+    env = bench_env(a.smoke)
+    res = result_header(a, torch_importable=a.torch_ok, rows=[])
     print(f"shardtrain: {res['shardtrain_version']}; GPUs: {res['gpu_names'] or a.device}; "
           f"torch+transformers importable: {a.torch_ok}", flush=True)
     rows, a.params = {}, {}
