@@ -85,8 +85,9 @@ AlignedHostBuffer::AlignedHostBuffer(int64_t bytes) {
   data_ =
       std::aligned_alloc(static_cast<std::size_t>(kAlignment), static_cast<std::size_t>(rounded));
   if (data_ == nullptr) {
-    throw RuntimeFailure(
-        fmt::format("cannot allocate {} of host memory for the NVMe swap", bytes_text(rounded)));
+    throw RuntimeFailure(fmt::format(
+        "cannot allocate {} of aligned host memory (offloaded optimizer state or NVMe staging)",
+        bytes_text(rounded)));
   }
   std::memset(data_, 0, static_cast<std::size_t>(rounded));
   bytes_ = rounded;

@@ -54,7 +54,8 @@ struct SwapTicket {
 
 /// A swap file of one rank: `dir`/shardtrain-swap-rank<rank>-<pid>.bin.
 ///
-/// - Created (truncated) and preallocated with fallocate; removed by the destructor after all its
+/// - Created (truncated) and preallocated with fallocate (or sparse), so a fresh file reads as
+///   zeros; removed by the destructor after all its
 ///   transfers are done, so files go away when the run ends or unwinds after an error (not after
 ///   SIGKILL: the pid in the name keeps a later run from colliding with a leftover).
 /// - Opened with O_DIRECT. A filesystem that refuses it (EINVAL at open or at a first probe

@@ -1,11 +1,10 @@
-// Host buffers of the offloaded state: PinnedBuffer (a backend's transfer memory, RAII) and
-// HostBuffer (pageable, 4096-byte aligned: fp32 master weights and AdamW moments the CPU updates,
-// which never cross PCIe and so need not be locked).
+// Host buffers of the offloaded state: PinnedBuffer, a backend's transfer memory (RAII), and
+// host_slice, the typed view of any host array. (Pageable state the CPU updates — fp32 master
+// weights and AdamW moments, which never cross PCIe and so need not be locked — lives in
+// AlignedHostBuffer, io/nvme_swap.h.)
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "backend/backend.h"
@@ -60,44 +59,6 @@ class PinnedBuffer {
     std::swap(numel_, o.numel_);
   }
   Backend* backend_ = nullptr;
-  void* data_ = nullptr;
-  DType dtype_ = DType::kF32;
-  int64_t numel_ = 0;
-};
-
-/// `numel` zeroed elements of `dtype` in pageable host memory, 4096-byte aligned.
-class HostBuffer {
- public:
-  HostBuffer() = default;
-  HostBuffer(DType dtype, int64_t numel) : dtype_(dtype), numel_(numel) {
-    if (numel <= 0) return;
-    const size_t rounded = (bytes() + 4095) / 4096 * 4096;
-    data_ = std::aligned_alloc(4096, rounded);
-    if (data_ == nullptr)
-      throw RuntimeFailure(fmt::format("out of host memory: could not allocate {} bytes", bytes()));
-    std::memset(data_, 0, rounded);
-  }
-  HostBuffer(const HostBuffer&) = delete;
-  HostBuffer& operator=(const HostBuffer&) = delete;
-  HostBuffer(HostBuffer&& o) noexcept { swap(o); }
-  HostBuffer& operator=(HostBuffer&& o) noexcept {
-    swap(o);
-    return *this;
-  }
-  ~HostBuffer() { std::free(data_); }
-  void* data() const { return data_; }
-  int64_t numel() const { return data_ ? numel_ : 0; }
-  size_t bytes() const { return static_cast<size_t>(numel_) * dtype_size(dtype_); }
-  Tensor slice(int64_t offset, int64_t count) const {
-    return host_slice(data_, dtype_, numel_, offset, count);
-  }
-
- private:
-  void swap(HostBuffer& o) noexcept {
-    std::swap(data_, o.data_);
-    std::swap(dtype_, o.dtype_);
-    std::swap(numel_, o.numel_);
-  }
   void* data_ = nullptr;
   DType dtype_ = DType::kF32;
   int64_t numel_ = 0;

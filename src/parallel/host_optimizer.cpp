@@ -39,19 +39,13 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
                     "zero_optimization.offload_optimizer.nvme_path (--nvme-path)");
     swap_ =
         std::make_unique<SwapFile>(swap->dir, swap->rank, std::max<int64_t>(file, 1), swap->aio);
+    // A fresh swap file reads as zeros: m and v of a new run (the master weights come next).
     slots_.resize(3);
     for (Slot& sl : slots_) sl.buf = AlignedHostBuffer(largest);
-    // A fresh file reads as zeros (m, v of a new run; the master weights are written next).
-    std::vector<char> zeros(static_cast<size_t>(std::min<int64_t>(largest, int64_t{64} << 20)));
-    AlignedHostBuffer z(static_cast<int64_t>(zeros.size()));
-    std::memset(z.data(), 0, static_cast<size_t>(z.bytes()));
-    for (int64_t pos = 0; pos < swap_->bytes(); pos += z.bytes())
-      swap_->wait(swap_->write_async(pos, z.data(), std::min(z.bytes(), swap_->bytes() - pos)));
   } else {
-    master_ = HostBuffer(DType::kF32, total);
-    exp_avg_ = HostBuffer(DType::kF32, total);
-    exp_avg_sq_ = HostBuffer(DType::kF32, total);
+    for (AlignedHostBuffer& b : state_) b = AlignedHostBuffer(total * 4);  // zeroed
   }
+  total_ = total;
   grads_[0] = PinnedBuffer(backend, grad_dtype, total);
   if (delayed_) grads_[1] = PinnedBuffer(backend, grad_dtype, total);
   for (size_t i = 0; i < ranges_.size(); ++i) {
@@ -61,8 +55,8 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
     adam_.push_back(r.numel == 0 ? nullptr
                                  : std::make_unique<AdamW>(
                                        backend, layout, r.offset, r.numel, hyper,
-                                       swap_ ? none : exp_avg_.slice(host_offset_[i], r.numel),
-                                       swap_ ? none : exp_avg_sq_.slice(host_offset_[i], r.numel)));
+                                       swap_ ? none : state_slice(1, host_offset_[i], r.numel),
+                                       swap_ ? none : state_slice(2, host_offset_[i], r.numel)));
   }
   to_host_ = backend.make_copy_stream();
   to_device_ = backend.make_copy_stream();
@@ -147,7 +141,8 @@ void HostOptimizer::queue_update(double lr, double grad_scale, const std::vector
       if (adam_[i]) ++tasks_left_;
     acc_seconds_ = 0;
   }
-  for (size_t i : order) {
+  for (size_t k = 0; k < order.size(); ++k) {
+    const size_t i = order[k];
     if (!adam_[i]) {
       std::lock_guard<std::mutex> lock(mu_);
       ready_gen_[i] = done_gen_[i] = gen;
@@ -162,10 +157,8 @@ void HostOptimizer::queue_update(double lr, double grad_scale, const std::vector
     const uint64_t fence = grad_fence_[i];
     // The next range this generation updates: its state is read ahead (NVMe).
     int64_t next = -1;
-    for (size_t k = 0; k + 1 < order.size(); ++k)
-      if (order[k] == i)
-        for (size_t j = k + 1; j < order.size() && next < 0; ++j)
-          if (adam_[order[j]]) next = static_cast<int64_t>(order[j]);
+    for (size_t j = k + 1; j < order.size() && next < 0; ++j)
+      if (adam_[order[j]]) next = static_cast<int64_t>(order[j]);
     post([this, i, next, lr, grad_scale, target, on_host, buffer, gen, fence, to_device] {
       const auto t0 = std::chrono::steady_clock::now();
       to_host_->host_wait(fence);
@@ -228,7 +221,7 @@ void HostOptimizer::update_range(size_t i, int64_t next, const Tensor& grads, co
                                  double lr, double grad_scale) {
   const int64_t n = ranges_[i].numel;
   if (!swap_) {
-    adam_[i]->step_on_host(master_.slice(host_offset_[i], n), grads, out, lr, grad_scale);
+    adam_[i]->step_on_host(state_slice(0, host_offset_[i], n), grads, out, lr, grad_scale);
     return;
   }
   Slot& sl = page_in(i, nullptr);
@@ -317,12 +310,20 @@ void HostOptimizer::wait_all() {
   if (last) to_device_->host_wait(last);
 }
 
+int HostOptimizer::quantity(StateTensor q) {
+  return q == StateTensor::kParams ? 0 : q == StateTensor::kExpAvg ? 1 : 2;
+}
+
+Tensor HostOptimizer::state_slice(int k, int64_t offset, int64_t numel) {
+  return host_slice(state_[k].data(), DType::kF32, total_, offset, numel);
+}
+
 void HostOptimizer::read_state(StateTensor q, size_t i, int64_t offset, int64_t numel, float* dst) {
   ST_ASSERT(offset >= 0 && offset + numel <= ranges_[i].numel);
-  const int k = q == StateTensor::kParams ? 0 : q == StateTensor::kExpAvg ? 1 : 2;
+  const int k = quantity(q);
   if (!swap_) {
-    const HostBuffer& b = k == 0 ? master_ : k == 1 ? exp_avg_ : exp_avg_sq_;
-    std::memcpy(dst, b.slice(host_offset_[i] + offset, numel).data, static_cast<size_t>(numel) * 4);
+    std::memcpy(dst, state_slice(k, host_offset_[i] + offset, numel).data,
+                static_cast<size_t>(numel) * 4);
     return;
   }
   swap_->wait_all();
@@ -334,10 +335,10 @@ void HostOptimizer::read_state(StateTensor q, size_t i, int64_t offset, int64_t 
 void HostOptimizer::write_state(StateTensor q, size_t i, int64_t offset, int64_t numel,
                                 const float* src) {
   ST_ASSERT(offset >= 0 && offset + numel <= ranges_[i].numel);
-  const int k = q == StateTensor::kParams ? 0 : q == StateTensor::kExpAvg ? 1 : 2;
+  const int k = quantity(q);
   if (!swap_) {
-    HostBuffer& b = k == 0 ? master_ : k == 1 ? exp_avg_ : exp_avg_sq_;
-    std::memcpy(b.slice(host_offset_[i] + offset, numel).data, src, static_cast<size_t>(numel) * 4);
+    std::memcpy(state_slice(k, host_offset_[i] + offset, numel).data, src,
+                static_cast<size_t>(numel) * 4);
     return;
   }
   swap_->wait_all();
@@ -350,7 +351,8 @@ void HostOptimizer::write_state(StateTensor q, size_t i, int64_t offset, int64_t
 }
 
 size_t HostOptimizer::pageable_bytes() const {
-  size_t b = master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes();
+  size_t b = 0;
+  for (const AlignedHostBuffer& s : state_) b += static_cast<size_t>(s.bytes());
   for (const Slot& sl : slots_) b += static_cast<size_t>(sl.buf.bytes());
   return b;
 }

@@ -132,7 +132,12 @@ class HostOptimizer {
   std::vector<int64_t> host_offset_;  ///< start of range i in the host buffers
   DType grad_dtype_, param_dtype_;
   bool delayed_;
-  HostBuffer master_, exp_avg_, exp_avg_sq_;  ///< fp32 [Σ numel]
+  /// fp32 master weights, m and v [total_] (state_[quantity(q)]), unless on NVMe.
+  AlignedHostBuffer state_[3];
+  int64_t total_ = 0;  ///< Σ numel of the ranges
+  static int quantity(StateTensor q);
+  /// Elements [offset, offset + numel) of state_[k] as a host tensor.
+  Tensor state_slice(int k, int64_t offset, int64_t numel);
   PinnedBuffer grads_[2];                     ///< grad dtype [Σ numel]; [1] only in delayed mode
   std::vector<std::unique_ptr<AdamW>> adam_;  ///< per range (null for empty ranges)
 

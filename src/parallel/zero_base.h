@@ -105,7 +105,7 @@ class ZeroStrategy : public Strategy {
 
   void step(double lr, double grad_scale) override {
     ++steps_;
-    publish_all();  // (delayed offload: a skipped step leaves nothing pending)
+    publish_all();  // offload: the last update is in place before this one (forward did it)
     before_update();
     const bool separate_master = master_.numel() > 0;
     for (size_t i = 0; i < parts_.size(); ++i) {
@@ -311,7 +311,6 @@ class ZeroStrategy : public Strategy {
   }
   void offload_remaining_gradients() {
     if (!host_) return;
-    if (sent_.size() != parts_.size()) sent_.assign(parts_.size(), false);
     for (size_t i = 0; i < parts_.size(); ++i) offload_gradient(i);
   }
   /// Offload: part `i`'s update has reached its parameters (and been all-gathered).
@@ -371,7 +370,8 @@ class ZeroStrategy : public Strategy {
 
   int part_of(int layer) const { return part_of_layer_[static_cast<size_t>(layer)]; }
 
-  /// fp32 master weights of the real elements owned in part `i` [owned_numel].
+  /// fp32 master weights of the owned elements of part `i` stepped on the device
+  /// [on_device_[i]] (all the real owned elements without offload).
   Tensor master(size_t i) const {
     const int64_t g = on_device_[i];
     if (master_.numel() == 0) return own_params(i).slice1d(0, g);
