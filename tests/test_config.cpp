@@ -25,10 +25,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-#define EXPECT_CONTAINS(haystack, needle)                          \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-      << "expected to find \"" << (needle) << "\" in:\n  " << (haystack)
-
 /// The message of the ConfigError that `f` throws ("" and a test failure if none).
 std::string config_error(const std::function<void()>& f) {
   try {

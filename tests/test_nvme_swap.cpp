@@ -31,10 +31,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-#define EXPECT_CONTAINS(haystack, needle)                          \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-      << "expected to find \"" << (needle) << "\" in:\n  " << (haystack)
-
 constexpr int64_t kKiB = 1024;
 constexpr int64_t kMiB = 1024 * 1024;
 const std::string kKey = "zero_optimization.offload_optimizer.nvme_path";

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <fmt/core.h>
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -11,6 +12,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+
+/// Expects `needle` inside the string `haystack`, printing both when it is not.
+#define EXPECT_CONTAINS(haystack, needle)                          \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
+      << "expected to find \"" << (needle) << "\" in:\n  " << (haystack)
 
 namespace shardtrain::test_support {
 
