@@ -4,10 +4,8 @@
 // launcher and under a plain mpirun), and asking for absent GPUs fails clearly. Every test is
 // bounded well under a minute.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "test_support.h"
+
 namespace fs = std::filesystem;
 
 #ifndef SHARDTRAIN_MPIEXEC
@@ -26,22 +26,13 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-  int status = -1;
-  std::string output;  // stdout and stderr together
+struct Result : shardtrain::test_support::CommandResult {
   double seconds = 0;
 };
 
 Result run_shell(const std::string& cmd) {
   const auto t0 = std::chrono::steady_clock::now();
-  Result r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int st = pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  Result r{shardtrain::test_support::run_command(cmd + " 2>&1")};
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }
