@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "parallel/pipeline/simulator.h"
+#include "test_support.h"
 
 namespace shardtrain {
 namespace {
@@ -162,7 +163,10 @@ TEST(PipelineSchedule, SvgIsWellFormed) {
   const auto t = simulate_pipeline(PipelineSchedule::kInterleaved, {4, 8, 2}, {1, 2, 0});
   const std::string svg = timeline_svg(t, "interleaved-1f1b");
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);
-  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  EXPECT_EQ(test_support::xml_problem(svg, "svg"), "");
+  // Titles are escaped.
+  EXPECT_EQ(test_support::xml_problem(timeline_svg(t, "F<B & W"), "svg"), "");
+  EXPECT_CONTAINS(timeline_svg(t, "F<B & W"), "F&lt;B &amp; W");
   size_t rects = 0;
   for (size_t p = svg.find("<rect"); p != std::string::npos; p = svg.find("<rect", p + 1)) ++rects;
   EXPECT_EQ(rects, t.entries.size() + 1);  // the background and one per pass

@@ -1,5 +1,5 @@
-// Helpers shared by the test programs: running a command (the shardtrain binary) and fresh
-// temporary directories.
+// Helpers shared by the test programs: running a command (the shardtrain binary), fresh
+// temporary directories and an XML well-formedness check (for the SVG pictures).
 #pragma once
 
 #include <fmt/core.h>
@@ -9,9 +9,11 @@
 
 #include <array>
 #include <atomic>
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 /// Expects `needle` inside the string `haystack`, printing both when it is not.
 #define EXPECT_CONTAINS(haystack, needle)                          \
@@ -52,6 +54,79 @@ inline std::filesystem::path make_temp_dir(const std::string& prefix) {
                                     fmt::format("{}_{}_{}", prefix, ::getpid(), counter++);
   std::filesystem::create_directories(dir);
   return dir;
+}
+
+/// Why `xml` is not a well-formed XML document with root element `root` ("" when it is): every
+/// start tag closed in order (or self-closing), attribute values quoted, no raw '<' or stray '&' in
+/// text, nothing but whitespace and comments around the root. Enough for the SVG this project
+/// writes; not a validating parser (no DTDs, CDATA or entity definitions).
+inline std::string xml_problem(const std::string& xml, const std::string& root) {
+  std::vector<std::string> open;
+  bool root_done = false;
+  size_t i = 0;
+  const auto name_at = [&](size_t p) {
+    size_t e = p;
+    while (e < xml.size() && (std::isalnum(static_cast<unsigned char>(xml[e])) || xml[e] == '-' ||
+                              xml[e] == '_' || xml[e] == ':' || xml[e] == '.'))
+      ++e;
+    return xml.substr(p, e - p);
+  };
+  while (i < xml.size()) {
+    if (xml[i] != '<') {
+      if (xml[i] == '&') {
+        const size_t semi = xml.find(';', i);
+        const std::string ent = semi == std::string::npos ? "" : xml.substr(i, semi - i + 1);
+        if (ent != "&lt;" && ent != "&gt;" && ent != "&amp;" && ent != "&quot;" &&
+            ent != "&apos;" && ent.rfind("&#", 0) != 0)
+          return fmt::format("stray '&' at offset {}", i);
+      }
+      if (open.empty() && !std::isspace(static_cast<unsigned char>(xml[i])))
+        return fmt::format("text outside the root element at offset {}", i);
+      ++i;
+      continue;
+    }
+    if (xml.compare(i, 4, "<!--") == 0 || xml.compare(i, 2, "<?") == 0) {
+      const bool comment = xml[i + 1] == '!';
+      const size_t e = xml.find(comment ? "-->" : "?>", i);
+      if (e == std::string::npos) return fmt::format("unterminated comment at offset {}", i);
+      i = e + (comment ? 3 : 2);
+      continue;
+    }
+    const bool closing = i + 1 < xml.size() && xml[i + 1] == '/';
+    const std::string name = name_at(i + (closing ? 2 : 1));
+    if (name.empty()) return fmt::format("'<' without a tag name at offset {}", i);
+    size_t p = i + (closing ? 2 : 1) + name.size();
+    char quote = 0;  // skip to the tag's '>', outside quoted attribute values
+    for (; p < xml.size() && (quote || xml[p] != '>'); ++p) {
+      if (quote && xml[p] == quote)
+        quote = 0;
+      else if (!quote && (xml[p] == '"' || xml[p] == '\''))
+        quote = xml[p];
+      else if (!quote && xml[p] == '<')
+        return fmt::format("'<' inside the tag <{}> at offset {}", name, p);
+    }
+    if (p >= xml.size()) return fmt::format("unterminated tag <{}> at offset {}", name, i);
+    const bool self_closing = !closing && xml[p - 1] == '/';
+    if (closing) {
+      if (open.empty() || open.back() != name)
+        return fmt::format("</{}> at offset {} closes {}", name, i,
+                           open.empty() ? "nothing" : "<" + open.back() + ">");
+      open.pop_back();
+      if (open.empty()) root_done = true;
+    } else {
+      if (open.empty() && (root_done || name != root))
+        return fmt::format("element <{}> at offset {} where the one root <{}> belongs", name, i,
+                           root);
+      if (!self_closing)
+        open.push_back(name);
+      else if (open.empty())
+        root_done = true;
+    }
+    i = p + 1;
+  }
+  if (!open.empty()) return fmt::format("<{}> is never closed", open.back());
+  if (!root_done) return fmt::format("no <{}> root element", root);
+  return "";
 }
 
 }  // namespace shardtrain::test_support

@@ -52,13 +52,57 @@ char letter(ActionType t) {
   }
 }
 
-std::string label(const PipelineShape& s, const PipelineAction& a) {
+/// `text` with the XML special characters escaped (for SVG text content).
+std::string xml_escape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string action_label(const PipelineShape& s, const PipelineAction& a) {
   std::string l = fmt::format("{}{}", letter(a.type), a.micro_batch);
   if (s.virtual_stages > 1) l += static_cast<char>('a' + a.chunk);
   return l;
 }
 
-}  // namespace
+void finish_timeline(PipelineTimeline& t) {
+  const auto P = static_cast<size_t>(t.shape.stages);
+  std::stable_sort(t.entries.begin(), t.entries.end(),
+                   [](const TimelineEntry& a, const TimelineEntry& b) { return a.rank < b.rank; });
+  t.makespan = 0;
+  t.busy.assign(P, 0.0);
+  t.peak_in_flight.assign(P, 0);
+  std::vector<int> in_flight(P, 0);
+  for (const TimelineEntry& e : t.entries) {
+    const auto r = static_cast<size_t>(e.rank);
+    ST_ASSERT(r < P);
+    t.busy[r] += e.end - e.start;
+    t.makespan = std::max(t.makespan, e.end);
+    if (e.action.type == ActionType::kForward) ++in_flight[r];
+    if (e.action.type == ActionType::kBackward || e.action.type == ActionType::kBackwardWeight)
+      --in_flight[r];
+    t.peak_in_flight[r] = std::max(t.peak_in_flight[r], in_flight[r]);
+  }
+}
 
 double PipelineTimeline::bubble_fraction() const {
   if (makespan <= 0) return 0;
@@ -80,12 +124,9 @@ PipelineTimeline simulate_pipeline(PipelineSchedule schedule, const PipelineShap
   PipelineTimeline t;
   t.schedule = schedule;
   t.shape = s;
-  t.busy.assign(static_cast<size_t>(P), 0.0);
-  t.peak_in_flight.assign(static_cast<size_t>(P), 0);
   std::map<PassKey, double> done;  // pass → end time
   std::vector<size_t> next(static_cast<size_t>(P), 0);
   std::vector<double> free_at(static_cast<size_t>(P), 0.0);
-  std::vector<int> in_flight(static_cast<size_t>(P), 0);
   size_t remaining = 0;
   for (const auto& a : actions) remaining += a.size();
   while (remaining > 0) {
@@ -110,14 +151,7 @@ PipelineTimeline simulate_pipeline(PipelineSchedule schedule, const PipelineShap
         TimelineEntry e{r, a, std::max(ready, free_at[static_cast<size_t>(r)]), 0};
         e.end = e.start + duration(a.type, times);
         free_at[static_cast<size_t>(r)] = e.end;
-        t.busy[static_cast<size_t>(r)] += e.end - e.start;
         done[{kind, a.micro_batch, v}] = e.end;
-        int& held = in_flight[static_cast<size_t>(r)];
-        if (kind == 0) ++held;
-        if (a.type == ActionType::kBackward || a.type == ActionType::kBackwardWeight) --held;
-        t.peak_in_flight[static_cast<size_t>(r)] =
-            std::max(t.peak_in_flight[static_cast<size_t>(r)], held);
-        t.makespan = std::max(t.makespan, e.end);
         t.entries.push_back(e);
         ++i;
         --remaining;
@@ -130,8 +164,7 @@ PipelineTimeline simulate_pipeline(PipelineSchedule schedule, const PipelineShap
           "every rank waits for a transfer no rank will send",
           to_string(schedule), s.stages, s.micro_batches, s.virtual_stages));
   }
-  std::stable_sort(t.entries.begin(), t.entries.end(),
-                   [](const TimelineEntry& a, const TimelineEntry& b) { return a.rank < b.rank; });
+  finish_timeline(t);  // the entries of each rank were appended in its execution order
   return t;
 }
 
@@ -146,7 +179,7 @@ std::string format_timeline_text(const PipelineTimeline& t, double unit) {
       if (e.rank != r) continue;
       const size_t b = column(e.start) * kCell,
                    n = std::max<size_t>(1, column(e.end - e.start)) * kCell;
-      std::string cell = label(t.shape, e.action);
+      std::string cell = action_label(t.shape, e.action);
       cell.resize(n - 1, ' ');
       cell += '|';
       row.replace(b, std::min(n, row.size() - b), cell.substr(0, std::min(n, row.size() - b)));
@@ -188,7 +221,7 @@ std::string timeline_svg(const PipelineTimeline& t, const std::string& title) {
       "viewBox=\"0 0 {:.0f} {:.0f}\" font-family=\"sans-serif\">\n"
       "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       "<text x=\"{:.0f}\" y=\"22\" font-size=\"15\">{}</text>\n",
-      width, height, width, height, left, title);
+      width, height, width, height, left, xml_escape(title));
   for (int r = 0; r < t.shape.stages; ++r)
     svg += fmt::format("<text x=\"8\" y=\"{:.1f}\" font-size=\"12\">stage {}</text>\n",
                        top + row * r + row * 0.6, r);
@@ -206,7 +239,7 @@ std::string timeline_svg(const PipelineTimeline& t, const std::string& title) {
       svg += fmt::format(
           "<text x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"10\" fill=\"white\" "
           "text-anchor=\"middle\">{}</text>\n",
-          x + w / 2, y + (row - 6) / 2 + 4, label(t.shape, e.action));
+          x + w / 2, y + (row - 6) / 2 + 4, action_label(t.shape, e.action));
   }
   svg += fmt::format(
       "<text x=\"{:.0f}\" y=\"{:.1f}\" font-size=\"12\">bubble {:.1f}% · F blue, B green, W "

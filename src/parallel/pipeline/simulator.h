@@ -46,6 +46,16 @@ struct PipelineTimeline {
   double utilization(int rank) const;
 };
 
+/// Fills `t.makespan`, `t.busy` and `t.peak_in_flight` from `t.entries` (and t.shape), and orders
+/// the entries by rank, keeping each rank's entries in the order given (its execution order). A
+/// rank's in-flight count rises with each forward and falls with each fused backward or
+/// weight-gradient pass. The simulator and measured timelines (trace.h) both end with it.
+void finish_timeline(PipelineTimeline& t);
+
+/// The name of a compute action in pictures and traces: "F3" / "B3" / "W3" (micro-batch 3), with
+/// the chunk as a suffix letter when interleaved ("F3a", "B3b").
+std::string action_label(const PipelineShape& s, const PipelineAction& a);
+
 /// Simulates one optimizer step of `schedule` on `shape` with `times`. Throws RuntimeFailure if
 /// the schedule deadlocks (no rank can proceed) and ConfigError for invalid shapes.
 PipelineTimeline simulate_pipeline(PipelineSchedule schedule, const PipelineShape& shape,
