@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs shardtrain's build dependencies (Debian 12 / Ubuntu 22.04+) and builds it in ./build.
-# The CUDA backend is built too when nvcc is found (/usr/local/cuda/bin or PATH).
+# The CUDA backend is built too when nvcc is found (/usr/local/cuda/bin or PATH). librsvg2-bin
+# (rsvg-convert) renders the pipeline pictures as PNG; without it only the SVG is written.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""
@@ -10,7 +11,7 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
   build-essential cmake ninja-build pkg-config xz-utils \
   libopenblas-dev libopenblas-openmp-dev libpcre2-dev nlohmann-json3-dev libcli11-dev libfmt-dev \
-  libgtest-dev libopenmpi-dev openmpi-bin >/dev/null
+  libgtest-dev libopenmpi-dev openmpi-bin librsvg2-bin >/dev/null
 if [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$(nproc)"

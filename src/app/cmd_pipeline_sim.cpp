@@ -1,8 +1,10 @@
 // `shardtrain pipeline-sim`: runs a pipeline schedule's action lists (parallel/pipeline/) with
 // given op times and prints the per-stage timeline, the bubble, utilization and peak in-flight
-// activations; --output writes the timeline as SVG.
+// activations; --output writes the timeline as SVG (and as PNG beside it when rsvg-convert or
+// ImageMagick is installed).
 #include <fmt/core.h>
 
+#include <filesystem>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -10,6 +12,7 @@
 #include "app/commands.h"
 #include "core/error.h"
 #include "io/atomic_file.h"
+#include "io/render_png.h"
 #include "parallel/pipeline/simulator.h"
 
 namespace shardtrain {
@@ -70,7 +73,14 @@ void run_sim(const SimFlags& f) {
             fmt::format(
                 "{}: {} stages, {} micro-batches{}", to_string(schedule), f.stages, f.micro_batches,
                 f.virtual_stages > 1 ? fmt::format(", {} virtual stages", f.virtual_stages) : "")));
-    fmt::print("wrote {}\n", f.output);
+    // A PNG copy next to it when a renderer (rsvg-convert, ImageMagick) is installed.
+    std::filesystem::path png(f.output);
+    png.replace_extension(".png");
+    if (png != std::filesystem::path(f.output) && render_png(f.output, png))
+      fmt::print("wrote {} and {}\n", f.output, png.string());
+    else
+      fmt::print("wrote {} (no PNG copy: no rsvg-convert or ImageMagick convert, or it failed)\n",
+                 f.output);
   }
 }
 
@@ -89,7 +99,9 @@ void register_pipeline_sim_command(CLI::App& app) {
   cmd->add_option("--times", f->times,
                   "op times F,B[,W] of one micro-batch through one stage (default 1,2,0: "
                   "backward twice the forward)");
-  cmd->add_option("--output", f->output, "write the timeline picture as SVG");
+  cmd->add_option("--output", f->output,
+                  "write the timeline picture as SVG (and a .png beside it when rsvg-convert or "
+                  "ImageMagick is installed)");
   cmd->callback([f]() { run_sim(*f); });
 }
 
