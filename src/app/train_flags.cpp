@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/strings.h"
 #include "model/gpt2_config.h"
 
 namespace shardtrain {
@@ -111,15 +112,6 @@ std::string or_none(const std::string& s) { return s.empty() ? "none" : s; }
 
 bool contains(const ExplicitFlags& flags, std::string_view name) {
   return std::find(flags.begin(), flags.end(), name) != flags.end();
-}
-
-std::string join(const std::vector<std::string>& items, std::string_view sep) {
-  std::string out;
-  for (std::size_t i = 0; i < items.size(); ++i) {
-    if (i > 0) out += sep;
-    out += items[i];
-  }
-  return out;
 }
 
 }  // namespace

@@ -36,15 +36,6 @@ std::string lowercase(std::string_view s) {
   return out;
 }
 
-std::string join(const std::vector<std::string>& items, std::string_view sep) {
-  std::string out;
-  for (std::size_t i = 0; i < items.size(); ++i) {
-    if (i > 0) out += sep;
-    out += items[i];
-  }
-  return out;
-}
-
 struct StrategyName {
   const char* name;
   StrategyKind kind;
