@@ -265,8 +265,9 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->check(int_at_least(1));
   cmd.add_option("--train-batch-size", cfg.train_batch_size,
                  fmt::format("global batch in samples per optimizer step = batch-size x "
-                             "accumulation steps x world size; 0 derives it (DeepSpeed "
-                             "train_batch_size; default: {})",
+                             "accumulation steps x data-parallel degree (the world size; with "
+                             "--strategy pipeline, world size / --pipeline-stages); 0 derives it "
+                             "(DeepSpeed train_batch_size; default: {})",
                              cfg.train_batch_size))
       ->type_name("N")
       ->check(int_at_least(0));
