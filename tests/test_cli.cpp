@@ -45,7 +45,9 @@ void expect_error(const std::string& args, const std::string& needle) {
 TEST(Cli, UnknownModelAndStrategy) {
   expect_error("--model gpt3 --dataset wikitext-2", "gpt3");
   expect_error("--model gpt2-tiniest --dataset wikitext-2", "did you mean 'gpt2-tiny'");
-  expect_error("--strategy pipeline --dataset wikitext-2", "not available yet");
+  expect_error("--strategy pipeline --pipeline-stages 2 --dataset wikitext-2",
+               "world size 1 is not divisible by --pipeline-stages 2");
+  expect_error("--pipeline-stages 2 --dataset wikitext-2", "add --strategy pipeline");
   expect_error("--strategy infinity --dataset wikitext-2", "--nvme-path DIR");
   expect_error("--strategy zero9 --dataset wikitext-2", "zero9");
 }

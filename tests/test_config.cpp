@@ -54,8 +54,8 @@ class ConfigTest : public ::testing::Test {
   }
 
   /// Parses `args` as `shardtrain train` flags (adding --dataset wikitext-2 when no data is
-  /// given) and finalizes the config for a model with `context` positions.
-  TrainConfig finalize(std::vector<std::string> args, int64_t context = 1024) {
+  /// given) and finalizes the config for a model with `context` positions on `world_size` ranks.
+  TrainConfig finalize(std::vector<std::string> args, int64_t context = 1024, int world_size = 1) {
     const bool has_data = std::any_of(args.begin(), args.end(), [](const std::string& a) {
       return a == "--dataset" || a == "--train-file";
     });
@@ -64,6 +64,7 @@ class ConfigTest : public ::testing::Test {
       args.push_back("wikitext-2");
     }
     TrainConfig cfg;
+    cfg.world_size = world_size;  // as the launcher sets it
     CLI::App app{"shardtrain train"};
     add_train_flags(app, cfg);
     std::reverse(args.begin(), args.end());  // CLI11 2.1 parses a reversed vector
@@ -83,6 +84,18 @@ class ConfigTest : public ::testing::Test {
   static TrainConfig valid_config() {
     TrainConfig cfg;
     cfg.dataset = "wikitext-2";
+    return cfg;
+  }
+
+  /// A valid pipeline config: `stages` stages on `world_size` ranks, `micro_batches` per step.
+  static TrainConfig pipeline_config(int world_size, int stages, int64_t micro_batches = 4) {
+    TrainConfig cfg = valid_config();
+    cfg.strategy = StrategyKind::kPipeline;
+    cfg.strategy_name = "pipeline";
+    cfg.world_size = world_size;
+    cfg.pipeline.stages = stages;
+    cfg.gradient_accumulation_steps = micro_batches;
+    cfg.accumulation_set = true;
     return cfg;
   }
 
@@ -186,12 +199,6 @@ TEST_F(ConfigTest, ZeroStagesOneTwoAndThreeAreAvailable) {
   }
 }
 
-TEST_F(ConfigTest, PipelineIsNotAvailableYet) {
-  const std::string msg = config_error([&] { finalize({"--strategy", "pipeline"}); });
-  EXPECT_CONTAINS(msg, "strategy 'pipeline'");
-  EXPECT_CONTAINS(msg, "not available yet in this release");
-}
-
 TEST_F(ConfigTest, OffloadPresetsAndFlags) {
   TrainConfig c = finalize({"--strategy", "offload"});
   EXPECT_EQ(c.plan, (ParallelPlan{2, OffloadDevice::kCpu, 1.0, OffloadDevice::kNone, 1}));
@@ -246,6 +253,385 @@ TEST_F(ConfigTest, JsonZeroStageWithOffloadSelectsThePlan) {
   c = finalize({"--deepspeed-config", s1});
   EXPECT_EQ(c.plan, (ParallelPlan{1, OffloadDevice::kCpu, 0.5, OffloadDevice::kNone, 1}));
   EXPECT_TRUE(c.zero.offload_delayed_update);
+}
+
+// ---- pipeline parallelism ----------------------------------------------------------------------
+
+TEST_F(ConfigTest, PipelineFlagsFillTheConfigAndThePlan) {
+  TrainConfig c =
+      finalize({"--strategy", "pipeline", "--pipeline-stages", "4", "--pipeline-schedule",
+                "interleaved-1f1b", "--virtual-stages", "2", "--partition-method", "uniform",
+                "--activation-checkpoint-interval", "2", "--trace", "tdir",
+                "--gradient-accumulation-steps", "4", "--batch-size", "2"},
+               1024, 8);
+  EXPECT_EQ(c.strategy, StrategyKind::kPipeline);
+  EXPECT_EQ(c.pipeline.stages, 4);
+  EXPECT_EQ(c.pipeline.schedule, PipelineSchedule::kInterleaved);
+  EXPECT_EQ(c.pipeline.virtual_stages, 2);
+  EXPECT_EQ(c.pipeline.partition_method, "uniform");
+  EXPECT_EQ(c.pipeline.activation_checkpoint_interval, 2);
+  EXPECT_EQ(c.trace_dir, "tdir");
+  EXPECT_EQ(c.plan, (ParallelPlan{0, OffloadDevice::kNone, 1.0, OffloadDevice::kNone, 4}));
+  EXPECT_EQ(data_parallel_size(c), 2);
+  EXPECT_EQ(c.train_batch_size, 2 * 4 * 2);  // micro × M × D, not × world size
+
+  // Defaults: one stage, 1f1b, partition by parameters; the plan's stages follow the config.
+  c = finalize({"--strategy", "pipeline"});
+  EXPECT_EQ(c.pipeline, PipelineConfig{});
+  EXPECT_EQ(c.pipeline.schedule, PipelineSchedule::k1F1B);
+  EXPECT_EQ(c.pipeline.partition_method, "parameters");
+  EXPECT_EQ(c.plan, (ParallelPlan{0, OffloadDevice::kNone, 1.0, OffloadDevice::kNone, 1}));
+  // --activation-checkpointing checkpoints every block of a stage.
+  c = finalize({"--strategy", "pipeline", "--activation-checkpointing"});
+  EXPECT_EQ(c.pipeline.activation_checkpoint_interval, 1);
+  c = finalize({"--strategy", "pipeline", "--activation-checkpointing",
+                "--activation-checkpoint-interval", "3"});
+  EXPECT_EQ(c.pipeline.activation_checkpoint_interval, 3);
+  // Other strategies keep one stage in the plan.
+  EXPECT_EQ(finalize({"--strategy", "zero2"}).plan.pipeline_stages, 1);
+}
+
+TEST_F(ConfigTest, PipelineFlagsNeedThePipelineStrategy) {
+  std::string msg = config_error([&] { finalize({"--pipeline-stages", "2"}, 1024, 2); });
+  EXPECT_CONTAINS(msg, "--pipeline-stages is a flag for pipeline parallelism");
+  EXPECT_CONTAINS(msg, "the strategy is 'dp'");
+  EXPECT_CONTAINS(msg, "add --strategy pipeline");
+  msg = config_error([&] {
+    finalize({"--strategy", "zero2", "--pipeline-schedule", "1f1b", "--trace", "t"});
+  });
+  EXPECT_CONTAINS(msg, "--pipeline-schedule, --trace are flags for pipeline parallelism");
+  EXPECT_CONTAINS(msg, "the strategy is 'zero2': add --strategy pipeline");
+  // --zero-stage selects a ZeRO strategy, not a pipeline.
+  msg = config_error([&] { finalize({"--zero-stage", "1", "--virtual-stages", "2"}); });
+  EXPECT_CONTAINS(msg, "--virtual-stages is a flag");
+  EXPECT_CONTAINS(msg, "'zero1'");
+  // Set in code: validate() names the values.
+  TrainConfig cfg = valid_config();
+  cfg.pipeline.stages = 2;
+  cfg.pipeline.partition_method = "time";
+  msg = config_error([&] { validate(cfg, 1024); });
+  EXPECT_CONTAINS(msg, "--pipeline-stages 2, --partition-method time are settings of pipeline");
+  EXPECT_CONTAINS(msg, "add --strategy pipeline");
+}
+
+TEST_F(ConfigTest, PipelineFlagValuesAreCheckedWhileParsing) {
+  const auto parse_error = [&](const std::vector<std::string>& args) -> std::string {
+    try {
+      finalize(args);
+    } catch (const CLI::ValidationError& e) {
+      return e.what();
+    }
+    ADD_FAILURE() << "expected CLI::ValidationError for " << args[0];
+    return "";
+  };
+  std::string msg = parse_error({"--strategy", "pipeline", "--pipeline-schedule", "1f1c"});
+  EXPECT_CONTAINS(msg, "--pipeline-schedule");
+  EXPECT_CONTAINS(msg, "did you mean '1f1b'?");
+  EXPECT_CONTAINS(msg, "gpipe, 1f1b, interleaved-1f1b, zb-h1 or 2bw");
+  msg = parse_error({"--strategy", "pipeline", "--partition-method", "parameter"});
+  EXPECT_CONTAINS(msg, "unknown partition method 'parameter'");
+  EXPECT_CONTAINS(msg, "did you mean 'parameters'?");
+  EXPECT_CONTAINS(msg, "uniform");
+  EXPECT_CONTAINS(msg, "time");
+  EXPECT_CONTAINS(parse_error({"--strategy", "pipeline", "--pipeline-stages", "0"}),
+                  "--pipeline-stages");
+  EXPECT_CONTAINS(parse_error({"--strategy", "pipeline", "--virtual-stages", "0"}),
+                  "--virtual-stages");
+  EXPECT_CONTAINS(parse_error({"--strategy", "pipeline", "--activation-checkpoint-interval", "-1"}),
+                  "--activation-checkpoint-interval");
+}
+
+TEST_F(ConfigTest, PipelineBatchIdentityCountsDataParallelReplicas) {
+  // 8 ranks in pipelines of 4 stages: D = 2 replicas; M = 32 / (4 × 2) = 4 micro-batches.
+  TrainConfig c = finalize({"--strategy", "pipeline", "--pipeline-stages", "4",
+                            "--train-batch-size", "32", "--batch-size", "4"},
+                           1024, 8);
+  EXPECT_EQ(c.gradient_accumulation_steps, 4);
+  EXPECT_EQ(data_parallel_size(c), 2);
+  // Only train_batch_size: split over the replicas, not over the ranks.
+  TrainConfig cfg = pipeline_config(8, 2);
+  cfg.accumulation_set = false;
+  cfg.gradient_accumulation_steps = 1;
+  cfg.train_batch_size = 64;
+  validate(cfg, 1024);
+  EXPECT_EQ(cfg.micro_batch_size, 16);
+  // A mismatch names D and how it comes about.
+  const std::string msg = config_error([&] {
+    finalize({"--strategy", "pipeline", "--pipeline-stages", "2", "--train-batch-size", "64",
+              "--batch-size", "4", "--gradient-accumulation-steps", "2"},
+             1024, 8);
+  });
+  EXPECT_CONTAINS(msg,
+                  "train_batch_size 64 != train_micro_batch_size_per_gpu 4 × "
+                  "gradient_accumulation_steps 2 × data-parallel degree 4 (world size 8 / 2 "
+                  "pipeline stages) = 32");
+  EXPECT_CONTAINS(msg, "gradient_accumulation_steps to 4");
+}
+
+TEST_F(ConfigTest, PipelineWorldSizeMustBeAMultipleOfTheStages) {
+  const std::string msg = config_error([&] {
+    finalize({"--strategy", "pipeline", "--pipeline-stages", "4"}, 1024, 6);
+  });
+  EXPECT_CONTAINS(msg,
+                  "world size 6 is not divisible by --pipeline-stages 4: launch a multiple of 4 "
+                  "ranks (stages × data-parallel replicas) or change the stages");
+  EXPECT_NO_THROW(finalize({"--strategy", "pipeline", "--pipeline-stages", "3"}, 1024, 6));
+}
+
+TEST_F(ConfigTest, PipelineScheduleAndSettingErrors) {
+  struct Case {
+    std::function<void(TrainConfig&)> mutate;
+    std::vector<std::string> expected;
+  };
+  const std::vector<Case> cases = {
+      {[](TrainConfig& c) { c.pipeline.stages = 0; },
+       {"--pipeline-stages 0 is not valid", "1 or more"}},
+      {[](TrainConfig& c) { c.pipeline.virtual_stages = 0; },
+       {"--virtual-stages 0 is not valid", "1 or more"}},
+      {[](TrainConfig& c) { c.pipeline.activation_checkpoint_interval = -1; },
+       {"--activation-checkpoint-interval -1 is not valid", "0 (off)"}},
+      {[](TrainConfig& c) { c.pipeline.partition_method = "tiem"; },
+       {"unknown partition method 'tiem'", "did you mean 'time'?", "uniform", "parameters"}},
+      {[](TrainConfig& c) { c.pipeline.virtual_stages = 2; },
+       {"--virtual-stages 2 needs --pipeline-schedule interleaved-1f1b", "1f1b"}},
+      {[](TrainConfig& c) { c.pipeline.schedule = PipelineSchedule::kInterleaved; },
+       {"interleaved-1f1b needs --virtual-stages 2 or more (got 1)"}},
+      {[](TrainConfig& c) {
+         c.pipeline.schedule = PipelineSchedule::kInterleaved;
+         c.pipeline.virtual_stages = 2;
+         c.gradient_accumulation_steps = 6;
+       },
+       {"micro-batches per step (6) to be a multiple of the pipeline stages (4)",
+        "use 4 or 8 micro-batches"}},
+      {[](TrainConfig& c) {
+         c.pipeline.schedule = PipelineSchedule::k2BW;
+         c.gradient_accumulation_steps = 2;
+       },
+       {"2bw needs at least as many micro-batches per step (--gradient-accumulation-steps, now 2) "
+        "as pipeline stages (4)",
+        "arXiv 2006.09503", "--gradient-accumulation-steps 4 or more"}},
+      {[](TrainConfig& c) {
+         c.pipeline.schedule = PipelineSchedule::k2BW;
+         c.precision = Precision::kFp16;
+       },
+       {"2bw does not run with fp16", "dynamic loss scaling skips", "--precision bf16 or fp32"}},
+      {[](TrainConfig& c) {
+         c.pipeline.schedule = PipelineSchedule::k2BW;
+         c.zero.offload_delayed_update = true;
+       },
+       {"2bw and --offload-delayed-update", "drop --offload-delayed-update"}},
+      {[](TrainConfig& c) { c.zero.offload_delayed_update = true; },
+       {"--offload-delayed-update", "--strategy pipeline does not do"}},
+      {[](TrainConfig& c) { c.world_size = 6; },
+       {"world size 6 is not divisible by --pipeline-stages 4"}},
+  };
+  for (const Case& c : cases) {
+    TrainConfig cfg = pipeline_config(8, 4);
+    c.mutate(cfg);
+    const std::string msg = config_error([&] { validate(cfg, 1024); });
+    for (const auto& e : c.expected) EXPECT_CONTAINS(msg, e);
+  }
+  // The shapes that are fine.
+  for (PipelineSchedule s : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B,
+                             PipelineSchedule::kZBH1, PipelineSchedule::k2BW}) {
+    TrainConfig cfg = pipeline_config(8, 4);
+    cfg.pipeline.schedule = s;
+    EXPECT_NO_THROW(validate(cfg, 1024)) << to_string(s);
+  }
+  TrainConfig cfg = pipeline_config(8, 4, 8);
+  cfg.pipeline.schedule = PipelineSchedule::kInterleaved;
+  cfg.pipeline.virtual_stages = 3;
+  EXPECT_NO_THROW(validate(cfg, 1024));
+}
+
+TEST_F(ConfigTest, PipelineRunsZeroStagesOneAndTwoAcrossReplicas) {
+  for (const char* stage : {"0", "1", "2"}) {
+    const TrainConfig c = finalize(
+        {"--strategy", "pipeline", "--pipeline-stages", "2", "--zero-stage", stage}, 1024, 4);
+    EXPECT_EQ(c.strategy, StrategyKind::kPipeline) << stage;
+    EXPECT_EQ(c.plan.zero_stage, std::stoi(stage));
+    EXPECT_EQ(c.plan.pipeline_stages, 2);
+  }
+  // zero_optimization.stage keeps the pipeline, whether --strategy or the JSON asks for it.
+  TrainConfig c = finalize({"--strategy", "pipeline", "--deepspeed-config",
+                            write("z2.json", R"({"zero_optimization": {"stage": 2}})")});
+  EXPECT_EQ(c.strategy, StrategyKind::kPipeline);
+  EXPECT_EQ(c.plan.zero_stage, 2);
+  c = finalize(
+      {"--deepspeed-config",
+       write("pz1.json", R"({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}})")},
+      1024, 4);
+  EXPECT_EQ(c.strategy, StrategyKind::kPipeline);
+  EXPECT_EQ(c.plan, (ParallelPlan{1, OffloadDevice::kNone, 1.0, OffloadDevice::kNone, 2}));
+  EXPECT_TRUE(warnings_.empty()) << warnings_[0];
+}
+
+TEST_F(ConfigTest, PipelineRefusesZeroStageThreeAndOffload) {
+  std::string msg = config_error([&] {
+    finalize({"--strategy", "pipeline", "--zero-stage", "3"});
+  });
+  EXPECT_CONTAINS(msg, "ZeRO stage 3");
+  EXPECT_CONTAINS(msg, "does not run with --strategy pipeline");
+  EXPECT_CONTAINS(msg, "use ZeRO stage 0, 1 or 2 with the pipeline");
+  msg = config_error([&] {
+    finalize(
+        {"--deepspeed-config",
+         write("z3.json", R"({"zero_optimization": {"stage": 3}, "pipeline": {"stages": 2}})")},
+        1024, 2);
+  });
+  EXPECT_CONTAINS(msg, "ZeRO stage 3");
+  EXPECT_CONTAINS(msg, "z3.json");
+  msg = config_error([&] {
+    finalize({"--strategy", "pipeline", "--deepspeed-config",
+              write("off.json", R"({"zero_optimization": {"stage": 1,
+                  "offload_optimizer": {"device": "cpu"}}})")});
+  });
+  EXPECT_CONTAINS(msg, "zero_optimization.offload_optimizer.device \"cpu\"");
+  EXPECT_CONTAINS(msg, "does not run with --strategy pipeline");
+  EXPECT_CONTAINS(msg, "set the device to \"none\"");
+  msg = config_error([&] {
+    finalize({"--strategy", "pipeline", "--deepspeed-config",
+              write("offp.json", R"({"zero_optimization": {"offload_param": {"device": "nvme"}}})"),
+              "--nvme-path", "/tmp"});
+  });
+  EXPECT_CONTAINS(msg, "zero_optimization.offload_param.device \"nvme\"");
+  EXPECT_CONTAINS(config_error([&] {
+                    finalize({"--strategy", "pipeline", "--offload-ratio", "0.5"});
+                  }),
+                  "which --strategy pipeline does not do");
+}
+
+TEST_F(ConfigTest, JsonPipelineSectionIsRead) {
+  TrainConfig c = apply_json(R"({"pipeline": {"stages": 4, "partition": "Uniform",
+      "activation_checkpoint_interval": 1, "schedule": "zb-h1", "virtual_stages": 1,
+      "seed_layers": false}})");
+  EXPECT_EQ(c.strategy, StrategyKind::kPipeline);
+  EXPECT_EQ(c.strategy_name, "pipeline");
+  EXPECT_EQ(c.strategy_source, "deepspeed");
+  EXPECT_EQ(c.pipeline.stages, 4);
+  EXPECT_EQ(c.pipeline.partition_method, "uniform");
+  EXPECT_EQ(c.pipeline.activation_checkpoint_interval, 1);
+  EXPECT_EQ(c.pipeline.schedule, PipelineSchedule::kZBH1);
+  EXPECT_TRUE(ignored_.empty());
+  c = apply_json(R"({"pipeline": {"stages": 2, "partition_method": "time",
+      "schedule": "interleaved-1f1b", "virtual_stages": 2, "seed_layers": true}})");
+  EXPECT_EQ(c.pipeline.partition_method, "time");
+  EXPECT_EQ(c.pipeline.virtual_stages, 2);
+  EXPECT_EQ(c.pipeline.schedule, PipelineSchedule::kInterleaved);
+  EXPECT_EQ(ignored_, std::vector<std::string>{"pipeline.seed_layers"});
+
+  // One stage and no --strategy pipeline: no pipeline; DeepSpeed, too, reads the section only
+  // for a pipeline model. The section is listed as ignored.
+  ignored_.clear();
+  c = apply_json(R"({"pipeline": {"stages": 1, "partition": "uniform", "seed_layers": true}})");
+  EXPECT_EQ(c.strategy, StrategyKind::kDataParallel);
+  EXPECT_EQ(c.pipeline, PipelineConfig{});
+  EXPECT_EQ(ignored_, std::vector<std::string>{"pipeline"});
+  // With --strategy pipeline the same section applies.
+  c = finalize({"--strategy", "pipeline", "--deepspeed-config",
+                write("p1.json", R"({"pipeline": {"stages": 1, "partition": "uniform"}})")});
+  EXPECT_EQ(c.pipeline.partition_method, "uniform");
+}
+
+TEST_F(ConfigTest, JsonPipelineSectionErrors) {
+  const auto json_error = [&](const std::string& text) {
+    return config_error([&] { apply_json(text); });
+  };
+  std::string msg = json_error(R"({"pipeline": {"stages": "auto"}})");
+  EXPECT_CONTAINS(msg, "\"pipeline.stages\": \"auto\" is not supported");
+  EXPECT_CONTAINS(msg, "give a number, e.g. \"stages\": 4");
+  msg = json_error(R"({"pipeline": {"stages": 2, "partition_method": "type:transformer"}})");
+  EXPECT_CONTAINS(msg, "\"pipeline.partition_method\": \"type:transformer\"");
+  EXPECT_CONTAINS(msg, "not available in shardtrain");
+  EXPECT_CONTAINS(msg, "\"parameters\"");
+  EXPECT_CONTAINS(msg, "\"uniform\"");
+  EXPECT_CONTAINS(msg, "\"time\"");
+  msg = json_error(R"({"pipeline": {"stages": 2, "partition": "best"}})");
+  EXPECT_CONTAINS(msg, "\"pipeline.partition\": unknown partition method 'best'");
+  msg = json_error(R"({"pipeline": {"stages": 2, "schedule": "1f1c"}})");
+  EXPECT_CONTAINS(msg, "\"pipeline.schedule\": unknown pipeline schedule '1f1c'");
+  EXPECT_CONTAINS(msg, "did you mean '1f1b'?");
+  msg = json_error(R"({"pipeline": {"stage": 2}})");
+  EXPECT_CONTAINS(msg, "unknown key \"pipeline.stage\": did you mean 'pipeline.stages'?");
+  msg = json_error(R"({"pipeline": {"stages": 2, "micro_batches": 4}})");
+  EXPECT_CONTAINS(msg, "unknown key \"pipeline.micro_batches\"");
+  EXPECT_CONTAINS(msg, "valid keys in \"pipeline\"");
+  msg = json_error(R"({"stages": 2})");
+  EXPECT_CONTAINS(msg, "\"stages\" belongs in \"pipeline\"");
+  msg = json_error(R"({"pipeline": {"partition": "uniform", "partition_method": "uniform"}})");
+  EXPECT_CONTAINS(msg, "are both given");
+  EXPECT_CONTAINS(json_error(R"({"pipeline": {"stages": 0}})"), "\"pipeline.stages\": 0");
+  EXPECT_CONTAINS(json_error(R"({"pipeline": {"virtual_stages": 0}})"),
+                  "\"pipeline.virtual_stages\": 0");
+  EXPECT_CONTAINS(json_error(R"({"pipeline": {"activation_checkpoint_interval": -1}})"),
+                  "\"pipeline.activation_checkpoint_interval\": -1");
+  EXPECT_CONTAINS(json_error(R"({"pipeline": 4})"), "\"pipeline\": 4 is not valid");
+}
+
+TEST_F(ConfigTest, JsonPipelineAgainstStrategyFlag) {
+  const std::string path = write("p.json", R"({"pipeline": {"stages": 2}})");
+  const std::string msg = config_error([&] {
+    finalize({"--strategy", "zero2", "--deepspeed-config", path}, 1024, 2);
+  });
+  EXPECT_CONTAINS(msg,
+                  "\"pipeline.stages\": 2 asks for pipeline parallelism, but --strategy zero2 asks "
+                  "for strategy 'zero2'");
+  EXPECT_CONTAINS(msg, "use --strategy pipeline");
+  const TrainConfig c = finalize({"--strategy", "pipeline", "--deepspeed-config", path}, 1024, 2);
+  EXPECT_EQ(c.plan.pipeline_stages, 2);
+}
+
+TEST_F(ConfigTest, PipelineFlagsBeatTheJson) {
+  const std::string path = write("p.json", R"({"pipeline": {"stages": 4, "schedule": "gpipe",
+      "partition_method": "uniform", "virtual_stages": 1, "activation_checkpoint_interval": 2}})");
+  const TrainConfig c =
+      finalize({"--deepspeed-config", path, "--pipeline-stages", "2", "--pipeline-schedule", "1f1b",
+                "--activation-checkpoint-interval", "0"},
+               1024, 4);
+  EXPECT_EQ(c.strategy, StrategyKind::kPipeline);
+  EXPECT_EQ(c.pipeline.stages, 2);
+  EXPECT_EQ(c.pipeline.schedule, PipelineSchedule::k1F1B);
+  EXPECT_EQ(c.pipeline.activation_checkpoint_interval, 0);
+  EXPECT_EQ(c.pipeline.partition_method, "uniform");  // from the JSON
+  EXPECT_EQ(c.plan.pipeline_stages, 2);
+  ASSERT_EQ(warnings_.size(), 1u);
+  EXPECT_CONTAINS(warnings_[0], "--pipeline-stages over pipeline.stages");
+  EXPECT_CONTAINS(warnings_[0], "--pipeline-schedule over pipeline.schedule");
+  EXPECT_CONTAINS(warnings_[0],
+                  "--activation-checkpoint-interval over pipeline.activation_checkpoint_interval");
+}
+
+TEST_F(ConfigTest, PipelineModelChecks) {
+  TrainConfig cfg = pipeline_config(4, 4);
+  validate(cfg, 1024);
+  EXPECT_NO_THROW(check_pipeline_model(cfg, 4));
+  std::string msg = config_error([&] { check_pipeline_model(cfg, 2); });
+  EXPECT_CONTAINS(msg,
+                  "more stages than layers: --pipeline-stages 4 for model 'gpt2-tiny' with 2 "
+                  "transformer blocks");
+  EXPECT_CONTAINS(msg, "use at most 2 stages");
+
+  cfg = pipeline_config(2, 2);
+  cfg.pipeline.schedule = PipelineSchedule::kInterleaved;
+  cfg.pipeline.virtual_stages = 2;
+  validate(cfg, 1024);
+  EXPECT_NO_THROW(check_pipeline_model(cfg, 8));
+  msg = config_error([&] { check_pipeline_model(cfg, 6); });
+  EXPECT_CONTAINS(msg, "virtual stages that do not divide the layers");
+  EXPECT_CONTAINS(msg, "6 transformer blocks");
+  EXPECT_CONTAINS(msg, "--pipeline-stages 2 × --virtual-stages 2 = 4 model chunks");
+  EXPECT_CONTAINS(msg, "a multiple of 4");
+  EXPECT_CONTAINS(msg, "use --virtual-stages 3 with 2 stages");
+  msg = config_error([&] { check_pipeline_model(cfg, 3); });
+  EXPECT_CONTAINS(msg,
+                  "more stages than layers: --pipeline-stages 2 × --virtual-stages 2 = 4 "
+                  "model chunks");
+  EXPECT_CONTAINS(msg, "use at most 3 chunks");
+
+  // Other strategies: nothing to check.
+  TrainConfig dp = valid_config();
+  validate(dp, 1024);
+  EXPECT_NO_THROW(check_pipeline_model(dp, 1));
 }
 
 // ---- zero_optimization stage-3 keys -----------------------------------------------------------
@@ -1009,8 +1395,9 @@ TEST_F(ConfigTest, ValidateChecksEveryField) {
       {[](TrainConfig& c) {
          c.strategy = StrategyKind::kPipeline;
          c.strategy_name = "pipeline";
+         c.pipeline.stages = 4;
        },
-       {"strategy 'pipeline'", "not available yet", "--strategy dp"}},
+       {"world size 1 is not divisible by --pipeline-stages 4"}},
       {[](TrainConfig& c) { c.zero.stage = 3; },
        {"ZeRO stage 3", "contradicts strategy 'dp'", "pick strategy 'zero3'"}},
       {[](TrainConfig& c) { c.zero.stage = 4; }, {"ZeRO stage 4", "does not exist"}},

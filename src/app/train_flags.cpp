@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/strings.h"
 #include "model/gpt2_config.h"
 
 namespace shardtrain {
@@ -107,20 +108,45 @@ CLI::Validator strategy_name() {
       "");
 }
 
+CLI::Validator pipeline_schedule_name() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        try {
+          parse_pipeline_schedule(s);
+        } catch (const ConfigError& e) {
+          return e.what();
+        }
+        return {};
+      },
+      "");
+}
+
+CLI::Validator partition_method_name() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        try {
+          check_partition_method(s);
+        } catch (const ConfigError& e) {
+          return e.what();
+        }
+        return {};
+      },
+      "");
+}
+
 std::string or_none(const std::string& s) { return s.empty() ? "none" : s; }
 
 bool contains(const ExplicitFlags& flags, std::string_view name) {
   return std::find(flags.begin(), flags.end(), name) != flags.end();
 }
 
-std::string join(const std::vector<std::string>& items, std::string_view sep) {
-  std::string out;
-  for (std::size_t i = 0; i < items.size(); ++i) {
-    if (i > 0) out += sep;
-    out += items[i];
-  }
-  return out;
-}
+/// The flags of pipeline parallelism (TrainConfig keys, as explicit_train_flags names them).
+constexpr std::string_view kPipelineFlags[] = {"pipeline_stages",
+                                               "pipeline_schedule",
+                                               "virtual_stages",
+                                               "partition_method",
+                                               "activation_checkpoint_interval",
+                                               "trace"};
 
 }  // namespace
 
@@ -137,7 +163,8 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  fmt::format("parallelism strategy: dp|ddp (data parallel), zero1, "
                              "zero2|fsdp_stage2, zero3|fsdp_stage3, offload (zero2 + optimizer on "
                              "the CPU), infinity (zero3 + optimizer on NVMe, parameters on the "
-                             "CPU), pipeline (not in this release) (default: {})",
+                             "CPU), pipeline (layers cut into --pipeline-stages stages, ZeRO 0-2 "
+                             "across the replicas) (default: {})",
                              cfg.strategy_name))
       ->type_name("NAME")
       ->check(strategy_name());
@@ -155,7 +182,8 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->check(one_of({"auto", "fp32", "bf16", "fp16"}));
   cmd.add_option("--zero-stage", cfg.zero.stage,
                  fmt::format("ZeRO stage 0|1|2|3 (DeepSpeed zero_optimization.stage; 3 selects "
-                             "zero3) (default: {})",
+                             "zero3; with --strategy pipeline 0, 1 or 2 across the data-parallel "
+                             "replicas) (default: {})",
                              cfg.zero.stage))
       ->type_name("N")
       ->check(one_of({"0", "1", "2", "3"}));
@@ -173,6 +201,47 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->type_name("DIR");
   cmd.add_flag("--activation-checkpointing", cfg.activation_checkpointing,
                "recompute activations in the backward pass to save memory (default: off)");
+
+  // ---- pipeline parallelism (--strategy pipeline) ----
+  cmd.add_option("--pipeline-stages", cfg.pipeline.stages,
+                 fmt::format("pipeline: ranks per pipeline P; the world size must be a multiple "
+                             "of P, world size / P being the data-parallel replicas (DeepSpeed "
+                             "pipeline.stages; default: {})",
+                             cfg.pipeline.stages))
+      ->type_name("P")
+      ->check(int_at_least(1));
+  cmd.add_option_function<std::string>(
+         "--pipeline-schedule",
+         [&cfg](const std::string& s) { cfg.pipeline.schedule = parse_pipeline_schedule(s); },
+         fmt::format("pipeline: gpipe|1f1b|interleaved-1f1b|zb-h1|2bw; the micro-batches of a "
+                     "step are its --gradient-accumulation-steps (default: {})",
+                     to_string(cfg.pipeline.schedule)))
+      ->type_name("SCHEDULE")
+      ->check(pipeline_schedule_name());
+  cmd.add_option("--virtual-stages", cfg.pipeline.virtual_stages,
+                 fmt::format("pipeline: model chunks per rank V, 2 or more with "
+                             "interleaved-1f1b, 1 otherwise (default: {})",
+                             cfg.pipeline.virtual_stages))
+      ->type_name("V")
+      ->check(int_at_least(1));
+  cmd.add_option("--partition-method", cfg.pipeline.partition_method,
+                 fmt::format("pipeline: how blocks are cut into stages: uniform (equal block "
+                             "counts), parameters (balance parameter counts), time (balance "
+                             "measured per-layer time) (DeepSpeed partition_method; default: {})",
+                             cfg.pipeline.partition_method))
+      ->type_name("METHOD")
+      ->check(partition_method_name());
+  cmd.add_option("--activation-checkpoint-interval", cfg.pipeline.activation_checkpoint_interval,
+                 fmt::format("pipeline: checkpoint the activations every K transformer blocks "
+                             "of a stage; 0 = off, 1 with --activation-checkpointing (DeepSpeed "
+                             "activation_checkpoint_interval; default: {})",
+                             cfg.pipeline.activation_checkpoint_interval))
+      ->type_name("K")
+      ->check(int_at_least(0));
+  cmd.add_option("--trace", cfg.trace_dir,
+                 "pipeline: write the measured per-stage pipeline timeline to this directory "
+                 "(default: none)")
+      ->type_name("DIR");
   cmd.add_flag("--no-save{false}", cfg.save_checkpoints,
                "write no checkpoint, not even at the end (for benchmarks)");
   cmd.add_option("--peak-tflops", cfg.peak_tflops,
@@ -196,8 +265,9 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->check(int_at_least(1));
   cmd.add_option("--train-batch-size", cfg.train_batch_size,
                  fmt::format("global batch in samples per optimizer step = batch-size x "
-                             "accumulation steps x world size; 0 derives it (DeepSpeed "
-                             "train_batch_size; default: {})",
+                             "accumulation steps x data-parallel degree (the world size; with "
+                             "--strategy pipeline, world size / --pipeline-stages); 0 derives it "
+                             "(DeepSpeed train_batch_size; default: {})",
                              cfg.train_batch_size))
       ->type_name("N")
       ->check(int_at_least(0));
@@ -373,8 +443,9 @@ TrainConfig finalize_train_config(const CLI::App& cmd, TrainConfig cfg, int64_t 
     if (stage < 0 || stage > 3) {
       throw ConfigError(fmt::format("--zero-stage {} is not valid: use 0, 1, 2 or 3", stage));
     }
-    const bool compatible = zero_stage_of(cfg.strategy) == stage ||
-                            (cfg.strategy == StrategyKind::kPipeline && stage <= 1);
+    // A pipeline runs ZeRO across its replicas (validate() refuses stage 3 with a reason).
+    const bool compatible =
+        zero_stage_of(cfg.strategy) == stage || cfg.strategy == StrategyKind::kPipeline;
     if (strategy_flag && !compatible) {
       throw ConfigError(fmt::format(
           "--strategy {} and --zero-stage {} contradict each other: strategy '{}' runs at ZeRO "
@@ -423,6 +494,21 @@ TrainConfig finalize_train_config(const CLI::App& cmd, TrainConfig cfg, int64_t 
           cfg.deepspeed_config, to_string(cfg.precision), to_string(cfg.precision),
           to_string(cfg.precision)));
       cfg.precision = Precision::kFp32;
+    }
+  }
+
+  if (cfg.strategy != StrategyKind::kPipeline) {
+    std::vector<std::string> given;
+    for (std::string_view f : kPipelineFlags) {
+      if (contains(flags, f)) given.push_back("--" + std::string(f));
+    }
+    for (std::string& f : given) std::replace(f.begin(), f.end(), '_', '-');
+    if (!given.empty()) {
+      throw ConfigError(fmt::format(
+          "{} {} for pipeline parallelism, but the strategy is '{}': add --strategy pipeline (or "
+          "drop {})",
+          join(given, ", "), given.size() == 1 ? "is a flag" : "are flags", to_string(cfg.strategy),
+          given.size() == 1 ? "it" : "them"));
     }
   }
 

@@ -28,9 +28,11 @@ ExplicitFlags explicit_train_flags(const CLI::App& cmd);
 /// DeepSpeed keys; one when zero_optimization.stage in the JSON contradicts an explicit
 /// --strategy (the JSON decides, as in DeepSpeed); one naming the JSON values that explicit
 /// flags overrode.
-/// Throws ConfigError: unknown strategy, --strategy contradicting --zero-stage, any error of
-/// apply_deepspeed_config() (unreadable or malformed JSON, unknown keys, wrong types) or of
-/// validate() (out-of-range values, batch identity, strategies not available yet).
+/// Throws ConfigError: unknown strategy, --strategy contradicting --zero-stage, pipeline flags
+/// (--pipeline-stages, --pipeline-schedule, --virtual-stages, --partition-method,
+/// --activation-checkpoint-interval, --trace) given with a strategy other than pipeline, any error
+/// of apply_deepspeed_config() (unreadable or malformed JSON, unknown keys, wrong types) or of
+/// validate() (out-of-range values, batch identity, strategy against ZeRO stage and offload).
 TrainConfig finalize_train_config(const CLI::App& cmd, TrainConfig cfg, int64_t model_context,
                                   std::vector<std::string>& warnings);
 

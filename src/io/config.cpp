@@ -36,15 +36,6 @@ std::string lowercase(std::string_view s) {
   return out;
 }
 
-std::string join(const std::vector<std::string>& items, std::string_view sep) {
-  std::string out;
-  for (std::size_t i = 0; i < items.size(); ++i) {
-    if (i > 0) out += sep;
-    out += items[i];
-  }
-  return out;
-}
-
 struct StrategyName {
   const char* name;
   StrategyKind kind;
@@ -61,27 +52,6 @@ constexpr StrategyName kStrategyNames[] = {
 constexpr const char* kValidStrategies =
     "dp (alias ddp), zero1, zero2 (alias fsdp_stage2), zero3 (alias fsdp_stage3), offload, "
     "infinity, pipeline";
-
-/// What a strategy does, for "not available yet" messages.
-std::string describe(StrategyKind s) {
-  switch (s) {
-    case StrategyKind::kDataParallel:
-      return "data parallelism";
-    case StrategyKind::kZero1:
-      return "ZeRO stage 1: optimizer-state partitioning";
-    case StrategyKind::kZero2:
-      return "ZeRO stage 2: optimizer-state and gradient partitioning";
-    case StrategyKind::kZero3:
-      return "ZeRO stage 3: optimizer-state, gradient and parameter partitioning";
-    case StrategyKind::kOffload:
-      return "ZeRO-Offload: optimizer state and step on the CPU";
-    case StrategyKind::kInfinity:
-      return "ZeRO-Infinity: ZeRO stage 3 with offload to CPU or NVMe";
-    case StrategyKind::kPipeline:
-      return "pipeline parallelism";
-  }
-  return "unknown";
-}
 
 bool is_offload_device(const std::string& d) { return d == "none" || d == "cpu" || d == "nvme"; }
 
@@ -105,6 +75,7 @@ const KeyList kTopHonoured = {
     "zero_optimization",
     "activation_checkpointing",
     "aio",
+    "pipeline",
 };
 
 // Top-level DeepSpeed keys shardtrain accepts and ignores.
@@ -131,7 +102,6 @@ const KeyList kTopIgnored = {
     "data_efficiency",
     "curriculum_learning",
     "sparse_attention",
-    "pipeline",
     "compression_training",
     "quantize_training",
     "eigenvalue",
@@ -259,6 +229,15 @@ const KeyList kAioHonoured = {"block_size",    "queue_depth",    "thread_count",
                               "single_submit", "overlap_events", "intra_op_parallelism"};
 const KeyList kAioIgnored = {"use_gds"};
 
+// The top-level pipeline section (PipelineConfig). DeepSpeed's keys stages, partition (DeepSpeed's
+// config name; partition_method is PipelineModule's) and activation_checkpoint_interval, and
+// shardtrain's schedule and virtual_stages. seed_layers and the tensor-parallel options
+// pipe_partitioned / grad_partitioned are not implemented.
+const KeyList kPipelineHonoured = {"stages",    "partition_method",
+                                   "partition", "activation_checkpoint_interval",
+                                   "schedule",  "virtual_stages"};
+const KeyList kPipelineIgnored = {"seed_layers", "pipe_partitioned", "grad_partitioned"};
+
 const KeyList kOptimizerHonoured = {"type", "params"};
 const KeyList kOptimizerIgnored = {"legacy_fusion"};
 const KeyList kAdamHonoured = {"lr",      "betas",          "eps", "weight_decay", "adam_w_mode",
@@ -300,6 +279,7 @@ const std::vector<std::pair<std::string, const KeyList*>> kSections = {
     {"fp16", &kFp16Honoured},
     {"activation_checkpointing", &kActivationCheckpointingKeys},
     {"aio", &kAioHonoured},
+    {"pipeline", &kPipelineHonoured},
 };
 
 // Keys of the CONFIG dict of the DeepSpeed GPT-2 tutorials, which are flags here, not JSON keys.
@@ -393,6 +373,8 @@ class DeepSpeedReader {
     if (const json* opt = find(root, "optimizer")) read_optimizer(*opt);
     if (const json* sched = find(root, "scheduler")) read_scheduler(*sched);
     read_precision(root);
+    // Before zero_optimization: a pipeline keeps running as one at the stage read there.
+    read_pipeline(root);
     if (const json* zero = find(root, "zero_optimization")) read_zero(*zero);
     if (const json* ac = find(root, "activation_checkpointing")) read_activation_checkpointing(*ac);
     if (const json* aio = find(root, "aio")) read_aio(*aio);
@@ -951,8 +933,9 @@ class DeepSpeedReader {
     if (!stage) return;
     const std::string path = z.is_boolean() ? "zero_optimization" : "zero_optimization.stage";
     if (!assign("zero_stage", path, true, zc.stage, *stage)) return;
-    // As in DeepSpeed, the config's stage decides the strategy (pipeline runs at stage 0 or 1).
-    if (cfg_.strategy == StrategyKind::kPipeline && *stage <= 1) return;
+    // As in DeepSpeed, the config's stage decides the strategy; a pipeline stays one and runs
+    // that stage across its data-parallel replicas (validate() allows stages 0, 1 and 2).
+    if (cfg_.strategy == StrategyKind::kPipeline) return;
     cfg_.strategy = strategy_for_zero(static_cast<int>(*stage), zc.offload_optimizer_device,
                                       zc.offload_param_device);
     cfg_.strategy_name = to_string(cfg_.strategy);
@@ -990,6 +973,108 @@ class DeepSpeedReader {
                        {"gather_16bit_weights_on_model_save",
                         "stage3_gather_fp16_weights_on_model_save"})) {  // the last: deprecated
       if (auto v = get_bool(z, key, prefix)) zc.stage3_gather_16bit_weights_on_model_save = *v;
+    }
+  }
+
+  /// An integer in [min, INT_MAX] of `obj`, if given.
+  std::optional<int> get_small_int(const json& obj, const char* key, const std::string& prefix,
+                                   int min, std::string_view expected) const {
+    auto v = get_int(obj, key, prefix, min, expected);
+    if (v && *v > std::numeric_limits<int>::max())
+      bad_value(path_of(prefix, key), obj.at(key), expected);
+    if (!v) return std::nullopt;
+    return static_cast<int>(*v);
+  }
+
+  void read_pipeline(const json& root) {
+    const std::string prefix = "pipeline";
+    const json* section = find(root, "pipeline");
+    if (section == nullptr) return;
+    const json& p = *section;
+    if (!p.is_object()) bad_value(prefix, p, "an object {\"stages\": 4, ...}");
+    const std::size_t ignored_before = ignored_.size();
+    check_keys(p, prefix, kPipelineHonoured, kPipelineIgnored);
+
+    if (has(p, "stages") && is_auto(p.at("stages"))) {
+      fail(
+          "\"pipeline.stages\": \"auto\" is not supported: shardtrain does not choose the "
+          "number of pipeline stages; give a number, e.g. \"stages\": 4 (ranks per pipeline; "
+          "the world size must be a multiple of it)");
+    }
+    const auto stages =
+        get_small_int(p, "stages", prefix, 1, "an integer >= 1 (ranks per pipeline), e.g. 4");
+    std::optional<PipelineSchedule> schedule;
+    if (auto name = get_string(p, "schedule", prefix,
+                               "a schedule name: gpipe, 1f1b, interleaved-1f1b, zb-h1 or 2bw")) {
+      try {
+        schedule = parse_pipeline_schedule(*name);
+      } catch (const ConfigError& e) {
+        fail(fmt::format("\"pipeline.schedule\": {}", e.what()));
+      }
+    }
+    const auto virtual_stages =
+        get_small_int(p, "virtual_stages", prefix, 1,
+                      "an integer >= 1 (model chunks per rank; > 1 only with interleaved-1f1b)");
+    if (has(p, "partition_method") && has(p, "partition")) {
+      fail(
+          "\"pipeline.partition_method\" and \"pipeline.partition\" are both given: they are "
+          "the same setting; keep only \"partition_method\"");
+    }
+    const char* partition_key = has(p, "partition") ? "partition" : "partition_method";
+    const std::string partition_path = path_of(prefix, partition_key);
+    std::optional<std::string> partition;
+    if (auto m = get_string(p, partition_key, prefix, "\"parameters\", \"uniform\" or \"time\"")) {
+      partition = lowercase(*m);
+      if (partition->rfind("type:", 0) == 0) {
+        fail(
+            fmt::format("\"{}\": \"{}\" (DeepSpeed's partition by layer class) is not available in "
+                        "shardtrain: use \"parameters\" (balance parameter counts, the default), "
+                        "\"uniform\" (equal block counts) or \"time\" (balance measured time)",
+                        partition_path, *m));
+      }
+      try {
+        check_partition_method(*partition);
+      } catch (const ConfigError& e) {
+        fail(fmt::format("\"{}\": {}", partition_path, e.what()));
+      }
+    }
+    const auto interval =
+        get_small_int(p, "activation_checkpoint_interval", prefix, 0,
+                      "an integer >= 0 (blocks per activation checkpoint; 0 = off)");
+
+    // A pipeline section with stages > 1 selects the pipeline, as DeepSpeed's PipelineEngine
+    // runs whenever the model is a PipelineModule.
+    const bool selects = stages && *stages > 1;
+    if (selects && cfg_.strategy != StrategyKind::kPipeline) {
+      if (cfg_.strategy_source == "--strategy") {
+        fail(fmt::format(
+            "\"pipeline.stages\": {} asks for pipeline parallelism, but --strategy {} asks for "
+            "strategy '{}': use --strategy pipeline (or drop --strategy), or remove the "
+            "\"pipeline\" section",
+            *stages, cfg_.strategy_name, to_string(cfg_.strategy)));
+      }
+      cfg_.strategy = StrategyKind::kPipeline;
+      cfg_.strategy_name = to_string(cfg_.strategy);
+      cfg_.strategy_source = "deepspeed";
+    }
+    if (cfg_.strategy != StrategyKind::kPipeline) {
+      // DeepSpeed, too, reads the section only when it runs a pipeline: all of it is ignored.
+      ignored_.resize(ignored_before);
+      if (is_on(p)) ignored_.push_back(prefix);
+      return;
+    }
+    PipelineConfig& pc = cfg_.pipeline;
+    if (stages) assign("pipeline_stages", "pipeline.stages", true, pc.stages, *stages);
+    if (schedule) assign("pipeline_schedule", "pipeline.schedule", true, pc.schedule, *schedule);
+    if (virtual_stages) {
+      assign("virtual_stages", "pipeline.virtual_stages", true, pc.virtual_stages, *virtual_stages);
+    }
+    if (partition) {
+      assign("partition_method", partition_path, true, pc.partition_method, *partition);
+    }
+    if (interval) {
+      assign("activation_checkpoint_interval", "pipeline.activation_checkpoint_interval", true,
+             pc.activation_checkpoint_interval, *interval);
     }
   }
 
@@ -1119,37 +1204,136 @@ json parse_json_file(const std::string& path) {
 
 // ---- validation helpers ---------------------------------------------------------------------
 
-bool strategy_available(StrategyKind s) { return s != StrategyKind::kPipeline; }
+/// "--pipeline-stages 4, --trace 'dir'": the pipeline settings of `c` that differ from the
+/// defaults.
+std::vector<std::string> pipeline_settings_given(const TrainConfig& c) {
+  const PipelineConfig defaults;
+  const PipelineConfig& p = c.pipeline;
+  std::vector<std::string> out;
+  if (p.stages != defaults.stages) out.push_back(fmt::format("--pipeline-stages {}", p.stages));
+  if (p.schedule != defaults.schedule) {
+    out.push_back(fmt::format("--pipeline-schedule {}", to_string(p.schedule)));
+  }
+  if (p.virtual_stages != defaults.virtual_stages) {
+    out.push_back(fmt::format("--virtual-stages {}", p.virtual_stages));
+  }
+  if (p.partition_method != defaults.partition_method) {
+    out.push_back(fmt::format("--partition-method {}", p.partition_method));
+  }
+  if (p.activation_checkpoint_interval != defaults.activation_checkpoint_interval) {
+    out.push_back(
+        fmt::format("--activation-checkpoint-interval {}", p.activation_checkpoint_interval));
+  }
+  if (!c.trace_dir.empty()) out.push_back(fmt::format("--trace '{}'", c.trace_dir));
+  return out;
+}
+
+/// The pipeline settings that do not need the batch sizes or the model (validate() checks the
+/// micro-batches after deriving them, check_pipeline_model() the layers).
+void check_pipeline_settings(const TrainConfig& c, const std::string& file) {
+  if (c.strategy != StrategyKind::kPipeline) {
+    const std::vector<std::string> given = pipeline_settings_given(c);
+    if (!given.empty()) {
+      throw ConfigError(fmt::format(
+          "{} {} pipeline parallelism, but the strategy is '{}': add --strategy pipeline (or "
+          "drop {})",
+          join(given, ", "), given.size() == 1 ? "is a setting of" : "are settings of",
+          to_string(c.strategy), given.size() == 1 ? "it" : "them"));
+    }
+    return;
+  }
+  const PipelineConfig& p = c.pipeline;
+  if (p.stages < 1) {
+    throw ConfigError(fmt::format(
+        "--pipeline-stages {} is not valid: use 1 or more ranks per pipeline (pipeline.stages)",
+        p.stages));
+  }
+  if (p.virtual_stages < 1) {
+    throw ConfigError(fmt::format(
+        "--virtual-stages {} is not valid: use 1 or more model chunks per rank "
+        "(pipeline.virtual_stages; more than 1 only with --pipeline-schedule interleaved-1f1b)",
+        p.virtual_stages));
+  }
+  if (p.activation_checkpoint_interval < 0) {
+    throw ConfigError(fmt::format(
+        "--activation-checkpoint-interval {} is not valid: use 0 (off) or k >= 1 (a checkpoint "
+        "every k transformer blocks) (pipeline.activation_checkpoint_interval)",
+        p.activation_checkpoint_interval));
+  }
+  check_partition_method(p.partition_method);
+  if (c.world_size >= 1 && c.world_size % p.stages != 0) {
+    throw ConfigError(fmt::format(
+        "world size {} is not divisible by --pipeline-stages {}: launch a multiple of {} ranks "
+        "(stages × data-parallel replicas) or change the stages",
+        c.world_size, p.stages, p.stages));
+  }
+  if (c.zero.stage == 3) {
+    throw ConfigError(fmt::format(
+        "ZeRO stage 3 (--zero-stage / zero_optimization.stage in {}) does not run with --strategy "
+        "pipeline: each stage owns its blocks' parameters, which stage 3 would partition across "
+        "the replicas; use ZeRO stage 0, 1 or 2 with the pipeline, or --strategy zero3 without it",
+        file));
+  }
+  for (const auto& [key, device] : {std::pair<const char*, const std::string&>{
+                                        "offload_optimizer", c.zero.offload_optimizer_device},
+                                    {"offload_param", c.zero.offload_param_device}}) {
+    if (device != "none") {
+      throw ConfigError(fmt::format(
+          "zero_optimization.{}.device \"{}\" in {} does not run with --strategy pipeline (the "
+          "pipeline keeps its state on the GPUs): set the device to \"none\", or use --strategy "
+          "offload / infinity without a pipeline",
+          key, device, file));
+    }
+  }
+  if (p.schedule == PipelineSchedule::k2BW) {
+    if (c.precision == Precision::kFp16) {
+      throw ConfigError(
+          "--pipeline-schedule 2bw does not run with fp16 precision: dynamic loss scaling skips "
+          "the steps whose gradients overflow, and 2bw's two weight versions then no longer "
+          "follow its update rule (arXiv 2006.09503); use --precision bf16 or fp32, or another "
+          "schedule (1f1b)");
+    }
+    if (c.zero.offload_delayed_update) {
+      throw ConfigError(
+          "--pipeline-schedule 2bw and --offload-delayed-update both delay the weight update "
+          "(2bw computes with the weights of the previous version, arXiv 2006.09503): drop "
+          "--offload-delayed-update");
+    }
+  }
+  if (c.zero.offload_delayed_update || c.zero.offload_ratio != 1.0) {
+    throw ConfigError(
+        "--offload-delayed-update / --offload-ratio (offload_optimizer.delayed_update / ratio) "
+        "need the optimizer offloaded, which --strategy pipeline does not do: drop them");
+  }
+}
+
+/// After the batch sizes are derived: the schedule runs P stages, M micro-batches (the
+/// gradient-accumulation steps) and V virtual stages.
+void check_pipeline_micro_batches(const TrainConfig& c) {
+  if (c.strategy != StrategyKind::kPipeline) return;
+  const PipelineConfig& p = c.pipeline;
+  const int64_t m = c.gradient_accumulation_steps;
+  if (m > std::numeric_limits<int>::max()) {
+    throw ConfigError(
+        fmt::format("gradient_accumulation_steps {} is too large for a pipeline step (at most {} "
+                    "micro-batches): use fewer accumulation steps",
+                    m, std::numeric_limits<int>::max()));
+  }
+  check_pipeline_shape(p.schedule, PipelineShape{p.stages, static_cast<int>(m), p.virtual_stages});
+  if (p.schedule == PipelineSchedule::k2BW && m < p.stages) {
+    throw ConfigError(fmt::format(
+        "--pipeline-schedule 2bw needs at least as many micro-batches per step "
+        "(--gradient-accumulation-steps, now {}) as pipeline stages ({}): PipeDream-2BW keeps "
+        "only two weight versions when micro-batches >= stages (arXiv 2006.09503); use "
+        "--gradient-accumulation-steps {} or more, or fewer stages",
+        m, p.stages, p.stages));
+  }
+}
 
 void check_strategy(const TrainConfig& c) {
   const std::string file = c.deepspeed_config.empty() ? std::string("the DeepSpeed config")
                                                       : fmt::format("'{}'", c.deepspeed_config);
-  const bool any_offload =
-      c.zero.offload_optimizer_device != "none" || c.zero.offload_param_device != "none";
-  if (!strategy_available(c.strategy)) {
-    const std::string canonical = to_string(c.strategy);
-    if (c.strategy_source == "deepspeed") {
-      throw ConfigError(fmt::format(
-          "zero_optimization.stage {} in {} selects strategy '{}' ({}), which is not available "
-          "yet in this release: only data parallelism and ZeRO stages 1, 2 and 3 (strategies "
-          "'dp', 'zero1', 'zero2', 'zero3') are implemented; set \"stage\": 0, 1, 2 or 3{} in {}",
-          c.zero.stage, file, canonical, describe(c.strategy),
-          any_offload ? " and the offload devices to \"none\"" : "", file));
-    }
-    if (c.strategy_source == "--zero-stage") {
-      throw ConfigError(fmt::format(
-          "--zero-stage {} selects strategy '{}' ({}), which is not available yet in this "
-          "release: only data parallelism and ZeRO stages 1, 2 and 3 are implemented; use "
-          "--zero-stage 0, 1, 2 or 3 without offload (or --strategy dp, zero1, zero2 or zero3)",
-          c.zero.stage, canonical, describe(c.strategy)));
-    }
-    const std::string given = c.strategy_name.empty() ? canonical : c.strategy_name;
-    throw ConfigError(fmt::format(
-        "--strategy {}: strategy '{}' ({}) is not available yet in this release: only data "
-        "parallelism and ZeRO stages 1, 2 and 3 are implemented; use --strategy dp, zero1, zero2 "
-        "or zero3",
-        given, canonical, describe(c.strategy)));
-  }
+  check_pipeline_settings(c, file);
   if (c.zero.stage < 0 || c.zero.stage > 3) {
     throw ConfigError(fmt::format(
         "ZeRO stage {} (--zero-stage / zero_optimization.stage) does not exist: use stage 0 "
@@ -1157,7 +1341,9 @@ void check_strategy(const TrainConfig& c) {
         c.zero.stage));
   }
   const bool offload_stage1 = c.strategy == StrategyKind::kOffload && c.zero.stage == 1;
-  if (c.zero.stage != zero_stage_of(c.strategy) && !offload_stage1) {
+  // A pipeline runs ZeRO stage 0, 1 or 2 across its replicas (check_pipeline_settings).
+  const bool pipeline = c.strategy == StrategyKind::kPipeline;
+  if (c.zero.stage != zero_stage_of(c.strategy) && !offload_stage1 && !pipeline) {
     throw ConfigError(fmt::format(
         "ZeRO stage {} (--zero-stage / zero_optimization.stage) contradicts strategy '{}', which "
         "runs at ZeRO stage {}: set the stage to {} or pick strategy '{}'",
@@ -1223,11 +1409,17 @@ int64_t checked_product(int64_t a, int64_t b, const char* what) {
 }
 
 void check_batch(TrainConfig& c) {
-  const int64_t ws = c.world_size;
-  if (ws < 1) {
-    throw ConfigError(
-        fmt::format("world size {} is not valid: it must be >= 1 (it is set by the launcher)", ws));
+  if (c.world_size < 1) {
+    throw ConfigError(fmt::format(
+        "world size {} is not valid: it must be >= 1 (it is set by the launcher)", c.world_size));
   }
+  // The batch identity counts data-parallel replicas: a pipeline's stages share one micro-batch.
+  const int64_t ws = data_parallel_size(c);
+  const std::string ws_name =
+      c.strategy == StrategyKind::kPipeline
+          ? fmt::format("data-parallel degree {} (world size {} / {} pipeline stages)", ws,
+                        c.world_size, c.pipeline.stages)
+          : fmt::format("world size {}", ws);
   const int64_t tb = c.train_batch_size;
   if (tb < 0) {
     throw ConfigError(fmt::format(
@@ -1265,17 +1457,17 @@ void check_batch(TrainConfig& c) {
     }
     throw ConfigError(fmt::format(
         "batch sizes do not add up: train_batch_size {} != train_micro_batch_size_per_gpu {} × "
-        "gradient_accumulation_steps {} × world size {} = {}: {} {}",
-        tb, micro, gas, ws, product, fix, kBatchFlags));
+        "gradient_accumulation_steps {} × {} = {}: {} {}",
+        tb, micro, gas, ws_name, product, fix, kBatchFlags));
   }
   if (c.micro_batch_set) {
     const int64_t denom = micro * ws;
     if (tb % denom != 0) {
       throw ConfigError(fmt::format(
-          "train_batch_size {} is not a multiple of train_micro_batch_size_per_gpu {} × world "
-          "size {} = {}, so gradient_accumulation_steps cannot be derived: set train_batch_size "
-          "to a multiple of {} (e.g. {}) {}",
-          tb, micro, ws, denom, denom, std::max<int64_t>(1, tb / denom) * denom, kBatchFlags));
+          "train_batch_size {} is not a multiple of train_micro_batch_size_per_gpu {} × {} = {}, "
+          "so gradient_accumulation_steps cannot be derived: set train_batch_size to a multiple "
+          "of {} (e.g. {}) {}",
+          tb, micro, ws_name, denom, denom, std::max<int64_t>(1, tb / denom) * denom, kBatchFlags));
     }
     c.gradient_accumulation_steps = tb / denom;
     return;
@@ -1284,10 +1476,10 @@ void check_batch(TrainConfig& c) {
     const int64_t denom = gas * ws;
     if (tb % denom != 0) {
       throw ConfigError(fmt::format(
-          "train_batch_size {} is not a multiple of gradient_accumulation_steps {} × world "
-          "size {} = {}, so train_micro_batch_size_per_gpu cannot be derived: set "
-          "train_batch_size to a multiple of {} (e.g. {}) {}",
-          tb, gas, ws, denom, denom, std::max<int64_t>(1, tb / denom) * denom, kBatchFlags));
+          "train_batch_size {} is not a multiple of gradient_accumulation_steps {} × {} = {}, so "
+          "train_micro_batch_size_per_gpu cannot be derived: set train_batch_size to a multiple "
+          "of {} (e.g. {}) {}",
+          tb, gas, ws_name, denom, denom, std::max<int64_t>(1, tb / denom) * denom, kBatchFlags));
     }
     c.micro_batch_size = tb / denom;
     return;
@@ -1295,10 +1487,10 @@ void check_batch(TrainConfig& c) {
   // Only train_batch_size: DeepSpeed uses no accumulation and splits it over the ranks.
   if (tb % ws != 0) {
     throw ConfigError(fmt::format(
-        "train_batch_size {} is not a multiple of the world size {}, so "
-        "train_micro_batch_size_per_gpu cannot be derived: set train_batch_size to a multiple of "
-        "{}, or give train_micro_batch_size_per_gpu {}",
-        tb, ws, ws, kBatchFlags));
+        "train_batch_size {} is not a multiple of the {}, so train_micro_batch_size_per_gpu "
+        "cannot be derived: set train_batch_size to a multiple of {}, or give "
+        "train_micro_batch_size_per_gpu {}",
+        tb, ws_name, ws, kBatchFlags));
   }
   c.gradient_accumulation_steps = 1;
   c.micro_batch_size = tb / ws;
@@ -1364,10 +1556,8 @@ StrategyKind parse_strategy(const std::string& name) {
   for (const auto& s : kStrategyNames) names.emplace_back(s.name);
   std::string hint;
   if (auto best = closest_match(key, names)) hint = fmt::format(": did you mean '{}'?", *best);
-  throw ConfigError(
-      fmt::format("unknown strategy '{}'{} Valid strategies: {} (dp, zero1, zero2 and zero3 "
-                  "are available in this release)",
-                  name, hint.empty() ? "." : hint, kValidStrategies));
+  throw ConfigError(fmt::format("unknown strategy '{}'{} Valid strategies: {}", name,
+                                hint.empty() ? "." : hint, kValidStrategies));
 }
 
 Precision parse_precision(const std::string& name) {
@@ -1421,6 +1611,10 @@ ParallelPlan plan_of(const TrainConfig& cfg) {
   }
   plan.optimizer_offload_ratio =
       plan.optimizer_offload == OffloadDevice::kNone ? 1.0 : cfg.zero.offload_ratio;
+  if (cfg.strategy == StrategyKind::kPipeline) {
+    plan.zero_stage = cfg.zero.stage;  // across the data-parallel replicas
+    plan.pipeline_stages = cfg.pipeline.stages;
+  }
   return plan;
 }
 
@@ -1476,6 +1670,57 @@ void apply_deepspeed_config(const std::string& path, TrainConfig& cfg,
 
 // ---- validation -------------------------------------------------------------------------------
 
+int data_parallel_size(const TrainConfig& cfg) {
+  if (cfg.strategy != StrategyKind::kPipeline || cfg.pipeline.stages < 1) return cfg.world_size;
+  return cfg.world_size / cfg.pipeline.stages;
+}
+
+const std::vector<std::string>& pipeline_partition_methods() {
+  static const std::vector<std::string> kMethods = {"uniform", "parameters", "time"};
+  return kMethods;
+}
+
+void check_partition_method(const std::string& method) {
+  const auto& methods = pipeline_partition_methods();
+  if (std::find(methods.begin(), methods.end(), method) != methods.end()) return;
+  throw ConfigError(fmt::format(
+      "unknown partition method '{}'{}: use uniform (equal block counts), parameters (balance "
+      "parameter counts, the default) or time (balance measured per-layer time)",
+      method, did_you_mean(method, methods)));
+}
+
+void check_pipeline_model(const TrainConfig& cfg, int n_layer) {
+  if (cfg.strategy != StrategyKind::kPipeline) return;
+  ST_ASSERT(n_layer >= 1);
+  const PipelineConfig& p = cfg.pipeline;
+  const int parts = p.stages * p.virtual_stages;
+  const bool interleaved = p.schedule == PipelineSchedule::kInterleaved;
+  const std::string cut =
+      interleaved ? fmt::format("--pipeline-stages {} × --virtual-stages {} = {} model chunks",
+                                p.stages, p.virtual_stages, parts)
+                  : fmt::format("--pipeline-stages {}", p.stages);
+  if (parts > n_layer) {
+    throw ConfigError(fmt::format(
+        "more stages than layers: {} for model '{}' with {} transformer blocks (n_layer), and each "
+        "needs at least one block: use at most {} {}",
+        cut, cfg.model.empty() ? "of the checkpoint" : cfg.model, n_layer, n_layer,
+        interleaved ? "chunks (stages × virtual stages)" : "stages"));
+  }
+  if (interleaved && n_layer % parts != 0) {
+    std::vector<std::string> fits;
+    for (int v = 2; v <= n_layer / p.stages; ++v) {
+      if (n_layer % (p.stages * v) == 0) fits.push_back(std::to_string(v));
+    }
+    throw ConfigError(fmt::format(
+        "virtual stages that do not divide the layers: interleaved-1f1b cuts the {} transformer "
+        "blocks of model '{}' into {}, which needs n_layer to be a multiple of {}: {}",
+        n_layer, cfg.model.empty() ? "of the checkpoint" : cfg.model, cut, parts,
+        fits.empty()
+            ? fmt::format("use fewer stages, or a model whose n_layer is a multiple of {}", parts)
+            : fmt::format("use --virtual-stages {} with {} stages", join(fits, " or "), p.stages)));
+  }
+}
+
 void validate(TrainConfig& cfg, int64_t model_context) {
   check_strategy(cfg);
   check_stage3(cfg.zero);
@@ -1510,6 +1755,11 @@ void validate(TrainConfig& cfg, int64_t model_context) {
   }
 
   check_batch(cfg);
+  check_pipeline_micro_batches(cfg);
+  if (cfg.strategy == StrategyKind::kPipeline && cfg.activation_checkpointing &&
+      cfg.pipeline.activation_checkpoint_interval == 0) {
+    cfg.pipeline.activation_checkpoint_interval = 1;  // every block, as the other strategies
+  }
 
   if (cfg.epochs < 1) {
     throw ConfigError(

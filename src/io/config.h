@@ -13,10 +13,11 @@
 #include <string_view>
 #include <vector>
 
+#include "parallel/pipeline/schedule.h"
+
 namespace shardtrain {
 
-/// Parallelism strategy. kDataParallel, kZero1 and kZero2 are available in this release; the
-/// others are recognised so that asking for them gives a clear "not available yet" error.
+/// Parallelism strategy (--strategy): presets of a ParallelPlan (plan_of).
 enum class StrategyKind { kDataParallel, kZero1, kZero2, kZero3, kOffload, kInfinity, kPipeline };
 
 enum class LrSchedule { kConstant, kLinear, kCosine };
@@ -104,9 +105,31 @@ struct ParallelPlan {
       OffloadDevice::kNone;              ///< where fp32 master/m/v and the step live
   double optimizer_offload_ratio = 1.0;  ///< fraction of the optimizer state offloaded
   OffloadDevice param_offload = OffloadDevice::kNone;  ///< stage 3: where bf16 params live
-  int pipeline_stages = 1;
+  int pipeline_stages = 1;  ///< pipeline.stages for --strategy pipeline; 1 otherwise
 
   bool operator==(const ParallelPlan&) const = default;
+};
+
+/// Pipeline parallelism (--strategy pipeline; DeepSpeed's top-level "pipeline" section): the
+/// transformer blocks are cut into `stages` consecutive parts, one per rank of a pipeline; the
+/// world holds world_size / stages such pipelines (data-parallel replicas, reduced with ZeRO
+/// stage 0, 1 or 2). The micro-batches of a pipeline step are its gradient_accumulation_steps.
+struct PipelineConfig {
+  int stages = 1;  ///< P ranks per pipeline (--pipeline-stages, pipeline.stages); >= 1
+  PipelineSchedule schedule = PipelineSchedule::k1F1B;  ///< --pipeline-schedule
+  /// V model chunks per rank (--virtual-stages); > 1 only with interleaved-1f1b (which needs
+  /// V >= 2): the layers are then cut into P·V parts.
+  int virtual_stages = 1;
+  /// How the blocks are assigned to the stages (--partition-method, pipeline.partition_method):
+  /// "uniform" = equal block counts; "parameters" = balance the parameter counts (the default,
+  /// as DeepSpeed's PipelineModule); "time" = balance the measured per-layer time.
+  std::string partition_method = "parameters";
+  /// k > 0: activation checkpointing of the transformer blocks inside each stage, one checkpoint
+  /// every k blocks (DeepSpeed's activation_checkpoint_interval); 0 = off. validate() sets it
+  /// to 1 when it is 0 and TrainConfig::activation_checkpointing is on.
+  int activation_checkpoint_interval = 0;
+
+  bool operator==(const PipelineConfig&) const = default;
 };
 
 struct TrainConfig {
@@ -125,15 +148,17 @@ struct TrainConfig {
   /// refuses a config whose plan does not match them (validate() was not called).
   ParallelPlan plan;
   bool activation_checkpointing = false;
+  PipelineConfig pipeline;  ///< --strategy pipeline: stages, schedule, partition
   /// Where `strategy` came from, for error messages: "" (default or set in code), "--strategy",
   /// "--zero-stage" or "deepspeed" (zero_optimization.stage in the DeepSpeed JSON).
   std::string strategy_source;
 
-  // ---- batch (DeepSpeed batch identity: train_batch_size = micro * accumulation * world) ----
+  // ---- batch (DeepSpeed batch identity: train_batch_size = micro × accumulation × D, D the
+  // data-parallel degree: world_size, or world_size / pipeline stages for a pipeline) ----
   int64_t micro_batch_size = 8;  ///< samples per device per micro-step (--batch-size)
   int64_t gradient_accumulation_steps = 1;
   int64_t train_batch_size = 0;  ///< global batch in samples; derived after validate()
-  int world_size = 1;            ///< data-parallel ranks (set by the launcher)
+  int world_size = 1;            ///< ranks (set by the launcher); pipeline: stages × replicas
   /// Whether micro_batch_size / gradient_accumulation_steps were given explicitly (flag or
   /// DeepSpeed JSON). validate() derives the ones not given from train_batch_size, as DeepSpeed.
   bool micro_batch_set = false;
@@ -176,6 +201,8 @@ struct TrainConfig {
   /// Time forward, backward, the gradient-reduction wait and the optimizer step on the device
   /// and log their means with each log line (DeepSpeed wall_clock_breakdown).
   bool wall_clock_breakdown = false;
+  /// --trace DIR (pipeline): write the measured per-stage pipeline timeline there; "" = none.
+  std::string trace_dir;
   int64_t eval_interval = 0;  ///< steps between validations; 0 = at the end of each epoch
   int64_t save_interval = 0;  ///< steps between checkpoints; 0 = only at the end
   std::string resume;         ///< checkpoint directory (or an output dir: its latest)
@@ -214,7 +241,8 @@ StrategyKind strategy_for_zero(int stage, const std::string& offload_optimizer_d
                                const std::string& offload_param_device = "none");
 
 /// The parallel plan `cfg` asks for: the ZeRO stage of its strategy preset (zero_stage_of) and
-/// the offload devices of its zero_optimization section.
+/// the offload devices of its zero_optimization section. --strategy pipeline: the ZeRO stage of
+/// zero_optimization (0, 1 or 2 across the replicas) and pipeline_stages = pipeline.stages.
 ParallelPlan plan_of(const TrainConfig& cfg);
 
 /// Names of the fields set explicitly on the command line (so the JSON does not override them).
@@ -230,7 +258,13 @@ using ExplicitFlags = std::vector<std::string>;
 ///  - A present optimizer or scheduler section is read as DeepSpeed builds it: parameters it
 ///    omits take DeepSpeed's defaults (e.g. lr 1e-3, weight_decay 0, warmup_num_steps 1000).
 ///  - zero_optimization.stage decides `strategy` (even over an explicit --strategy, as in
-///    DeepSpeed; "zero_stage" in `explicit_flags` keeps the flag) and sets strategy_source.
+///    DeepSpeed; "zero_stage" in `explicit_flags` keeps the flag) and sets strategy_source;
+///    with the pipeline strategy it sets the ZeRO stage across the replicas and keeps pipeline.
+///  - The "pipeline" section (stages, partition_method or partition, activation_checkpoint_interval
+///    and shardtrain's schedule, virtual_stages) fills cfg.pipeline. "stages" > 1 selects the
+///    pipeline strategy, as DeepSpeed's PipelineEngine would (an explicit --strategy naming another
+///    strategy is an error); without it and without --strategy pipeline the section is listed in
+///    `ignored_keys` and not applied.
 ///  - Ignored keys are listed only when their value is "on" (not false, null, "none" or a
 ///    section with "enabled": false). Unknown top-level keys are errors too (DeepSpeed itself
 ///    skips them silently), so that a typo cannot go unnoticed.
@@ -246,18 +280,39 @@ void apply_deepspeed_config(const std::string& path, TrainConfig& cfg,
                             std::vector<std::string>& ignored_keys,
                             std::vector<std::string>& overridden);
 
+/// The data-parallel degree D: world_size, or world_size / pipeline.stages for --strategy
+/// pipeline (the replicas of the pipeline). Meaningful after validate().
+int data_parallel_size(const TrainConfig& cfg);
+
 /// Checks every field and derives the batch sizes (DeepSpeed _configure_train_batch_size):
-/// train_batch_size = micro_batch_size × gradient_accumulation_steps × world_size. With
-/// train_batch_size 0 it is derived; otherwise the sizes not given explicitly
+/// train_batch_size = micro_batch_size × gradient_accumulation_steps × D (data_parallel_size).
+/// With train_batch_size 0 it is derived; otherwise the sizes not given explicitly
 /// (micro_batch_set / accumulation_set) are derived from it (both missing: accumulation 1),
 /// and the identity is checked. warmup_steps -1 is left as is: the trainer resolves it once it
-/// knows the total number of steps. Strategies dp, zero1, zero2 and zero3 (ZeRO stage 0-3,
-/// matching the strategy) without offload are available; offload, infinity and pipeline are a
-/// ConfigError saying "not available yet". Sets cfg.plan = plan_of(cfg). Checks the stage-3
-/// settings (zero_optimization.stage3_*) and refuses bf16/fp16 with --device cpu.
+/// knows the total number of steps. Checks the strategy against the ZeRO stage and offload
+/// devices; sets cfg.plan = plan_of(cfg). Checks the stage-3 settings (zero_optimization.stage3_*)
+/// and refuses bf16/fp16 with --device cpu. Pipeline: the world size must be a multiple of the
+/// stages; the schedule must run P stages, M = gradient_accumulation_steps micro-batches and V
+/// virtual stages (check_pipeline_shape; 2bw also needs M >= P, no fp16 and no delayed offload
+/// update); ZeRO stage 0-2 only, no offload; pipeline settings with another strategy are an
+/// error. What needs the model's layer count is check_pipeline_model().
 /// `model_context` is the model's maximum sequence length (n_positions); <= 0 skips that check.
 /// Throws ConfigError naming the flag or key, its value and the fix.
 void validate(TrainConfig& cfg, int64_t model_context);
+
+/// The partition methods of PipelineConfig::partition_method: uniform, parameters, time.
+const std::vector<std::string>& pipeline_partition_methods();
+
+/// Checks a partition method (one of pipeline_partition_methods(), lowercase). Throws
+/// ConfigError listing them and suggesting the closest one otherwise.
+void check_partition_method(const std::string& method);
+
+/// The pipeline checks that need the model's number of transformer blocks `n_layer` (after
+/// validate()); nothing for other strategies. stages × virtual_stages must be at most n_layer
+/// (each virtual stage holds at least one block) and, for interleaved-1f1b, divide it (equal
+/// chunks). Throws ConfigError naming the numbers and the fix. The trainer calls it once the
+/// model's shape is known.
+void check_pipeline_model(const TrainConfig& cfg, int n_layer);
 
 /// Warnings about settings that are valid but do not do what they are meant to for this model,
 /// one line each (empty: none). `largest_layer_numel`: parameters of the model's largest layer.
