@@ -133,8 +133,9 @@ class Backend {
   /// stride OCp and columns [OC, OCp) receive zeros.
   virtual void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
                               Epilogue epilogue = Epilogue::kNone, Tensor pre_gelu = {}) = 0;
-  /// dinp [N,IC] = dout · weight (overwrites; may be empty to skip); dweight [OC,IC] += doutᵀ·inp;
-  /// dbias [OC] += Σ_rows dout (may be empty). When `dinp_gelu_input` [N,IC] is given, dinp is
+  /// dinp [N,IC] = dout · weight (overwrites; may be empty to skip); dweight [OC,IC] += doutᵀ·inp
+  /// (may be empty to skip: a zero-bubble pipeline's input-gradient pass); dbias [OC] += Σ_rows
+  /// dout (may be empty). When `dinp_gelu_input` [N,IC] is given, dinp is
   /// further multiplied by gelu'(dinp_gelu_input) — the backward of a GELU that produced `inp`
   /// (fused into the matmul's epilogue on GPU). `dout` may be [N,OCp] (as matmul_forward's
   /// `out`; then dbias must be empty): columns [OC, OCp) are ignored and must hold finite values.

@@ -62,15 +62,36 @@ class Layer {
   /// dresid [B,T,C]: ∂L/∂out on entry, ∂L/∂in on return (the head writes it, the embedding
   /// consumes it). `in` is the input given to forward().
   virtual void backward(Backend& be, StepContext& ctx, Tensor in, Tensor dresid) = 0;
+  /// The input-gradient half of backward() (zero-bubble pipelines' B pass): dresid as in
+  /// backward(), no parameter gradient; keeps in the current slot what backward_weight() needs.
+  virtual void backward_input(Backend& be, StepContext& ctx, Tensor in, Tensor dresid) = 0;
+  /// The weight-gradient half (W pass), after backward_input() of the same slot: accumulates the
+  /// parameter gradients backward() would. `dresid` as backward_input() left it (the embedding
+  /// reads it). B then W equals backward() bit for bit.
+  virtual void backward_weight(Backend& be, StepContext& ctx, Tensor in, Tensor dresid) = 0;
+  /// Selects the activation set (slot ≥ 0) the next reserve/forward/backward use: a pipeline
+  /// stage keeps one per micro-batch in flight. Slot 0 is selected at construction.
+  virtual void use_slot(int /*slot*/) {}
 
  private:
   std::string name_;
 };
 
+/// Which part of the backward backward_layers() runs (zero-bubble pipelines split it).
+enum class BackwardPass { kFull, kInput, kWeight };
+
 class GPT2Model {
  public:
   /// Builds the layers and the parameter layout; allocates nothing on the device yet.
   GPT2Model(const GPT2Config& config, Backend& backend, bool activation_checkpointing = false);
+  /// A pipeline stage's part of the model: the layers `layer_ids` of the whole model (0 = the
+  /// embedding, 1..n_layer = the blocks, n_layer + 1 = the head), ascending. Its layout holds
+  /// only those layers (their tensors keep their names). A stage with the head but not the
+  /// embedding reads wte from set_tied_embedding(). Under activation checkpointing the blocks'
+  /// recomputed set has its own memory (several micro-batches' logits may be live). Throws
+  /// ConfigError for an empty or unordered list.
+  GPT2Model(const GPT2Config& config, Backend& backend, bool activation_checkpointing,
+            const std::vector<int>& layer_ids);
   ~GPT2Model();
 
   const GPT2Config& config() const { return config_; }
@@ -78,6 +99,16 @@ class GPT2Model {
   int num_layers() const { return static_cast<int>(layers_.size()); }
   Layer& layer(int i) { return *layers_[static_cast<size_t>(i)]; }
   Backend& backend() { return backend_; }
+  /// The whole model's index of local layer `i` (as in the layer_ids constructor).
+  int global_layer(int i) const { return ids_[static_cast<size_t>(i)]; }
+  bool has_embedding() const { return ids_.front() == 0; }
+  bool has_head() const { return ids_.back() == config_.n_layer + 1; }
+  /// The embedding's wte [V, C] and its gradient, as bound now (has_embedding()).
+  Tensor embedding_weight() const;
+  Tensor embedding_weight_grad() const;
+  /// Where the head of a stage without the embedding reads wte [V, C] and accumulates its
+  /// gradient (compute dtype; the caller keeps them alive and in step with the embedding).
+  void set_tied_embedding(Tensor wte, Tensor dwte);
 
   /// Binds every layer to the whole flat buffers (params [numel], grads [numel] or empty),
   /// both in the backend's compute dtype.
@@ -103,21 +134,54 @@ class GPT2Model {
   /// logits row of position `t` of batch row `b` (host copy, V floats).
   std::vector<float> logits_at(int64_t b, int64_t t);
 
+  // ---- pipeline stages: several micro-batches in flight, each in an activation slot --------
+  // forward()/backward() above are slot 0 over all layers. A stage runs a chunk of its layers
+  // [first, last) at a time; activation(slot, first) is where the chunk's input is received
+  // (the embedding's chunk reads the tokens instead) and activation(slot, last) its output.
+
+  /// Starts micro-batch [B, T] in `slot` (≥ 0): copies tokens and targets (host int32 [B*T],
+  /// either may be null when this stage does not use them) and sets ∂(objective)/∂(per-token
+  /// loss) = grad_scale; `for_backward` false: inference (no ∂logits, nothing kept for
+  /// backward). Allocates the slot's buffers at first use.
+  void prepare(int slot, const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
+               float grad_scale, bool for_backward = true);
+  /// The input of local layer `i` of `slot` [B, T, C] (compute dtype); i == num_layers(): the
+  /// output of the last layer (when it is not the head).
+  Tensor activation(int slot, int i);
+  /// The slot's residual gradient [B, T, C]: ∂L/∂(chunk output) before backward_layers(),
+  /// ∂L/∂(chunk input) after it.
+  Tensor activation_grad(int slot);
+  /// Forward of local layers [first, last) for the micro-batch in `slot`.
+  void forward_layers(int slot, int first, int last);
+  /// Backward (or its B or W pass) of local layers [first, last), last first. Hooks run around
+  /// the passes that accumulate parameter gradients (kFull, kWeight).
+  void backward_layers(int slot, int first, int last, BackwardPass pass);
+  /// Mean per-token loss of the slot's last forward through the head (synchronizes).
+  double slot_loss(int slot);
+
  private:
-  void reserve(int64_t B, int64_t T);
+  /// One micro-batch's activations between layers: residual[i] is the input of layer i
+  /// (residual[0] unused when layer 0 is the embedding; residual[num_layers()] the output of a
+  /// stage that ends before the head).
+  struct Slot {
+    int64_t B = 0, T = 0;
+    std::vector<FlatBuffer> residual;
+    FlatBuffer dresid, tokens, targets, losses;
+    StepContext ctx;
+  };
+  void build(const std::vector<int>& layer_ids, bool head_places_shared);
+  Slot& slot(int s);
+  void reserve(int s, int64_t B, int64_t T);
 
   GPT2Config config_;
   Backend& backend_;
   bool checkpointing_;
+  std::vector<int> ids_;
   ParamLayout layout_;
   std::vector<std::unique_ptr<Layer>> layers_;
   LayerHooks* hooks_ = nullptr;
-
-  // Activations between layers: residual_[i] is the input of layer i (residual_[0] unused).
-  int64_t B_ = 0, T_ = 0;
-  std::vector<FlatBuffer> residual_;
-  FlatBuffer dresid_, tokens_, targets_, losses_;
-  StepContext ctx_;
+  Tensor external_wte_, external_dwte_;  ///< set_tied_embedding()
+  std::vector<std::unique_ptr<Slot>> slots_;
 };
 
 }  // namespace shardtrain

@@ -21,6 +21,7 @@ class DataParallel final : public Strategy {
       : opt_(options), backend_(backend), comm_(comm) {}
 
   std::string name() const override { return "dp"; }
+  Tensor compute_parameters() override { return params_.view(); }
 
   void setup(GPT2Model& model, const std::vector<float>& init) override {
     model_ = &model;

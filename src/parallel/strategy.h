@@ -6,7 +6,8 @@
 //
 // Strategies: dp (parallel/data_parallel.cpp), zero1 and zero2 (parallel/zero.cpp), zero3
 // (parallel/zero3.cpp), each optionally with its optimizer offloaded to the host
-// (parallel/host_optimizer.h); pipeline arrives in a later release behind the same interface.
+// (parallel/host_optimizer.h); pipeline (parallel/pipeline/pipeline_parallel.h) runs one of
+// those across the replicas of each stage.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +22,8 @@
 #include "optim/adamw.h"
 
 namespace shardtrain {
+
+class PipelineParallel;  // parallel/pipeline/pipeline_parallel.h
 
 /// What a strategy is told (not the whole TrainConfig): its plan, the optimizer's
 /// hyper-parameters and the communication settings of DeepSpeed's zero_optimization section.
@@ -135,6 +138,11 @@ class Strategy : public LayerHooks {
   virtual HostMemory host_memory() const { return {}; }
   /// Host seconds of the last completed CPU optimizer step (0 without offload).
   virtual double host_step_seconds() const { return 0; }
+  /// The whole buffer of compute-dtype parameters the model is bound to, when this rank holds
+  /// all of them (dp, zero1, zero2); empty otherwise (zero3). PipeDream-2BW versions it.
+  virtual Tensor compute_parameters() { return {}; }
+  /// The pipeline strategy (parallel/pipeline/pipeline_parallel.h), or null.
+  virtual PipelineParallel* as_pipeline() { return nullptr; }
 };
 
 /// Builds the strategy that runs `options.plan` (zero stage 0: dp, 1/2: zero.h, 3: zero3.h).

@@ -59,6 +59,7 @@ class Zero1 final : public ZeroStrategy {
  public:
   using ZeroStrategy::ZeroStrategy;
   std::string name() const override { return "zero1"; }
+  Tensor compute_parameters() override { return params_.view(); }
 
   void zero_grad() override {
     gathered_bytes_ = 0;
@@ -133,6 +134,7 @@ class Zero2 final : public ZeroStrategy {
  public:
   using ZeroStrategy::ZeroStrategy;
   std::string name() const override { return "zero2"; }
+  Tensor compute_parameters() override { return params_.view(); }
 
   void zero_grad() override {
     gathered_bytes_ = 0;

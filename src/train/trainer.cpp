@@ -20,6 +20,7 @@
 #include "model/gpt2.h"
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
+#include "parallel/pipeline/pipeline_parallel.h"
 #include "parallel/strategy.h"
 #include "train/train_step.h"
 
@@ -50,6 +51,12 @@ json config_snapshot(const TrainConfig& c) {
             {"optimizer_offload_ratio", c.plan.optimizer_offload_ratio},
             {"param_offload", to_string(c.plan.param_offload)},
             {"pipeline_stages", c.plan.pipeline_stages}}},
+          {"pipeline",
+           {{"stages", c.pipeline.stages},
+            {"schedule", to_string(c.pipeline.schedule)},
+            {"virtual_stages", c.pipeline.virtual_stages},
+            {"partition_method", c.pipeline.partition_method},
+            {"activation_checkpoint_interval", c.pipeline.activation_checkpoint_interval}}},
           {"zero_optimization",
            {{"stage", z.stage},
             {"reduce_bucket_size", z.reduce_bucket_size},
@@ -399,6 +406,8 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                      "TrainConfig.plan (ZeRO stage {}) does not match strategy '{}' and its "
                      "zero_optimization section: call validate() on the config before train()",
                      cfg.plan.zero_stage, to_string(cfg.strategy));
+  const bool pipelined = cfg.strategy == StrategyKind::kPipeline;
+  if (pipelined) check_pipeline_model(cfg, model_cfg.n_layer);
   for (const std::string& w : model_config_warnings(cfg, largest_layer_numel(model.layout())))
     out.warn(w);
   // Custom shapes may have head sizes the fused flash-attention kernels lack (32, 64, 128 in
@@ -442,8 +451,12 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   }
   const double data_seconds = seconds_since(t_data);
 
+  // Pipeline: the D = world / P replicas share the data; the stages of a replica read the same
+  // micro-batches (rank = stage·D + replica, pipeline_parallel.h).
+  const int stages = pipelined ? cfg.pipeline.stages : 1;
+  const int replicas = comm.world_size() / stages;
   DistributedSampler sampler(train_data.size(), cfg.micro_batch_size,
-                             cfg.gradient_accumulation_steps, comm.rank(), comm.world_size(),
+                             cfg.gradient_accumulation_steps, comm.rank() % replicas, replicas,
                              cfg.seed);
   const int64_t steps_per_epoch = sampler.steps_per_epoch();
   const int64_t total_steps = cfg.max_steps > 0 ? cfg.max_steps : cfg.epochs * steps_per_epoch;
@@ -454,7 +467,8 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   const int64_t tokens_per_step = sampler.global_batch() * T;
 
   // ---- parameters and strategy ----
-  std::unique_ptr<Strategy> strategy = make_strategy(cfg, *backend, comm);
+  std::unique_ptr<Strategy> strategy =
+      pipelined ? make_pipeline_strategy(cfg, *backend, comm) : make_strategy(cfg, *backend, comm);
   TrainingProgress progress;
   progress.seed = cfg.seed;
   {
@@ -512,10 +526,14 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
            to_string(cfg.strategy), backend->description(), comm.world_size(),
            comm.world_size() > 1 ? "s" : "");
   out.line(
-      "  batch: micro-batch {} × accumulation {} × {} rank{} = global batch {} samples × {} tokens "
-      "= {} tokens/step",
-      B, accum, comm.world_size(), comm.world_size() > 1 ? "s" : "", sampler.global_batch(), T,
-      with_commas(tokens_per_step));
+      "  batch: micro-batch {} × {} {} × {} {}{} = global batch {} samples × {} tokens = {} "
+      "tokens/step",
+      B, pipelined ? "micro-batches" : "accumulation", accum, replicas,
+      pipelined ? "data-parallel replica" : "rank", replicas > 1 ? "s" : "", sampler.global_batch(),
+      T, with_commas(tokens_per_step));
+  PipelineParallel* pipeline = strategy->as_pipeline();
+  if (pipeline)
+    for (const std::string& l : pipeline->describe()) out.line("  {}", l);
   out.line(
       "  data: {} — {} training samples ({} tokens), {} validation samples; loaded in {:.1f} s",
       files.name, with_commas(train_data.size()), with_commas(train_data.num_tokens()),
@@ -594,7 +612,16 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   ScalarAllReduce rank_scalars(*backend, comm, 2);
   auto validate_now = [&](int64_t epoch) {
     if (!valid_data) return;
-    const Evaluation ev = evaluate(model, *valid_data, B, comm, rank_scalars);
+    Evaluation ev;
+    if (pipeline) {
+      const auto t0 = Clock::now();
+      const PipelineEvaluation pe = pipeline->evaluate(*valid_data, B);
+      ev.samples = pe.samples;
+      ev.loss = pe.samples ? pe.loss_sum / static_cast<double>(pe.samples) : ev.loss;
+      ev.seconds = seconds_since(t0);
+    } else {
+      ev = evaluate(model, *valid_data, B, comm, rank_scalars);
+    }
     summary.val_loss = ev.loss;
     summary.val_ppl = std::exp(ev.loss);
     out.line(
@@ -637,7 +664,10 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
       };
       const double lr = learning_rate(progress.step, cfg.lr, warmup, total_steps, cfg.lr_schedule,
                                       cfg.min_lr_ratio, cfg.warmup_min_ratio);
-      const StepResult r = train_step.run(progress.step, lr, batch);
+      const StepResult r = pipeline
+                               ? pipeline->run_step(progress.step, lr, batch, scaler,
+                                                    TrainStepOptions{accum, cfg.gradient_clipping})
+                               : train_step.run(progress.step, lr, batch);
       if (r.skipped)
         out.line(
             "step {}: fp16 gradients overflowed at loss scale {:g}: step skipped, scale now {:g}",
@@ -688,6 +718,8 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     validate_now(progress.epoch > 0 && progress.step_in_epoch == 0 ? progress.epoch - 1
                                                                    : progress.epoch);
   summary.seconds = seconds_since(t_train);
+  if (pipeline)
+    for (const std::string& l : pipeline->finish_trace()) out.line("{}", l);
   summary.steps = progress.step;
   if (!summary.losses.empty() || !resume) save();
   out.line(

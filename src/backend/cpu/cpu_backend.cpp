@@ -288,9 +288,10 @@ class CpuBackend final : public Backend {
       if (!dinp_gelu_input.empty()) gelu_backward(dinp, dinp_gelu_input, dinp);
     }
     // dW [OC,IC] += doutᵀ [OC,N] · inp [N,IC]
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(OC), static_cast<int>(IC),
-                static_cast<int>(N), 1.0f, dy, static_cast<int>(ld), inp.f32(),
-                static_cast<int>(IC), 1.0f, dweight.f32(), static_cast<int>(IC));
+    if (!dweight.empty())
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(OC),
+                  static_cast<int>(IC), static_cast<int>(N), 1.0f, dy, static_cast<int>(ld),
+                  inp.f32(), static_cast<int>(IC), 1.0f, dweight.f32(), static_cast<int>(IC));
     if (!dbias.empty()) {
       float* db = dbias.f32();
       for_channel_slices(OC, [&](int64_t o0, int64_t o1) {

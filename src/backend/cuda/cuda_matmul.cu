@@ -622,9 +622,12 @@ void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor
     require_dtype(dinp_gelu_input, dt, "matmul_backward", "dinp_gelu_input");
     ST_ASSERT(dinp_gelu_input.numel() == N * IC);
   }
-  ST_ASSERT(!dweight.empty() && dweight.numel() == OC * IC);
-  require(dweight.dtype == dt || dweight.dtype == DType::kF32, "cuda matmul_backward: dweight is ",
-          dtype_name(dweight.dtype), " (want ", dtype_name(dt), " or f32)");
+  if (!dweight.empty()) {
+    ST_ASSERT(dweight.numel() == OC * IC);
+    require(dweight.dtype == dt || dweight.dtype == DType::kF32,
+            "cuda matmul_backward: dweight is ", dtype_name(dweight.dtype), " (want ",
+            dtype_name(dt), " or f32)");
+  }
   if (!dbias.empty()) {
     ST_ASSERT(dbias.numel() == OC);
     require(dbias.dtype == dt || dbias.dtype == DType::kF32, "cuda matmul_backward: dbias is ",
@@ -649,7 +652,8 @@ void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor
                                    : 0;
   const size_t dp_bytes = copy ? static_cast<size_t>(N * OCp) * es : 0;
   const size_t wp_bytes = pad && !dinp.empty() ? static_cast<size_t>(OCp * IC) * es : 0;
-  const size_t dwp_bytes = copy ? static_cast<size_t>(OCp * IC) * sizeof(float) : 0;
+  const size_t dwp_bytes =
+      copy && !dweight.empty() ? static_cast<size_t>(OCp * IC) * sizeof(float) : 0;
   const size_t total_bytes = Carver::padded(partial_bytes) + Carver::padded(dp_bytes) +
                              Carver::padded(wp_bytes) + Carver::padded(dwp_bytes);
   Carver cv;
@@ -697,7 +701,7 @@ void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor
   }
 
   // dWᵀ [IC,OC] += inpᵀ [IC,N] · dout [N,OC]   (col-major view; see the header comment)
-  {
+  if (!dweight.empty()) {
     LtGemm g;
     g.transa = CUBLAS_OP_N;  // inp: col-major [IC,N]
     g.transb = CUBLAS_OP_T;  // dout: col-major [OC,N] → [N,OC]
