@@ -30,6 +30,7 @@
 #include "core/rng.h"
 #include "memory/flat_buffer.h"
 #include "model/gpt2.h"
+#include "stage_parts.h"
 
 using namespace shardtrain;
 
@@ -1043,6 +1044,15 @@ void check_whole_model(Backend& cpu, Backend& gpu, DType dt, const GPT2Config& c
 
 TEST_P(CudaOpTest, WholeModelMatchesCpu) {
   check_whole_model(*cpu, *gpu, dt(), TinyModel().config, 2, 16, 11);
+}
+
+// Pipeline building blocks on the GPU (tests/stage_parts.h): the zero-bubble split backward is
+// the fused one bit for bit (the same cuBLASLt GEMMs, dweight skipped in B and dinp in W), and
+// two stage parts reproduce the whole model (wte's two gradient parts summed in another order).
+TEST_P(CudaOpTest, SplitBackwardAndStagePartsMatchWholeModel) {
+  GPT2Config c = TinyModel().config;
+  test_support::check_split_backward(*gpu, c, 2, 16);
+  test_support::check_stage_parts(*gpu, c, 1, 2, 16, dt() == DType::kF32 ? 1e-5 : 2e-2);
 }
 
 // ==== flash attention (cuda_flash_attention.cu) =================================================

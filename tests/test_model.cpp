@@ -5,6 +5,8 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "model/gpt2.h"
+#include "stage_parts.h"
+#include "tiny_gpt2.h"
 
 using namespace shardtrain;
 
@@ -51,4 +53,34 @@ TEST(Presets, UnknownNameSuggestsTheClosest) {
     EXPECT_NE(std::string(e.what()).find("did you mean 'gpt2-large'"), std::string::npos)
         << e.what();
   }
+}
+
+// ---- pipeline building blocks (tests/stage_parts.h)
+// ----------------------------------------------
+
+TEST(StageParts, SplitBackwardEqualsFusedWithAnotherSlotInFlight) {
+  auto be = make_cpu_backend();
+  GPT2Config c = test_support::tiny_gpt2("split", 16);
+  c.n_layer = 3;
+  test_support::check_split_backward(*be, c, 2, 16);
+}
+
+TEST(StageParts, TwoPartsEqualTheWholeModel) {
+  auto be = make_cpu_backend();
+  GPT2Config c = test_support::tiny_gpt2("parts", 16);
+  c.n_layer = 3;
+  for (int cut = 1; cut <= 3; ++cut) test_support::check_stage_parts(*be, c, cut, 2, 16, 1e-6);
+}
+
+TEST(StageParts, LayerListsAreChecked) {
+  auto be = make_cpu_backend();
+  const GPT2Config c = test_support::tiny_gpt2("bad", 16);
+  EXPECT_THROW(GPT2Model(c, *be, false, std::vector<int>{}), ConfigError);
+  EXPECT_THROW(GPT2Model(c, *be, false, std::vector<int>{2, 1}), ConfigError);
+  EXPECT_THROW(GPT2Model(c, *be, false, std::vector<int>{0, c.n_layer + 2}), ConfigError);
+  GPT2Model last(c, *be, false, {c.n_layer, c.n_layer + 1});
+  EXPECT_TRUE(last.has_head());
+  EXPECT_FALSE(last.has_embedding());
+  EXPECT_EQ(last.global_layer(0), c.n_layer);
+  EXPECT_EQ(last.layout().find("transformer.wte.weight"), nullptr);  // read from a copy
 }
