@@ -8,17 +8,19 @@
 namespace shardtrain {
 
 PipelineExecutor::PipelineExecutor(GPT2Model& model, Strategy& inner, Backend& backend,
-                                   Communicator& pipe, PipelineSchedule schedule,
-                                   int virtual_stages, std::vector<ChunkLayers> chunks, Tensor dwte)
+                                   Communicator& activations, Communicator& gradients,
+                                   PipelineSchedule schedule, int virtual_stages,
+                                   std::vector<ChunkLayers> chunks, Tensor dwte)
     : model_(model),
       inner_hooks_(inner),
       inner_(inner),
       backend_(backend),
-      pipe_(pipe),
+      act_comm_(activations),
+      grad_comm_(gradients),
       schedule_(schedule),
-      P_(pipe.world_size()),
+      P_(activations.world_size()),
       V_(virtual_stages),
-      rank_(pipe.rank()),
+      rank_(activations.rank()),
       chunks_(std::move(chunks)),
       dwte_(dwte) {
   ST_ASSERT(static_cast<int>(chunks_.size()) == V_);
@@ -88,7 +90,8 @@ void PipelineExecutor::reclaim() {
 
 // ---- receives in the sender's order ------------------------------------------------------------
 
-std::vector<PipelineExecutor::Key> PipelineExecutor::messages_from(int peer) const {
+std::vector<PipelineExecutor::Key> PipelineExecutor::messages_from(int peer,
+                                                                   bool activations) const {
   const PipelineShape shape{P_, M_, V_};
   const auto actions =
       with_transfers(pipeline_compute_actions(schedule_, shape, peer), shape, peer);
@@ -97,8 +100,11 @@ std::vector<PipelineExecutor::Key> PipelineExecutor::messages_from(int peer) con
   int head_passes = 0;
   for (const PipelineAction& a : actions) {
     const int v = a.chunk * P_ + peer;
-    if (a.type == ActionType::kSendActivation && rank_of(v + 1) == rank_)
-      out.push_back({Msg::kActivation, a.micro_batch, chunk_of(v + 1)});
+    if (activations) {
+      if (a.type == ActionType::kSendActivation && rank_of(v + 1) == rank_)
+        out.push_back({Msg::kActivation, a.micro_batch, chunk_of(v + 1)});
+      continue;
+    }
     if (a.type == ActionType::kSendGradient && rank_of(v - 1) == rank_)
       out.push_back({Msg::kGradient, a.micro_batch, chunk_of(v - 1)});
     // The tied wte gradient: after the head's last weight pass (rank P-1, chunk V-1).
@@ -123,17 +129,18 @@ Tensor PipelineExecutor::receive_buffer(const Key& k) {
 }
 
 void PipelineExecutor::receive(int peer, const Key& k) {
-  auto [it, fresh] = expected_.try_emplace(peer);
-  if (fresh) it->second = messages_from(peer);
+  const bool act = k.msg == Msg::kActivation;
+  auto [it, fresh] = expected_.try_emplace({peer, act});
+  if (fresh) it->second = messages_from(peer, act);
   const std::vector<Key>& order = it->second;
-  size_t& posted = posted_[peer];
+  size_t& posted = posted_[{peer, act}];
   while (!pending_recv_.count(k)) {
     check<RuntimeFailure>(posted < order.size(),
                           "pipeline: rank {} expects a message rank {} never sends (schedule "
                           "mismatch between stages)",
                           rank_, peer);
     const Key next = order[posted++];
-    pending_recv_[next] = pipe_.recv(receive_buffer(next), peer);
+    pending_recv_[next] = comm_of(next.msg).recv(receive_buffer(next), peer);
   }
   auto node = pending_recv_.extract(k);
   node.mapped()->wait();
@@ -186,7 +193,7 @@ double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches,
           Tensor in = model_.activation(slot_for(m, cn), chunks_[static_cast<size_t>(cn)].first);
           backend_.copy(in.data, out.data, out.bytes());
         } else {
-          live_[{m, c}].sends.push_back(pipe_.send(out, dst));
+          live_[{m, c}].sends.push_back(act_comm_.send(out, dst));
         }
         break;
       }
@@ -198,7 +205,7 @@ double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches,
           Tensor into = model_.activation_grad(slot_for(m, chunk_of(v - 1)));
           backend_.copy(into.data, g.data, g.bytes());
         } else {
-          live_[{m, c}].sends.push_back(pipe_.send(g, dst));
+          live_[{m, c}].sends.push_back(grad_comm_.send(g, dst));
         }
         // Fused backward: the slot is done once its gradient left (W passes release it later).
         if (schedule_ != PipelineSchedule::kZBH1) release(m, c);
@@ -240,7 +247,7 @@ double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches,
                                                                          : BackwardPass::kWeight;
         model_.backward_layers(s, ch.first, ch.last, pass);
         if (weights && v == last_v && !dwte_.empty() && weight_passes[static_cast<size_t>(c)] == M_)
-          other_sends_.push_back(pipe_.send(dwte_, 0));
+          other_sends_.push_back(grad_comm_.send(dwte_, 0));
         // The first virtual stage sends no gradient: its slot is done after its last pass.
         const bool done =
             a.type == ActionType::kBackwardWeight || (a.type == ActionType::kBackward && v == 0);

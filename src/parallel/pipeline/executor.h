@@ -45,12 +45,14 @@ struct ChunkLayers {
 class PipelineExecutor : public LayerHooks {
  public:
   /// `model`: this rank's stage model, its hooks set to `inner` (the strategy across replicas);
-  /// the executor puts itself in between. `pipe`: the P ranks of this replica in stage order.
+  /// the executor puts itself in between. `activations`, `gradients`: two communicators over the
+  /// P ranks of this replica in stage order, one for each direction of travel (on GPUs each has
+  /// its own NCCL stream, so a send waiting for its receiver never holds up the other direction).
   /// `chunks`: the layers of each of the V chunks. `dwte` (last stage without the embedding: the
   /// head's wte gradient, sent to stage 0) may be empty.
-  PipelineExecutor(GPT2Model& model, Strategy& inner, Backend& backend, Communicator& pipe,
-                   PipelineSchedule schedule, int virtual_stages, std::vector<ChunkLayers> chunks,
-                   Tensor dwte);
+  PipelineExecutor(GPT2Model& model, Strategy& inner, Backend& backend, Communicator& activations,
+                   Communicator& gradients, PipelineSchedule schedule, int virtual_stages,
+                   std::vector<ChunkLayers> chunks, Tensor dwte);
 
   /// Runs this rank's actions for M = `micro_batches` micro-batches of `batches`, each
   /// micro-batch's loss scaled by `grad_scale` per token. Returns the sum of the micro-batches'
@@ -87,10 +89,13 @@ class PipelineExecutor : public LayerHooks {
   void release(int m, int c);
   void reclaim();
   Tensor receive_buffer(const Key& k);
-  /// Posts the receives from `peer` up to `k` (in the peer's send order), then waits for `k`.
+  /// Posts the receives from `peer` up to `k` (in the peer's send order on k's communicator),
+  /// then waits for `k`.
   void receive(int peer, const Key& k);
-  /// The messages `peer` sends to this rank in one step, in its order.
-  std::vector<Key> messages_from(int peer) const;
+  /// The messages `peer` sends to this rank in one step on the communicator of `activations`
+  /// (else of gradients and the tied gradient), in its order.
+  std::vector<Key> messages_from(int peer, bool activations) const;
+  Communicator& comm_of(Msg m) { return m == Msg::kActivation ? act_comm_ : grad_comm_; }
   /// Whether `a` (of rank `rank`) is the pass that completes the chunk's weight gradients for the
   /// step given the passes counted so far.
   static bool writes_weights(ActionType t) {
@@ -104,7 +109,8 @@ class PipelineExecutor : public LayerHooks {
   LayerHooks& inner_hooks_;
   Strategy& inner_;
   Backend& backend_;
-  Communicator& pipe_;
+  Communicator& act_comm_;
+  Communicator& grad_comm_;
   PipelineSchedule schedule_;
   int P_, V_, rank_;
   std::vector<ChunkLayers> chunks_;
@@ -120,8 +126,9 @@ class PipelineExecutor : public LayerHooks {
   std::vector<SlotState> done_;  ///< finished slots whose sends may still be in flight
   std::vector<int> free_slots_;
   int next_slot_ = 0, peak_slots_ = 0;
-  std::map<int, std::vector<Key>> expected_;
-  std::map<int, size_t> posted_;
+  /// Per (peer, activations?): the peer's messages to this rank, and how many are posted.
+  std::map<std::pair<int, bool>, std::vector<Key>> expected_;
+  std::map<std::pair<int, bool>, size_t> posted_;
   std::map<Key, std::unique_ptr<Work>> pending_recv_;
   std::vector<std::unique_ptr<Work>> other_sends_;
   std::vector<MeasuredAction> trace_;

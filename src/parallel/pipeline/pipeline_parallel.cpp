@@ -34,6 +34,7 @@ PipelineParallel::PipelineParallel(const PipelineOptions& options, const Strateg
   for (int d = 0; d < D_; ++d) data_ranks.push_back(stage_ * D_ + d);
   // Collective: every rank splits the same two ways (its own groups), in the same order.
   pipe_comm_ = world.split(pipe_ranks);
+  grad_comm_ = world.split(pipe_ranks);
   data_comm_ = world.split(data_ranks);
 }
 
@@ -154,8 +155,9 @@ void PipelineParallel::setup(GPT2Model& whole, const std::vector<float>& init) {
     };
     chunks.push_back({pos(s.first), pos(s.last - 1) + 1});
   }
-  executor_ = std::make_unique<PipelineExecutor>(*stage_model_, *inner_, backend_, *pipe_comm_,
-                                                 opt_.schedule, V, std::move(chunks), dwte);
+  executor_ =
+      std::make_unique<PipelineExecutor>(*stage_model_, *inner_, backend_, *pipe_comm_, *grad_comm_,
+                                         opt_.schedule, V, std::move(chunks), dwte);
   layer_names_.clear();
   for (const LayerSpan& s : spans_) {
     const auto name = [&](int id) { return whole_layout_->layers()[static_cast<size_t>(id)].name; };

@@ -124,7 +124,9 @@ class PipelineParallel final : public Strategy {
   Backend& backend_;
   Communicator& world_;
   int P_, D_, stage_, replica_;
-  std::unique_ptr<Communicator> pipe_comm_, data_comm_;
+  /// The P ranks of this replica: activations travel on pipe_comm_ (and wte after a step),
+  /// gradients on grad_comm_; data_comm_: the D replicas of this stage.
+  std::unique_ptr<Communicator> pipe_comm_, grad_comm_, data_comm_;
   std::vector<LayerSpan> spans_;
   GPT2Config config_;
   const ParamLayout* whole_layout_ = nullptr;
