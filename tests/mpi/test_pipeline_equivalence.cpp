@@ -327,6 +327,7 @@ TEST_F(PipelineMpi, TwoStagesEverySchedule) {
   check_case({.schedule = S::kZBH1});
   check_case({.schedule = S::k1F1B, .M = 1});  // the naive pipeline
   check_case({.schedule = S::k1F1B, .M = 8, .partition = "uniform"});
+  check_case({.schedule = S::k1F1B, .layers = 3, .partition = "time"});  // cut by measured time
   check_case({.schedule = S::k1F1B, .checkpointing = true});
   check_case({.schedule = S::kZBH1, .checkpointing = true});
   check_case({.schedule = S::k2BW});
