@@ -198,6 +198,75 @@ TEST(PipelineSchedule, UnbalancedLastStageBubble) {
               3.0 / 11, 1e-12);
 }
 
+// with_transfers on every rank: each receive pairs with exactly one send of the neighbouring
+// virtual stage (activations from v−1, gradients from v+1), and comes before the pass it feeds.
+TEST(PipelineSchedule, TransfersPairUp) {
+  for (PipelineSchedule s : kAll)
+    for (const PipelineShape& shape : shapes_for(s)) {
+      const int P = shape.stages, V = shape.virtual_stages;
+      SCOPED_TRACE(fmt::format("{} P {} M {} V {}", to_string(s), P, shape.micro_batches, V));
+      // (micro-batch, receiving virtual stage) → how many receives / sends.
+      std::map<std::pair<int, int>, int> recv_act, send_act, recv_grad, send_grad;
+      for (int r = 0; r < P; ++r) {
+        const auto all = with_transfers(pipeline_compute_actions(s, shape, r), shape, r);
+        std::set<std::pair<int, int>> got_act, got_grad;  // received so far: (m, v)
+        for (const PipelineAction& a : all) {
+          const int v = virtual_stage(shape, r, a.chunk);
+          ASSERT_GE(a.chunk, 0);
+          ASSERT_LT(a.chunk, V);
+          const std::pair<int, int> key{a.micro_batch, v};
+          switch (a.type) {
+            case ActionType::kRecvActivation:
+              EXPECT_GT(v, 0);
+              ++recv_act[key];
+              got_act.insert(key);
+              break;
+            case ActionType::kSendActivation:  // to v+1 = the rank (v+1) mod P
+              ++send_act[{a.micro_batch, v + 1}];
+              break;
+            case ActionType::kRecvGradient:
+              EXPECT_LT(v, P * V - 1);
+              ++recv_grad[key];
+              got_grad.insert(key);
+              break;
+            case ActionType::kSendGradient:  // to v−1
+              ++send_grad[{a.micro_batch, v - 1}];
+              break;
+            case ActionType::kForward:
+              if (v > 0) {
+                EXPECT_TRUE(got_act.count(key)) << "F" << a.micro_batch << " of v " << v;
+              }
+              break;
+            case ActionType::kBackward:
+            case ActionType::kBackwardInput:
+              if (v < P * V - 1) {
+                EXPECT_TRUE(got_grad.count(key)) << "B" << a.micro_batch << " of v " << v;
+              }
+              break;
+            default:
+              break;
+          }
+        }
+      }
+      // Every receive has exactly one send and every send exactly one receive, for every
+      // micro-batch at every virtual stage boundary.
+      EXPECT_EQ(recv_act, send_act);
+      EXPECT_EQ(recv_grad, send_grad);
+      for (int m = 0; m < shape.micro_batches; ++m)
+        for (int v = 0; v < P * V; ++v) {
+          const int want_act = v > 0 ? 1 : 0, want_grad = v < P * V - 1 ? 1 : 0;
+          const auto count = [&](const std::map<std::pair<int, int>, int>& c) {
+            const auto it = c.find({m, v});
+            return it == c.end() ? 0 : it->second;
+          };
+          EXPECT_EQ(count(recv_act), want_act) << "m " << m << " v " << v;
+          EXPECT_EQ(count(send_act), want_act) << "m " << m << " v " << v;
+          EXPECT_EQ(count(recv_grad), want_grad) << "m " << m << " v " << v;
+          EXPECT_EQ(count(send_grad), want_grad) << "m " << m << " v " << v;
+        }
+    }
+}
+
 TEST(PipelineSchedule, PeakInFlightActivations) {
   for (int P : {2, 3, 4})
     for (int M : {1, 4, 9}) {
