@@ -6,6 +6,8 @@
 #include <map>
 #include <set>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "parallel/pipeline/simulator.h"
@@ -125,6 +127,144 @@ TEST(PipelineSchedule, BubbleFractions) {
   // The naive pipeline (one micro-batch): each stage works 1/P of the time (25% for 4 stages).
   const PipelineTimeline naive = simulate_pipeline(PipelineSchedule::kGPipe, {4, 1, 1}, {1, 1, 1});
   for (int r = 0; r < 4; ++r) EXPECT_NEAR(naive.utilization(r), 0.25, 1e-12);
+}
+
+// Per-virtual-stage op times all equal to `times`: exactly the single-times simulation.
+TEST(PipelineSchedule, PerStageTimesEqualToOneTimesSimulateTheSame) {
+  const PipelineOpTimes times{1, 1.5, 0.5};
+  for (PipelineSchedule s : kAll)
+    for (const PipelineShape& shape : shapes_for(s)) {
+      const PipelineTimeline one = simulate_pipeline(s, shape, times);
+      const PipelineTimeline each =
+          simulate_pipeline(s, shape,
+                            std::vector<PipelineOpTimes>(
+                                static_cast<size_t>(shape.stages * shape.virtual_stages), times));
+      ASSERT_EQ(each.entries.size(), one.entries.size()) << to_string(s);
+      for (size_t i = 0; i < one.entries.size(); ++i) {
+        EXPECT_EQ(each.entries[i].rank, one.entries[i].rank);
+        EXPECT_EQ(each.entries[i].action, one.entries[i].action);
+        EXPECT_EQ(each.entries[i].start, one.entries[i].start);
+        EXPECT_EQ(each.entries[i].end, one.entries[i].end);
+      }
+      EXPECT_EQ(each.makespan, one.makespan);
+      EXPECT_EQ(each.busy, one.busy);
+      EXPECT_EQ(each.peak_in_flight, one.peak_in_flight);
+    }
+  // The wrong number of op times is named.
+  try {
+    simulate_pipeline(PipelineSchedule::kInterleaved, {4, 8, 2}, std::vector<PipelineOpTimes>(4));
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_CONTAINS(e.what(), "4 op times given for 8 virtual stages");
+  }
+}
+
+// Unbalanced stages: stages 0..P−2 take F and B (the fused backward) per micro-batch, the last
+// k·F and k·B, k ≥ 1 (GPT-2's last stage holds the LM head). The last stage is the bottleneck
+// and, once its first input arrives, never waits, in GPipe as in 1F1B:
+//   - its first forward can start after the P−1 forwards upstream: (P−1)·F;
+//   - it then computes M·k·(F+B) without a gap (GPipe: upstream forwards arrive every F ≤ k·F;
+//     1F1B: stage P−2 sends the forward of micro-batch m+1 at most B+F after receiving the
+//     gradient of m−1, while the last stage spends k·(F+B) ≥ F+B on F(m), B(m) in between);
+//   - the last gradient then crosses the P−1 stages upstream: (P−1)·B (each stage finished its
+//     previous backward long before, the last stage's being k·(F+B) ≥ B apart).
+// So makespan = (P−1)(F+B) + M·k·(F+B), busy = M(F+B)(P−1+k) over all stages, and
+//   bubble = 1 − M(P−1+k) / (P·(P−1+M·k))
+// (k = 1: (P−1)/(M+P−1), the balanced formula). P = 4, M = 8, k = 3: 1 − 48/108 = 55.6%.
+TEST(PipelineSchedule, UnbalancedLastStageBubble) {
+  const double F = 1, B = 2;
+  for (const double k : {1.0, 3.0, 4.5})
+    for (int P = 2; P <= 5; ++P)
+      for (int M = 1; M <= 12; ++M) {
+        std::vector<PipelineOpTimes> times(static_cast<size_t>(P), PipelineOpTimes{F, B, 0});
+        times.back() = {k * F, k * B, 0};
+        const double makespan = (P - 1) * (F + B) + M * k * (F + B);
+        const double bubble = 1.0 - M * (P - 1 + k) / (P * (P - 1 + M * k));
+        for (PipelineSchedule s : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+          const PipelineTimeline t = simulate_pipeline(s, {P, M, 1}, times);
+          EXPECT_NEAR(t.makespan, makespan, 1e-9) << to_string(s) << " P " << P << " M " << M;
+          EXPECT_NEAR(t.bubble_fraction(), bubble, 1e-12)
+              << to_string(s) << " P " << P << " M " << M << " k " << k;
+          EXPECT_NEAR(t.utilization(P - 1), M * k * (F + B) / makespan, 1e-12);
+        }
+      }
+  // The example in the comment, and the mean op times' (wrong) prediction for it: averaging the
+  // stages to F = 1.5, B = 3 predicts the balanced 27.3%.
+  std::vector<PipelineOpTimes> times(4, PipelineOpTimes{1, 2, 0});
+  times.back() = {3, 6, 0};
+  EXPECT_NEAR(simulate_pipeline(PipelineSchedule::k1F1B, {4, 8, 1}, times).bubble_fraction(),
+              1 - 48.0 / 108, 1e-12);
+  EXPECT_NEAR(simulate_pipeline(PipelineSchedule::k1F1B, {4, 8, 1}, {1.5, 3, 0}).bubble_fraction(),
+              3.0 / 11, 1e-12);
+}
+
+// with_transfers on every rank: each receive pairs with exactly one send of the neighbouring
+// virtual stage (activations from v−1, gradients from v+1), and comes before the pass it feeds.
+TEST(PipelineSchedule, TransfersPairUp) {
+  for (PipelineSchedule s : kAll)
+    for (const PipelineShape& shape : shapes_for(s)) {
+      const int P = shape.stages, V = shape.virtual_stages;
+      SCOPED_TRACE(fmt::format("{} P {} M {} V {}", to_string(s), P, shape.micro_batches, V));
+      // (micro-batch, receiving virtual stage) → how many receives / sends.
+      std::map<std::pair<int, int>, int> recv_act, send_act, recv_grad, send_grad;
+      for (int r = 0; r < P; ++r) {
+        const auto all = with_transfers(pipeline_compute_actions(s, shape, r), shape, r);
+        std::set<std::pair<int, int>> got_act, got_grad;  // received so far: (m, v)
+        for (const PipelineAction& a : all) {
+          const int v = virtual_stage(shape, r, a.chunk);
+          ASSERT_GE(a.chunk, 0);
+          ASSERT_LT(a.chunk, V);
+          const std::pair<int, int> key{a.micro_batch, v};
+          switch (a.type) {
+            case ActionType::kRecvActivation:
+              EXPECT_GT(v, 0);
+              ++recv_act[key];
+              got_act.insert(key);
+              break;
+            case ActionType::kSendActivation:  // to v+1 = the rank (v+1) mod P
+              ++send_act[{a.micro_batch, v + 1}];
+              break;
+            case ActionType::kRecvGradient:
+              EXPECT_LT(v, P * V - 1);
+              ++recv_grad[key];
+              got_grad.insert(key);
+              break;
+            case ActionType::kSendGradient:  // to v−1
+              ++send_grad[{a.micro_batch, v - 1}];
+              break;
+            case ActionType::kForward:
+              if (v > 0) {
+                EXPECT_TRUE(got_act.count(key)) << "F" << a.micro_batch << " of v " << v;
+              }
+              break;
+            case ActionType::kBackward:
+            case ActionType::kBackwardInput:
+              if (v < P * V - 1) {
+                EXPECT_TRUE(got_grad.count(key)) << "B" << a.micro_batch << " of v " << v;
+              }
+              break;
+            default:
+              break;
+          }
+        }
+      }
+      // Every receive has exactly one send and every send exactly one receive, for every
+      // micro-batch at every virtual stage boundary.
+      EXPECT_EQ(recv_act, send_act);
+      EXPECT_EQ(recv_grad, send_grad);
+      for (int m = 0; m < shape.micro_batches; ++m)
+        for (int v = 0; v < P * V; ++v) {
+          const int want_act = v > 0 ? 1 : 0, want_grad = v < P * V - 1 ? 1 : 0;
+          const auto count = [&](const std::map<std::pair<int, int>, int>& c) {
+            const auto it = c.find({m, v});
+            return it == c.end() ? 0 : it->second;
+          };
+          EXPECT_EQ(count(recv_act), want_act) << "m " << m << " v " << v;
+          EXPECT_EQ(count(send_act), want_act) << "m " << m << " v " << v;
+          EXPECT_EQ(count(recv_grad), want_grad) << "m " << m << " v " << v;
+          EXPECT_EQ(count(send_grad), want_grad) << "m " << m << " v " << v;
+        }
+    }
 }
 
 TEST(PipelineSchedule, PeakInFlightActivations) {

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "comm/launch.h"
 #include "core/error.h"
@@ -62,22 +63,37 @@ std::vector<std::vector<MeasuredAction>> synthesize(const PipelineTimeline& t) {
 struct Case {
   PipelineSchedule schedule;
   PipelineShape shape;
-  PipelineOpTimes times;
+  std::vector<PipelineOpTimes> times;  ///< per virtual stage; one entry: every stage's
+  /// The op times of virtual stage v.
+  PipelineOpTimes at(size_t v) const { return times.size() == 1 ? times[0] : times[v]; }
+  std::vector<PipelineOpTimes> per_stage() const {
+    std::vector<PipelineOpTimes> out;
+    for (size_t v = 0; v < static_cast<size_t>(shape.stages * shape.virtual_stages); ++v)
+      out.push_back(at(v));
+    return out;
+  }
 };
 
 const Case kCases[] = {
-    {PipelineSchedule::kGPipe, {4, 8, 1}, {1, 2, 0}},
-    {PipelineSchedule::k1F1B, {4, 8, 1}, {1, 2, 0}},
-    {PipelineSchedule::kInterleaved, {4, 8, 2}, {0.5, 1, 0}},
-    {PipelineSchedule::kZBH1, {4, 8, 1}, {1, 1, 1}},
-    {PipelineSchedule::k2BW, {3, 5, 1}, {1, 1.5, 0.5}},
-    {PipelineSchedule::k1F1B, {1, 3, 1}, {1, 2, 0}},
+    {PipelineSchedule::kGPipe, {4, 8, 1}, {{1, 2, 0}}},
+    {PipelineSchedule::k1F1B, {4, 8, 1}, {{1, 2, 0}}},
+    {PipelineSchedule::kInterleaved, {4, 8, 2}, {{0.5, 1, 0}}},
+    {PipelineSchedule::kZBH1, {4, 8, 1}, {{1, 1, 1}}},
+    {PipelineSchedule::k2BW, {3, 5, 1}, {{1, 1.5, 0.5}}},
+    {PipelineSchedule::k1F1B, {1, 3, 1}, {{1, 2, 0}}},
+    // Unbalanced stages (the last holds the LM head): the prediction must use each stage's times.
+    {PipelineSchedule::k1F1B, {4, 8, 1}, {{1, 2, 0}, {1, 2, 0}, {1, 2, 0}, {3, 6, 0}}},
+    {PipelineSchedule::kGPipe, {3, 6, 1}, {{1, 2, 0}, {1.5, 2.5, 0}, {4, 8, 0}}},
+    {PipelineSchedule::kZBH1, {4, 8, 1}, {{1, 1, 1}, {1, 1, 1}, {2, 1.5, 1}, {3, 3, 2}}},
+    {PipelineSchedule::kInterleaved,
+     {2, 4, 2},
+     {{0.5, 1, 0}, {0.25, 0.5, 0}, {0.75, 1.5, 0}, {2, 3, 0}}},
 };
 
 TEST(PipelineTrace, MergedTimelineIsTheSimulatedOne) {
   for (const Case& c : kCases) {
     SCOPED_TRACE(to_string(c.schedule) + " P " + std::to_string(c.shape.stages));
-    const PipelineTimeline sim = simulate_pipeline(c.schedule, c.shape, c.times);
+    const PipelineTimeline sim = simulate_pipeline(c.schedule, c.shape, c.per_stage());
     const auto recorded = synthesize(sim);
     const fs::path dir = make_temp_dir("pipeline_trace") / "nested" / "trace";
     double recv_wait = 0;
@@ -107,17 +123,32 @@ TEST(PipelineTrace, MergedTimelineIsTheSimulatedOne) {
     EXPECT_EQ(m.measured.peak_in_flight, sim.peak_in_flight);
     EXPECT_NEAR(m.recv_wait_seconds, recv_wait, 1e-12);
 
-    // Mean op times: the fused backward whole unless the schedule splits it.
-    EXPECT_NEAR(m.mean_times.forward, kScale * c.times.forward, 1e-12);
-    if (c.schedule == PipelineSchedule::kZBH1) {
-      EXPECT_NEAR(m.mean_times.backward_input, kScale * c.times.backward_input, 1e-12);
-      EXPECT_NEAR(m.mean_times.backward_weight, kScale * c.times.backward_weight, 1e-12);
-    } else {
-      EXPECT_NEAR(m.mean_times.backward_input,
-                  kScale * (c.times.backward_input + c.times.backward_weight), 1e-12);
-      EXPECT_EQ(m.mean_times.backward_weight, 0);
+    // Mean op times of each virtual stage, and over all (every virtual stage runs M of each
+    // pass, so the overall mean is the mean of the stages'): the fused backward whole unless the
+    // schedule splits it.
+    const size_t V = c.per_stage().size();
+    ASSERT_EQ(m.stage_mean_times.size(), V);
+    PipelineOpTimes all{0, 0, 0};
+    const auto expect_times = [&](const PipelineOpTimes& got, const PipelineOpTimes& want) {
+      EXPECT_NEAR(got.forward, kScale * want.forward, 1e-12);
+      if (c.schedule == PipelineSchedule::kZBH1) {
+        EXPECT_NEAR(got.backward_input, kScale * want.backward_input, 1e-12);
+        EXPECT_NEAR(got.backward_weight, kScale * want.backward_weight, 1e-12);
+      } else {
+        EXPECT_NEAR(got.backward_input, kScale * (want.backward_input + want.backward_weight),
+                    1e-12);
+        EXPECT_EQ(got.backward_weight, 0);
+      }
+    };
+    for (size_t v = 0; v < V; ++v) {
+      SCOPED_TRACE("virtual stage " + std::to_string(v));
+      expect_times(m.stage_mean_times[v], c.at(v));
+      all.forward += c.at(v).forward / static_cast<double>(V);
+      all.backward_input += c.at(v).backward_input / static_cast<double>(V);
+      all.backward_weight += c.at(v).backward_weight / static_cast<double>(V);
     }
-    // ... for which the simulator predicts the same step.
+    expect_times(m.mean_times, all);
+    // ... for which the simulator predicts the same step, unbalanced stages included.
     EXPECT_NEAR(m.predicted_bubble, sim.bubble_fraction(), 1e-9);
     EXPECT_NEAR(m.predicted.makespan, kScale * sim.makespan, 1e-12);
     EXPECT_EQ(m.predicted.peak_in_flight, sim.peak_in_flight);
@@ -155,12 +186,22 @@ TEST(PipelineTrace, MergedTimelineIsTheSimulatedOne) {
     for (const fs::path& f : m.files) EXPECT_TRUE(fs::exists(f)) << f;
     EXPECT_GE(m.files.size(), 3u);
     const std::string summary = format_measured_summary(m);
-    EXPECT_CONTAINS(summary, fmt::format("measured bubble {:.1f}%", 100 * sim.bubble_fraction()));
+    EXPECT_CONTAINS(summary,
+                    fmt::format("measured bubble {:.1f}% (simulator, for the measured op times of "
+                                "each stage: {:.1f}%)",
+                                100 * sim.bubble_fraction(), 100 * sim.bubble_fraction()));
     EXPECT_CONTAINS(summary, "recv wait");
-    EXPECT_CONTAINS(summary, fmt::format("stage {:>2}", c.shape.stages - 1));
-    if (c.schedule == PipelineSchedule::kZBH1) {
-      EXPECT_CONTAINS(summary, "W 1 ms");
-    }
+    // Each stage's line shows its own op times (per chunk when interleaved).
+    const PipelineOpTimes last = c.at(static_cast<size_t>(c.shape.stages - 1));
+    const std::string last_times =
+        c.schedule == PipelineSchedule::kZBH1
+            ? fmt::format("F {:g} ms, B {:g} ms, W {:g} ms", last.forward, last.backward_input,
+                          last.backward_weight)
+            : fmt::format("F {:g} ms, B {:g} ms", last.forward,
+                          last.backward_input + last.backward_weight);
+    EXPECT_CONTAINS(summary,
+                    fmt::format("stage {:>2}: {}{}", c.shape.stages - 1,
+                                c.shape.virtual_stages > 1 ? "chunk a: " : "", last_times));
     fs::remove_all(dir.parent_path().parent_path());
   }
 }

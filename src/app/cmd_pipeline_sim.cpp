@@ -24,11 +24,15 @@ struct SimFlags {
   int virtual_stages = 1;
   std::string schedule = "1f1b";
   std::string times = "1,2,0";
+  std::string stage_times;  ///< "F,B[,W];F,B[,W];…": one group per virtual stage (empty: --times)
   std::string output;
 };
 
 /// "F,B" or "F,B,W" (op times of one micro-batch through one stage; B alone when W is absent).
-PipelineOpTimes parse_times(const std::string& text) {
+/// `flag` and `whole` name what the user gave, for the errors.
+PipelineOpTimes parse_times(const std::string& text, const std::string& flag = "--times",
+                            const std::string& whole = "") {
+  const std::string given = whole.empty() ? text : fmt::format("{} (group '{}')", whole, text);
   std::vector<double> v;
   std::stringstream in(text);
   std::string item;
@@ -39,32 +43,63 @@ PipelineOpTimes parse_times(const std::string& text) {
       if (used != item.size()) throw std::invalid_argument(item);
     } catch (const std::exception&) {
       throw ConfigError(
-          fmt::format("--times {}: '{}' is not a number; give F,B or F,B,W (e.g. "
+          fmt::format("{} {}: '{}' is not a number; give F,B or F,B,W (e.g. "
                       "1,2 or 1,1,1)",
-                      text, item));
+                      flag, given, item));
     }
   }
   check<ConfigError>(
       (v.size() == 2 || v.size() == 3) && v[0] > 0 && v[1] > 0 && (v.size() == 2 || v[2] >= 0),
-      "--times {}: give F,B or F,B,W with F, B > 0 and W >= 0 (e.g. 1,2 or 1,1,1)", text);
+      "{} {}: give F,B or F,B,W with F, B > 0 and W >= 0 (e.g. 1,2 or 1,1,1)", flag, given);
   return {v[0], v[1], v.size() == 3 ? v[2] : 0.0};
+}
+
+/// "F,B[,W];F,B[,W];…": one group per virtual stage v = c·P + r, `count` (P·V) groups.
+std::vector<PipelineOpTimes> parse_stage_times(const std::string& text, const PipelineShape& s) {
+  std::vector<PipelineOpTimes> out;
+  std::stringstream in(text);
+  std::string group;
+  while (std::getline(in, group, ';')) out.push_back(parse_times(group, "--stage-times", text));
+  const int expected = s.stages * s.virtual_stages;
+  check<ConfigError>(
+      out.size() == static_cast<size_t>(expected),
+      "--stage-times {}: {} groups given, {} expected — one F,B[,W] per virtual stage ({} stages "
+      "× {} virtual stages), separated by ';', in the order v = chunk·P + stage",
+      text, out.size(), expected, s.stages, s.virtual_stages);
+  return out;
 }
 
 void run_sim(const SimFlags& f) {
   const PipelineSchedule schedule = parse_pipeline_schedule(f.schedule);
-  PipelineOpTimes times = parse_times(f.times);
-  // Schedules without a split backward run B+W as one pass: "1,2,0" and "1,1,1" mean the same.
-  if (schedule == PipelineSchedule::kZBH1 && times.backward_weight == 0)
-    throw ConfigError(
-        fmt::format("zb-h1 splits the backward into B and W: give --times F,B,W "
-                    "with W > 0 (got {})",
-                    f.times));
   const PipelineShape shape{f.stages, f.micro_batches, f.virtual_stages};
+  check_pipeline_shape(schedule, shape);
+  const bool per_stage = !f.stage_times.empty();
+  const std::vector<PipelineOpTimes> times =
+      per_stage
+          ? parse_stage_times(f.stage_times, shape)
+          : std::vector<PipelineOpTimes>(static_cast<size_t>(shape.stages * shape.virtual_stages),
+                                         parse_times(f.times));
+  // Schedules without a split backward run B+W as one pass: "1,2,0" and "1,1,1" mean the same.
+  for (const PipelineOpTimes& t : times)
+    if (schedule == PipelineSchedule::kZBH1 && t.backward_weight == 0)
+      throw ConfigError(fmt::format(
+          "zb-h1 splits the backward into B and W: give {} F,B,W with W > 0 (got {})",
+          per_stage ? "--stage-times" : "--times", per_stage ? f.stage_times : f.times));
   const PipelineTimeline t = simulate_pipeline(schedule, shape, times);
-  double unit = times.forward;
-  for (double d : {times.backward_input, times.backward_weight})
-    if (d > 0) unit = std::min(unit, d);
+  double unit = times.front().forward;
+  for (const PipelineOpTimes& o : times)
+    for (double d : {o.forward, o.backward_input, o.backward_weight})
+      if (d > 0) unit = std::min(unit, d);
   fmt::print("{}\n{}", format_timeline_text(t, unit), format_timeline_summary(t));
+  if (per_stage) {
+    std::string line = "  op times per virtual stage (F, B[, W]):";
+    for (size_t v = 0; v < times.size(); ++v)
+      line += fmt::format(
+          "{} {}: {:g}, {:g}{}", v ? " |" : "", v, times[v].forward, times[v].backward_input,
+          times[v].backward_weight > 0 ? fmt::format(", {:g}", times[v].backward_weight)
+                                       : std::string());
+    fmt::print("{}\n", line);
+  }
   if (!f.output.empty()) {
     write_file_atomic(
         f.output,
@@ -96,9 +131,15 @@ void register_pipeline_sim_command(CLI::App& app) {
                   "gpipe | 1f1b | interleaved-1f1b | zb-h1 | 2bw (default 1f1b)");
   cmd->add_option("--virtual-stages", f->virtual_stages,
                   "model chunks per stage V (interleaved-1f1b; default 1)");
-  cmd->add_option("--times", f->times,
-                  "op times F,B[,W] of one micro-batch through one stage (default 1,2,0: "
-                  "backward twice the forward)");
+  CLI::Option* times =
+      cmd->add_option("--times", f->times,
+                      "op times F,B[,W] of one micro-batch through one stage, the same for every "
+                      "stage (default 1,2,0: backward twice the forward)");
+  cmd->add_option("--stage-times", f->stage_times,
+                  "op times per virtual stage for unbalanced stages: one F,B[,W] group per "
+                  "virtual stage v = chunk·P + stage, P·V groups separated by ';' (e.g. "
+                  "\"1,2;1,2;1,2;3,6\": the last of 4 stages 3x slower); instead of --times")
+      ->excludes(times);
   cmd->add_option("--output", f->output,
                   "write the timeline picture as SVG (and a .png beside it when rsvg-convert or "
                   "ImageMagick is installed)");

@@ -117,7 +117,20 @@ double PipelineTimeline::utilization(int rank) const {
 
 PipelineTimeline simulate_pipeline(PipelineSchedule schedule, const PipelineShape& s,
                                    const PipelineOpTimes& times) {
+  check_pipeline_shape(schedule, s);
+  return simulate_pipeline(
+      schedule, s,
+      std::vector<PipelineOpTimes>(static_cast<size_t>(s.stages * s.virtual_stages), times));
+}
+
+PipelineTimeline simulate_pipeline(PipelineSchedule schedule, const PipelineShape& s,
+                                   const std::vector<PipelineOpTimes>& per_virtual_stage) {
+  check_pipeline_shape(schedule, s);
   const int P = s.stages, last = s.stages * s.virtual_stages - 1;
+  check<ConfigError>(per_virtual_stage.size() == static_cast<size_t>(last + 1),
+                     "pipeline simulation: {} op times given for {} virtual stages ({} stages × "
+                     "{} chunks): give one F,B[,W] per virtual stage",
+                     per_virtual_stage.size(), last + 1, s.stages, s.virtual_stages);
   std::vector<std::vector<PipelineAction>> actions(static_cast<size_t>(P));
   for (int r = 0; r < P; ++r)
     actions[static_cast<size_t>(r)] = pipeline_compute_actions(schedule, s, r);
@@ -149,7 +162,7 @@ PipelineTimeline simulate_pipeline(PipelineSchedule schedule, const PipelineShap
           ready = it->second;
         }
         TimelineEntry e{r, a, std::max(ready, free_at[static_cast<size_t>(r)]), 0};
-        e.end = e.start + duration(a.type, times);
+        e.end = e.start + duration(a.type, per_virtual_stage[static_cast<size_t>(v)]);
         free_at[static_cast<size_t>(r)] = e.end;
         done[{kind, a.micro_batch, v}] = e.end;
         t.entries.push_back(e);

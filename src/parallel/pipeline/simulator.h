@@ -56,8 +56,16 @@ void finish_timeline(PipelineTimeline& t);
 /// the chunk as a suffix letter when interleaved ("F3a", "B3b").
 std::string action_label(const PipelineShape& s, const PipelineAction& a);
 
-/// Simulates one optimizer step of `schedule` on `shape` with `times`. Throws RuntimeFailure if
-/// the schedule deadlocks (no rank can proceed) and ConfigError for invalid shapes.
+/// Simulates one optimizer step of `schedule` on `shape` with the op times of each virtual stage:
+/// `per_virtual_stage[v]` are the times of a pass through virtual stage v = c·P + r (model chunk c
+/// on rank r, schedule.h), P·V entries — real stages are rarely balanced (GPT-2's last stage
+/// holds the LM head), and the slowest stage sets the pace. Throws ConfigError for invalid shapes
+/// or when `per_virtual_stage` does not have P·V entries, and RuntimeFailure if the schedule
+/// deadlocks (no rank can proceed).
+PipelineTimeline simulate_pipeline(PipelineSchedule schedule, const PipelineShape& shape,
+                                   const std::vector<PipelineOpTimes>& per_virtual_stage);
+
+/// The same with `times` for every virtual stage (balanced stages).
 PipelineTimeline simulate_pipeline(PipelineSchedule schedule, const PipelineShape& shape,
                                    const PipelineOpTimes& times);
 

@@ -14,6 +14,7 @@
 //   trace.json         Chrome trace (Trace Event Format) of every recorded action
 //   timeline.svg/.png  the measured compute timeline (PNG when a renderer is found,
 //   io/render_png.h) predicted.svg/.png the simulator's timeline for the measured mean op times
+//   of each virtual stage
 #pragma once
 
 #include <filesystem>
@@ -47,12 +48,15 @@ struct MeasuredPipeline {
   /// all stages is 0 (work before the first forward, e.g. loading micro-batches, is not bubble);
   /// busy = compute durations, peak in-flight as the simulator counts it (finish_timeline).
   PipelineTimeline measured;
-  /// Means over all stages and chunks of the measured compute durations, in seconds: forward;
-  /// backward_input = the fused backward and backward_weight = 0 for schedules without a split
-  /// backward; zb-h1: the means of B and of W.
+  /// Per virtual stage v = c·P + r (P·V entries): the means of its measured compute durations, in
+  /// seconds: forward; backward_input = the fused backward and backward_weight = 0 for schedules
+  /// without a split backward; zb-h1: the means of B and of W. Stages are rarely balanced
+  /// (GPT-2's last holds the LM head), so the prediction uses these.
+  std::vector<PipelineOpTimes> stage_mean_times;
+  /// The same means over all stages and chunks (shown in the summary; not used to predict).
   PipelineOpTimes mean_times;
-  /// simulate_pipeline(schedule, shape, mean_times): what the step would take if every pass took
-  /// the mean time and transfers none.
+  /// simulate_pipeline(schedule, shape, stage_mean_times): what the step would take if every pass
+  /// through a virtual stage took that stage's mean time and transfers none.
   PipelineTimeline predicted;
   double measured_bubble = 0, predicted_bubble = 0;  ///< bubble_fraction() of the two
   double recv_wait_seconds = 0;                      ///< all stages' receive waits together
@@ -73,10 +77,12 @@ struct MeasuredPipeline {
 MeasuredPipeline merge_pipeline_trace(const std::filesystem::path& dir, PipelineSchedule schedule,
                                       const PipelineShape& shape);
 
-/// The summary lines: the measured bubble next to the simulator's for the measured op times,
-/// step time measured and predicted, the receive waits, and per stage its utilization (measured
+/// The summary lines: the measured bubble next to the simulator's for the measured op times of
+/// each stage, step time measured and predicted, the receive waits, the mean op times over all
+/// stages, and per stage its mean op times (per chunk when interleaved), utilization (measured
 /// and predicted), receive wait and peak in-flight activations. E.g.
-///   measured bubble 31.2% (simulator, for the measured op times F 4.1 ms, B 8.3 ms: 29.8%) | ...
+///   measured bubble 68.1% (simulator, for the measured op times of each stage: 66.9%) | ...
+///     stage  3: F 20.5 ms, B 41.2 ms | utilization  97.0% (simulated  98.1%) | ...
 std::string format_measured_summary(const MeasuredPipeline& m);
 
 }  // namespace shardtrain
