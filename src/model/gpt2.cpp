@@ -179,7 +179,10 @@ void GPT2Model::forward_layers(int s, int first, int last) {
     const bool head = i == n - 1 && has_head();
     l.forward(backend_, sl.ctx, embed ? Tensor() : activation(s, i),
               head ? Tensor() : activation(s, i + 1));
-    if (hooks_) hooks_->after_forward(i);
+    if (hooks_) {
+      hooks_->after_forward(i);
+      hooks_->between_layers();
+    }
   }
 }
 
@@ -206,6 +209,7 @@ void GPT2Model::backward_layers(int s, int first, int last, BackwardPass pass) {
         break;
     }
     if (hooks) hooks_->after_backward(i);
+    if (hooks_) hooks_->between_layers();
   }
 }
 

@@ -41,6 +41,10 @@ class LayerHooks {
   virtual void after_forward(int /*layer*/) {}
   virtual void before_backward(int /*layer*/) {}
   virtual void after_backward(int /*layer*/) {}
+  /// After every layer of every pass, the input-gradient pass included: where a pipeline polls
+  /// its transfers in flight (MPI moves a large message only while its sender is inside an MPI
+  /// call, so a stage computing for long would otherwise hold its neighbour's data back).
+  virtual void between_layers() {}
 };
 
 class Layer {

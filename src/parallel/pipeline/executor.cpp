@@ -22,6 +22,7 @@ PipelineExecutor::PipelineExecutor(GPT2Model& model, Strategy& inner, Backend& b
       V_(virtual_stages),
       rank_(activations.rank()),
       chunks_(std::move(chunks)),
+      post_ahead_(backend.kind() == DeviceKind::kCPU),
       dwte_(dwte) {
   ST_ASSERT(static_cast<int>(chunks_.size()) == V_);
   model_.set_hooks(this);
@@ -44,6 +45,15 @@ void PipelineExecutor::after_backward(int layer) {
     add_tied_ = false;
   }
   inner_hooks_.after_backward(layer);
+}
+
+void PipelineExecutor::between_layers() {
+  for (auto& [key, s] : live_)
+    for (auto& w : s.sends) w->completed();
+  for (auto& s : done_)
+    for (auto& w : s.sends) w->completed();
+  for (auto& [key, w] : pending_recv_) w->completed();
+  for (auto& w : other_sends_) w->completed();
 }
 
 // ---- slots ------------------------------------------------------------------------------------
@@ -128,22 +138,26 @@ Tensor PipelineExecutor::receive_buffer(const Key& k) {
   return {};
 }
 
+bool PipelineExecutor::post_next(int peer, bool activations) {
+  auto [it, fresh] = expected_.try_emplace({peer, activations});
+  if (fresh) it->second = messages_from(peer, activations);
+  size_t& posted = posted_[{peer, activations}];
+  if (posted >= it->second.size()) return false;
+  const Key next = it->second[posted++];
+  pending_recv_[next] = comm_of(next.msg).recv(receive_buffer(next), peer);
+  return true;
+}
+
 void PipelineExecutor::receive(int peer, const Key& k) {
   const bool act = k.msg == Msg::kActivation;
-  auto [it, fresh] = expected_.try_emplace({peer, act});
-  if (fresh) it->second = messages_from(peer, act);
-  const std::vector<Key>& order = it->second;
-  size_t& posted = posted_[{peer, act}];
-  while (!pending_recv_.count(k)) {
-    check<RuntimeFailure>(posted < order.size(),
+  while (!pending_recv_.count(k))
+    check<RuntimeFailure>(post_next(peer, act),
                           "pipeline: rank {} expects a message rank {} never sends (schedule "
                           "mismatch between stages)",
                           rank_, peer);
-    const Key next = order[posted++];
-    pending_recv_[next] = comm_of(next.msg).recv(receive_buffer(next), peer);
-  }
   auto node = pending_recv_.extract(k);
   node.mapped()->wait();
+  if (post_ahead_) post_next(peer, act);
 }
 
 // ---- one step ----------------------------------------------------------------------------------
@@ -167,6 +181,13 @@ double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches,
       with_transfers(pipeline_compute_actions(schedule_, shape, rank_), shape, rank_);
   const int last_v = P_ * V_ - 1;
   const bool on_device = backend_.kind() != DeviceKind::kCPU;
+  // MPI (CPU): every neighbour's first message is awaited from the start (post_ahead_).
+  if (post_ahead_)
+    for (int peer : {(rank_ + P_ - 1) % P_, (rank_ + 1) % P_})
+      if (peer != rank_ && !expected_.count({peer, true})) {
+        post_next(peer, true);
+        post_next(peer, false);
+      }
   std::vector<int> weight_passes(static_cast<size_t>(V_), 0);
   double loss = 0;
   using Clock = std::chrono::steady_clock;

@@ -72,6 +72,8 @@ class PipelineExecutor : public LayerHooks {
   void after_forward(int layer) override { inner_hooks_.after_forward(layer); }
   void before_backward(int layer) override { inner_hooks_.before_backward(layer); }
   void after_backward(int layer) override;
+  /// Polls every send and receive in flight (progress for MPI's rendezvous transfers).
+  void between_layers() override;
 
  private:
   enum class Msg { kActivation, kGradient, kTiedGrad };
@@ -90,8 +92,11 @@ class PipelineExecutor : public LayerHooks {
   void reclaim();
   Tensor receive_buffer(const Key& k);
   /// Posts the receives from `peer` up to `k` (in the peer's send order on k's communicator),
-  /// then waits for `k`.
+  /// then waits for `k`; with post_ahead_, posts the peer's next message right away.
   void receive(int peer, const Key& k);
+  /// Posts the next receive from `peer` on the activations' (or gradients') communicator in the
+  /// peer's order; false when every one of the step is posted.
+  bool post_next(int peer, bool activations);
   /// The messages `peer` sends to this rank in one step on the communicator of `activations`
   /// (else of gradients and the tied gradient), in its order.
   std::vector<Key> messages_from(int peer, bool activations) const;
@@ -114,6 +119,11 @@ class PipelineExecutor : public LayerHooks {
   PipelineSchedule schedule_;
   int P_, V_, rank_;
   std::vector<ChunkLayers> chunks_;
+  /// CPU (MPI): keep the next receive from each neighbour posted, so that a large (rendezvous)
+  /// transfer proceeds while this rank computes. GPU: post receives when needed — NCCL runs a
+  /// communicator's operations in order on one stream, where an early receive would hold up this
+  /// rank's sends queued behind it.
+  bool post_ahead_;
   Tensor dwte_;           ///< last stage: the head's wte gradient (sent)
   FlatBuffer tied_grad_;  ///< first stage: the received wte gradient
   bool add_tied_ = false;
