@@ -95,43 +95,31 @@ CLI::Validator one_of(std::vector<std::string> values) {
       "");
 }
 
-CLI::Validator strategy_name() {
+/// A validator that accepts what `check` accepts, with its ConfigError's message otherwise.
+template <typename Check>
+CLI::Validator checked_by(Check check) {
   return CLI::Validator(
-      [](std::string& s) -> std::string {
+      [check](std::string& s) -> std::string {
         try {
-          parse_strategy(s);
+          check(s);
         } catch (const ConfigError& e) {
           return e.what();
         }
         return {};
       },
       "");
+}
+
+CLI::Validator strategy_name() {
+  return checked_by([](const std::string& s) { parse_strategy(s); });
 }
 
 CLI::Validator pipeline_schedule_name() {
-  return CLI::Validator(
-      [](std::string& s) -> std::string {
-        try {
-          parse_pipeline_schedule(s);
-        } catch (const ConfigError& e) {
-          return e.what();
-        }
-        return {};
-      },
-      "");
+  return checked_by([](const std::string& s) { parse_pipeline_schedule(s); });
 }
 
 CLI::Validator partition_method_name() {
-  return CLI::Validator(
-      [](std::string& s) -> std::string {
-        try {
-          check_partition_method(s);
-        } catch (const ConfigError& e) {
-          return e.what();
-        }
-        return {};
-      },
-      "");
+  return checked_by([](const std::string& s) { check_partition_method(s); });
 }
 
 std::string or_none(const std::string& s) { return s.empty() ? "none" : s; }

@@ -557,6 +557,19 @@ void PackedDataset::sample(int64_t i, int32_t* out) const {
   for (size_t k = 0; k < len; ++k) out[k] = static_cast<int32_t>(src[k]);
 }
 
+void PackedDataset::batch(int64_t first, int64_t count, std::vector<int32_t>& tokens,
+                          std::vector<int32_t>& targets) const {
+  const int64_t T = max_length_;
+  std::vector<int32_t> buf(static_cast<size_t>(T + 1));
+  tokens.resize(static_cast<size_t>(count * T));
+  targets.resize(static_cast<size_t>(count * T));
+  for (int64_t i = 0; i < count; ++i) {
+    sample(first + i, buf.data());
+    std::copy(buf.begin(), buf.end() - 1, tokens.begin() + i * T);
+    std::copy(buf.begin() + 1, buf.end(), targets.begin() + i * T);
+  }
+}
+
 // ---- distributed sampler -----------------------------------------------------------------------
 
 DistributedSampler::DistributedSampler(int64_t num_samples, int64_t micro_batch,

@@ -116,6 +116,10 @@ class PackedDataset {
   const std::string& name() const { return name_; }
   /// Writes sample `i`'s T+1 tokens as int32 to `out`.
   void sample(int64_t i, int32_t* out) const;
+  /// Samples [first, first + count) as model input: `tokens` and next-token `targets`, int32
+  /// [count · T] each, row-major (resized here).
+  void batch(int64_t first, int64_t count, std::vector<int32_t>& tokens,
+             std::vector<int32_t>& targets) const;
 
  private:
   std::vector<uint16_t> tokens_;

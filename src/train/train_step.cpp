@@ -34,6 +34,29 @@ PhaseTimes PhaseTimes::scaled(double f) const {
   return {forward * f, backward * f, reduce_wait * f, optimizer * f};
 }
 
+// ---- the end of a step, shared with the pipeline
+// ---------------------------------------------------
+
+void clip_and_update(StepResult& r, int64_t step, double lr, double clip, double mean_scale,
+                     LossScaler& scaler, const std::function<void(double)>& update) {
+  const bool overflow = !std::isfinite(r.grad_norm);
+  r.skipped = scaler.update(overflow);
+  if (r.skipped) return;
+  check<RuntimeFailure>(!overflow,
+                        "gradients became non-finite (norm {}) at step {} (learning rate "
+                        "{:g}): training diverged; lower --lr or raise --warmup-steps",
+                        r.grad_norm, step + 1, lr);
+  r.clip_coef = clip > 0 && r.grad_norm > clip ? clip / (r.grad_norm + 1e-6) : 1.0;
+  update(mean_scale * r.clip_coef);
+}
+
+void check_loss_finite(const StepResult& r, int64_t step, double lr) {
+  check<RuntimeFailure>(std::isfinite(r.loss),
+                        "loss became {} at step {} (learning rate {:g}): training diverged; "
+                        "lower --lr or raise --warmup-steps",
+                        r.loss, step + 1, lr);
+}
+
 // ---- TrainStep ----------------------------------------------------------------------------------
 
 TrainStep::TrainStep(GPT2Model& model, Strategy& strategy, Communicator& comm, Backend& backend,
@@ -77,17 +100,8 @@ StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batch
   // Gradients hold Σ over micro-steps and ranks of ∂(loss_scale · mean micro-batch loss)/∂θ.
   const double mean_scale = 1.0 / (static_cast<double>(accum * comm_.world_size()) * r.loss_scale);
   r.grad_norm = strategy_.grad_norm(mean_scale);
-  const bool overflow = !std::isfinite(r.grad_norm);
-  r.skipped = scaler_.update(overflow);
-  if (!r.skipped) {
-    check<RuntimeFailure>(!overflow,
-                          "gradients became non-finite (norm {}) at step {} (learning rate "
-                          "{:g}): training diverged; lower --lr or raise --warmup-steps",
-                          r.grad_norm, step + 1, lr);
-    const double clip = options_.gradient_clipping;
-    r.clip_coef = clip > 0 && r.grad_norm > clip ? clip / (r.grad_norm + 1e-6) : 1.0;
-    strategy_.step(lr, mean_scale * r.clip_coef);
-  }
+  clip_and_update(r, step, lr, options_.gradient_clipping, mean_scale, scaler_,
+                  [&](double grad_scale) { strategy_.step(lr, grad_scale); });
   if (clock_) clock_->mark();
   // The global batch's loss: every rank's micro-batches weigh equally (as in the gradient).
   double sum = loss;
@@ -95,10 +109,7 @@ StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batch
   r.loss = sum / static_cast<double>(accum * comm_.world_size());
   backend_.synchronize();
   if (clock_) r.phases = PhaseTimes::from_marks(clock_->intervals());  // no further wait
-  check<RuntimeFailure>(std::isfinite(r.loss),
-                        "loss became {} at step {} (learning rate {:g}): training diverged; "
-                        "lower --lr or raise --warmup-steps",
-                        r.loss, step + 1, lr);
+  check_loss_finite(r, step, lr);
   return r;
 }
 

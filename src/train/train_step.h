@@ -74,6 +74,17 @@ struct StepResult {
   std::optional<PhaseTimes> phases;
 };
 
+/// The end of a step whose gradients are complete and whose global gradient norm is in
+/// r.grad_norm (r.loss_scale: the fp16 scale they carry): the loss scaler's overflow check
+/// (r.skipped), clipping to `clip` (0 = off; r.clip_coef) and `update(mean_scale · clip
+/// coefficient)`. Shared by TrainStep and the pipeline (parallel/pipeline/pipeline_parallel.h).
+/// Throws RuntimeFailure when the gradients are non-finite without fp16 (training diverged),
+/// naming step + 1 and the learning rate.
+void clip_and_update(StepResult& r, int64_t step, double lr, double clip, double mean_scale,
+                     LossScaler& scaler, const std::function<void(double)>& update);
+/// Throws RuntimeFailure when r.loss is not finite (training diverged), naming the step.
+void check_loss_finite(const StepResult& r, int64_t step, double lr);
+
 class TrainStep {
  public:
   /// All references must outlive the TrainStep. `strategy` must be set up on `model` already.

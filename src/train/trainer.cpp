@@ -324,20 +324,13 @@ Evaluation evaluate(GPT2Model& model, const PackedDataset& data, int64_t batch,
   Evaluation ev;
   const auto t0 = Clock::now();
   const int64_t T = data.max_length();
-  std::vector<int32_t> buf(static_cast<size_t>(T + 1));
   std::vector<int32_t> tokens, targets;
   double totals[2] = {0, 0};  // Σ per-sample mean losses, samples
   for (const FlatRange& range : even_split(data.size(), comm.world_size(), comm.rank())) {
     const int64_t end = range.offset + range.numel;
     for (int64_t start = range.offset; start < end; start += batch) {
       const int64_t b = std::min(batch, end - start);
-      tokens.resize(static_cast<size_t>(b * T));
-      targets.resize(static_cast<size_t>(b * T));
-      for (int64_t i = 0; i < b; ++i) {
-        data.sample(start + i, buf.data());
-        std::copy(buf.begin(), buf.end() - 1, tokens.begin() + i * T);
-        std::copy(buf.begin() + 1, buf.end(), targets.begin() + i * T);
-      }
+      data.batch(start, b, tokens, targets);
       totals[0] +=
           model.forward(tokens.data(), targets.data(), b, T, 1.0f, false) * static_cast<double>(b);
       totals[1] += static_cast<double>(b);

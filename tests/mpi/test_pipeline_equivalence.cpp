@@ -37,6 +37,7 @@
 #include "core/rng.h"
 #include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
+#include "mpi_test_support.h"
 #include "optim/loss_scaler.h"
 #include "parallel/pipeline/pipeline_parallel.h"
 #include "parallel/strategy.h"
@@ -206,15 +207,7 @@ class PipelineMpi : public ::testing::Test {
  protected:
   void SetUp() override {
     comm = st::make_mpi_communicator();
-    char name[256] = {};
-    if (comm->rank() == 0) {
-      const std::string d =
-          (fs::temp_directory_path() / fmt::format("shardtrain_pipeline_mpi_{}", ::getpid()))
-              .string();
-      std::snprintf(name, sizeof name, "%s", d.c_str());
-    }
-    MPI_Bcast(name, sizeof name, MPI_CHAR, 0, MPI_COMM_WORLD);
-    dir = name;
+    dir = st::test_support::job_temp_dir("shardtrain_pipeline_mpi");
   }
   void TearDown() override {
     comm->barrier();

@@ -20,6 +20,7 @@
 #include "io/checkpoint.h"
 #include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
+#include "mpi_test_support.h"
 #include "parallel/strategy.h"
 
 namespace st = shardtrain;
@@ -63,16 +64,7 @@ class ShardedCheckpointMpi : public ::testing::Test {
  protected:
   void SetUp() override {
     comm = st::make_mpi_communicator();
-    // One directory for the job: rank 0's name, broadcast.
-    char name[256] = {};
-    if (comm->rank() == 0) {
-      const std::string d =
-          (fs::temp_directory_path() / fmt::format("shardtrain_sharded_mpi_{}", ::getpid()))
-              .string();
-      std::snprintf(name, sizeof name, "%s", d.c_str());
-    }
-    MPI_Bcast(name, sizeof name, MPI_CHAR, 0, MPI_COMM_WORLD);
-    dir = name;
+    dir = st::test_support::job_temp_dir("shardtrain_sharded_mpi");
   }
   void TearDown() override {
     comm->barrier();

@@ -4,18 +4,15 @@
 #include <limits>
 
 #include "core/error.h"
-#include "core/strings.h"
+#include "io/config.h"
 
 namespace shardtrain {
 
 PartitionMethod parse_partition_method(const std::string& name) {
+  check_partition_method(name);  // the config's list and its error (closest name suggested)
   if (name == "uniform") return PartitionMethod::kUniform;
-  if (name == "parameters") return PartitionMethod::kParameters;
   if (name == "time") return PartitionMethod::kTime;
-  throw ConfigError(fmt::format(
-      "unknown pipeline partition method '{}': use uniform (equal block counts), parameters "
-      "(balance parameter counts, the default) or time (balance measured layer time)",
-      name));
+  return PartitionMethod::kParameters;
 }
 
 std::string to_string(PartitionMethod m) {

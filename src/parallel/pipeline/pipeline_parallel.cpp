@@ -239,46 +239,28 @@ StepResult PipelineParallel::run_step(int64_t step_index, double lr,
   // Gradients hold Σ over micro-batches and replicas of ∂(loss_scale · mean loss)/∂θ.
   const double mean_scale = 1.0 / (static_cast<double>(M * D_) * r.loss_scale);
   r.grad_norm = grad_norm(mean_scale);
-  const bool overflow = !std::isfinite(r.grad_norm);
-  r.skipped = scaler.update(overflow);
-  if (!r.skipped) {
-    check<RuntimeFailure>(!overflow,
-                          "gradients became non-finite (norm {}) at step {} (learning rate "
-                          "{:g}): training diverged; lower --lr or raise --warmup-steps",
-                          r.grad_norm, step_index + 1, lr);
-    const double clip = options.gradient_clipping;
-    r.clip_coef = clip > 0 && r.grad_norm > clip ? clip / (r.grad_norm + 1e-6) : 1.0;
-    inner_->step(lr, mean_scale * r.clip_coef);
-  }
+  clip_and_update(r, step_index, lr, options.gradient_clipping, mean_scale, scaler,
+                  [&](double grad_scale) { inner_->step(lr, grad_scale); });
   sync_tied_weight();
   double sum = loss;  // the last stage's micro-batch losses; 0 elsewhere
   ScalarAllReduce(backend_, world_, 1).sum(std::span<double>(&sum, 1));
   r.loss = sum / static_cast<double>(M * D_);
   backend_.synchronize();
-  check<RuntimeFailure>(std::isfinite(r.loss),
-                        "loss became {} at step {} (learning rate {:g}): training diverged; "
-                        "lower --lr or raise --warmup-steps",
-                        r.loss, step_index + 1, lr);
+  check_loss_finite(r, step_index, lr);
   return r;
 }
 
 PipelineEvaluation PipelineParallel::evaluate(const PackedDataset& data, int64_t batch) {
   const int64_t T = data.max_length();
   const int V = opt_.virtual_stages, last_v = P_ * V - 1;
-  std::vector<int32_t> buf(static_cast<size_t>(T + 1)), tokens, targets;
+  std::vector<int32_t> tokens, targets;
   double totals[2] = {0, 0};
   GPT2Model& m = *stage_model_;
   for (const FlatRange& range : even_split(data.size(), D_, replica_)) {
     const int64_t end = range.offset + range.numel;
     for (int64_t start = range.offset; start < end; start += batch) {
       const int64_t b = std::min(batch, end - start);
-      tokens.resize(static_cast<size_t>(b * T));
-      targets.resize(static_cast<size_t>(b * T));
-      for (int64_t i = 0; i < b; ++i) {
-        data.sample(start + i, buf.data());
-        std::copy(buf.begin(), buf.end() - 1, tokens.begin() + i * T);
-        std::copy(buf.begin() + 1, buf.end(), targets.begin() + i * T);
-      }
+      data.batch(start, b, tokens, targets);
       m.prepare(0, tokens.data(), targets.data(), b, T, 1.0f, false);
       for (int c = 0; c < V; ++c) {
         const int v = c * P_ + stage_;
