@@ -219,11 +219,13 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                              cfg.pipeline.partition_method))
       ->type_name("METHOD")
       ->check(partition_method_name());
-  cmd.add_option("--activation-checkpoint-interval", cfg.pipeline.activation_checkpoint_interval,
-                 fmt::format("pipeline: checkpoint the activations every K transformer blocks "
-                             "of a stage; 0 = off, 1 with --activation-checkpointing (DeepSpeed "
-                             "activation_checkpoint_interval; default: {})",
-                             cfg.pipeline.activation_checkpoint_interval))
+  cmd.add_option(
+         "--activation-checkpoint-interval", cfg.pipeline.activation_checkpoint_interval,
+         fmt::format("pipeline: K > 0 recomputes every transformer block of a stage "
+                     "from its input in backward (any K > 0 acts as 1); 0 = off, 1 with "
+                     "--activation-checkpointing (DeepSpeed activation_checkpoint_interval; "
+                     "default: {})",
+                     cfg.pipeline.activation_checkpoint_interval))
       ->type_name("K")
       ->check(int_at_least(0));
   cmd.add_option("--trace", cfg.trace_dir,

@@ -124,9 +124,10 @@ struct PipelineConfig {
   /// "uniform" = equal block counts; "parameters" = balance the parameter counts (the default,
   /// as DeepSpeed's PipelineModule); "time" = balance the measured per-layer time.
   std::string partition_method = "parameters";
-  /// k > 0: activation checkpointing of the transformer blocks inside each stage, one checkpoint
-  /// every k blocks (DeepSpeed's activation_checkpoint_interval); 0 = off. validate() sets it
-  /// to 1 when it is 0 and TrainConfig::activation_checkpointing is on.
+  /// k > 0: activation checkpointing of the transformer blocks inside each stage (DeepSpeed's
+  /// activation_checkpoint_interval); 0 = off. Every block is recomputed from its own input
+  /// (the residual stream between blocks is kept anyway), so any k > 0 acts as k = 1. validate()
+  /// sets it to 1 when it is 0 and TrainConfig::activation_checkpointing is on.
   int activation_checkpoint_interval = 0;
 
   bool operator==(const PipelineConfig&) const = default;
