@@ -465,7 +465,7 @@ TEST(ShardedCheckpoint, TrainerWritesTheGathered16BitModelAndInitsFromShards) {
   TrainConfig c;
   c.model = "gpt2-micro";
   c.device = "cpu";
-  c.train_file = std::string(SHARDTRAIN_DEFAULT_DATA_DIR) + "/wikitext-2/wiki.valid.tokens";
+  c.train_file = std::string(SHARDTRAIN_TEST_DATA_DIR) + "/wikitext-2/wiki.valid.tokens";
   c.cache_dir = (dir / "cache").string();
   c.output_dir = (dir / "run").string();
   c.max_length = 32;

@@ -28,7 +28,7 @@ fs::path temp_dir(const std::string& name) {
   return p;
 }
 
-const std::string kData = std::string("--train-file ") + SHARDTRAIN_DEFAULT_DATA_DIR +
+const std::string kData = std::string("--train-file ") + SHARDTRAIN_TEST_DATA_DIR +
                           "/wikitext-2/wiki.valid.tokens --device cpu";
 
 void expect_error(const std::string& args, const std::string& needle) {

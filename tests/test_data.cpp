@@ -88,7 +88,7 @@ std::string error_of(F&& f) {
 }
 
 fs::path wiki_valid() {
-  return fs::path(SHARDTRAIN_DEFAULT_DATA_DIR) / "wikitext-2" / "wiki.valid.tokens";
+  return fs::path(SHARDTRAIN_TEST_DATA_DIR) / "wikitext-2" / "wiki.valid.tokens";
 }
 
 // ---- token files -----------------------------------------------------------------------------
@@ -604,7 +604,10 @@ TEST(DefaultDirs, EnvironmentOverrides) {
   ::setenv("SHARDTRAIN_DATA_DIR", "/some/data", 1);
   EXPECT_EQ(default_data_dir(), fs::path("/some/data"));
   ::unsetenv("SHARDTRAIN_DATA_DIR");
-  EXPECT_EQ(default_data_dir(), fs::path(SHARDTRAIN_DEFAULT_DATA_DIR));
+  // Without it: found relative to this program (<build>/tests/../data), not compiled in.
+  EXPECT_TRUE(fs::equivalent(default_data_dir(), fs::path(SHARDTRAIN_TEST_DATA_DIR)))
+      << default_data_dir();
+  EXPECT_EQ(find_data_dir().how, "the build tree, next to the executable");
   if (old_data) ::setenv("SHARDTRAIN_DATA_DIR", saved_data.c_str(), 1);
 
   const char* old_cache = std::getenv("SHARDTRAIN_CACHE_DIR");

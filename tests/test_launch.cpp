@@ -53,7 +53,7 @@ fs::path temp_dir(const std::string& name) {
 /// A short CPU training command (gpt2-micro, 3 steps of 2 × 32 tokens) writing under `dir`.
 std::string train_args(const fs::path& dir) {
   return std::string("train --model gpt2-micro --device cpu --train-file ") +
-         SHARDTRAIN_DEFAULT_DATA_DIR +
+         SHARDTRAIN_TEST_DATA_DIR +
          "/wikitext-2/wiki.valid.tokens --num-samples 64 --max-length 32 --batch-size 2 "
          "--max-steps 3 --cache-dir " +
          (dir / "cache").string() + " --output-dir " + (dir / "out").string();
@@ -257,7 +257,7 @@ double rel_diff(double a, double b) { return std::fabs(a - b) / std::max(1e-12, 
 // counted once), within 1e-5 relative.
 TEST(LaunchTrain, RanksLogTheGlobalLossAndTheWholeValidation) {
   const fs::path dir = temp_dir("global_loss");
-  const std::string data = std::string(SHARDTRAIN_DEFAULT_DATA_DIR) + "/wikitext-2/";
+  const std::string data = std::string(SHARDTRAIN_TEST_DATA_DIR) + "/wikitext-2/";
   const std::string common =
       "train --model gpt2-micro --device cpu --train-file " + data + "wiki.valid.tokens" +
       " --valid-file " + data + "wiki.test.tokens --eval-samples 37 --num-samples 64 " +

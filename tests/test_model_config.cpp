@@ -229,7 +229,7 @@ TEST(ModelConfig, EstimateTakesAConfigJson) {
 TEST(ModelConfig, CustomShapeTrainsResumesExportsAndGeneratesWithoutTheJson) {
   const fs::path dir = temp_dir("train");
   const fs::path json = write(dir / "tiny-custom.json", kTiny);
-  const std::string common = std::string("--train-file ") + SHARDTRAIN_DEFAULT_DATA_DIR +
+  const std::string common = std::string("--train-file ") + SHARDTRAIN_TEST_DATA_DIR +
                              "/wikitext-2/wiki.valid.tokens --device cpu --max-length 32 "
                              "--batch-size 2 --eval-samples 4 --cache-dir " +
                              (dir / "cache").string() + " --output-dir " + (dir / "out").string();

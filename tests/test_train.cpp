@@ -31,8 +31,8 @@ TrainConfig tiny_config(const fs::path& out) {
   TrainConfig c;
   c.model = "gpt2-micro";
   c.device = "cpu";
-  c.train_file = std::string(SHARDTRAIN_DEFAULT_DATA_DIR) + "/wikitext-2/wiki.valid.tokens";
-  c.valid_file = std::string(SHARDTRAIN_DEFAULT_DATA_DIR) + "/wikitext-2/wiki.test.tokens";
+  c.train_file = std::string(SHARDTRAIN_TEST_DATA_DIR) + "/wikitext-2/wiki.valid.tokens";
+  c.valid_file = std::string(SHARDTRAIN_TEST_DATA_DIR) + "/wikitext-2/wiki.test.tokens";
   c.eval_samples = 16;
   c.cache_dir = (out / "cache").string();
   c.output_dir = (out / "run").string();

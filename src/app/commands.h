@@ -15,5 +15,6 @@ void register_export_command(CLI::App& app);        // app/cmd_export.cpp
 void register_estimate_command(CLI::App& app);      // app/cmd_estimate.cpp
 void register_consolidate_command(CLI::App& app);   // app/cmd_consolidate.cpp
 void register_pipeline_sim_command(CLI::App& app);  // app/cmd_pipeline_sim.cpp
+void register_data_dir_command(CLI::App& app);      // app/cmd_data_dir.cpp
 
 }  // namespace shardtrain

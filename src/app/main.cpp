@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
   shardtrain::register_estimate_command(app);
   shardtrain::register_consolidate_command(app);
   shardtrain::register_pipeline_sim_command(app);
+  shardtrain::register_data_dir_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

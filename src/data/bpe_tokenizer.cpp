@@ -33,6 +33,7 @@
 
 #include "core/error.h"
 #include "core/hash.h"
+#include "data/dataset.h"
 
 namespace shardtrain {
 namespace {
@@ -572,23 +573,15 @@ BpeTokenizer BpeTokenizer::load_default() {
           fmt::format("{} (the directory comes from $SHARDTRAIN_TOKENIZER_DIR={})", e.what(), env));
     }
   }
-#ifdef SHARDTRAIN_DEFAULT_DATA_DIR
-  const fs::path dir = fs::path(SHARDTRAIN_DEFAULT_DATA_DIR) / "gpt2-tokenizer";
+  const fs::path dir = default_data_dir() / "gpt2-tokenizer";  // throws, naming where it looked
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
     throw DataError(fmt::format(
-        "the GPT-2 tokenizer is not in the build's data directory ({} does not exist); rebuild "
-        "shardtrain (CMake copies data/gpt2-tokenizer there) or set SHARDTRAIN_TOKENIZER_DIR to "
-        "a directory holding encoder.json and vocab.bpe",
-        dir.string()));
+        "the GPT-2 tokenizer is not in shardtrain's data directory ({} does not exist; {}); or "
+        "set SHARDTRAIN_TOKENIZER_DIR to a directory holding encoder.json and vocab.bpe",
+        dir.string(), data_dir_hint()));
   }
   return load(dir);
-#else
-  throw DataError(
-      "no default GPT-2 tokenizer directory was compiled into this build; set "
-      "SHARDTRAIN_TOKENIZER_DIR to a directory holding encoder.json and vocab.bpe (OpenAI's GPT-2 "
-      "files, or Hugging Face gpt2's vocab.json and merges.txt renamed to those names)");
-#endif
 }
 
 // ---- the public interface --------------------------------------------------------------------
