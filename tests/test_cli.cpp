@@ -42,6 +42,19 @@ void expect_error(const std::string& args, const std::string& needle) {
 
 }  // namespace
 
+// Run from the build tree, the program finds the build tree's data next to itself (<build>/data);
+// no path is compiled in (test_install.cpp covers an installed, moved tree).
+TEST(Cli, DataDirFromBuildTree) {
+  const Result r = shardtrain::test_support::run_command(
+      std::string("env -u SHARDTRAIN_DATA_DIR -u SHARDTRAIN_TOKENIZER_DIR ") + SHARDTRAIN_BINARY +
+      " data-dir 2>&1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(fs::equivalent(fs::path(r.output.substr(0, r.output.find('\n'))),
+                             fs::path(SHARDTRAIN_TEST_DATA_DIR)))
+      << r.output;
+  EXPECT_NE(r.output.find("build tree"), std::string::npos) << r.output;
+}
+
 TEST(Cli, UnknownModelAndStrategy) {
   expect_error("--model gpt3 --dataset wikitext-2", "gpt3");
   expect_error("--model gpt2-tiniest --dataset wikitext-2", "did you mean 'gpt2-tiny'");
