@@ -2,6 +2,9 @@
 # Installs shardtrain's build dependencies (Debian 12 / Ubuntu 22.04+) and builds it in ./build.
 # The CUDA backend is built too when nvcc is found (/usr/local/cuda/bin or PATH). librsvg2-bin
 # (rsvg-convert) renders the pipeline pictures as PNG; without it only the SVG is written.
+# libprotobuf-dev and protobuf-compiler encode the TensorBoard event files (--tensorboard); the
+# tensorboard Python package (pip, test tooling only) reads them back in the monitor test, which
+# is skipped when it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""
@@ -11,7 +14,11 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
   build-essential cmake ninja-build pkg-config xz-utils \
   libopenblas-dev libopenblas-openmp-dev libpcre2-dev nlohmann-json3-dev libcli11-dev libfmt-dev \
-  libgtest-dev libopenmpi-dev openmpi-bin librsvg2-bin >/dev/null
+  libgtest-dev libopenmpi-dev openmpi-bin librsvg2-bin libprotobuf-dev protobuf-compiler \
+  python3 python3-pip >/dev/null
+# Debian 12 marks its Python as externally managed: --break-system-packages lets pip install there.
+python3 -m pip install --quiet --break-system-packages tensorboard ||
+  echo "warning: pip could not install tensorboard: the TensorBoard reader test will be skipped" >&2
 if [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$(nproc)"

@@ -1064,6 +1064,56 @@ TEST_F(ConfigTest, WallClockBreakdownFromJsonOrFlag) {
                   "wall_clock_breakdown");
 }
 
+TEST_F(ConfigTest, MonitorFlagsAndDeepSpeedSections) {
+  // Off by default.
+  TrainConfig cfg = finalize({});
+  EXPECT_EQ(cfg.monitor.tensorboard_dir, "");
+  EXPECT_EQ(cfg.monitor.csv_dir, "");
+  EXPECT_FALSE(cfg.monitor.tensorboard_all_ranks);
+  cfg = finalize({"--tensorboard", "tb", "--tensorboard-all-ranks", "--csv-monitor", "csv"});
+  EXPECT_EQ(cfg.monitor.tensorboard_dir, "tb");
+  EXPECT_TRUE(cfg.monitor.tensorboard_all_ranks);
+  EXPECT_EQ(cfg.monitor.csv_dir, "csv");
+  EXPECT_CONTAINS(config_error([&] { finalize({"--tensorboard-all-ranks"}); }), "--tensorboard");
+
+  // DeepSpeed: output_path/job_name when enabled; DeepSpeed's defaults "" and DeepSpeedJobName.
+  cfg = apply_json(R"({"tensorboard": {"enabled": true, "output_path": "logs/", "job_name": "j"},
+                       "csv_monitor": {"enabled": true}})");
+  EXPECT_EQ(cfg.monitor.tensorboard_dir, "logs/j");
+  EXPECT_EQ(cfg.monitor.csv_dir, "DeepSpeedJobName");
+  EXPECT_TRUE(ignored_.empty());
+  cfg = apply_json(R"({"tensorboard": {"enabled": false, "output_path": "logs/"}})");
+  EXPECT_EQ(cfg.monitor.tensorboard_dir, "");
+
+  // The flag wins over the file.
+  const std::string path = write(
+      "tb.json", R"({"tensorboard": {"enabled": true, "output_path": "a", "job_name": "b"}})");
+  EXPECT_EQ(finalize({"--deepspeed-config", path}).monitor.tensorboard_dir, "a/b");
+  EXPECT_EQ(finalize({"--deepspeed-config", path, "--tensorboard", "mine"}).monitor.tensorboard_dir,
+            "mine");
+
+  // Unknown keys and wrong types are errors.
+  EXPECT_CONTAINS(config_error([&] { apply_json(R"({"tensorboard": {"enable": true}})"); }),
+                  "did you mean 'tensorboard.enabled'");
+  EXPECT_CONTAINS(config_error([&] { apply_json(R"({"csv_monitor": {"enabled": "yes"}})"); }),
+                  "csv_monitor.enabled");
+  EXPECT_CONTAINS(
+      config_error([&] { apply_json(R"({"csv_monitor": {"enabled": true, "job_name": 3}})"); }),
+      "csv_monitor.job_name");
+
+  // wandb: a warning that it is not supported offline (off: nothing).
+  warnings_.clear();
+  const std::string wandb =
+      write("wandb.json", R"({"wandb": {"enabled": true, "project": "gpt2"}})");
+  finalize({"--deepspeed-config", wandb});
+  ASSERT_EQ(warnings_.size(), 1u);
+  EXPECT_CONTAINS(warnings_[0], "wandb");
+  EXPECT_CONTAINS(warnings_[0], "not supported offline");
+  warnings_.clear();
+  finalize({"--deepspeed-config", write("w.json", R"({"wandb": {"enabled": false}})")});
+  EXPECT_TRUE(warnings_.empty());
+}
+
 TEST_F(ConfigTest, IgnoredKeysAreListedInOneWarning) {
   const std::string path = write("ds.json", R"({
     "train_micro_batch_size_per_gpu": 4,

@@ -376,6 +376,19 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                "time forward, backward, the wait for gradient reduction and the optimizer step "
                "on the device; log the means (ms per step) with each log line (DeepSpeed "
                "wall_clock_breakdown; default: off)");
+  cmd.add_option("--tensorboard", cfg.monitor.tensorboard_dir,
+                 "write TensorBoard event files (train/loss, train/lr, train/grad_norm, "
+                 "train/tokens_per_s, memory/*, val/loss, ... and the configuration as text) in "
+                 "DIR; rank 0 only (DeepSpeed tensorboard.output_path/job_name; default: off)")
+      ->type_name("DIR");
+  cmd.add_flag("--tensorboard-all-ranks", cfg.monitor.tensorboard_all_ranks,
+               "with --tensorboard: every rank writes its own events, in DIR/rank-<r> (default: "
+               "rank 0 only, in DIR)");
+  cmd.add_option("--csv-monitor", cfg.monitor.csv_dir,
+                 "write the TensorBoard scalars as CSV files in DIR, one per tag (train_loss.csv: "
+                 "step,loss); rank 0 only (DeepSpeed csv_monitor.output_path/job_name; default: "
+                 "off)")
+      ->type_name("DIR");
   cmd.add_option("--eval-interval", cfg.eval_interval,
                  fmt::format("optimizer steps between validations; 0 = at the end of each epoch "
                              "(default: {})",

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <initializer_list>
 #include <limits>
@@ -76,6 +77,8 @@ const KeyList kTopHonoured = {
     "activation_checkpointing",
     "aio",
     "pipeline",
+    "tensorboard",
+    "csv_monitor",
 };
 
 // Top-level DeepSpeed keys shardtrain accepts and ignores.
@@ -92,9 +95,7 @@ const KeyList kTopIgnored = {
     "seq_parallel_comm_data_type",
     "disable_allgather",
     "flops_profiler",
-    "tensorboard",
     "wandb",
-    "csv_monitor",
     "comet",
     "comms_logger",
     "autotuning",
@@ -229,6 +230,9 @@ const KeyList kAioHonoured = {"block_size",    "queue_depth",    "thread_count",
                               "single_submit", "overlap_events", "intra_op_parallelism"};
 const KeyList kAioIgnored = {"use_gds"};
 
+// The monitor sections "tensorboard" and "csv_monitor" (DeepSpeed's monitor/config.py).
+const KeyList kMonitorHonoured = {"enabled", "output_path", "job_name"};
+
 // The top-level pipeline section (PipelineConfig). DeepSpeed's keys stages, partition (DeepSpeed's
 // config name; partition_method is PipelineModule's) and activation_checkpoint_interval, and
 // shardtrain's schedule and virtual_stages. seed_layers and the tensor-parallel options
@@ -280,6 +284,8 @@ const std::vector<std::pair<std::string, const KeyList*>> kSections = {
     {"activation_checkpointing", &kActivationCheckpointingKeys},
     {"aio", &kAioHonoured},
     {"pipeline", &kPipelineHonoured},
+    {"tensorboard", &kMonitorHonoured},
+    {"csv_monitor", &kMonitorHonoured},
 };
 
 // Keys of the CONFIG dict of the DeepSpeed GPT-2 tutorials, which are flags here, not JSON keys.
@@ -378,6 +384,16 @@ class DeepSpeedReader {
     if (const json* zero = find(root, "zero_optimization")) read_zero(*zero);
     if (const json* ac = find(root, "activation_checkpointing")) read_activation_checkpointing(*ac);
     if (const json* aio = find(root, "aio")) read_aio(*aio);
+    if (const json* tb = find(root, "tensorboard"))
+      read_monitor(*tb, "tensorboard", "tensorboard", cfg_.monitor.tensorboard_dir);
+    if (const json* csv = find(root, "csv_monitor"))
+      read_monitor(*csv, "csv_monitor", "csv_monitor", cfg_.monitor.csv_dir);
+    for (std::string& key : ignored_) {
+      if (key == "wandb")
+        key =
+            "wandb (Weights & Biases logs to its online service: not supported offline; use "
+            "tensorboard or csv_monitor)";
+    }
   }
 
  private:
@@ -1130,6 +1146,27 @@ class DeepSpeedReader {
     if (auto v = get_bool(a, "overlap_events", prefix)) aio.overlap_events = *v;
   }
 
+  /// A monitor section {"enabled", "output_path", "job_name"}: when enabled, `dir` is
+  /// output_path/job_name, as DeepSpeed's monitors make it (defaults "" and "DeepSpeedJobName",
+  /// relative to the working directory), unless `flag` (--tensorboard, --csv-monitor) was given.
+  void read_monitor(const json& m, const std::string& prefix, std::string_view flag,
+                    std::string& dir) {
+    if (!m.is_object())
+      bad_value(prefix, m,
+                "an object {\"enabled\": true, \"output_path\": ..., \"job_name\": ...}");
+    check_keys(m, prefix, kMonitorHonoured, {});
+    const bool enabled = get_bool(m, "enabled", prefix).value_or(false);
+    const std::string output_path =
+        get_string(m, "output_path", prefix, "a directory path (string)").value_or("");
+    const std::string job_name =
+        get_string(m, "job_name", prefix, "a name (string)").value_or("DeepSpeedJobName");
+    if (job_name.empty())
+      bad_value(path_of(prefix, "job_name"), m.at("job_name"), "a non-empty name");
+    if (!enabled) return;
+    const std::string path = (std::filesystem::path(output_path) / job_name).string();
+    assign(flag, prefix, true, dir, path);
+  }
+
   std::string file_;
   TrainConfig& cfg_;
   const ExplicitFlags& explicit_flags_;
@@ -1735,6 +1772,11 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         "--precision {} needs --device cuda; the CPU path computes in fp32 (use --precision fp32 "
         "or leave it unset)",
         to_string(cfg.precision)));
+  }
+  if (cfg.monitor.tensorboard_all_ranks && cfg.monitor.tensorboard_dir.empty()) {
+    throw ConfigError(
+        "--tensorboard-all-ranks needs --tensorboard DIR (or an enabled \"tensorboard\" section "
+        "in the DeepSpeed config): it says which ranks write there");
   }
   if (cfg.model.empty() && cfg.resume.empty()) {
     throw ConfigError(

@@ -133,6 +133,17 @@ struct PipelineConfig {
   bool operator==(const PipelineConfig&) const = default;
 };
 
+/// Where the training monitors (io/monitor.h) write; empty directories are off.
+struct MonitorConfig {
+  /// TensorBoard event files (--tensorboard DIR; DeepSpeed tensorboard.output_path/job_name).
+  std::string tensorboard_dir;
+  /// Every rank writes TensorBoard events, rank r in tensorboard_dir/rank-r; otherwise rank 0
+  /// only, in tensorboard_dir itself (--tensorboard-all-ranks).
+  bool tensorboard_all_ranks = false;
+  /// CSV files, rank 0 only (--csv-monitor DIR; DeepSpeed csv_monitor.output_path/job_name).
+  std::string csv_dir;
+};
+
 struct TrainConfig {
   // ---- model and placement ----
   /// Preset name or path of a config.json (resolve_model in model/gpt2_config.h); empty with
@@ -212,6 +223,7 @@ struct TrainConfig {
   std::string deepspeed_config;  ///< path of the DeepSpeed JSON, if any
   double peak_tflops = 989.0;    ///< the GPU's dense bf16 peak (TFLOP/s) for MFU; H100/H200 SXM
   bool save_checkpoints = true;  ///< false (--no-save): write no checkpoint at all (benchmarks)
+  MonitorConfig monitor;         ///< TensorBoard and CSV scalars (io/monitor.h)
 };
 
 /// Canonical name of a strategy ("dp", "zero1", ...).

@@ -16,6 +16,7 @@
 #include "data/dataset.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
+#include "io/monitor.h"
 #include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
 #include "optim/adamw.h"
@@ -89,7 +90,11 @@ json config_snapshot(const TrainConfig& c) {
           {"min_lr_ratio", c.min_lr_ratio},
           {"dataset", c.dataset},
           {"train_file", c.train_file},
-          {"valid_file", c.valid_file}};
+          {"valid_file", c.valid_file},
+          {"monitor",
+           {{"tensorboard", c.monitor.tensorboard_dir},
+            {"tensorboard_all_ranks", c.monitor.tensorboard_all_ranks},
+            {"csv_monitor", c.monitor.csv_dir}}}};
 }
 
 /// Parameters of the largest layer of `layout` (its tensors' elements, without padding): what
@@ -154,13 +159,16 @@ class Console {
 
 /// The step log: a console line and a metrics.jsonl record every `log_interval` steps (and at
 /// the first and last step), with the means over the steps since the previous line: time, tokens/s,
-/// MFU on GPUs and (wall_clock_breakdown) the device time of each phase.
+/// MFU on GPUs and (wall_clock_breakdown) the device time of each phase. The monitors get every
+/// step's loss, lr, grad norm (and fp16 loss scale), and the window's throughput with each line.
 class StepLog {
  public:
-  StepLog(Console& out, MetricsWriter& metrics, const TrainConfig& cfg, const GPT2Config& model,
-          int world_size, bool on_gpu, int64_t tokens_per_step, int64_t total_steps)
+  StepLog(Console& out, MetricsWriter& metrics, Monitor& monitor, const TrainConfig& cfg,
+          const GPT2Config& model, int world_size, bool on_gpu, int64_t tokens_per_step,
+          int64_t total_steps)
       : out_(out),
         metrics_(metrics),
+        monitor_(monitor),
         cfg_(cfg),
         model_(model),
         world_size_(world_size),
@@ -179,6 +187,10 @@ class StepLog {
     ++steps_;
     if (r.phases) phases_ += *r.phases;
     const int64_t step = progress.step;
+    monitor_.scalar("train/loss", r.loss, step);
+    monitor_.scalar("train/lr", lr, step);
+    monitor_.scalar("train/grad_norm", r.grad_norm, step);
+    if (loss_scale) monitor_.scalar("train/loss_scale", *loss_scale, step);
     if (step % cfg_.log_interval != 0 && step != total_steps_ && step != 1) return;
     const double per_step = seconds_ / static_cast<double>(steps_);
     const double tok_s = static_cast<double>(tokens_per_step_ * steps_) / seconds_;
@@ -202,6 +214,9 @@ class StepLog {
                 {"tokens_seen", progress.tokens_seen}};
     if (on_gpu_) rec["mfu"] = mfu;
     if (loss_scale) rec["loss_scale"] = *loss_scale;
+    monitor_.scalar("train/tokens_per_s", tok_s, step);
+    monitor_.scalar("train/step_time_s", per_step, step);
+    if (on_gpu_) monitor_.scalar("train/mfu", mfu, step);
     // The CPU optimizer step (offload) runs beside the device: host time of the last completed
     // one, averaged over the window.
     if (host_step_ > 0) rec["cpu_step_ms"] = 1e3 * host_step_ / static_cast<double>(steps_);
@@ -225,6 +240,7 @@ class StepLog {
  private:
   Console& out_;
   MetricsWriter& metrics_;
+  Monitor& monitor_;
   const TrainConfig& cfg_;
   const GPT2Config& model_;
   int world_size_;
@@ -248,13 +264,14 @@ struct EpochStats {
   int64_t seq_len = 0;        ///< T
   int64_t skipped_steps = 0;  ///< fp16 overflows so far
   double gathered_bytes = 0;  ///< Σ over the steps of the parameter bytes this rank all-gathered
+  int64_t step = 0;           ///< the optimizer step at the epoch's end (the monitors' step)
 };
 
 /// The epoch summary: a console line and a metrics.jsonl record with throughput, peak memory
 /// (the GPU's peak allocated bytes, or the process's peak resident set on CPU) of every rank, and
 /// the parameter bytes all-gathered per step. Collective (the ranks' peaks are gathered).
-void log_epoch(Console& out, MetricsWriter& metrics, Backend& backend, ScalarAllReduce& reduce,
-               const EpochStats& e, const HostMemory& host) {
+void log_epoch(Console& out, MetricsWriter& metrics, Monitor& monitor, Backend& backend,
+               ScalarAllReduce& reduce, const EpochStats& e, const HostMemory& host) {
   const bool on_gpu = backend.kind() == DeviceKind::kCUDA;
   const size_t peak = on_gpu ? backend.peak_allocated_bytes() : peak_rss_bytes();
   const double mine[] = {static_cast<double>(peak),
@@ -306,6 +323,15 @@ void log_epoch(Console& out, MetricsWriter& metrics, Backend& backend, ScalarAll
                  {"nvme_bytes", host.nvme},
                  {"peak_rss_bytes", peak_rss_bytes()},
                  {"skipped_steps", e.skipped_steps}});
+  monitor.scalar("train/epoch_avg_loss", avg_loss, e.step);
+  monitor.scalar("train/samples_per_s", e.samples / e.seconds, e.step);
+  if (on_gpu) {
+    monitor.scalar("memory/gpu_peak_bytes", static_cast<double>(backend.peak_allocated_bytes()),
+                   e.step);
+    monitor.scalar("memory/gpu_peak_reserved_bytes",
+                   static_cast<double>(backend.peak_reserved_bytes()), e.step);
+  }
+  monitor.scalar("memory/host_peak_bytes", static_cast<double>(peak_rss_bytes()), e.step);
 }
 
 struct Evaluation {
@@ -512,6 +538,15 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     check<ConfigError>(!ec, "cannot create --output-dir {}: {}", out_dir.string(), ec.message());
     metrics = MetricsWriter(out_dir / "metrics.jsonl");
   }
+  // TensorBoard / CSV scalars (rank 0; --tensorboard-all-ranks: every rank's own events), the
+  // configuration first, as text (Markdown: indented = preformatted).
+  Monitor monitor;
+  if (rank0 || cfg.monitor.tensorboard_all_ranks) {
+    std::string config_text = "    ";
+    for (const char c : config_snapshot(cfg).dump(2))
+      config_text += c == '\n' ? "\n    " : std::string(1, c);
+    monitor = Monitor(cfg.monitor, comm.rank(), config_text);
+  }
 
   // ---- banner ----
   out.line("shardtrain {} | train {} ({} parameters) | strategy {} | {} × {} rank{}",
@@ -627,6 +662,8 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                    {"val_ppl", summary.val_ppl},
                    {"val_samples", ev.samples},
                    {"time_s", ev.seconds}});
+    monitor.scalar("val/loss", ev.loss, progress.step);
+    monitor.scalar("val/perplexity", summary.val_ppl, progress.step);
   };
 
   // wall_clock_breakdown: device time of each phase, summed over the log window, in seconds.
@@ -634,8 +671,8 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
       cfg.wall_clock_breakdown ? backend->make_stream_clock() : nullptr;
   TrainStep train_step(model, *strategy, comm, *backend, scaler,
                        TrainStepOptions{accum, cfg.gradient_clipping}, clock.get());
-  StepLog step_log(out, metrics, cfg, model_cfg, comm.world_size(), on_gpu, tokens_per_step,
-                   total_steps);
+  StepLog step_log(out, metrics, monitor, cfg, model_cfg, comm.world_size(), on_gpu,
+                   tokens_per_step, total_steps);
   bool validated_at_end = false;
   while (progress.step < total_steps) {
     const int64_t epoch = progress.epoch;
@@ -692,10 +729,10 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     const double epoch_time = seconds_since(t_epoch);
     const bool complete = progress.step_in_epoch >= steps_per_epoch;
     if (epoch_steps > 0) {
-      log_epoch(out, metrics, *backend, rank_scalars,
+      log_epoch(out, metrics, monitor, *backend, rank_scalars,
                 {epoch, complete, epoch_steps, epoch_loss, epoch_time,
                  static_cast<double>(epoch_steps * sampler.global_batch()), T,
-                 scaler.skipped_steps(), epoch_gathered},
+                 scaler.skipped_steps(), epoch_gathered, progress.step},
                 strategy->host_memory());
       if (cfg.eval_interval == 0 && !validated_at_end) {
         validate_now(epoch);
