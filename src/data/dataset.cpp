@@ -371,6 +371,21 @@ std::vector<int32_t> encode_parallel(const BpeTokenizer& tok, std::string_view t
   return ids;
 }
 
+namespace {
+
+/// `path` for log lines: inside the shipped data directory as "<data>/wikitext-2/...", so logs
+/// (and the README's example output) show no machine's paths; elsewhere as given.
+std::string shown_path(const fs::path& path) {
+  std::error_code ec;
+  const DataDirLookup where = find_data_dir();
+  if (where.dir.empty()) return path.string();
+  const fs::path rel = fs::relative(path, where.dir, ec);
+  if (ec || rel.empty() || *rel.begin() == "..") return path.string();
+  return (fs::path("<data>") / rel).string();
+}
+
+}  // namespace
+
 std::vector<uint16_t> load_tokens(const fs::path& path, const BpeTokenizer& tok,
                                   const fs::path& cache_dir,
                                   const std::function<void(const std::string&)>& log) {
@@ -406,7 +421,7 @@ std::vector<uint16_t> load_tokens(const fs::path& path, const BpeTokenizer& tok,
     }
   }
 
-  log_line(log, fmt::format("tokenizing {} ({}) ...", path.string(), megabytes(text.size())));
+  log_line(log, fmt::format("tokenizing {} ({}) ...", shown_path(path), megabytes(text.size())));
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<int32_t> raw = encode_parallel(tok, text);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
