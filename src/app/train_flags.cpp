@@ -384,6 +384,14 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
   cmd.add_flag("--tensorboard-all-ranks", cfg.monitor.tensorboard_all_ranks,
                "with --tensorboard: every rank writes its own events, in DIR/rank-<r> (default: "
                "rank 0 only, in DIR)");
+  cmd.add_option("--profile-step", cfg.flops_profiler.profile_step,
+                 "at optimizer step N (1-based), print the FLOPs profile: per module "
+                 "(embedding, each block's attention/MLP/LayerNorms, LM head, optimizer, gradient "
+                 "reduction) its parameters, analytic FLOPs, device latency, TFLOP/s and share "
+                 "of the step, and the model's total and MFU; rank 0 (DeepSpeed "
+                 "flops_profiler.profile_step; default: off)")
+      ->type_name("N")
+      ->check(int_at_least(1));
   cmd.add_option("--csv-monitor", cfg.monitor.csv_dir,
                  "write the TensorBoard scalars as CSV files in DIR, one per tag (train_loss.csv: "
                  "step,loss); rank 0 only (DeepSpeed csv_monitor.output_path/job_name; default: "
@@ -431,6 +439,7 @@ TrainConfig finalize_train_config(const CLI::App& cmd, TrainConfig cfg, int64_t 
   const ExplicitFlags flags = explicit_train_flags(cmd);
   if (contains(flags, "batch_size")) cfg.micro_batch_set = true;
   if (contains(flags, "gradient_accumulation_steps")) cfg.accumulation_set = true;
+  if (contains(flags, "profile_step")) cfg.flops_profiler.enabled = true;
 
   // ---- strategy: --strategy and --zero-stage must agree ----
   try {

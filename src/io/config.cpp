@@ -79,6 +79,7 @@ const KeyList kTopHonoured = {
     "pipeline",
     "tensorboard",
     "csv_monitor",
+    "flops_profiler",
 };
 
 // Top-level DeepSpeed keys shardtrain accepts and ignores.
@@ -94,7 +95,6 @@ const KeyList kTopIgnored = {
     "communication_data_type",
     "seq_parallel_comm_data_type",
     "disable_allgather",
-    "flops_profiler",
     "wandb",
     "comet",
     "comms_logger",
@@ -233,6 +233,10 @@ const KeyList kAioIgnored = {"use_gds"};
 // The monitor sections "tensorboard" and "csv_monitor" (DeepSpeed's monitor/config.py).
 const KeyList kMonitorHonoured = {"enabled", "output_path", "job_name"};
 
+// The flops_profiler section (DeepSpeed's profiling/config.py; FlopsProfilerConfig).
+const KeyList kFlopsProfilerHonoured = {"enabled",     "profile_step", "module_depth",
+                                        "top_modules", "detailed",     "output_file"};
+
 // The top-level pipeline section (PipelineConfig). DeepSpeed's keys stages, partition (DeepSpeed's
 // config name; partition_method is PipelineModule's) and activation_checkpoint_interval, and
 // shardtrain's schedule and virtual_stages. seed_layers and the tensor-parallel options
@@ -286,6 +290,7 @@ const std::vector<std::pair<std::string, const KeyList*>> kSections = {
     {"pipeline", &kPipelineHonoured},
     {"tensorboard", &kMonitorHonoured},
     {"csv_monitor", &kMonitorHonoured},
+    {"flops_profiler", &kFlopsProfilerHonoured},
 };
 
 // Keys of the CONFIG dict of the DeepSpeed GPT-2 tutorials, which are flags here, not JSON keys.
@@ -388,6 +393,7 @@ class DeepSpeedReader {
       read_monitor(*tb, "tensorboard", "tensorboard", cfg_.monitor.tensorboard_dir);
     if (const json* csv = find(root, "csv_monitor"))
       read_monitor(*csv, "csv_monitor", "csv_monitor", cfg_.monitor.csv_dir);
+    if (const json* fp = find(root, "flops_profiler")) read_flops_profiler(*fp);
     for (std::string& key : ignored_) {
       if (key == "wandb")
         key =
@@ -1165,6 +1171,33 @@ class DeepSpeedReader {
     if (!enabled) return;
     const std::string path = (std::filesystem::path(output_path) / job_name).string();
     assign(flag, prefix, true, dir, path);
+  }
+
+  /// DeepSpeed's flops_profiler: {"enabled", "profile_step" (1-based, DeepSpeed's default 1),
+  /// "module_depth" (-1 = all), "top_modules", "detailed", "output_file" (null: the log)}.
+  /// --profile-step N wins over enabled/profile_step.
+  void read_flops_profiler(const json& f) {
+    const std::string prefix = "flops_profiler";
+    if (!f.is_object())
+      bad_value(prefix, f, "an object {\"enabled\": true, \"profile_step\": 1, ...}");
+    check_keys(f, prefix, kFlopsProfilerHonoured, {});
+    FlopsProfilerConfig& p = cfg_.flops_profiler;
+    const bool enabled = get_bool(f, "enabled", prefix).value_or(false);
+    const auto step =
+        get_int(f, "profile_step", prefix, 1, "an integer >= 1 (the optimizer step to profile)");
+    if (enabled) {
+      if (!is_explicit("profile_step")) p.enabled = true;
+      assign("profile_step", path_of(prefix, "profile_step"), step.has_value(), p.profile_step,
+             step.value_or(1));
+    }
+    if (auto v = get_int(f, "module_depth", prefix, -1, "an integer >= -1 (-1: every level)"))
+      p.module_depth = *v;
+    if (auto v = get_int(f, "top_modules", prefix, 0, "an integer >= 0")) p.top_modules = *v;
+    if (auto v = get_bool(f, "detailed", prefix)) p.detailed = *v;
+    if (f.contains("output_file") && !f.at("output_file").is_null()) {
+      if (auto v = get_string(f, "output_file", prefix, "a file path (string) or null"))
+        p.output_file = *v;
+    }
   }
 
   std::string file_;

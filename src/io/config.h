@@ -144,6 +144,18 @@ struct MonitorConfig {
   std::string csv_dir;
 };
 
+/// The FLOPs profiler (train/flops_profiler.h; DeepSpeed's flops_profiler section, --profile-step):
+/// at optimizer step profile_step (1-based) rank 0 prints a per-module table of parameters,
+/// analytic FLOPs, measured device latency, TFLOP/s and share of the step.
+struct FlopsProfilerConfig {
+  bool enabled = false;
+  int64_t profile_step = 1;   ///< 1-based optimizer step to profile
+  int64_t module_depth = -1;  ///< -1: every level (blocks and their parts); 0: top-level rows only
+  int64_t top_modules = 1;    ///< the N modules of the longest latency, listed after the table
+  bool detailed = true;       ///< the attention/MLP/LayerNorm sub-rows of each block
+  std::string output_file;    ///< write the table there instead of the log; "" = the log
+};
+
 struct TrainConfig {
   // ---- model and placement ----
   /// Preset name or path of a config.json (resolve_model in model/gpt2_config.h); empty with
@@ -224,6 +236,7 @@ struct TrainConfig {
   double peak_tflops = 989.0;    ///< the GPU's dense bf16 peak (TFLOP/s) for MFU; H100/H200 SXM
   bool save_checkpoints = true;  ///< false (--no-save): write no checkpoint at all (benchmarks)
   MonitorConfig monitor;         ///< TensorBoard and CSV scalars (io/monitor.h)
+  FlopsProfilerConfig flops_profiler;  ///< --profile-step / DeepSpeed flops_profiler
 };
 
 /// Canonical name of a strategy ("dp", "zero1", ...).

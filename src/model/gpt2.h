@@ -125,6 +125,7 @@ class GPT2Model {
   void init_parameters(float* host_params, uint64_t seed) const;
 
   void set_hooks(LayerHooks* hooks) { hooks_ = hooks; }
+  LayerHooks* hooks() const { return hooks_; }
 
   /// Runs forward over all layers for tokens/targets (host int32, [B*T] each; targets may be
   /// null for inference). Returns the mean loss over the micro-batch's tokens (0 without

@@ -98,6 +98,9 @@ class TrainStep {
   /// Throws RuntimeFailure when the gradients (without fp16) or the loss become non-finite
   /// (training diverged), naming the step and the learning rate.
   StepResult run(int64_t step, double lr, const MicroBatchSource& batches);
+  /// Replaces the phase clock (nullable) for the following steps (the FLOPs profiler's step).
+  void set_clock(StreamClock* clock) { clock_ = clock; }
+  StreamClock* clock() const { return clock_; }
 
  private:
   GPT2Model& model_;

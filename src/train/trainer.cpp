@@ -3,11 +3,14 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 
 #include "core/error.h"
@@ -23,6 +26,7 @@
 #include "optim/loss_scaler.h"
 #include "parallel/pipeline/pipeline_parallel.h"
 #include "parallel/strategy.h"
+#include "train/flops_profiler.h"
 #include "train/train_step.h"
 
 namespace shardtrain {
@@ -671,6 +675,19 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
       cfg.wall_clock_breakdown ? backend->make_stream_clock() : nullptr;
   TrainStep train_step(model, *strategy, comm, *backend, scaler,
                        TrainStepOptions{accum, cfg.gradient_clipping}, clock.get());
+  // FLOPs profiler (--profile-step / flops_profiler): one step, not with a pipeline schedule.
+  const FlopsProfilerConfig& profile = cfg.flops_profiler;
+  bool profile_enabled = profile.enabled;
+  if (profile_enabled && pipeline) {
+    out.line("warning: flops profiler: not supported with the pipeline strategy; no profile");
+    profile_enabled = false;
+  } else if (profile_enabled && profile.profile_step > total_steps) {
+    out.line("warning: flops profiler: profile step {} is after the run's last step {}; no profile",
+             profile.profile_step, total_steps);
+  } else if (profile_enabled && profile.profile_step <= progress.step) {
+    out.line("warning: flops profiler: profile step {} was run before this resumed run; no profile",
+             profile.profile_step);
+  }
   StepLog step_log(out, metrics, monitor, cfg, model_cfg, comm.world_size(), on_gpu,
                    tokens_per_step, total_steps);
   bool validated_at_end = false;
@@ -694,10 +711,61 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
       };
       const double lr = learning_rate(progress.step, cfg.lr, warmup, total_steps, cfg.lr_schedule,
                                       cfg.min_lr_ratio, cfg.warmup_min_ratio);
-      const StepResult r = pipeline
-                               ? pipeline->run_step(progress.step, lr, batch, scaler,
-                                                    TrainStepOptions{accum, cfg.gradient_clipping})
-                               : train_step.run(progress.step, lr, batch);
+      // FLOPs profiler: this step with every layer timed and the phases marked.
+      const bool profile_now = profile_enabled && progress.step + 1 == profile.profile_step;
+      LayerHooks* const strategy_hooks = model.hooks();
+      std::unique_ptr<StreamClock> layer_clock, phase_clock;
+      std::unique_ptr<ProfilingHooks> profiling;
+      if (profile_now) {
+        layer_clock = backend->make_stream_clock();
+        profiling =
+            std::make_unique<ProfilingHooks>(strategy_hooks, *layer_clock, model.num_layers());
+        model.set_hooks(profiling.get());
+        if (train_step.clock() == nullptr) {
+          phase_clock = backend->make_stream_clock();
+          train_step.set_clock(phase_clock.get());
+        }
+      }
+      StepResult r = pipeline ? pipeline->run_step(progress.step, lr, batch, scaler,
+                                                   TrainStepOptions{accum, cfg.gradient_clipping})
+                              : train_step.run(progress.step, lr, batch);
+      if (profile_now) {
+        model.set_hooks(strategy_hooks);
+        profiling->collect();
+        if (phase_clock) train_step.set_clock(nullptr);
+        FlopsProfileInput in;
+        in.model = model_cfg;
+        in.step = progress.step + 1;
+        in.tokens = B * T * accum;
+        in.seq_len = T;
+        in.micro_batch = B;
+        in.accumulation = accum;
+        in.layer_forward_s.assign(static_cast<size_t>(model_cfg.n_layer + 2), 0.0);
+        in.layer_backward_s = in.layer_forward_s;
+        for (int i = 0; i < model.num_layers(); ++i) {
+          const auto g = static_cast<size_t>(model.global_layer(i));
+          in.layer_forward_s[g] = profiling->forward_seconds()[static_cast<size_t>(i)];
+          in.layer_backward_s[g] = profiling->backward_seconds()[static_cast<size_t>(i)];
+        }
+        in.phases = r.phases.value_or(PhaseTimes{});
+        if (!cfg.wall_clock_breakdown) r.phases.reset();
+        in.on_gpu = on_gpu;
+        in.peak_tflops = cfg.peak_tflops;
+        in.options = profile;
+        const std::vector<std::string> lines = format_flops_profile(in);
+        if (rank0 && !profile.output_file.empty()) {
+          std::ofstream f(profile.output_file);
+          for (const std::string& l : lines) f << l << '\n';
+          if (!f) {
+            out.line("warning: flops profiler: cannot write '{}': {}", profile.output_file,
+                     std::strerror(errno));
+          } else {
+            out.line("flops profiler: step {} profile written to {}", in.step, profile.output_file);
+          }
+        } else {
+          for (const std::string& l : lines) out.line("{}", l);
+        }
+      }
       if (r.skipped)
         out.line(
             "step {}: fp16 gradients overflowed at loss scale {:g}: step skipped, scale now {:g}",
