@@ -8,8 +8,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
+#include "model/gpt2_config.h"
 #include "test_support.h"
 
 namespace fs = std::filesystem;
@@ -123,6 +125,42 @@ TEST(Cli, CorruptTokenizerAndCheckpointAreReported) {
   const Result g = run("generate --checkpoint " + (dir / "nothing").string());
   EXPECT_EQ(g.status, 2) << g.output;
   EXPECT_NE(g.output.find("no checkpoint"), std::string::npos) << g.output;
+  fs::remove_all(dir);
+}
+
+// --profile-step N: the FLOPs profiler's table at step N, whose total is the analytic model FLOPs
+// (6·N_params + 12·L·C·T per token) of the step; with an output_file it goes there instead.
+TEST(Cli, FlopsProfilerPrintsTheTable) {
+  const fs::path dir = temp_dir("flops");
+  const std::string common =
+      "train --model gpt2-tiny --dataset wikitext-2 --max-steps 3 --batch-size 2 --max-length 32 "
+      "--device cpu --no-save --eval-samples 8 --cache-dir " +
+      (dir / "cache").string() + " --output-dir " + (dir / "out").string();
+  Result r = run(common + " --profile-step 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* needle : {"FLOPs profiler", "profile step 2", "embedding", "block 0", "block 3",
+                             "attention", "mlp", "ln_1", "head", "optimizer step",
+                             "gradient reduce wait", "latency ms", "TFLOP/s", "% step"})
+    EXPECT_NE(r.output.find(needle), std::string::npos) << needle << "\n" << r.output;
+  // gpt2-tiny: (6·N + 12·4·128·32)·64 tokens.
+  const shardtrain::GPT2Config c = shardtrain::gpt2_preset("gpt2-tiny");
+  const double total = c.flops_per_token(32) * 64.0;
+  const std::string total_line = fmt::format("total model FLOPs of the step: {:.0f} ", total);
+  EXPECT_NE(r.output.find(total_line), std::string::npos) << total_line << "\n" << r.output;
+  EXPECT_EQ(r.output.find("profile step 1 "), std::string::npos) << r.output;
+
+  const fs::path file = dir / "profile.txt";
+  std::ofstream(dir / "fp.json") << R"({"flops_profiler": {"enabled": true, "profile_step": 3,
+                                        "output_file": ")"
+                                 << file.string() << R"("}})";
+  r = run(common + " --deepspeed-config " + (dir / "fp.json").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("profile written to"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("total model FLOPs"), std::string::npos) << r.output;
+  std::ifstream in(file);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("profile step 3"), std::string::npos) << text;
+  EXPECT_NE(text.find(total_line), std::string::npos) << text;
   fs::remove_all(dir);
 }
 

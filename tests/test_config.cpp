@@ -1114,10 +1114,61 @@ TEST_F(ConfigTest, MonitorFlagsAndDeepSpeedSections) {
   EXPECT_TRUE(warnings_.empty());
 }
 
+TEST_F(ConfigTest, FlopsProfilerFlagAndDeepSpeedSection) {
+  // Off by default; --profile-step N turns it on at step N.
+  TrainConfig cfg = finalize({});
+  EXPECT_FALSE(cfg.flops_profiler.enabled);
+  cfg = finalize({"--profile-step", "3"});
+  EXPECT_TRUE(cfg.flops_profiler.enabled);
+  EXPECT_EQ(cfg.flops_profiler.profile_step, 3);
+  EXPECT_ANY_THROW(finalize({"--profile-step", "0"}));
+
+  // DeepSpeed's section: every key read, nothing ignored.
+  cfg = apply_json(R"({"flops_profiler": {"enabled": true, "profile_step": 5, "module_depth": 0,
+                       "top_modules": 3, "detailed": false, "output_file": "prof.txt"}})");
+  EXPECT_TRUE(cfg.flops_profiler.enabled);
+  EXPECT_EQ(cfg.flops_profiler.profile_step, 5);
+  EXPECT_EQ(cfg.flops_profiler.module_depth, 0);
+  EXPECT_EQ(cfg.flops_profiler.top_modules, 3);
+  EXPECT_FALSE(cfg.flops_profiler.detailed);
+  EXPECT_EQ(cfg.flops_profiler.output_file, "prof.txt");
+  EXPECT_TRUE(ignored_.empty());
+  // DeepSpeed's defaults: profile_step 1, output_file null = the log; disabled: off.
+  cfg = apply_json(R"({"flops_profiler": {"enabled": true, "output_file": null}})");
+  EXPECT_TRUE(cfg.flops_profiler.enabled);
+  EXPECT_EQ(cfg.flops_profiler.profile_step, 1);
+  EXPECT_EQ(cfg.flops_profiler.output_file, "");
+  cfg = apply_json(R"({"flops_profiler": {"enabled": false, "profile_step": 4}})");
+  EXPECT_FALSE(cfg.flops_profiler.enabled);
+
+  // The flag wins over the file (and turns it on even when the file says disabled).
+  const std::string path =
+      write("fp.json", R"({"flops_profiler": {"enabled": true, "profile_step": 7}})");
+  EXPECT_EQ(finalize({"--deepspeed-config", path}).flops_profiler.profile_step, 7);
+  cfg = finalize({"--deepspeed-config", path, "--profile-step", "2"});
+  EXPECT_EQ(cfg.flops_profiler.profile_step, 2);
+  EXPECT_TRUE(cfg.flops_profiler.enabled);
+  const std::string off =
+      write("fp_off.json", R"({"flops_profiler": {"enabled": false, "profile_step": 7}})");
+  EXPECT_TRUE(finalize({"--deepspeed-config", off, "--profile-step", "2"}).flops_profiler.enabled);
+
+  // Unknown keys and wrong values are errors.
+  EXPECT_CONTAINS(config_error([&] { apply_json(R"({"flops_profiler": {"profile_stp": 1}})"); }),
+                  "did you mean 'flops_profiler.profile_step'");
+  EXPECT_CONTAINS(config_error([&] {
+                    apply_json(R"({"flops_profiler": {"enabled": true, "profile_step": 0}})");
+                  }),
+                  "flops_profiler.profile_step");
+  EXPECT_CONTAINS(config_error([&] { apply_json(R"({"flops_profiler": {"module_depth": -2}})"); }),
+                  "flops_profiler.module_depth");
+  EXPECT_CONTAINS(config_error([&] { apply_json(R"({"flops_profiler": {"detailed": 1}})"); }),
+                  "flops_profiler.detailed");
+}
+
 TEST_F(ConfigTest, IgnoredKeysAreListedInOneWarning) {
   const std::string path = write("ds.json", R"({
     "train_micro_batch_size_per_gpu": 4,
-    "flops_profiler": {"enabled": true},
+    "comms_logger": {"enabled": true},
     "wall_clock_breakdown": false,
     "tensorboard": {"enabled": false, "output_path": "tb/"},
     "zero_allow_untested_optimizer": true,
@@ -1129,7 +1180,7 @@ TEST_F(ConfigTest, IgnoredKeysAreListedInOneWarning) {
   EXPECT_TRUE(cfg.activation_checkpointing);
   ASSERT_EQ(warnings_.size(), 1u);
   const std::string& w = warnings_[0];
-  EXPECT_CONTAINS(w, "flops_profiler");
+  EXPECT_CONTAINS(w, "comms_logger");
   EXPECT_CONTAINS(w, "zero_allow_untested_optimizer");
   EXPECT_CONTAINS(w, "zero_optimization.sub_group_size");
   EXPECT_CONTAINS(w, "activation_checkpointing.partition_activations");
