@@ -164,27 +164,30 @@ void PipelineExecutor::receive(int peer, const Key& k) {
 
 double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches, double loss_scale,
                              bool trace) {
-  M_ = micro_batches;
+  if (micro_batches != M_ || actions_.empty()) {
+    // This rank's actions and (on first use) its peers' message orders, kept while M stays.
+    M_ = micro_batches;
+    const PipelineShape shape{P_, M_, V_};
+    actions_ = with_transfers(pipeline_compute_actions(schedule_, shape, rank_), shape, rank_);
+    expected_.clear();
+  }
   {
     const MicroBatch first = batches(0);
     B_ = first.batch;
     T_ = first.seq_len;
   }
   grad_scale_ = static_cast<float>(loss_scale / static_cast<double>(B_ * T_));
-  expected_.clear();
   posted_.clear();
   ST_ASSERT(live_.empty() && pending_recv_.empty());
   trace_.clear();
 
-  const PipelineShape shape{P_, M_, V_};
-  const auto actions =
-      with_transfers(pipeline_compute_actions(schedule_, shape, rank_), shape, rank_);
   const int last_v = P_ * V_ - 1;
   const bool on_device = backend_.kind() != DeviceKind::kCPU;
   // MPI (CPU): every neighbour's first message is awaited from the start (post_ahead_).
+  const int prev = (rank_ + P_ - 1) % P_, next = (rank_ + 1) % P_;
   if (post_ahead_)
-    for (int peer : {(rank_ + P_ - 1) % P_, (rank_ + 1) % P_})
-      if (peer != rank_ && !expected_.count({peer, true})) {
+    for (int peer : {prev, next})
+      if (peer != rank_ && (peer == prev || next != prev)) {
         post_next(peer, true);
         post_next(peer, false);
       }
@@ -194,7 +197,7 @@ double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches,
   const auto t0 = Clock::now();
   const auto now = [&]() { return std::chrono::duration<double>(Clock::now() - t0).count(); };
 
-  for (const PipelineAction& a : actions) {
+  for (const PipelineAction& a : actions_) {
     const double start = trace ? now() : 0;
     const int m = a.micro_batch, c = a.chunk, v = virtual_stage(c);
     const ChunkLayers& ch = chunks_[static_cast<size_t>(c)];

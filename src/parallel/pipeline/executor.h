@@ -128,15 +128,17 @@ class PipelineExecutor : public LayerHooks {
   FlatBuffer tied_grad_;  ///< first stage: the received wte gradient
   bool add_tied_ = false;
 
-  // Per run.
   int M_ = 0;
+  std::vector<PipelineAction> actions_;  ///< this rank's, with transfers, for M_ micro-batches
+  // Per run.
   int64_t B_ = 0, T_ = 0;
   float grad_scale_ = 1;
   std::map<std::pair<int, int>, SlotState> live_;
   std::vector<SlotState> done_;  ///< finished slots whose sends may still be in flight
   std::vector<int> free_slots_;
   int next_slot_ = 0, peak_slots_ = 0;
-  /// Per (peer, activations?): the peer's messages to this rank, and how many are posted.
+  /// Per (peer, activations?): the peer's messages to this rank (kept while M_ stays), and how
+  /// many of them this run has posted.
   std::map<std::pair<int, bool>, std::vector<Key>> expected_;
   std::map<std::pair<int, bool>, size_t> posted_;
   std::map<Key, std::unique_ptr<Work>> pending_recv_;

@@ -49,13 +49,10 @@ std::vector<double> PipelineParallel::layer_costs(const GPT2Model& whole) {
   costs.front() = costs.back() = 0;
   if (opt_.virtual_stages > 1 || opt_.partition == PartitionMethod::kUniform) return costs;
   if (opt_.partition == PartitionMethod::kParameters) {
-    for (int l = 0; l < n; ++l) costs[static_cast<size_t>(l)] = 0;
-    for (const ParamTensor* t : layout.tensors()) {
-      for (int l = 0; l < n; ++l) {
-        const LayerRange& r = layout.layers()[static_cast<size_t>(l)];
-        if (t->offset >= r.offset && t->offset < r.offset + r.numel)
-          costs[static_cast<size_t>(l)] += static_cast<double>(t->numel);
-      }
+    for (int l = 0; l < n; ++l) {
+      double& c = costs[static_cast<size_t>(l)] = 0;
+      for (const ParamTensor& t : layout.layers()[static_cast<size_t>(l)].tensors)
+        c += static_cast<double>(t.numel);
     }
     // The head computes with the tied wte: count it there too (DeepSpeed's tied layer specs).
     costs.back() += static_cast<double>(layout.find("transformer.wte.weight")->numel);
