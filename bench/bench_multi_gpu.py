@@ -197,6 +197,16 @@ def bench_env(smoke):
     return env
 
 
+def prepare_paths(ap, a):
+    """Makes --shardtrain and --workdir absolute, checks that the binary can run (ap.error
+    otherwise) and creates the work directory."""
+    a.shardtrain = os.path.abspath(a.shardtrain)
+    a.workdir = os.path.abspath(a.workdir)
+    if not os.access(a.shardtrain, os.X_OK):
+        ap.error(f"--shardtrain {a.shardtrain} is not an executable")
+    os.makedirs(a.workdir, exist_ok=True)
+
+
 def result_header(a, **extra):
     """The fields every bench result JSON starts with (date, mode, binary version, GPUs), then
     `extra`; `a` holds the parsed --shardtrain, --smoke and the device."""
@@ -284,11 +294,7 @@ def main():
     a.models = a.models or ("gpt2-micro" if a.smoke else "gpt2-medium,gpt2-xl")
     a.batch = a.batch or (2 if a.smoke else 4)
     a.seq = a.seq or (64 if a.smoke else 512)
-    a.shardtrain = os.path.abspath(a.shardtrain)
-    a.workdir = os.path.abspath(a.workdir)
-    if not os.access(a.shardtrain, os.X_OK):
-        ap.error(f"--shardtrain {a.shardtrain} is not an executable")
-    os.makedirs(a.workdir, exist_ok=True)
+    prepare_paths(ap, a)
     start = time.time()
 
     env = bench_env(a.smoke)

@@ -53,7 +53,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_multi_gpu import (RESULT_TAG, UNITS, WORKER, bench_env, human, job_error,  # noqa: E402
-                             parse_metrics, result_header, run_job)
+                             parse_metrics, prepare_paths, result_header, run_job)
 
 LOG_INTERVAL = 5
 # name: (model, micro-batch, sequence, steps, untimed warmup steps, epoch samples or None)
@@ -547,12 +547,8 @@ def main():
     a.cases = {c: table[c] for c in names}
     a.largest_batch = a.largest_batch or 2
     a.largest_seq = a.largest_seq or (64 if a.smoke else 512)
-    a.shardtrain = os.path.abspath(a.shardtrain)
-    a.workdir = os.path.abspath(a.workdir)
     a.nvme_path = os.path.abspath(a.nvme_path)
-    if not os.access(a.shardtrain, os.X_OK):
-        ap.error(f"--shardtrain {a.shardtrain} is not an executable")
-    os.makedirs(a.workdir, exist_ok=True)
+    prepare_paths(ap, a)
     a.torch_ok = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
     start = time.time()
 

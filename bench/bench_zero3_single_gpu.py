@@ -42,7 +42,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_multi_gpu import (RESULT_TAG, WORKER, bench_env, human, job_error,  # noqa: E402
-                             parse_estimate, parse_metrics, result_header, run_job)
+                             parse_estimate, prepare_paths, parse_metrics, result_header, run_job)
 
 LOG_INTERVAL = 5
 # name: (model, micro-batch, sequence, steps, untimed warmup steps); warmup a multiple of
@@ -282,11 +282,7 @@ def main():
     if any(f not in FRAMEWORKS for f in frameworks):
         ap.error(f"--frameworks: choose from {', '.join(FRAMEWORKS)}")
     fsdp_cases = set(names) if a.fsdp_cases == "all" else set(a.fsdp_cases.split(","))
-    a.shardtrain = os.path.abspath(a.shardtrain)
-    a.workdir = os.path.abspath(a.workdir)
-    if not os.access(a.shardtrain, os.X_OK):
-        ap.error(f"--shardtrain {a.shardtrain} is not an executable")
-    os.makedirs(a.workdir, exist_ok=True)
+    prepare_paths(ap, a)
     a.torch_ok = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
     start = time.time()
 
