@@ -14,6 +14,12 @@
 #else
 #define ST_HD inline
 #endif
+// `#pragma unroll` for the device pass only (host compilers warn about the unknown pragma).
+#if defined(__CUDA_ARCH__)
+#define ST_UNROLL _Pragma("unroll")
+#else
+#define ST_UNROLL
+#endif
 
 namespace shardtrain {
 
@@ -85,7 +91,7 @@ template <int K>
 ST_HD void dropout_chunk(float* x, const Dropout& d, uint32_t thresh, float keep_scale,
                          uint64_t base) {
   Philox4x32 r = d.bits4(base);
-#pragma unroll
+  ST_UNROLL
   for (int k = 0; k < K; ++k) {
     const uint64_t idx = base + static_cast<uint64_t>(k);
     if (k > 0 && (idx & 3) == 0) r = d.bits4(idx);
