@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include "model/gpt2_config.h"
 #include "test_support.h"
@@ -161,6 +162,56 @@ TEST(Cli, FlopsProfilerPrintsTheTable) {
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("profile step 3"), std::string::npos) << text;
   EXPECT_NE(text.find(total_line), std::string::npos) << text;
+  fs::remove_all(dir);
+}
+
+// --dropout: refused outside [0, 1); a run with it shows the three probabilities in the banner,
+// records them in the checkpoint's manifest, and a rerun with the same seed logs the same losses
+// (the masks are reproducible).
+TEST(Cli, DropoutFlagBannerCheckpointAndReproducibleLoss) {
+  expect_error(kData + " --dropout 1", "--dropout");
+  expect_error(kData + " --dropout -0.2", "--dropout");
+  const fs::path dir = temp_dir("dropout");
+  const std::string common = "train --model gpt2-micro " + kData +
+                             " --max-length 32 --batch-size 2 --eval-samples 8 --max-steps 3 "
+                             "--log-interval 1 --dropout 0.1 --cache-dir " +
+                             (dir / "cache").string();
+  Result a = run(common + " --output-dir " + (dir / "a").string());
+  ASSERT_EQ(a.status, 0) << a.output;
+  EXPECT_NE(a.output.find("dropout: embd_pdrop 0.1, attn_pdrop 0.1, resid_pdrop 0.1"),
+            std::string::npos)
+      << a.output;
+  std::ifstream cfg(dir / "a" / "checkpoint-000003" / "manifest.json");
+  const std::string text((std::istreambuf_iterator<char>(cfg)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("\"attn_pdrop\": 0.1"), std::string::npos) << text;
+  Result b = run(common + " --no-save --output-dir " + (dir / "b").string());
+  ASSERT_EQ(b.status, 0) << b.output;
+  auto losses = [](const fs::path& metrics) {
+    std::ifstream in(metrics);
+    std::vector<std::string> out;
+    for (std::string line; std::getline(in, line);) {
+      const auto at = line.find("\"loss\":");
+      if (at != std::string::npos && line.find("\"step\":") != std::string::npos)
+        out.push_back(line.substr(at, line.find(',', at) - at));
+    }
+    return out;
+  };
+  const auto la = losses(dir / "a" / "metrics.jsonl"), lb = losses(dir / "b" / "metrics.jsonl");
+  EXPECT_FALSE(la.empty());
+  EXPECT_EQ(la, lb);
+  // The Hugging Face export writes the values; its config.json given to --model supplies them.
+  Result c = run("consolidate " + (dir / "a").string() + " --output " + (dir / "hf").string());
+  ASSERT_EQ(c.status, 0) << c.output;
+  std::ifstream hf(dir / "hf" / "config.json");
+  const std::string hf_text((std::istreambuf_iterator<char>(hf)), std::istreambuf_iterator<char>());
+  EXPECT_NE(hf_text.find("\"resid_pdrop\": 0.1"), std::string::npos) << hf_text;
+  Result d = run("train --model " + (dir / "hf").string() + " " + kData +
+                 " --max-length 32 --batch-size 2 --max-steps 1 --no-save --cache-dir " +
+                 (dir / "cache").string() + " --output-dir " + (dir / "d").string());
+  ASSERT_EQ(d.status, 0) << d.output;
+  EXPECT_NE(d.output.find("dropout: embd_pdrop 0.1, attn_pdrop 0.1, resid_pdrop 0.1"),
+            std::string::npos)
+      << d.output;
   fs::remove_all(dir);
 }
 

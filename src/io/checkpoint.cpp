@@ -46,13 +46,21 @@ void read_as_f32(const SafetensorsFile& st, const std::string& name, const std::
 
 }  // namespace
 
+namespace {
+
+/// A float probability as the double of its shortest decimal form (0.1f is written 0.1, not
+/// 0.10000000149011612).
+double probability_json(float p) { return std::stod(fmt::format("{}", p)); }
+
+}  // namespace
+
 json manifest_model_json(const GPT2Config& c) {
   json j = {{"name", c.name},     {"n_layer", c.n_layer},       {"n_head", c.n_head},
             {"n_embd", c.n_embd}, {"vocab_size", c.vocab_size}, {"n_positions", c.n_positions}};
   if (c.has_dropout()) {  // only then: manifests without dropout stay as they were
-    j["embd_pdrop"] = c.embd_pdrop;
-    j["attn_pdrop"] = c.attn_pdrop;
-    j["resid_pdrop"] = c.resid_pdrop;
+    j["embd_pdrop"] = probability_json(c.embd_pdrop);
+    j["attn_pdrop"] = probability_json(c.attn_pdrop);
+    j["resid_pdrop"] = probability_json(c.resid_pdrop);
   }
   return j;
 }
@@ -187,9 +195,9 @@ void save_hf_config(const fs::path& dir, const GPT2Config& c) {
                     {"activation_function", "gelu_new"},
                     {"layer_norm_epsilon", 1e-5},
                     {"initializer_range", 0.02},
-                    {"resid_pdrop", c.resid_pdrop},
-                    {"embd_pdrop", c.embd_pdrop},
-                    {"attn_pdrop", c.attn_pdrop},
+                    {"resid_pdrop", probability_json(c.resid_pdrop)},
+                    {"embd_pdrop", probability_json(c.embd_pdrop)},
+                    {"attn_pdrop", probability_json(c.attn_pdrop)},
                     {"scale_attn_weights", true},
                     {"tie_word_embeddings", true},
                     {"bos_token_id", 50256},
