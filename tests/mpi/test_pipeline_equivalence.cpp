@@ -3,7 +3,7 @@
 // replicas with dp, zero1 and zero2 across the replicas, reach the parameters and AdamW state of
 // data parallelism on one rank with the same global batch after N steps (fp32, ‖a − b‖/‖b‖ ≤
 // 1e-6); PipeDream-2BW equals a single-process implementation of its update rule; a pipeline
-// checkpoint resumes as dp.
+// checkpoint resumes as dp; with dropout (2 stages) the pipeline draws dp's masks.
 //
 // Setup: tiny GPT-2s (3 heads, 27 channels, vocabulary 97, T = 16) with 4 blocks (2 stages) or 8
 // (4 stages). Every optimizer step takes a global batch of 16 samples: M micro-batches of 16/M,
@@ -58,9 +58,13 @@ constexpr double kLr = 6e-4;
 
 double learning_rate(int64_t step) { return kLr * (1.0 - 0.05 * static_cast<double>(step)); }
 
-st::GPT2Config model_with(int layers) {
+constexpr uint64_t kRunSeed = 42;  ///< TrainStepOptions::dropout_seed of every run
+
+/// `dropout`: embd/attn/resid_pdrop (0: none).
+st::GPT2Config model_with(int layers, float dropout = 0.0f) {
   st::GPT2Config c = st::test_support::tiny_gpt2(fmt::format("pipeline-{}", layers), kT);
   c.n_layer = layers;
+  c.embd_pdrop = c.attn_pdrop = c.resid_pdrop = dropout;
   return c;
 }
 
@@ -115,18 +119,18 @@ struct Reference {
 
 st::FullState state_of(st::Strategy& s) { return s.gather_state(); }
 
-Reference run_reference(int layers, int64_t M, int64_t steps, bool two_bw) {
+Reference run_reference(int layers, int64_t M, int64_t steps, bool two_bw, float dropout) {
   Reference ref;
   auto backend = st::make_cpu_backend();
   auto local = st::make_local_communicator();
-  st::GPT2Model model(model_with(layers), *backend);
+  st::GPT2Model model(model_with(layers, dropout), *backend);
   auto strategy = st::make_strategy(dp_options(), *backend, *local);
   strategy->setup(model, initial_params(layers));
   st::LossScaler scaler{st::LossScaleConfig{}, false};
   Batches batches{M, 1, 0, {}, {}};
   if (!two_bw) {
     st::TrainStep train_step(model, *strategy, *local, *backend, scaler,
-                             st::TrainStepOptions{M, kClip});
+                             st::TrainStepOptions{M, kClip, kRunSeed});
     for (int64_t step = 0; step < steps; ++step) {
       const auto r = train_step.run(step, learning_rate(step),
                                     [&](int64_t k) { return batches.get(step, k); });
@@ -165,12 +169,12 @@ Reference run_reference(int layers, int64_t M, int64_t steps, bool two_bw) {
   return ref;
 }
 
-const Reference& reference(int layers, int64_t M, bool two_bw = false) {
-  static std::map<std::tuple<int, int64_t, bool>, Reference> cache;
-  auto key = std::make_tuple(layers, M, two_bw);
+const Reference& reference(int layers, int64_t M, bool two_bw = false, float dropout = 0.0f) {
+  static std::map<std::tuple<int, int64_t, bool, float>, Reference> cache;
+  auto key = std::make_tuple(layers, M, two_bw, dropout);
   auto it = cache.find(key);
   if (it == cache.end())
-    it = cache.emplace(key, run_reference(layers, M, kSteps + kMore, two_bw)).first;
+    it = cache.emplace(key, run_reference(layers, M, kSteps + kMore, two_bw, dropout)).first;
   return it->second;
 }
 
@@ -195,12 +199,14 @@ struct Case {
   int layers = 4;
   std::string partition = "parameters";
   bool checkpointing = false;
+  float dropout = 0.0f;  ///< the model's embd/attn/resid_pdrop
 };
 
 std::string describe(const Case& c, int D) {
-  return fmt::format("{} P={} V={} D={} M={} zero{} {}{}", st::to_string(c.schedule), c.stages,
+  return fmt::format("{} P={} V={} D={} M={} zero{} {}{}{}", st::to_string(c.schedule), c.stages,
                      c.virtual_stages, D, c.M, c.zero_stage, c.partition,
-                     c.checkpointing ? " checkpointing" : "");
+                     c.checkpointing ? " checkpointing" : "",
+                     c.dropout > 0 ? fmt::format(" dropout {}", c.dropout) : "");
 }
 
 class PipelineMpi : public ::testing::Test {
@@ -242,7 +248,7 @@ class PipelineMpi : public ::testing::Test {
     cfg.pipeline.partition_method = c.partition;
     cfg.activation_checkpointing = c.checkpointing;
     cfg.plan = st::plan_of(cfg);
-    run->model = std::make_unique<st::GPT2Model>(model_with(c.layers), *run->backend);
+    run->model = std::make_unique<st::GPT2Model>(model_with(c.layers, c.dropout), *run->backend);
     run->strategy = st::make_pipeline_strategy(cfg, *run->backend, *comm);
     run->pipe = run->strategy->as_pipeline();
     run->strategy->setup(*run->model, with_init ? initial_params(c.layers) : std::vector<float>());
@@ -255,7 +261,7 @@ class PipelineMpi : public ::testing::Test {
     for (int64_t step = first; step < first + count; ++step) {
       const auto r = run.pipe->run_step(
           step, learning_rate(step), [&](int64_t k) { return batches.get(step, k); }, run.scaler,
-          st::TrainStepOptions{c.M, kClip});
+          st::TrainStepOptions{c.M, kClip, kRunSeed});
       run.losses.push_back(r.loss);
       run.norms.push_back(r.grad_norm);
     }
@@ -292,7 +298,7 @@ class PipelineMpi : public ::testing::Test {
     auto run = start(c);
     train(*run, c, 0, kSteps);
     const bool two_bw = c.schedule == st::PipelineSchedule::k2BW;
-    const Reference& ref = reference(c.layers, c.M, two_bw);
+    const Reference& ref = reference(c.layers, c.M, two_bw, c.dropout);
     for (int64_t s = 0; s < kSteps; ++s) {
       EXPECT_LE(rel(run->losses[static_cast<size_t>(s)], ref.losses[static_cast<size_t>(s)]),
                 kTolerance)
@@ -324,6 +330,18 @@ TEST_F(PipelineMpi, TwoStagesEverySchedule) {
   check_case({.schedule = S::k1F1B, .checkpointing = true});
   check_case({.schedule = S::kZBH1, .checkpointing = true});
   check_case({.schedule = S::k2BW});
+}
+
+// Dropout (p = 0.1): each micro-batch's masks are drawn from (run seed, replica, step, micro-batch
+// index) in its forward, recompute and backward, whatever order the schedule runs them in: the
+// pipeline draws the masks of dp on one rank with the same micro-batches.
+TEST_F(PipelineMpi, TwoStagesWithDropoutMatchDataParallel) {
+  if (comm->world_size() != 2) GTEST_SKIP() << "2 ranks";
+  check_case({.schedule = S::kGPipe, .dropout = 0.1f});
+  check_case({.schedule = S::k1F1B, .dropout = 0.1f});
+  check_case({.schedule = S::kInterleaved, .virtual_stages = 2, .dropout = 0.1f});
+  check_case({.schedule = S::kZBH1, .dropout = 0.1f});
+  check_case({.schedule = S::k1F1B, .checkpointing = true, .dropout = 0.1f});
 }
 
 TEST_F(PipelineMpi, FourStagesEverySchedule) {
@@ -360,7 +378,8 @@ TEST_F(PipelineMpi, CheckpointResumesAsDataParallel) {
   st::load_sharded_checkpoint(st::read_checkpoint_info(dir / "pipeline"), model.layout(), *dp,
                               *local);
   st::LossScaler scaler{st::LossScaleConfig{}, false};
-  st::TrainStep train_step(model, *dp, *local, *backend, scaler, st::TrainStepOptions{c.M, kClip});
+  st::TrainStep train_step(model, *dp, *local, *backend, scaler,
+                           st::TrainStepOptions{c.M, kClip, kRunSeed});
   Batches batches{c.M, 1, 0, {}, {}};
   for (int64_t step = kSteps; step < kSteps + kMore; ++step)
     train_step.run(step, learning_rate(step), [&](int64_t k) { return batches.get(step, k); });
