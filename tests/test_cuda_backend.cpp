@@ -10,6 +10,8 @@
 //
 // Only the Backend interface is used (no CUDA headers), so this file builds without CUDA too;
 // every test skips when cuda_available() is false (CPU-only builds, machines without a GPU).
+// Dropout: the same ops with a Dropout, whose masks (core/philox.h) are identical on both
+// backends, and the whole model with p = 0.1 (materialized and flash attention).
 // The op tests construct their backends with SHARDTRAIN_ATTENTION=materialized, so bf16 mode
 // covers the materialized attention kernels (cuda_attention.cu); the FlashAttention* tests at the
 // end cover the fused kernels (cuda_flash_attention.cu), the default in bf16/fp16.
@@ -523,6 +525,88 @@ TEST_P(CudaOpTest, EmbeddingForwardBackwardRepeatedTokensDeterministic) {
   }
 }
 
+// ==== dropout (core/philox.h): the GPU draws the CPU reference's masks ==========================
+// The masks are an exact function of (seed, site, element index) on both backends, so the
+// results differ only by the GPU's roundings: the same tolerances as without dropout.
+
+namespace {
+
+Dropout test_dropout(float p, uint64_t seed, uint32_t site) {
+  Dropout d;
+  d.p = p;
+  d.seed = seed;
+  d.site = site;
+  return d;
+}
+
+}  // namespace
+
+// add with a dropped second operand and dropout_backward, aligned (vector path, a tail) and at
+// offset 3 (scalar path); the mask of a slice is that of its own element indices 0..m-1.
+TEST_P(CudaOpTest, DropoutAddAndBackwardMatchCpu) {
+  const int64_t n = 4099;
+  const Dropout d = test_dropout(0.3f, 0xABCDEF12345ull, 9);
+  for (int64_t off : {int64_t{0}, int64_t{3}}) {
+    SCOPED_TRACE(off ? "unaligned slices" : "aligned");
+    const int64_t m = n - off;
+    auto a = rounded(randu(n, 15)), b = rounded(randu(n, 16));
+    FlatBuffer ga = up(a), gb = up(b), gout(*gpu, dt(), n), gd(*gpu, dt(), n);
+    auto slice = [&](const std::vector<float>& v) {
+      return std::vector<float>(v.begin() + off, v.end());
+    };
+    auto as = slice(a), bs = slice(b);
+    std::vector<float> out(static_cast<size_t>(m)), db(static_cast<size_t>(m));
+    gpu->add(gout.slice(off, m), ga.slice(off, m), gb.slice(off, m), d);
+    cpu->add(host(out, {m}), host(as, {m}), host(bs, {m}), d);
+    // fp32: a + b·scale in one FMA on the GPU: 1e-6 relative plus 1e-6·max absolute.
+    expect_close(slice(down(gout)), out, rtol(1e-6), atol(1e-6), "add with dropout");
+    gpu->dropout_backward(gd.slice(off, m), gb.slice(off, m), d);
+    cpu->dropout_backward(host(db, {m}), host(bs, {m}), d);
+    const auto got = slice(down(gd));
+    expect_close(got, db, rtol(1e-6), atol(0), "dropout_backward");
+    // The same elements are zero on both sides (the masks agree exactly).
+    for (size_t i = 0; i < got.size(); ++i)
+      ASSERT_EQ(got[i] == 0.f, db[i] == 0.f) << "mask differs at element " << i;
+    // In place (dst aliases src).
+    gpu->dropout_backward(gb.slice(off, m), gb.slice(off, m), d);
+    expect_close(slice(down(gb)), db, rtol(1e-6), atol(0), "dropout_backward in place");
+  }
+}
+
+TEST_P(CudaOpTest, EmbeddingWithDropoutMatchesCpu) {
+  struct Case {
+    int64_t V, C;
+  };
+  for (const Case& cs : {Case{37, 96}, Case{50257, 50}}) {
+    SCOPED_TRACE("V=" + std::to_string(cs.V) + " C=" + std::to_string(cs.C));
+    const int64_t B = 4, Tn = 64, maxT = Tn + 3, V = cs.V, C = cs.C, N = B * Tn;
+    const Dropout d = test_dropout(0.1f, 77, 0);
+    auto tok =
+        randi(static_cast<size_t>(N), 30 + static_cast<uint64_t>(V), static_cast<int32_t>(V));
+    for (int64_t t = 0; t < Tn; ++t) tok[static_cast<size_t>(3 * Tn + t)] = 1;  // a long run
+    auto wte = rounded(randu(static_cast<size_t>(V * C), 31)),
+         wpe = rounded(randu(static_cast<size_t>(maxT * C), 32)),
+         dout = rounded(randu(static_cast<size_t>(N * C), 33));
+    FlatBuffer gtok = upload_i32(*gpu, tok), gwte = up(wte), gwpe = up(wpe), gdout = up(dout),
+               gout(*gpu, dt(), N * C);
+    std::vector<float> out(static_cast<size_t>(N * C));
+    gpu->embedding_forward(dev(gout, {B, Tn, C}), dev(gtok, {B, Tn}), dev(gwte, {V, C}),
+                           dev(gwpe, {maxT, C}), d);
+    cpu->embedding_forward(host(out, {B, Tn, C}), host_i32(tok, {B, Tn}), host(wte, {V, C}),
+                           host(wpe, {maxT, C}), d);
+    expect_close(down(gout), out, rtol(1e-6), atol(0), "embedding_forward with dropout");
+    std::vector<float> dwte(static_cast<size_t>(V * C), 0.f),
+        dwpe(static_cast<size_t>(maxT * C), 0.f);
+    cpu->embedding_backward(host(dwte, {V, C}), host(dwpe, {maxT, C}), host(dout, {B, Tn, C}),
+                            host_i32(tok, {B, Tn}), d);
+    FlatBuffer gdwte(*gpu, dt(), V * C), gdwpe(*gpu, dt(), maxT * C);
+    gpu->embedding_backward(dev(gdwte, {V, C}), dev(gdwpe, {maxT, C}), dev(gdout, {B, Tn, C}),
+                            dev(gtok, {B, Tn}), d);
+    expect_close(down(gdwte), dwte, rtol(1e-5), atol(1e-6), "embedding_backward dwte with dropout");
+    expect_close(down(gdwpe), dwpe, rtol(1e-5), atol(1e-6), "embedding_backward dwpe with dropout");
+  }
+}
+
 // ==== layernorm ==================================================================================
 
 TEST_P(CudaOpTest, LayerNormForwardBackward) {
@@ -914,6 +998,51 @@ TEST_P(CudaOpTest, AttentionForwardBackward) {
   }
 }
 
+// Attention dropout in the materialized kernels (this fixture's backends): saved probabilities
+// stay the undropped softmax; out and dqkv match the CPU reference with the same mask.
+TEST_P(CudaOpTest, AttentionWithDropoutMatchesCpu) {
+  struct Case {
+    int64_t B, Tn, NH, hs;
+  };
+  for (const Case& cs : {Case{2, 33, 2, 64}, Case{1, 300, 2, 32}}) {
+    const int64_t B = cs.B, Tn = cs.Tn, NH = cs.NH, C = NH * cs.hs;
+    SCOPED_TRACE("B=" + std::to_string(B) + " T=" + std::to_string(Tn));
+    const Dropout d = test_dropout(0.2f, 4242, 5);
+    const auto nqkv = static_cast<size_t>(B * Tn * 3 * C), nout = static_cast<size_t>(B * Tn * C),
+               nprob = static_cast<size_t>(B * NH * Tn * Tn);
+    auto qkv = rounded(randu(nqkv, 120)), dy = rounded(randu(nout, 121));
+    std::vector<float> out(nout), probs(nprob), dqkv(nqkv);
+    AttentionSaved cs_saved{host(probs, {B, NH, Tn, Tn}), {}};
+    const int nh = static_cast<int>(NH);
+    cpu->attention_forward(host(out, {B, Tn, C}), cs_saved, host(qkv, {B, Tn, 3 * C}), nh, d);
+    cpu->attention_backward(host(dqkv, {B, Tn, 3 * C}), host(dy, {B, Tn, C}),
+                            host(qkv, {B, Tn, 3 * C}), host(out, {B, Tn, C}), cs_saved, nh, d);
+    FlatBuffer gqkv = up(qkv), gdy = up(dy), gout(*gpu, dt(), static_cast<int64_t>(nout)),
+               gdqkv(*gpu, dt(), static_cast<int64_t>(nqkv)),
+               gprobs(*gpu, gpu->attention_probs_dtype(), static_cast<int64_t>(nprob));
+    AttentionSaved gs{dev(gprobs, {B, NH, Tn, Tn}), {}};
+    gpu->attention_forward(dev(gout, {B, Tn, C}), gs, dev(gqkv, {B, Tn, 3 * C}), nh, d);
+    gpu->attention_backward(dev(gdqkv, {B, Tn, 3 * C}), dev(gdy, {B, Tn, C}),
+                            dev(gqkv, {B, Tn, 3 * C}), dev(gout, {B, Tn, C}), gs, nh, d);
+    const double rt = rtol(1e-4), at = fp32() ? 1e-5 : 2e-2;
+    auto got_out = down(gout), got_dqkv = down(gdqkv);
+    expect_close(got_out, out, rt, at, "attention_forward out with dropout");
+    expect_close(got_dqkv, dqkv, rt, at, "attention_backward dqkv with dropout");
+    EXPECT_GT(cosine(got_out, out), 0.999);
+    EXPECT_GT(cosine(got_dqkv, dqkv), 0.999);
+    auto got_p = down(gprobs);
+    std::vector<float> gp_causal, cp_causal;
+    for (int64_t r = 0; r < B * NH; ++r)
+      for (int64_t t = 0; t < Tn; ++t)
+        for (int64_t t2 = 0; t2 <= t; ++t2) {
+          const auto i = static_cast<size_t>((r * Tn + t) * Tn + t2);
+          gp_causal.push_back(got_p[i]);
+          cp_causal.push_back(probs[i]);
+        }
+    expect_close(gp_causal, cp_causal, rt, fp32() ? 1e-6 : 2e-3, "attention probs (undropped)");
+  }
+}
+
 // ==== whole model ================================================================================
 // GPT-2 with 2 layers, 2 heads, 64 channels, vocabulary 97, T = 16, B = 2, the same parameters
 // on the CPU and the GPU. fp32: logits and loss within 1e-4 relative; every parameter gradient
@@ -1044,6 +1173,15 @@ void check_whole_model(Backend& cpu, Backend& gpu, DType dt, const GPT2Config& c
 
 TEST_P(CudaOpTest, WholeModelMatchesCpu) {
   check_whole_model(*cpu, *gpu, dt(), TinyModel().config, 2, 16, 11);
+}
+
+// The whole-model comparison with all three dropouts on (p = 0.1; materialized attention): the
+// training forward of both backends draws the same masks (seed 0 in every forward), so losses
+// and gradients compare as without dropout; checkpointing's recompute draws them again.
+TEST_P(CudaOpTest, WholeModelWithDropoutMatchesCpu) {
+  GPT2Config c = TinyModel().config;
+  c.embd_pdrop = c.attn_pdrop = c.resid_pdrop = 0.1f;
+  check_whole_model(*cpu, *gpu, dt(), c, 2, 16, 12);
 }
 
 // Pipeline building blocks on the GPU (tests/stage_parts.h): the zero-bubble split backward is
@@ -1298,4 +1436,80 @@ TEST(FlashAttentionModelTest, WholeModelMatchesCpuBf16) {
   c.vocab_size = 97;
   c.n_positions = 80;
   check_whole_model(*cpu, *gpu, DType::kBF16, c, 2, 80, 21);
+}
+
+// Attention dropout inside the fused kernels: forward and backward against the CPU reference
+// with the same mask (element ((b·NH+h)·T+tq)·T+tk), bit-identical from run to run; T odd
+// (63, 97) puts pairs of adjacent keys across Philox groups of four. The lse is that of the
+// undropped softmax.
+TEST_P(FlashAttentionTest, ForwardBackwardWithDropoutMatchCpu) {
+  struct Case {
+    int64_t B, NH, Tn, hs;
+  };
+  for (const Case& cs : {Case{2, 3, 63, 64}, Case{2, 3, 65, 64}, Case{2, 3, 200, 64},
+                         Case{1, 2, 128, 32}, Case{1, 2, 97, 128}}) {
+    const int64_t B = cs.B, NH = cs.NH, Tn = cs.Tn, hs = cs.hs, C = NH * hs;
+    SCOPED_TRACE("B=" + std::to_string(B) + " NH=" + std::to_string(NH) +
+                 " T=" + std::to_string(Tn) + " hs=" + std::to_string(hs));
+    const auto nqkv = static_cast<size_t>(B * Tn * 3 * C), nout = static_cast<size_t>(B * Tn * C),
+               nprob = static_cast<size_t>(B * NH * Tn * Tn),
+               nlse = static_cast<size_t>(B * NH * Tn);
+    const auto seed = static_cast<uint64_t>(2000 + Tn * 7 + hs);
+    Dropout d;
+    d.p = 0.1f;
+    d.seed = seed * 31;
+    d.site = 6;
+    auto qkv = rounded(randu(nqkv, seed, 1.5f)), dy = rounded(randu(nout, seed + 1));
+    std::vector<float> out(nout), probs(nprob), dqkv(nqkv);
+    AttentionSaved cs_saved{host(probs, {B, NH, Tn, Tn}), {}};
+    const int nh = static_cast<int>(NH);
+    cpu->attention_forward(host(out, {B, Tn, C}), cs_saved, host(qkv, {B, Tn, 3 * C}), nh, d);
+    cpu->attention_backward(host(dqkv, {B, Tn, 3 * C}), host(dy, {B, Tn, C}),
+                            host(qkv, {B, Tn, 3 * C}), host(out, {B, Tn, C}), cs_saved, nh, d);
+    // gout0/glse0: the same forward without dropout (dropout must not change the lse).
+    FlatBuffer gqkv = up(qkv), gdy = up(dy), gout(*gpu, dt(), static_cast<int64_t>(nout)),
+               gout2(*gpu, dt(), static_cast<int64_t>(nout)),
+               gout0(*gpu, dt(), static_cast<int64_t>(nout)),
+               glse(*gpu, DType::kF32, static_cast<int64_t>(nlse)),
+               glse0(*gpu, DType::kF32, static_cast<int64_t>(nlse)),
+               gdqkv(*gpu, dt(), static_cast<int64_t>(nqkv)),
+               gdqkv2(*gpu, dt(), static_cast<int64_t>(nqkv));
+    ASSERT_FALSE(gpu->attention_saves_probs(static_cast<int>(hs)));
+    AttentionSaved gs{{}, dev(glse, {B, NH, Tn})}, gs0{{}, dev(glse0, {B, NH, Tn})};
+    gpu->attention_forward(dev(gout, {B, Tn, C}), gs, dev(gqkv, {B, Tn, 3 * C}), nh, d);
+    gpu->attention_forward(dev(gout2, {B, Tn, C}), gs, dev(gqkv, {B, Tn, 3 * C}), nh, d);
+    gpu->attention_forward(dev(gout0, {B, Tn, C}), gs0, dev(gqkv, {B, Tn, 3 * C}), nh);
+    gpu->attention_backward(dev(gdqkv, {B, Tn, 3 * C}), dev(gdy, {B, Tn, C}),
+                            dev(gqkv, {B, Tn, 3 * C}), dev(gout, {B, Tn, C}), gs, nh, d);
+    gpu->attention_backward(dev(gdqkv2, {B, Tn, 3 * C}), dev(gdy, {B, Tn, C}),
+                            dev(gqkv, {B, Tn, 3 * C}), dev(gout, {B, Tn, C}), gs, nh, d);
+    const auto got_out = down(gout), got_dqkv = down(gdqkv);
+    expect_flash_close(got_out, out, "flash forward out with dropout");
+    expect_flash_close(qkv_part(got_dqkv, C, 0), qkv_part(dqkv, C, 0), "flash dq with dropout");
+    expect_flash_close(qkv_part(got_dqkv, C, 1), qkv_part(dqkv, C, 1), "flash dk with dropout");
+    expect_flash_close(qkv_part(got_dqkv, C, 2), qkv_part(dqkv, C, 2), "flash dv with dropout");
+    EXPECT_GT(cosine(got_dqkv, dqkv), 0.999);
+    EXPECT_TRUE(bit_equal(download(*gpu, glse), download(*gpu, glse0)))
+        << "dropout changed the lse";
+    EXPECT_FALSE(bit_equal(down(gout0), got_out)) << "dropout changed nothing";
+    EXPECT_TRUE(bit_equal(down(gout2), got_out)) << "forward differs between identical runs";
+    EXPECT_TRUE(bit_equal(down(gdqkv2), got_dqkv)) << "backward differs between identical runs";
+  }
+}
+
+// The flash whole-model comparison (as WholeModelMatchesCpuBf16) with all three dropouts on.
+TEST(FlashAttentionModelTest, WholeModelWithDropoutMatchesCpuBf16) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU visible (or built without CUDA)";
+  auto cpu = make_cpu_backend();
+  auto gpu = make_flash_backend(DType::kBF16);
+  ASSERT_FALSE(gpu->attention_saves_probs(64));
+  GPT2Config c;
+  c.name = "cuda-flash-dropout-parity";
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 128;
+  c.vocab_size = 97;
+  c.n_positions = 80;
+  c.embd_pdrop = c.attn_pdrop = c.resid_pdrop = 0.1f;
+  check_whole_model(*cpu, *gpu, DType::kBF16, c, 2, 80, 22);
 }
