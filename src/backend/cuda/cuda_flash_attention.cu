@@ -26,8 +26,10 @@
 // M/(1−p), M the Philox mask of element ((b·NH+h)·T+i)·T+j (core/philox.h, the CPU reference's),
 // the forward multiplies P̃ by f after the row sums (O = (P∘f) v, lse unchanged); the backward
 // regenerates f: dV = (P∘f)ᵀ dO, dS = P ⊙ (dP∘f − D) with dP = dO vᵀ and D = rowsum(dO ⊙ O)
-// (still Σ_j P∘f∘dP). Forward and dQ draw one Philox call per two adjacent keys, dK/dV one per
-// element (its adjacent elements are adjacent queries).
+// (still Σ_j P∘f∘dP). With T a multiple of 4, groups of four adjacent keys are aligned Philox
+// calls: each lane draws one group and the lanes share the keep bits with shuffles (one call per
+// 4 elements; forward and dQ per quad of lanes, dK/dV per warp); otherwise forward and dQ draw
+// one call per two adjacent keys and dK/dV one per element.
 //
 // ---- layouts and dtypes -----------------------------------------------------------------------
 //   qkv  [B, T, 3C] = [B, T, 3, NH, hs] (q | k | v), bf16 or fp16, read in place: a tile of a head
@@ -165,6 +167,10 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 __device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
   return __shfl_xor_sync(0xffffffffu, v, lane_mask);
 }
+/// v of lane `src` (warp-wide).
+__device__ __forceinline__ uint32_t shfl_idx(uint32_t v, int src) {
+  return __shfl_sync(0xffffffffu, v, src);
+}
 
 // ---- end of PTX wrappers ------------------------------------------------------------------------
 
@@ -225,6 +231,46 @@ __device__ __forceinline__ void dropout_pair(float& f0, float& f1, const Dropout
   const uint32_t u1 = (idx & 3) == 3 ? d.bits4(idx + 1).v[0] : philox_lane(r, idx + 1);
   f0 = u0 >= thresh ? keep_scale : 0.f;
   f1 = u1 >= thresh ? keep_scale : 0.f;
+}
+
+/// Keep bits of elements idx4 .. idx4 + 3 (idx4 a multiple of 4: one Philox call), bit i for
+/// element idx4 + i. With T a multiple of 4, four adjacent keys from a multiple of 4 are such a
+/// group, and the lanes of a warp each draw one group and share the bits with shuffles.
+__device__ __forceinline__ uint32_t dropout_nibble(const Dropout& d, uint32_t thresh,
+                                                   uint64_t idx4) {
+  const Philox4x32 r = d.bits4(idx4);
+  return static_cast<uint32_t>(r.v[0] >= thresh) | static_cast<uint32_t>(r.v[1] >= thresh) << 1 |
+         static_cast<uint32_t>(r.v[2] >= thresh) << 2 |
+         static_cast<uint32_t>(r.v[3] >= thresh) << 3;
+}
+
+/// The dropout multipliers of keys k and k + 1 (k = k0 + 8·nt + 2·t4, k0 a multiple of 8) of the
+/// two query rows (row_i, i = 0, 1) a thread holds in the accumulator layout of an n8 tile
+/// (lane = 4·gi + t4), into f[i][0..1]. T a multiple of 4: the quad of lanes with this gi draws
+/// the 2 rows × 2 groups of four keys, one Philox call per lane, and shares them; otherwise
+/// dropout_pair per row.
+__device__ __forceinline__ void dropout_rows2(float (&f)[2][2], const Dropout& d, uint32_t thresh,
+                                              float keep_scale, uint64_t bh, int Tn, int row0,
+                                              int row1, int k, int lane) {
+  const int t4 = lane & 3;
+  if ((Tn & 3) == 0) {  // uniform over the kernel
+    const int row = (t4 >> 1) ? row1 : row0;
+    const int kbase = k - 2 * t4 + 4 * (t4 & 1);  // this lane's group: keys kbase .. kbase+3
+    const uint32_t nib = dropout_nibble(
+        d, thresh, (bh * static_cast<uint64_t>(Tn) + static_cast<uint64_t>(row)) * Tn + kbase);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t bits = shfl_idx(nib, (lane & ~3) + 2 * i + (t4 >> 1)) >> (2 * (t4 & 1));
+      f[i][0] = (bits & 1u) ? keep_scale : 0.f;
+      f[i][1] = (bits & 2u) ? keep_scale : 0.f;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      dropout_pair(
+          f[i][0], f[i][1], d, thresh, keep_scale,
+          (bh * static_cast<uint64_t>(Tn) + static_cast<uint64_t>(i == 0 ? row0 : row1)) * Tn + k);
+  }
 }
 
 /// The dropout multiplier of element idx of P.
@@ -445,16 +491,13 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks<D>)
     }
     if constexpr (kDrop) {  // P ∘ M / (1 − p), after the row sums
 #pragma unroll
-      for (int nt = 0; nt < kNS; ++nt)
+      for (int nt = 0; nt < kNS; ++nt) {
+        float f[2][2];
+        dropout_rows2(f, p.drop, p.drop_thresh, p.drop_scale, static_cast<uint64_t>(bh), Tn, qi0,
+                      qi1, k0 + nt * 8 + 2 * t4, lane);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int qi = i == 0 ? qi0 : qi1, kj = k0 + nt * 8 + 2 * t4;
-          float f0, f1;
-          dropout_pair(f0, f1, p.drop, p.drop_thresh, p.drop_scale,
-                       (static_cast<uint64_t>(bh) * Tn + qi) * Tn + kj);
-          s[nt][2 * i] *= f0;
-          s[nt][2 * i + 1] *= f1;
-        }
+        for (int e = 0; e < 4; ++e) s[nt][e] *= f[e >> 1][e & 1];
+      }
     }
 
     // O += P v.
@@ -625,7 +668,17 @@ __global__ void __launch_bounds__(kThreads, kDkdvMinBlocks)
     // dSᵀ = Pᵀ ⊙ (dPᵀ − D[query]).
     const bool need_mask = q0 < k0 + kBc - 1 || q0 + kBr > Tn;
 #pragma unroll
-    for (int nt = 0; nt < kNS; ++nt)
+    for (int nt = 0; nt < kNS; ++nt) {
+      // Dropout with T a multiple of 4: this warp's 16 keys from k0 + r0 (a multiple of 16) are
+      // four aligned groups of four; the n8 tile's 8 queries × 4 groups are 32 Philox calls, one
+      // per lane (lane = 4·query + group), shared with shuffles.
+      uint32_t nib = 0;
+      if constexpr (kDrop) {
+        if ((Tn & 3) == 0)
+          nib = dropout_nibble(p.drop, p.drop_thresh,
+                               (static_cast<uint64_t>(bh) * Tn + q0 + nt * 8 + (lane >> 2)) * Tn +
+                                   k0 + r0 + 4 * (lane & 3));
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int qc = nt * 8 + 2 * t4 + (e & 1), qi = q0 + qc;
@@ -633,9 +686,16 @@ __global__ void __launch_bounds__(kThreads, kDkdvMinBlocks)
         if (need_mask && ((e < 2 ? kj0 : kj1) > qi || qi >= Tn)) pv = 0.f;
         if constexpr (kDrop) {
           // Element (query qi, key kj) of P: adjacent e are adjacent queries, T apart.
-          const float f = dropout_one(p.drop, p.drop_thresh, p.drop_scale,
-                                      (static_cast<uint64_t>(bh) * Tn + qi) * Tn +
-                                          static_cast<uint64_t>(e < 2 ? kj0 : kj1));
+          float f;
+          if ((Tn & 3) == 0) {
+            const int grp = e < 2 ? gi >> 2 : 2 + (gi >> 2);
+            const uint32_t bits = shfl_idx(nib, (2 * t4 + (e & 1)) * 4 + grp);
+            f = (bits >> (gi & 3)) & 1u ? p.drop_scale : 0.f;
+          } else {
+            f = dropout_one(p.drop, p.drop_thresh, p.drop_scale,
+                            (static_cast<uint64_t>(bh) * Tn + qi) * Tn +
+                                static_cast<uint64_t>(e < 2 ? kj0 : kj1));
+          }
           st[nt][e] = pv * f;
           dpt[nt][e] = pv * (dpt[nt][e] * f - cD[qc]);
         } else {
@@ -643,6 +703,7 @@ __global__ void __launch_bounds__(kThreads, kDkdvMinBlocks)
           dpt[nt][e] = pv * (dpt[nt][e] - cD[qc]);
         }
       }
+    }
 
     // dV += Pᵀ dO, dK += dSᵀ q (queries are the reduction dimension).
     gemm_pv<T, D, kNS>(dv, st, cdO, lane);
@@ -745,21 +806,18 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<D>)
     const bool need_mask = k0 + kBc - 1 > q0;
     if constexpr (kDrop) {
 #pragma unroll
-      for (int nt = 0; nt < kNS; ++nt)
+      for (int nt = 0; nt < kNS; ++nt) {
+        float f[2][2];
+        dropout_rows2(f, p.drop, p.drop_thresh, p.drop_scale, static_cast<uint64_t>(bh), Tn, qi0,
+                      qi1, k0 + nt * 8 + 2 * t4, lane);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          float f[2];
-          dropout_pair(
-              f[0], f[1], p.drop, p.drop_thresh, p.drop_scale,
-              (static_cast<uint64_t>(bh) * Tn + (i == 0 ? qi0 : qi1)) * Tn + k0 + nt * 8 + 2 * t4);
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int e = 2 * i + c;
-            float pv = exp2f(fmaf(s[nt][e], p.scale_log2, -lse2[i]));
-            if (need_mask && k0 + nt * 8 + 2 * t4 + c > (i == 0 ? qi0 : qi1)) pv = 0.f;
-            s[nt][e] = pv * (dp[nt][e] * f[c] - drow[i]);
-          }
+        for (int e = 0; e < 4; ++e) {
+          const int i = e >> 1;
+          float pv = exp2f(fmaf(s[nt][e], p.scale_log2, -lse2[i]));
+          if (need_mask && k0 + nt * 8 + 2 * t4 + (e & 1) > (i == 0 ? qi0 : qi1)) pv = 0.f;
+          s[nt][e] = pv * (dp[nt][e] * f[i][e & 1] - drow[i]);
         }
+      }
     } else {
 #pragma unroll
       for (int nt = 0; nt < kNS; ++nt)
