@@ -181,6 +181,7 @@ std::optional<MemoryBreakdown> estimate_for(const RunRecord& run) {
 void complete_runs(std::vector<RunRecord>& runs) {
   std::set<std::string> models, batches, ranks, devices;
   for (const RunRecord& r : runs) {
+    if (r.strategy.empty()) continue;  // no run.json: nothing to tell it apart by
     models.insert(r.model);
     batches.insert(std::to_string(r.micro_batch));
     ranks.insert(std::to_string(r.world_size));
