@@ -114,6 +114,9 @@ void run_compare(const CompareFlags& f) {
   struct Case {
     std::vector<std::string> argv;
     fs::path dir;
+    std::string model, strategy;
+    int64_t batch;
+    int gpus;
   };
   std::vector<Case> cases;
   for (const std::string& model : f.models)
@@ -169,7 +172,7 @@ void run_compare(const CompareFlags& f) {
                                                   ? (report / "nvme" / dir.filename()).string()
                                                   : f.nvme_path});
           a.insert(a.end(), f.train_flags.begin(), f.train_flags.end());
-          cases.push_back({a, dir});
+          cases.push_back({a, dir, model, s, batch, g});
         }
       }
   std::vector<RunRecord> runs;
@@ -191,6 +194,13 @@ void run_compare(const CompareFlags& f) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     RunRecord r = read_run(c.dir);
     r.command = command;
+    if (r.strategy.empty()) {  // failed before writing run.json: what it was meant to be
+      r.model = c.model;
+      r.strategy = c.strategy;
+      r.micro_batch = c.batch;
+      r.world_size = c.gpus;
+      r.device = device;
+    }
     if (status != 0) {
       r.ok = false;
       r.failure = fmt::format("exited with status {}; the last lines of {}:\n{}", status,
