@@ -106,7 +106,7 @@ void run_compare(const CompareFlags& f) {
   const std::string device =
       !f.device.empty() ? f.device : (cuda_device_count() > 0 ? "cuda" : "cpu");
   const fs::path report = fs::absolute(f.report_dir);
-  fs::create_directories(report / "runs");
+  if (!f.dry_run) fs::create_directories(report / "runs");
   const std::string exe = self_exe();
   const bool own_data = has_flag(f.train_flags, "--dataset") ||
                         has_flag(f.train_flags, "--train-file") ||
