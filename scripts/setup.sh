@@ -15,7 +15,8 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
   build-essential cmake ninja-build pkg-config xz-utils \
   libopenblas-dev libopenblas-openmp-dev libpcre2-dev nlohmann-json3-dev libcli11-dev libfmt-dev \
-  libgtest-dev libopenmpi-dev openmpi-bin librsvg2-bin libprotobuf-dev protobuf-compiler gnuplot-nox \
+  libgtest-dev libopenmpi-dev openmpi-bin librsvg2-bin libprotobuf-dev protobuf-compiler \
+  gnuplot-nox \
   python3 python3-pip >/dev/null
 # Debian 12 marks its Python as externally managed: --break-system-packages lets pip install there.
 python3 -m pip install --quiet --break-system-packages tensorboard ||

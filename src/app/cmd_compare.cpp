@@ -2,7 +2,7 @@
 // one `shardtrain launch -- train ...` child process each with its own output directory under the
 // report directory, and writes the comparison report (train/report.h) from their metrics. A run
 // that fails is marked failed in the report with the last lines of its log; the others go on.
-// `shardtrain report RUN_DIR...` writes the same report from runs that already finished.
+// `shardtrain report` (app/cmd_report.cpp) writes the same report from runs that already finished.
 #include <fcntl.h>
 #include <fmt/core.h>
 #include <sys/wait.h>
@@ -268,34 +268,6 @@ void register_compare_command(CLI::App& app) {
                   "flags after '--' given to every `train` (e.g. -- --eval-samples 64)")
       ->expected(-1);
   cmd->callback([f]() { run_compare(*f); });
-}
-
-void register_report_command(CLI::App& app) {
-  struct ReportFlags {
-    std::vector<std::string> runs;
-    std::string output = "report";
-  };
-  auto f = std::make_shared<ReportFlags>();
-  CLI::App* cmd = app.add_subcommand(
-      "report",
-      "write the comparison report (report.md, report.json, pictures) of finished runs from "
-      "their metrics.jsonl and run.json");
-  cmd->add_option("--output-dir,-o", f->output, "directory of the report (default ./report)");
-  cmd->add_option("run_dirs", f->runs, "the runs' --output-dir directories")
-      ->required()
-      ->expected(-1);
-  cmd->callback([f]() {
-    std::vector<RunRecord> runs;
-    for (const std::string& d : f->runs) {
-      check<ConfigError>(fs::is_directory(d), "report: {} is not a directory", d);
-      RunRecord r = read_run(d);
-      if (std::ifstream in(fs::path(d) / "command.txt"); in) std::getline(in, r.command);
-      runs.push_back(std::move(r));
-    }
-    write_report(runs, f->output);
-    fmt::print("report: {} ({} run{})\n", (fs::path(f->output) / "report.md").string(), runs.size(),
-               runs.size() == 1 ? "" : "s");
-  });
 }
 
 }  // namespace shardtrain
