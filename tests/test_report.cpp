@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -168,11 +169,16 @@ TEST(Report, WithoutGnuplotTheReportIsWrittenWithoutPictures) {
   const fs::path dir = make_temp_dir("shardtrain_report_nognuplot");
   write_run(dir / "dp", "dp", 4.0, 200e6, {10.0, 9.0});
   std::vector<RunRecord> runs = {read_run(dir / "dp")};
+  const char* before = std::getenv("SHARDTRAIN_GNUPLOT");
+  const std::string saved = before ? before : "";
   ::setenv("SHARDTRAIN_GNUPLOT", (dir / "no-such-gnuplot").c_str(), 1);
   testing::internal::CaptureStderr();
   const bool drawn = write_report(runs, dir / "report");
   const std::string err = testing::internal::GetCapturedStderr();
-  ::unsetenv("SHARDTRAIN_GNUPLOT");
+  if (before)
+    ::setenv("SHARDTRAIN_GNUPLOT", saved.c_str(), 1);
+  else
+    ::unsetenv("SHARDTRAIN_GNUPLOT");
   EXPECT_FALSE(drawn);
   EXPECT_CONTAINS(err, "pictures were skipped");
   EXPECT_CONTAINS(err, "gnuplot-nox");

@@ -76,6 +76,15 @@ std::string tail_lines(const fs::path& path, size_t n) {
   return s;
 }
 
+/// The first line of the file at `path` that holds "error:" ("" when none): under mpirun the
+/// failing rank's message is followed by mpirun's own report, which the tail alone may cut.
+std::string first_error(const fs::path& path) {
+  std::ifstream in(path);
+  for (std::string l; std::getline(in, l);)
+    if (l.find("error:") != std::string::npos) return l;
+  return "";
+}
+
 /// Runs `argv` with stdout and stderr into `log`; returns its exit status (128 + signal when
 /// killed).
 int run_logged(const std::vector<std::string>& argv, const fs::path& log) {
@@ -114,6 +123,7 @@ void run_compare(const CompareFlags& f) {
   struct Case {
     std::vector<std::string> argv;
     fs::path dir;
+    fs::path nvme;  ///< infinity's swap directory to create ("" for the others)
     std::string model, strategy;
     int64_t batch;
     int gpus;
@@ -167,12 +177,13 @@ void run_compare(const CompareFlags& f) {
           }
           if (s == "pipeline" && !has_flag(f.train_flags, "--pipeline-stages"))
             a.insert(a.end(), {"--pipeline-stages", std::to_string(g)});
-          if (s == "infinity" && !has_flag(f.train_flags, "--nvme-path"))
-            a.insert(a.end(), {"--nvme-path", f.nvme_path.empty()
-                                                  ? (report / "nvme" / dir.filename()).string()
-                                                  : f.nvme_path});
+          fs::path nvme;  // created before the run: train wants an existing directory
+          if (s == "infinity" && !has_flag(f.train_flags, "--nvme-path")) {
+            nvme = f.nvme_path.empty() ? report / "nvme" / dir.filename() : fs::path(f.nvme_path);
+            a.insert(a.end(), {"--nvme-path", nvme.string()});
+          }
           a.insert(a.end(), f.train_flags.begin(), f.train_flags.end());
-          cases.push_back({a, dir, model, s, batch, g});
+          cases.push_back({a, dir, nvme, model, s, batch, g});
         }
       }
   std::vector<RunRecord> runs;
@@ -186,6 +197,7 @@ void run_compare(const CompareFlags& f) {
     std::error_code ec;
     fs::remove_all(c.dir, ec);  // a previous comparison's run: its metrics.jsonl would be appended
     fs::create_directories(c.dir);
+    if (!c.nvme.empty()) fs::create_directories(c.nvme);
     { std::ofstream(c.dir / "command.txt") << command << "\n"; }
     const fs::path log = c.dir / "train.log";
     const auto t0 = std::chrono::steady_clock::now();
@@ -203,8 +215,11 @@ void run_compare(const CompareFlags& f) {
     }
     if (status != 0) {
       r.ok = false;
-      r.failure = fmt::format("exited with status {}; the last lines of {}:\n{}", status,
-                              log.string(), tail_lines(log, 20));
+      const std::string tail = tail_lines(log, 20), error = first_error(log);
+      r.failure = fmt::format(
+          "exited with status {}{}; the last lines of {}:\n{}", status,
+          error.empty() || tail.find(error) != std::string::npos ? std::string() : "\n" + error,
+          log.string(), tail);
       fmt::print("  failed (status {}) after {:.1f} s; log: {}\n", status, seconds, log.string());
     } else if (!r.ok) {
       r.failure += fmt::format("\nthe last lines of {}:\n{}", log.string(), tail_lines(log, 20));
