@@ -91,6 +91,19 @@ TEST(Train, LossFallsAndMetricsAreWritten) {
   EXPECT_EQ(steps, 5);  // steps 1, 10, 20, 30, 40
   EXPECT_GE(epochs, 1);
   EXPECT_GE(vals, 1);
+  // run.json: what the run was, for `shardtrain report`.
+  std::ifstream run_file(fs::path(c.output_dir) / "run.json");
+  ASSERT_TRUE(run_file) << "no run.json";
+  const auto run = nlohmann::json::parse(run_file);
+  EXPECT_EQ(run["strategy"], "dp");
+  EXPECT_EQ(run["model"], c.model);
+  EXPECT_EQ(run["world_size"], 1);
+  EXPECT_EQ(run["micro_batch_size"], 4);
+  EXPECT_EQ(run["global_batch"], 4);
+  EXPECT_EQ(run["max_length"], c.max_length);
+  EXPECT_GT(run["parameters"].get<int64_t>(), 0);
+  EXPECT_GT(run["flops_per_token"].get<double>(), 0);
+  EXPECT_EQ(run["on_gpu"], false);
   fs::remove_all(dir);
 }
 

@@ -16,5 +16,7 @@ void register_estimate_command(CLI::App& app);      // app/cmd_estimate.cpp
 void register_consolidate_command(CLI::App& app);   // app/cmd_consolidate.cpp
 void register_pipeline_sim_command(CLI::App& app);  // app/cmd_pipeline_sim.cpp
 void register_data_dir_command(CLI::App& app);      // app/cmd_data_dir.cpp
+void register_compare_command(CLI::App& app);       // app/cmd_compare.cpp
+void register_report_command(CLI::App& app);        // app/cmd_report.cpp
 
 }  // namespace shardtrain

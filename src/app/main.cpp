@@ -47,6 +47,8 @@ int main(int argc, char** argv) {
   shardtrain::register_consolidate_command(app);
   shardtrain::register_pipeline_sim_command(app);
   shardtrain::register_data_dir_command(app);
+  shardtrain::register_compare_command(app);
+  shardtrain::register_report_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

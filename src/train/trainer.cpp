@@ -17,6 +17,7 @@
 #include "core/strings.h"
 #include "data/bpe_tokenizer.h"
 #include "data/dataset.h"
+#include "io/atomic_file.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
 #include "io/monitor.h"
@@ -701,6 +702,22 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   }
   StepLog step_log(out, metrics, monitor, cfg, model_cfg, comm.world_size(), on_gpu,
                    tokens_per_step, total_steps);
+  // run.json: what this run is, for `shardtrain report` (train/report.h) and other readers of
+  // metrics.jsonl: the configuration, the model's size and FLOPs, the ranks and the global batch.
+  if (rank0) {
+    json run = config_snapshot(cfg);
+    run["model_name"] = model_cfg.name;
+    run["parameters"] = model_cfg.num_parameters();
+    run["flops_per_token"] = model_cfg.flops_per_token(T);
+    run["peak_tflops"] = cfg.peak_tflops;
+    run["on_gpu"] = on_gpu;
+    run["backend"] = backend->description();
+    run["world_size"] = comm.world_size();
+    run["global_batch"] = sampler.global_batch();
+    run["steps_per_epoch"] = steps_per_epoch;
+    run["total_steps"] = total_steps;
+    write_file_atomic(out_dir / "run.json", run.dump(2) + "\n");
+  }
   bool validated_at_end = false;
   while (progress.step < total_steps) {
     const int64_t epoch = progress.epoch;
