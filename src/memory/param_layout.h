@@ -75,4 +75,10 @@ class ParamLayout {
   int64_t numel_ = 0;
 };
 
+/// Initializes every tensor of `layout` into the host fp32 buffer `host` [layout.numel()]:
+/// normal(0, init_std) (Box–Muller over SplitMix64) or the constant init_value. Each tensor draws
+/// from its own stream seeded by (seed, tensor name), so the result does not depend on how the
+/// buffer is sharded or which other tensors exist. Padding elements are left untouched.
+void init_layout_parameters(const ParamLayout& layout, float* host, uint64_t seed);
+
 }  // namespace shardtrain
