@@ -79,7 +79,7 @@ void col2im(float* dx, const float* dcol, int64_t Cg, const Conv2dShape& s) {
 void depthwise_forward(float* out, const float* inp, const float* weight, const float* bias,
                        const Conv2dShape& s, Activation act) {
   const int64_t C = s.C, P = s.P(), Q = s.Q();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(s.N * C * P * Q * s.R * s.S))
   for (int64_t nc = 0; nc < s.N * C; ++nc) {
     const int64_t c = nc % C;
     const float* x = inp + nc * s.H * s.W;
@@ -107,7 +107,7 @@ void depthwise_forward(float* out, const float* inp, const float* weight, const 
 void depthwise_backward(float* dinp, float* dweight, const float* dout, const float* inp,
                         const float* weight, const Conv2dShape& s) {
   const int64_t C = s.C, P = s.P(), Q = s.Q(), RS = s.R * s.S;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(s.N * C * P * Q * RS))
   for (int64_t c = 0; c < C; ++c) {
     const float* w = weight + c * RS;
     std::vector<double> dw(static_cast<size_t>(RS), 0.0);
@@ -146,7 +146,7 @@ void conv2d_forward(float* out, const float* inp, const float* weight, const flo
   const bool pointwise = is_pointwise(s);
   // One image per thread (each sgemm then single-threaded inside OpenMP); a single image leaves
   // OpenBLAS its own threads.
-#pragma omp parallel if (s.N > 1)
+#pragma omp parallel if (s.N > 1 && worth_parallel(s.N * s.K * PQ * CRS))
   {
     std::vector<float> col(pointwise ? 0 : static_cast<size_t>(CRS * PQ));
 #pragma omp for schedule(static)
@@ -178,7 +178,7 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, const Conv2dShape& s) {
   const int64_t P = s.P(), Q = s.Q(), PQ = P * Q;
   if (dbias) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(s.N * s.K * PQ))
     for (int64_t k = 0; k < s.K; ++k) {
       double acc = 0.0;
       for (int64_t n = 0; n < s.N; ++n) {
@@ -192,7 +192,7 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
 
   const int64_t G = s.groups, Cg = s.C / G, Kg = s.K / G, CRS = Cg * s.R * s.S;
   const bool pointwise = is_pointwise(s);
-  const int nth = s.N > 1 ? omp_get_max_threads() : 1;
+  const int nth = s.N > 1 && worth_parallel(s.N * s.K * PQ * CRS) ? omp_get_max_threads() : 1;
   // Per-thread weight gradients, summed in thread order after the loop over images.
   std::vector<std::vector<float>> dw_local(static_cast<size_t>(nth));
 #pragma omp parallel num_threads(nth)
@@ -229,7 +229,7 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
     }
   }
   const int64_t total = s.K * CRS;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(total * nth))
   for (int64_t i = 0; i < total; ++i) {
     float acc = 0.0f;
     for (const auto& dw : dw_local) acc += dw[static_cast<size_t>(i)];
@@ -242,7 +242,7 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
 
 void maxpool2d_forward(float* out, const float* inp, const Pool2dShape& s) {
   const int64_t P = s.P(), Q = s.Q();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(s.N * s.C * P * Q * s.R * s.S))
   for (int64_t nc = 0; nc < s.N * s.C; ++nc) {
     const float* x = inp + nc * s.H * s.W;
     float* y = out + nc * P * Q;
@@ -264,7 +264,7 @@ void maxpool2d_forward(float* out, const float* inp, const Pool2dShape& s) {
 
 void maxpool2d_backward(float* dinp, const float* dout, const float* inp, const Pool2dShape& s) {
   const int64_t P = s.P(), Q = s.Q();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(s.N * s.C * P * Q * s.R * s.S))
   for (int64_t nc = 0; nc < s.N * s.C; ++nc) {
     const float* x = inp + nc * s.H * s.W;
     const float* dy = dout + nc * P * Q;
@@ -295,7 +295,7 @@ void maxpool2d_backward(float* dinp, const float* dout, const float* inp, const 
 void avgpool2d_forward(float* out, const float* inp, const Pool2dShape& s) {
   const int64_t P = s.P(), Q = s.Q();
   const float inv = 1.0f / static_cast<float>(s.R * s.S);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(s.N * s.C * P * Q * s.R * s.S))
   for (int64_t nc = 0; nc < s.N * s.C; ++nc) {
     const float* x = inp + nc * s.H * s.W;
     float* y = out + nc * P * Q;
@@ -318,7 +318,7 @@ void avgpool2d_forward(float* out, const float* inp, const Pool2dShape& s) {
 void avgpool2d_backward(float* dinp, const float* dout, const Pool2dShape& s) {
   const int64_t P = s.P(), Q = s.Q();
   const float inv = 1.0f / static_cast<float>(s.R * s.S);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(s.N * s.C * P * Q * s.R * s.S))
   for (int64_t nc = 0; nc < s.N * s.C; ++nc) {
     const float* dy = dout + nc * P * Q;
     float* dx = dinp + nc * s.H * s.W;
@@ -348,7 +348,7 @@ inline int64_t adaptive_end(int64_t i, int64_t in, int64_t out) {
 
 void adaptive_avgpool2d_forward(float* out, const float* inp, int64_t NC, int64_t H, int64_t W,
                                 int64_t P, int64_t Q) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(NC * H * W))
   for (int64_t nc = 0; nc < NC; ++nc) {
     const float* x = inp + nc * H * W;
     float* y = out + nc * P * Q;
@@ -367,7 +367,7 @@ void adaptive_avgpool2d_forward(float* out, const float* inp, int64_t NC, int64_
 
 void adaptive_avgpool2d_backward(float* dinp, const float* dout, int64_t NC, int64_t H, int64_t W,
                                  int64_t P, int64_t Q) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(NC * H * W))
   for (int64_t nc = 0; nc < NC; ++nc) {
     const float* dy = dout + nc * P * Q;
     float* dx = dinp + nc * H * W;

@@ -44,6 +44,12 @@ inline void expect_nchw(const char* op, const char* name, const Tensor& t) {
   expect_f32(op, name, t, {t.dim(0), t.dim(1), t.dim(2), t.dim(3)});
 }
 
+/// Loops over fewer than this many element-operations run on one thread: an OpenMP parallel
+/// region costs microseconds (much more on a loaded machine), more than the work of small
+/// tensors.
+constexpr int64_t kParallelMinWork = int64_t{1} << 15;
+inline bool worth_parallel(int64_t work) { return work >= kParallelMinWork; }
+
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 /// act(x).

@@ -23,6 +23,7 @@ using cpu_image::expect_f32;
 using cpu_image::expect_f32_or_empty;
 using cpu_image::expect_nchw;
 using cpu_image::sigmoid;
+using cpu_image::worth_parallel;
 
 /// Throws unless `t` is an fp32 CPU tensor of `ref`'s shape.
 void expect_like(const char* op, const char* name, const Tensor& t, const char* ref_name,
@@ -104,7 +105,7 @@ class CpuImageOps final : public ImageOps {
     expect_f32(op, "sums", sums, {2, C});
     const float* x = inp.f32();
     float* sp = sums.f32();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(N * C * HW))
     for (int64_t c = 0; c < C; ++c) {
       double s1 = 0.0, s2 = 0.0;
       for (int64_t n = 0; n < N; ++n) {
@@ -142,7 +143,7 @@ class CpuImageOps final : public ImageOps {
     float* rm = ptr_or_null(running_mean);
     float* rv = ptr_or_null(running_var);
     const double n = static_cast<double>(count);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(C * 64))
     for (int64_t c = 0; c < C; ++c) {
       const double m = sp[c] / n;
       const double var = std::max(sp[C + c] / n - m * m, 0.0);
@@ -151,7 +152,7 @@ class CpuImageOps final : public ImageOps {
       if (rm) rm[c] = static_cast<float>((1.0 - momentum) * rm[c] + momentum * m);
       if (rv) rv[c] = static_cast<float>((1.0 - momentum) * rv[c] + momentum * var * n / (n - 1.0));
     }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(N * C * HW))
     for (int64_t nc = 0; nc < N * C; ++nc) {
       const int64_t c = nc % C;
       const ChannelAffine a{mu[c], is[c], g[c], b[c]};
@@ -175,7 +176,7 @@ class CpuImageOps final : public ImageOps {
     const float *x = inp.f32(), *g = weight.f32(), *b = bias.f32(), *rm = running_mean.f32(),
                 *rv = running_var.f32();
     float* y = out.f32();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(N * C * HW))
     for (int64_t nc = 0; nc < N * C; ++nc) {
       const int64_t c = nc % C;
       const ChannelAffine a{rm[c], 1.0f / std::sqrt(rv[c] + eps), g[c], b[c]};
@@ -202,7 +203,7 @@ class CpuImageOps final : public ImageOps {
     const float *x = inp.f32(), *dy = dout.f32(), *g = weight.f32(), *b = bias.f32(),
                 *mu = mean.f32(), *is = invstd.f32();
     float *ds = dsums.f32(), *dw = dweight.f32(), *db = dbias.f32();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(N * C * HW))
     for (int64_t c = 0; c < C; ++c) {
       const ChannelAffine a{mu[c], is[c], g[c], b[c]};
       double s1 = 0.0, s2 = 0.0;
@@ -240,7 +241,7 @@ class CpuImageOps final : public ImageOps {
                 *mu = mean.f32(), *is = invstd.f32(), *ds = dsums.f32();
     float* dx = dinp.f32();
     const float inv_count = 1.0f / static_cast<float>(count);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(N * C * HW))
     for (int64_t nc = 0; nc < N * C; ++nc) {
       const int64_t c = nc % C;
       const ChannelAffine a{mu[c], is[c], g[c], b[c]};
@@ -264,7 +265,7 @@ class CpuImageOps final : public ImageOps {
     const float* x = inp.f32();
     float* y = out.f32();
     const int64_t n = inp.numel();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(n))
     for (int64_t i = 0; i < n; ++i) y[i] = act_forward(x[i], act);
   }
   void activation_backward(Tensor dinp, Tensor dout, Tensor inp, Activation act) override {
@@ -275,7 +276,7 @@ class CpuImageOps final : public ImageOps {
     const float *x = inp.f32(), *dy = dout.f32();
     float* dx = dinp.f32();
     const int64_t n = inp.numel();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(n))
     for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * act_derivative(x[i], act);
   }
 
@@ -323,7 +324,7 @@ class CpuImageOps final : public ImageOps {
     expect_f32(op, "scale", scale, {inp.dim(0), inp.dim(1)});
     const float *x = inp.f32(), *sc = scale.f32();
     float* y = out.f32();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(NC * HW))
     for (int64_t nc = 0; nc < NC; ++nc)
       for (int64_t i = 0; i < HW; ++i) y[nc * HW + i] = x[nc * HW + i] * sc[nc];
   }
@@ -338,7 +339,7 @@ class CpuImageOps final : public ImageOps {
     expect_f32(op, "dscale", dscale, {inp.dim(0), inp.dim(1)});
     const float *x = inp.f32(), *sc = scale.f32(), *dy = dout.f32();
     float *dx = dinp.f32(), *ds = dscale.f32();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(NC * HW))
     for (int64_t nc = 0; nc < NC; ++nc) {
       double acc = 0.0;
       for (int64_t i = 0; i < HW; ++i) {
@@ -375,7 +376,7 @@ class CpuImageOps final : public ImageOps {
                     static_cast<int>(L * H), whh, static_cast<int>(H), 1.0f, gates.data() + t * G,
                     static_cast<int>(L * G));
       }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(N * H * 16))
       for (int64_t n = 0; n < N; ++n) {
         const float* gp = gates.data() + (n * L + t) * G;
         float* s = sv + (t * N + n) * 6 * H;
@@ -421,7 +422,7 @@ class CpuImageOps final : public ImageOps {
     std::vector<float> dh_next(static_cast<size_t>(N * H), 0.0f),
         dc_next(static_cast<size_t>(N * H), 0.0f);
     for (int64_t t = L - 1; t >= 0; --t) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(N * H * 16))
       for (int64_t n = 0; n < N; ++n) {
         const float* s = sv + (t * N + n) * 6 * H;
         const float* c_prev = t > 0 ? sv + ((t - 1) * N + n) * 6 * H + 4 * H : nullptr;
@@ -463,7 +464,7 @@ class CpuImageOps final : public ImageOps {
       }
     }
     float *dbi = dbias_ih.f32(), *dbh = dbias_hh.f32();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(G * N * L))
     for (int64_t j = 0; j < G; ++j) {
       double acc = 0.0;
       for (int64_t r = 0; r < N * L; ++r) acc += dG[static_cast<size_t>(r * G + j)];
@@ -501,7 +502,7 @@ class CpuImageOps final : public ImageOps {
     }
     float *z = logits.f32(), *ls = losses.f32();
     const float eps = label_smoothing, off = eps / static_cast<float>(K);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_parallel(N * K * 8))
     for (int64_t n = 0; n < N; ++n) {
       float* row = z + n * K;
       float m = row[0];
