@@ -2,6 +2,7 @@
 // its forward, forwards against naive double-precision loops written here, the accumulate /
 // overwrite conventions, synchronized batch norm's split reductions, and argument errors.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -115,6 +116,36 @@ std::vector<double> conv_ref(const std::vector<float>& x, const std::vector<floa
           y[static_cast<size_t>(((n * s.K + k) * P + p) * Q + q)] = acc;
         }
   return y;
+}
+
+/// Direct-loop convolution backward in double: dinp, dweight, dbias of out = conv(x, w) + b.
+struct ConvGrads {
+  std::vector<double> dx, dw, db;
+};
+ConvGrads conv_backward_ref(const std::vector<float>& x, const std::vector<float>& w,
+                            const std::vector<float>& dy, const Conv2dShape& s) {
+  const int64_t P = s.P(), Q = s.Q(), Cg = s.C / s.groups, Kg = s.K / s.groups;
+  ConvGrads g{std::vector<double>(x.size()), std::vector<double>(w.size()),
+              std::vector<double>(static_cast<size_t>(s.K))};
+  for (int64_t n = 0; n < s.N; ++n)
+    for (int64_t k = 0; k < s.K; ++k)
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t q = 0; q < Q; ++q) {
+          const double d = dy[static_cast<size_t>(((n * s.K + k) * P + p) * Q + q)];
+          g.db[static_cast<size_t>(k)] += d;
+          for (int64_t c = 0; c < Cg; ++c)
+            for (int64_t r = 0; r < s.R; ++r)
+              for (int64_t t = 0; t < s.S; ++t) {
+                const int64_t ih = p * s.stride_h - s.pad_h + r, iw = q * s.stride_w - s.pad_w + t;
+                if (ih < 0 || ih >= s.H || iw < 0 || iw >= s.W) continue;
+                const auto xi =
+                    static_cast<size_t>(((n * s.C + k / Kg * Cg + c) * s.H + ih) * s.W + iw);
+                const auto wi = static_cast<size_t>(((k * Cg + c) * s.R + r) * s.S + t);
+                g.dx[xi] += d * w[wi];
+                g.dw[wi] += d * x[xi];
+              }
+        }
+  return g;
 }
 
 class ImageOpsTest : public ::testing::Test {
@@ -743,6 +774,122 @@ TEST_F(ImageOpsTest, ClassificationLossAndGradient) {
     std::vector<float> half = z;
     ops->classification_loss(T(losses2, {N}), T(half, {N, K}), I32(tg, {N}), eps, 0.5f);
     for (size_t i = 0; i < half.size(); ++i) ASSERT_FLOAT_EQ(half[i], 0.5f * grad[i]);
+  }
+}
+
+// ---- shapes large enough for the OpenMP paths
+// ------------------------------------------------------
+
+TEST_F(ImageOpsTest, LargeConvolutionsMatchDirectLoops) {
+  const ConvCase cases[] = {
+      {"3x3 p1", conv_shape(4, 8, 16, 16, 16, 3, 3, 1, 1, 1, 1, 1), true},
+      {"3x3 s2 g4", conv_shape(4, 8, 17, 16, 16, 3, 3, 2, 2, 1, 1, 4), true},
+      {"1x1", conv_shape(4, 16, 16, 16, 16, 1, 1, 1, 1, 0, 0, 1), true},
+      {"depthwise 5x5", conv_shape(4, 16, 16, 16, 16, 5, 5, 1, 1, 2, 2, 16), true},
+  };
+  for (const auto& cc : cases) {
+    SCOPED_TRACE(cc.name);
+    const Conv2dShape& s = cc.s;
+    const int64_t Cg = s.C / s.groups, P = s.P(), Q = s.Q();
+    auto x = randu(static_cast<size_t>(s.N * s.C * s.H * s.W), 1400);
+    auto w = randu(static_cast<size_t>(s.K * Cg * s.R * s.S), 1401);
+    auto b = randu(static_cast<size_t>(s.K), 1402);
+    auto dy = randu(static_cast<size_t>(s.N * s.K * P * Q), 1403);
+    std::vector<float> y(dy.size()), dx(x.size(), 1e3f), dw(w.size(), 0.0f), db(b.size(), 0.0f);
+    ops->conv2d_forward(T(y, {s.N, s.K, P, Q}), T(x, {s.N, s.C, s.H, s.W}),
+                        T(w, {s.K, Cg, s.R, s.S}), T(b, {s.K}), s);
+    expect_all_near(y, conv_ref(x, w, b, s), 1e-5, "forward");
+    ops->conv2d_backward(T(dx, {s.N, s.C, s.H, s.W}), T(dw, {s.K, Cg, s.R, s.S}), T(db, {s.K}),
+                         T(dy, {s.N, s.K, P, Q}), T(x, {s.N, s.C, s.H, s.W}),
+                         T(w, {s.K, Cg, s.R, s.S}), s);
+    const ConvGrads ref = conv_backward_ref(x, w, dy, s);
+    expect_all_near(dx, ref.dx, 1e-5, "dinp");
+    expect_all_near(dw, ref.dw, 1e-5, "dweight");
+    expect_all_near(db, ref.db, 1e-5, "dbias");
+  }
+}
+
+/// Every other op on large tensors gives the same results on one thread as on several (each
+/// output element is computed by one thread; catches races and wrong partitions).
+TEST_F(ImageOpsTest, LargeShapesAgreeAcrossThreadCounts) {
+  const int64_t N = 4, C = 16, H = 24, W = 24, L = 8, I = 64, Hd = 64, K = 1000;
+  auto run = [&] {
+    std::vector<std::vector<float>> r;
+    auto x = randu(static_cast<size_t>(N * C * H * W), 1500, 2.0f);
+    auto g = randu(C, 1501), b = randu(C, 1502), dy = randu(x.size(), 1503);
+    std::vector<float> y(x.size()), sums(2 * C), mean(C), invstd(C), rm(C, 0.0f), rv(C, 1.0f),
+        dsums(2 * C), dg(C, 0.0f), db(C, 0.0f), dx(x.size());
+    const Tensor X = T(x, {N, C, H, W}), DY = T(dy, {N, C, H, W});
+    ops->batchnorm_statistics(T(sums, {2, C}), X);
+    ops->batchnorm_forward_train(T(y, {N, C, H, W}), T(mean, {C}), T(invstd, {C}), T(rm, {C}),
+                                 T(rv, {C}), X, T(g, {C}), T(b, {C}), T(sums, {2, C}), N * H * W,
+                                 kBnEps, 0.1f, Activation::kRelu6);
+    ops->batchnorm_backward_reduce(T(dsums, {2, C}), T(dg, {C}), T(db, {C}), DY, X, T(g, {C}),
+                                   T(b, {C}), T(mean, {C}), T(invstd, {C}), Activation::kRelu6);
+    ops->batchnorm_backward_input(T(dx, {N, C, H, W}), DY, X, T(g, {C}), T(b, {C}), T(mean, {C}),
+                                  T(invstd, {C}), T(dsums, {2, C}), N * H * W, Activation::kRelu6);
+    r.insert(r.end(), {y, sums, mean, invstd, rm, rv, dsums, dg, db, dx});
+    ops->batchnorm_forward_eval(T(y, {N, C, H, W}), X, T(g, {C}), T(b, {C}), T(rm, {C}), T(rv, {C}),
+                                kBnEps, Activation::kSilu);
+    r.push_back(y);
+    ops->activation_forward(T(y, {N, C, H, W}), X, Activation::kSilu);
+    ops->activation_backward(T(dx, {N, C, H, W}), DY, X, Activation::kSilu);
+    r.insert(r.end(), {y, dx});
+    const Pool2dShape ps = pool_shape(N, C, H, W, 3, 3, 2, 1);
+    std::vector<float> py(static_cast<size_t>(N * C * ps.P() * ps.Q()));
+    auto pdy = randu(py.size(), 1504);
+    const Tensor PY = T(py, {N, C, ps.P(), ps.Q()}), PDY = T(pdy, {N, C, ps.P(), ps.Q()});
+    ops->maxpool2d_forward(PY, X, ps);
+    ops->maxpool2d_backward(T(dx, {N, C, H, W}), PDY, X, ps);
+    r.insert(r.end(), {py, dx});
+    ops->avgpool2d_forward(PY, X, ps);
+    ops->avgpool2d_backward(T(dx, {N, C, H, W}), PDY, ps);
+    r.insert(r.end(), {py, dx});
+    std::vector<float> ay(static_cast<size_t>(N * C * 5 * 7));
+    auto ady = randu(ay.size(), 1505);
+    ops->adaptive_avgpool2d_forward(T(ay, {N, C, 5, 7}), X);
+    ops->adaptive_avgpool2d_backward(T(dx, {N, C, H, W}), T(ady, {N, C, 5, 7}));
+    r.insert(r.end(), {ay, dx});
+    auto sc = randu(static_cast<size_t>(N * C), 1506);
+    std::vector<float> dsc(sc.size());
+    ops->channel_scale_forward(T(y, {N, C, H, W}), X, T(sc, {N, C}));
+    ops->channel_scale_backward(T(dx, {N, C, H, W}), T(dsc, {N, C}), DY, X, T(sc, {N, C}));
+    r.insert(r.end(), {y, dx, dsc});
+    const int64_t G = 4 * Hd, NL = 32;  // N·Hd large enough for the threads
+    auto li = randu(static_cast<size_t>(NL * L * I), 1507);
+    auto wih = randu(static_cast<size_t>(G * I), 1508, 0.2f),
+         whh = randu(static_cast<size_t>(G * Hd), 1509, 0.2f);
+    auto bih = randu(static_cast<size_t>(G), 1510), bhh = randu(static_cast<size_t>(G), 1511);
+    auto ldy = randu(static_cast<size_t>(NL * L * Hd), 1512);
+    std::vector<float> ly(ldy.size()), saved(static_cast<size_t>(L * NL * 6 * Hd)), ldx(li.size()),
+        dwih(wih.size(), 0.0f), dwhh(whh.size(), 0.0f), dbih(bih.size(), 0.0f),
+        dbhh(bhh.size(), 0.0f);
+    ops->lstm_forward(T(ly, {NL, L, Hd}), T(saved, {L, NL, 6 * Hd}), T(li, {NL, L, I}),
+                      T(wih, {G, I}), T(whh, {G, Hd}), T(bih, {G}), T(bhh, {G}));
+    ops->lstm_backward(T(ldx, {NL, L, I}), T(dwih, {G, I}), T(dwhh, {G, Hd}), T(dbih, {G}),
+                       T(dbhh, {G}), T(ldy, {NL, L, Hd}), T(li, {NL, L, I}), T(ly, {NL, L, Hd}),
+                       T(saved, {L, NL, 6 * Hd}), T(wih, {G, I}), T(whh, {G, Hd}));
+    r.insert(r.end(), {ly, saved, ldx, dwih, dwhh, dbih});
+    auto logits = randu(static_cast<size_t>(64 * K), 1513, 5.0f);
+    std::vector<int32_t> tg(64);
+    for (size_t i = 0; i < tg.size(); ++i) tg[i] = static_cast<int32_t>(i * 37 % K);
+    std::vector<float> losses(64);
+    ops->classification_loss(T(losses, {64}), T(logits, {64, K}), I32(tg, {64}), 0.1f, 0.25f);
+    r.insert(r.end(), {losses, logits});
+    return r;
+  };
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const auto one = run();
+  omp_set_num_threads(std::max(threads, 2));
+  const auto many = run();
+  omp_set_num_threads(threads);
+  ASSERT_EQ(one.size(), many.size());
+  for (size_t k = 0; k < one.size(); ++k) {
+    ASSERT_EQ(one[k].size(), many[k].size());
+    for (size_t i = 0; i < one[k].size(); ++i)
+      ASSERT_NEAR(one[k][i], many[k][i], 1e-5 * (1 + std::abs(one[k][i])))
+          << "result " << k << " element " << i;
   }
 }
 
