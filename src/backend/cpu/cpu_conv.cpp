@@ -194,12 +194,13 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
   const bool pointwise = is_pointwise(s);
   const int nth = s.N > 1 && worth_parallel(s.N * s.K * PQ * CRS) ? omp_get_max_threads() : 1;
   // Per-thread weight gradients, summed in thread order after the loop over images.
-  std::vector<std::vector<float>> dw_local(static_cast<size_t>(nth));
+  // (All allocated here: the region may get fewer threads than asked for.)
+  std::vector<std::vector<float>> dw_local(static_cast<size_t>(nth),
+                                           std::vector<float>(static_cast<size_t>(s.K * CRS)));
 #pragma omp parallel num_threads(nth)
   {
     const int id = omp_get_thread_num();
     std::vector<float>& dw = dw_local[static_cast<size_t>(id)];
-    dw.assign(static_cast<size_t>(s.K * CRS), 0.0f);
     std::vector<float> col(pointwise ? 0 : static_cast<size_t>(CRS * PQ));
     std::vector<float> dcol(pointwise || !dinp ? 0 : static_cast<size_t>(CRS * PQ));
 #pragma omp for schedule(static)
