@@ -786,6 +786,8 @@ TEST_F(ImageOpsTest, LargeConvolutionsMatchDirectLoops) {
       {"3x3 s2 g4", conv_shape(4, 8, 17, 16, 16, 3, 3, 2, 2, 1, 1, 4), true},
       {"1x1", conv_shape(4, 16, 16, 16, 16, 1, 1, 1, 1, 0, 0, 1), true},
       {"depthwise 5x5", conv_shape(4, 16, 16, 16, 16, 5, 5, 1, 1, 2, 2, 16), true},
+      {"one image (threads inside sgemm)", conv_shape(1, 16, 20, 20, 32, 3, 3, 1, 1, 1, 1, 1),
+       true},
   };
   for (const auto& cc : cases) {
     SCOPED_TRACE(cc.name);

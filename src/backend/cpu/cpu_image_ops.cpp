@@ -260,7 +260,8 @@ class CpuImageOps final : public ImageOps {
   // ---- activations ------------------------------------------------------------------------------
   void activation_forward(Tensor out, Tensor inp, Activation act) override {
     const char* op = "activation_forward";
-    expect_like(op, "inp", inp, "inp", inp);
+    check(!inp.empty(), "{}: inp is empty", op);
+    expect_like(op, "inp", inp, "inp", inp);  // fp32 on the CPU
     expect_like(op, "out", out, "inp", inp);
     const float* x = inp.f32();
     float* y = out.f32();
@@ -270,7 +271,8 @@ class CpuImageOps final : public ImageOps {
   }
   void activation_backward(Tensor dinp, Tensor dout, Tensor inp, Activation act) override {
     const char* op = "activation_backward";
-    expect_like(op, "inp", inp, "inp", inp);
+    check(!inp.empty(), "{}: inp is empty", op);
+    expect_like(op, "inp", inp, "inp", inp);  // fp32 on the CPU
     expect_like(op, "dout", dout, "inp", inp);
     expect_like(op, "dinp", dinp, "inp", inp);
     const float *x = inp.f32(), *dy = dout.f32();
