@@ -16,7 +16,8 @@ inline double fixture_name_hash(const std::string& name) {
 }
 
 inline bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 /// Values of state-dict tensor `name` of `shape` (row-major), as the fixture script fills them.

@@ -9,9 +9,9 @@
 
 #include "backend/backend.h"
 #include "core/error.h"
+#include "image_fixture_weights.h"
 #include "io/safetensors.h"
 #include "model/image/image_zoo.h"
-#include "image_fixture_weights.h"
 #include "test_support.h"
 
 namespace shardtrain {
@@ -71,14 +71,16 @@ TEST_P(ImageModelParity, MatchesPyTorch) {
     EXPECT_NEAR(got, want, tol * std::max(1.0, std::abs(want))) << what;
   };
 
-  const std::vector<float> eval = model->predict(input.data(), 2);
+  const int64_t batch = file.entry("input").shape[0];
+  const std::vector<float> eval = model->predict(input.data(), batch);
   const std::vector<float> want_eval = read_tensor<float>(file, "logits_eval");
   ASSERT_EQ(eval.size(), want_eval.size());
   for (size_t i = 0; i < eval.size(); ++i) close(eval[i], want_eval[i], 1e-4, "eval logit");
 
   model->set_label_smoothing(0.1f);
-  const double loss = model->forward({.batch = 2, .images = input.data(), .targets = targets.data()},
-                                     0.5f, true);
+  const double loss =
+      model->forward({.batch = batch, .images = input.data(), .targets = targets.data()},
+                     1.0f / static_cast<float>(batch), true);
   close(loss, read_tensor<float>(file, "loss_train")[0], 1e-4, "train loss");
   model->backward();
   std::vector<float> g(host.size());
@@ -117,8 +119,8 @@ TEST_P(ImageModelParity, MatchesPyTorch) {
 
 INSTANTIATE_TEST_SUITE_P(Models, ImageModelParity,
                          ::testing::Values(Fixture{"cnn", 1, 28, 28},
-                                           Fixture{"mobilenet_v2", 3, 32, 32}),
-                         [](const auto& info) { return info.param.model; });
+                                           Fixture{"mobilenet_v2", 3, 64, 64}),
+                         [](const ::testing::TestParamInfo<Fixture>& p) { return p.param.model; });
 
 TEST(ImageModels, ClearErrors) {
   auto be = make_cpu_backend();

@@ -73,7 +73,8 @@ ParamSource ImageModel::source_for(int layer, const LayerRange& r, Tensor params
         return std::pair{shaped(params.slice1d(off, t.numel), t.shape),
                          grads.empty() ? Tensor() : shaped(grads.slice1d(off, t.numel), t.shape)};
       }
-    throw RuntimeFailure(fmt::format("layer {} of {} has no parameter {}", layer, spec_.name, name));
+    throw RuntimeFailure(
+        fmt::format("layer {} of {} has no parameter {}", layer, spec_.name, name));
   };
   src.buffer = [this](const std::string& name) {
     for (size_t i = 0; i < buffer_specs_.size(); ++i)

@@ -54,11 +54,11 @@ class Conv2d final : public Module {
     check<ConfigError>(in.C == o_.in_channels,
                        "{} takes {} input channels but receives {} (input {})", name(),
                        o_.in_channels, in.C, shape_str(in));
-    check<ConfigError>(s.P() >= 1 && s.Q() >= 1 && in.H + 2 * s.pad_h >= s.R &&
-                           in.W + 2 * s.pad_w >= s.S,
-                       "{}: an input of {}×{} pixels is too small for its {}×{} kernel (stride "
-                       "{}); use larger images (--image-size) or a model with less downsampling",
-                       name(), in.H, in.W, o_.kernel, o_.kernel, o_.stride);
+    check<ConfigError>(
+        s.P() >= 1 && s.Q() >= 1 && in.H + 2 * s.pad_h >= s.R && in.W + 2 * s.pad_w >= s.S,
+        "{}: an input of {}×{} pixels is too small for its {}×{} kernel (stride "
+        "{}); use larger images (--image-size) or a model with less downsampling",
+        name(), in.H, in.W, o_.kernel, o_.kernel, o_.stride);
     return {in.N, o_.out_channels, s.P(), s.Q()};
   }
   void reserve(Backend& be, const ImageShape& in) override {
@@ -122,8 +122,8 @@ class BatchNorm2d final : public Module {
     running_var_ = src.buffer(name() + ".running_var");
   }
   ImageShape output_shape(const ImageShape& in) const override {
-    check<ConfigError>(in.C == C_, "{} normalizes {} channels but receives {} (input {})",
-                       name(), C_, in.C, shape_str(in));
+    check<ConfigError>(in.C == C_, "{} normalizes {} channels but receives {} (input {})", name(),
+                       C_, in.C, shape_str(in));
     return in;
   }
   void reserve(Backend& be, const ImageShape& in) override {
@@ -252,8 +252,7 @@ class AdaptiveAvgPool2d final : public Module {
     ctx.ops.adaptive_avgpool2d_forward(out, in);
     return out;
   }
-  void backward(ModuleContext& ctx, const Tensor&, const Tensor& dout,
-                const Tensor& din) override {
+  void backward(ModuleContext& ctx, const Tensor&, const Tensor& dout, const Tensor& din) override {
     if (!din.empty()) ctx.ops.adaptive_avgpool2d_backward(din, dout);
   }
 
@@ -319,8 +318,10 @@ class Residual final : public Module {
   void bind(const ParamSource& src) override { body_->bind(src); }
   ImageShape output_shape(const ImageShape& in) const override {
     const ImageShape o = body_->output_shape(in);
-    check<ConfigError>(o == in, "{}: a residual connection needs its body to keep the shape {}, "
-                       "not change it to {}", name(), shape_str(in), shape_str(o));
+    check<ConfigError>(o == in,
+                       "{}: a residual connection needs its body to keep the shape {}, "
+                       "not change it to {}",
+                       name(), shape_str(in), shape_str(o));
     return o;
   }
   void reserve(Backend& be, const ImageShape& in) override {
@@ -338,9 +339,7 @@ class Residual final : public Module {
     body_->backward(ctx, in, dout, din);
     if (!din.empty()) ctx.be.add(din, din, dout);
   }
-  int64_t macs_per_image(const ImageShape& in) const override {
-    return body_->macs_per_image(in);
-  }
+  int64_t macs_per_image(const ImageShape& in) const override { return body_->macs_per_image(in); }
 
  private:
   ModulePtr body_;
@@ -437,8 +436,7 @@ ModulePtr make_batchnorm2d(const std::string& name, int64_t channels, Activation
 ModulePtr make_activation(const std::string& name, Activation act) {
   return std::make_unique<ActivationModule>(name, act);
 }
-ModulePtr make_maxpool2d(const std::string& name, int64_t kernel, int64_t stride,
-                         int64_t padding) {
+ModulePtr make_maxpool2d(const std::string& name, int64_t kernel, int64_t stride, int64_t padding) {
   return std::make_unique<MaxPool2d>(name, kernel, stride, padding);
 }
 ModulePtr make_adaptive_avgpool2d(const std::string& name, int64_t out_h, int64_t out_w) {

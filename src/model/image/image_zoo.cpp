@@ -13,8 +13,8 @@ namespace {
 
 /// Conv2d + BatchNorm2d (+ activation): torchvision's Conv2dNormActivation, children "<name>.0"
 /// (the convolution) and "<name>.1" (the batch norm, with the activation fused).
-ModulePtr conv_bn(const std::string& name, int64_t in, int64_t out, int64_t kernel,
-                  int64_t stride, int64_t groups, Activation act) {
+ModulePtr conv_bn(const std::string& name, int64_t in, int64_t out, int64_t kernel, int64_t stride,
+                  int64_t groups, Activation act) {
   auto seq = std::make_unique<Sequential>(name);
   seq->add(make_conv2d(name + ".0", {.in_channels = in,
                                      .out_channels = out,
@@ -43,9 +43,11 @@ std::vector<ModulePtr> build_cnn(const ImageModelSpec& s) {
       continue;
     }
     auto seq = std::make_unique<Sequential>(name);
-    seq->add(make_conv2d(fmt::format("features.{}", index),
-                         {.in_channels = in, .out_channels = p.out, .kernel = 3, .padding = 1,
-                          .init = ConvInit::kKaimingFanIn}));
+    seq->add(make_conv2d(fmt::format("features.{}", index), {.in_channels = in,
+                                                             .out_channels = p.out,
+                                                             .kernel = 3,
+                                                             .padding = 1,
+                                                             .init = ConvInit::kKaimingFanIn}));
     seq->add(make_batchnorm2d(fmt::format("features.{}", index + 1), p.out, Activation::kRelu));
     layers.push_back(std::move(seq));
     in = p.out;
@@ -66,8 +68,8 @@ int64_t make_divisible(double v, int64_t divisor = 8) {
 
 std::vector<ModulePtr> build_mobilenet_v2(const ImageModelSpec& s) {
   // (expansion t, output channels c, repeats n, first stride s): arXiv 1801.04381, table 2.
-  const int64_t settings[][4] = {{1, 16, 1, 1},  {6, 24, 2, 2},  {6, 32, 3, 2}, {6, 64, 4, 2},
-                                 {6, 96, 3, 1},  {6, 160, 3, 2}, {6, 320, 1, 1}};
+  const int64_t settings[][4] = {{1, 16, 1, 1}, {6, 24, 2, 2},  {6, 32, 3, 2}, {6, 64, 4, 2},
+                                 {6, 96, 3, 1}, {6, 160, 3, 2}, {6, 320, 1, 1}};
   std::vector<ModulePtr> layers;
   int64_t in = make_divisible(32);
   const int64_t last = make_divisible(1280);
@@ -93,8 +95,8 @@ std::vector<ModulePtr> build_mobilenet_v2(const ImageModelSpec& s) {
       in = out;
     }
   }
-  layers.push_back(conv_bn(fmt::format("features.{}", index), in, last, 1, 1, 1,
-                           Activation::kRelu6));
+  layers.push_back(
+      conv_bn(fmt::format("features.{}", index), in, last, 1, 1, 1, Activation::kRelu6));
   layers.push_back(make_adaptive_avgpool2d("avgpool", 1, 1));
   layers.push_back(make_linear("classifier.1", last, s.num_classes, 0.01f));
   return layers;
