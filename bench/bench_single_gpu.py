@@ -53,7 +53,7 @@ def flops_per_token(model, T):
     return 6 * n_params(model) + 12 * L * C * T
 
 
-def run_shardtrain(binary, case, out_dir):
+def run_shardtrain(binary, case, out_dir, dropout=0.0):
     model, B, T, steps, warm, ac = CASES[case]
     log_every = 5
     cmd = [binary, "train", "--model", model, "--dataset", "wikitext-2", "--device", "cuda",
@@ -62,6 +62,8 @@ def run_shardtrain(binary, case, out_dir):
            "--output-dir", out_dir, "--warmup-steps", "5"]
     if ac:
         cmd.append("--activation-checkpointing")
+    if dropout > 0:  # embd/attn/resid_pdrop, as the PyTorch side's GPT2Config
+        cmd += ["--dropout", str(dropout)]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.time() - t0
@@ -81,13 +83,13 @@ def run_shardtrain(binary, case, out_dir):
             "first_loss": losses[0], "last_loss": losses[-1], "log": proc.stdout[-2500:]}
 
 
-def run_torch(case, compiled):
+def run_torch(case, compiled, dropout=0.0):
     from transformers import GPT2Config, GPT2LMHeadModel
     model_name, B, T, steps, warm, ac = CASES[case]
     L, H, C = SHAPES[model_name]
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=L, n_head=H, n_embd=C, vocab_size=50257, n_positions=1024,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     try:  # transformers >= 4.36 takes the attention implementation at construction
         model = GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").cuda()
     except (TypeError, ValueError):
@@ -95,7 +97,7 @@ def run_torch(case, compiled):
         model = GPT2LMHeadModel(cfg).cuda()
     if ac:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
+    model.train()  # dropout active (when --dropout > 0), as in shardtrain's training steps
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     step_fn = model
     if compiled:
@@ -141,20 +143,27 @@ def main():
     ap.add_argument("--frameworks", default="shardtrain,eager,compile")
     ap.add_argument("--out", default="bench_single_gpu.json")
     ap.add_argument("--workdir", default="/tmp/bench_single_gpu")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="GPT-2 dropout probability on both sides (shardtrain --dropout; "
+                         "PyTorch resid/embd/attn_pdrop), e.g. 0.1 as Hugging Face's configs; "
+                         "default 0")
     args = ap.parse_args()
+    if not 0.0 <= args.dropout < 1.0:
+        ap.error(f"--dropout {args.dropout}: a probability in [0, 1)")
     os.makedirs(args.workdir, exist_ok=True)
     gpu = torch.cuda.get_device_name(0)
     results = {"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-               "cases": {}}
+               "dropout": args.dropout, "cases": {}}
     for case in args.cases.split(","):
         model, B, T, steps, warm, ac = CASES[case]
         row = {}
         for fw in args.frameworks.split(","):
             try:
                 if fw == "shardtrain":
-                    r = run_shardtrain(args.shardtrain, case, os.path.join(args.workdir, case))
+                    r = run_shardtrain(args.shardtrain, case, os.path.join(args.workdir, case),
+                                       args.dropout)
                 else:
-                    r = run_torch(case, compiled=(fw == "compile"))
+                    r = run_torch(case, compiled=(fw == "compile"), dropout=args.dropout)
             except torch.cuda.OutOfMemoryError as e:  # a result, not a crash
                 r = {"error": f"out of memory: {e}"[:300]}
                 gc.collect()

@@ -1483,6 +1483,8 @@ TEST_F(ConfigTest, ValidateChecksEveryField) {
       {[](TrainConfig& c) { c.adam_eps = 0.0; }, {"--adam-eps 0"}},
       {[](TrainConfig& c) { c.weight_decay = -1.0; }, {"--weight-decay -1"}},
       {[](TrainConfig& c) { c.gradient_clipping = -1.0; }, {"--grad-clip -1"}},
+      {[](TrainConfig& c) { c.dropout = 1.0; }, {"--dropout 1", "[0, 1)"}},
+      {[](TrainConfig& c) { c.dropout = -0.5; }, {"--dropout -0.5", "[0, 1)"}},
       {[](TrainConfig& c) { c.warmup_steps = -2; }, {"--warmup-steps -2"}},
       {[](TrainConfig& c) { c.min_lr_ratio = 1.5; }, {"--min-lr-ratio 1.5", "[0, 1]"}},
       {[](TrainConfig& c) { c.num_samples = 0; }, {"--num-samples 0"}},

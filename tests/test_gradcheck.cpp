@@ -285,3 +285,148 @@ TEST(ModelGradTest, ActivationCheckpointingGivesIdenticalGradients) {
     for (size_t i = 0; i < g1.size(); ++i) ASSERT_EQ(g1[i], g2[i]) << "element " << i;
   }
 }
+
+// ---- dropout: gradient checks with a fixed mask (the same Dropout in every evaluation) --------
+
+namespace {
+
+Dropout fixed_dropout(float p, uint32_t site) {
+  Dropout d;
+  d.p = p;
+  d.seed = 0x5EEDull;
+  d.site = site;
+  return d;
+}
+
+}  // namespace
+
+TEST_F(OpGradTest, EmbeddingWithDropout) {
+  const int64_t B = 2, Tn = 3, V = 7, C = 8, maxT = 5;
+  auto wte = randn(V * C, 41), wpe = randn(maxT * C, 42), r = randn(B * Tn * C, 43);
+  std::vector<int32_t> tok = {1, 3, 1, 6, 0, 3};
+  Tensor tokens(tok.data(), DType::kI32, DeviceKind::kCPU, {B, Tn});
+  const Dropout d = fixed_dropout(0.3f, 0);
+  std::vector<float> y(B * Tn * C);
+  auto f = [&] {
+    be->embedding_forward(T(y, {B, Tn, C}), tokens, T(wte, {V, C}), T(wpe, {maxT, C}), d);
+    return dot(y, r);
+  };
+  f();
+  int zeros = 0;
+  for (float v : y) zeros += v == 0.f;
+  EXPECT_GT(zeros, 0) << "p = 0.3 over 48 elements dropped nothing";
+  std::vector<float> dwte(V * C, 0.f), dwpe(maxT * C, 0.f);
+  be->embedding_backward(T(dwte, {V, C}), T(dwpe, {maxT, C}), T(r, {B, Tn, C}), tokens, d);
+  expect_grad_close(wte, dwte, f, "embedding+dropout dwte");
+  expect_grad_close(wpe, dwpe, f, "embedding+dropout dwpe");
+}
+
+TEST_F(OpGradTest, ResidualAddWithDropout) {
+  const int64_t N = 6, C = 10;
+  auto a = randn(N * C, 51), b = randn(N * C, 52), r = randn(N * C, 53);
+  const Dropout d = fixed_dropout(0.25f, 7);
+  std::vector<float> y(N * C);
+  auto f = [&] {
+    be->add(T(y, {N, C}), T(a, {N, C}), T(b, {N, C}), d);
+    return dot(y, r);
+  };
+  f();
+  // ∂/∂a = r, ∂/∂b = r ∘ mask / (1 − p) (dropout_backward).
+  std::vector<float> db(N * C);
+  be->dropout_backward(T(db, {N, C}), T(r, {N, C}), d);
+  expect_grad_close(a, r, f, "add+dropout da");
+  expect_grad_close(b, db, f, "add+dropout db");
+}
+
+TEST_F(OpGradTest, CausalAttentionWithDropout) {
+  const int64_t B = 2, Tn = 5, NH = 2, C = 8;
+  auto qkv = randn(B * Tn * 3 * C, 61), r = randn(B * Tn * C, 62);
+  std::vector<float> y(B * Tn * C), probs(B * NH * Tn * Tn);
+  const Dropout d = fixed_dropout(0.3f, 5);
+  auto f = [&] {
+    AttentionSaved s{T(probs, {B, NH, Tn, Tn}), {}};
+    be->attention_forward(T(y, {B, Tn, C}), s, T(qkv, {B, Tn, 3 * C}), NH, d);
+    return dot(y, r);
+  };
+  f();
+  // The saved probabilities are those before dropout: rows sum to 1.
+  for (int64_t row = 0; row < B * NH * Tn; ++row) {
+    double sum = 0;
+    for (int64_t t2 = 0; t2 < Tn; ++t2) sum += probs[static_cast<size_t>(row * Tn + t2)];
+    EXPECT_NEAR(sum, 1.0, 1e-5) << "row " << row;
+  }
+  std::vector<float> dqkv(qkv.size(), 0.f);
+  AttentionSaved s{T(probs, {B, NH, Tn, Tn}), {}};
+  be->attention_backward(T(dqkv, {B, Tn, 3 * C}), T(r, {B, Tn, C}), T(qkv, {B, Tn, 3 * C}),
+                         T(y, {B, Tn, C}), s, NH, d);
+  expect_grad_close(qkv, dqkv, f, "attention+dropout dqkv", 1e-2f);
+}
+
+// The whole model with all three dropouts on (p = 0.1): every evaluation of the objective uses
+// the same dropout seed, hence the same masks, so the loss is a smooth function of the weights.
+TEST(ModelGradTest, WholeModelWithDropoutFixedMask) {
+  auto be = make_cpu_backend();
+  GPT2Config c = tiny_config("gradcheck-dropout", 2, 29);
+  c.embd_pdrop = c.attn_pdrop = c.resid_pdrop = 0.1f;
+  GPT2Model model(c, *be);
+  const int64_t n = model.layout().numel();
+  std::vector<float> params(static_cast<size_t>(n)), grads(static_cast<size_t>(n), 0.f);
+  model.init_parameters(params.data(), 7);
+  for (auto& p : params) p *= 2.0f;
+  for (const ParamTensor* t : model.layout().tensors())
+    if (t->init_std == 0.f)
+      for (int64_t i = 0; i < t->numel; ++i)
+        params[static_cast<size_t>(t->offset + i)] += 0.1f * static_cast<float>(i % 3);
+  model.bind(Tensor(params.data(), DType::kF32, DeviceKind::kCPU, {n}),
+             Tensor(grads.data(), DType::kF32, DeviceKind::kCPU, {n}));
+  const int64_t B = 2, Tn = 6;
+  std::vector<int32_t> tokens = {1, 5, 9, 2, 28, 3, 4, 4, 0, 17, 11, 6};
+  std::vector<int32_t> targets = {5, 9, 2, 28, 3, 7, 4, 0, 17, 11, 6, 1};
+  const float scale = 1.0f / static_cast<float>(B * Tn);
+  const uint64_t seed = micro_batch_dropout_seed(42, 0, 3, 1);
+  const double with_dropout =
+      model.forward(tokens.data(), targets.data(), B, Tn, scale, true, seed);
+  model.backward();
+  const double without = model.forward(tokens.data(), targets.data(), B, Tn, scale, false);
+  EXPECT_NE(with_dropout, without) << "dropout changed nothing";
+  // The objective keeps dropout on (for_backward) with the same seed: the masks are fixed.
+  auto objective = [&] {
+    return model.forward(tokens.data(), targets.data(), B, Tn, scale, true, seed);
+  };
+  for (const ParamTensor* t : model.layout().tensors()) {
+    std::vector<float> x(params.begin() + t->offset, params.begin() + t->offset + t->numel);
+    std::vector<float> g(grads.begin() + t->offset, grads.begin() + t->offset + t->numel);
+    auto obj = [&] {
+      std::copy(x.begin(), x.end(), params.begin() + t->offset);
+      return objective();
+    };
+    expect_grad_close(x, g, obj, t->name.c_str(), 1e-2f, 3e-2, 3e-3);
+    std::copy(x.begin(), x.end(), params.begin() + t->offset);
+  }
+}
+
+// Under dropout the recompute of activation checkpointing draws the forward's masks again:
+// identical loss and gradients, bit for bit.
+TEST(ModelGradTest, ActivationCheckpointingWithDropoutGivesIdenticalGradients) {
+  auto be = make_cpu_backend();
+  GPT2Config c = tiny_config("ckpt-dropout", 3, 31);
+  c.embd_pdrop = c.attn_pdrop = c.resid_pdrop = 0.2f;
+  GPT2Model plain(c, *be, false), ckpt(c, *be, true);
+  const int64_t n = plain.layout().numel();
+  std::vector<float> params(static_cast<size_t>(n));
+  plain.init_parameters(params.data(), 3);
+  std::vector<float> g1(static_cast<size_t>(n), 0.f), g2(static_cast<size_t>(n), 0.f);
+  auto view = [n](std::vector<float>& v) {
+    return Tensor(v.data(), DType::kF32, DeviceKind::kCPU, {n});
+  };
+  plain.bind(view(params), view(g1));
+  ckpt.bind(view(params), view(g2));
+  std::vector<int32_t> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+  std::vector<int32_t> targets = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17};
+  const double l1 = plain.forward(tokens.data(), targets.data(), 2, 8, 1.0f / 16, true, 99);
+  plain.backward();
+  const double l2 = ckpt.forward(tokens.data(), targets.data(), 2, 8, 1.0f / 16, true, 99);
+  ckpt.backward();
+  EXPECT_EQ(l1, l2);
+  for (size_t i = 0; i < g1.size(); ++i) ASSERT_EQ(g1[i], g2[i]) << "element " << i;
+}

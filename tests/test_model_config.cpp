@@ -84,6 +84,35 @@ TEST(ModelConfig, ReadsTheGpt2Keys) {
       "vocab_size": 50257, "n_inner": 128, "activation_function": "gelu"})"));
 }
 
+// Dropout probabilities: Hugging Face's names, absent or null = 0 (the presets' value too),
+// anything outside [0, 1) refused with the key, the value and the fix.
+TEST(ModelConfig, ReadsDropoutProbabilities) {
+  const GPT2Config none = parse(kTiny);
+  EXPECT_EQ(none.embd_pdrop, 0.f);
+  EXPECT_EQ(none.attn_pdrop, 0.f);
+  EXPECT_EQ(none.resid_pdrop, 0.f);
+  EXPECT_FALSE(none.has_dropout());
+  const GPT2Config hf = parse(R"({"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 64,
+      "vocab_size": 50257, "embd_pdrop": 0.1, "attn_pdrop": 0.2, "resid_pdrop": 0.3})");
+  EXPECT_FLOAT_EQ(hf.embd_pdrop, 0.1f);
+  EXPECT_FLOAT_EQ(hf.attn_pdrop, 0.2f);
+  EXPECT_FLOAT_EQ(hf.resid_pdrop, 0.3f);
+  EXPECT_TRUE(hf.has_dropout());
+  EXPECT_FALSE(parse(R"({"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 64,
+      "vocab_size": 50257, "attn_pdrop": null})")
+                   .has_dropout());
+  for (const std::string& name : gpt2_preset_names()) EXPECT_FALSE(gpt2_preset(name).has_dropout());
+  expect_refused(R"({"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 64,
+      "vocab_size": 50257, "resid_pdrop": 1.0})",
+                 {"resid_pdrop is 1", "[0, 1)", "0.1"});
+  expect_refused(R"({"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 64,
+      "vocab_size": 50257, "embd_pdrop": -0.1})",
+                 {"embd_pdrop is -0.1", "[0, 1)"});
+  expect_refused(R"({"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 64,
+      "vocab_size": 50257, "attn_pdrop": "0.1"})",
+                 {"attn_pdrop is \"0.1\"", "[0, 1)"});
+}
+
 TEST(ModelConfig, AcceptsHuggingFaceAliases) {
   // n_ctx stands for n_positions when n_positions is absent ...
   GPT2Config c = parse(R"({"n_layer": 2, "n_embd": 32, "n_head": 4, "n_ctx": 96,

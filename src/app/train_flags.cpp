@@ -288,6 +288,14 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
          fmt::format("random seed for initialisation and data order (default: {})", cfg.seed))
       ->type_name("N");
 
+  cmd.add_option("--dropout", cfg.dropout,
+                 "dropout probability in [0, 1) for the embedding, the attention probabilities "
+                 "and the residual branches (GPT-2's embd_pdrop, attn_pdrop, resid_pdrop: 0.1 in "
+                 "Hugging Face's configs); overrides the model's own (default: the model's: 0 in "
+                 "the presets, a config.json's values)")
+      ->type_name("P")
+      ->check(number_in(0.0, false, 1.0, true));
+
   // ---- optimizer ----
   cmd.add_option("--lr", cfg.lr, fmt::format("peak learning rate of AdamW (default: {})", cfg.lr))
       ->type_name("LR")

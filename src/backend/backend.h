@@ -21,6 +21,7 @@
 
 #include "backend/host_transfer.h"
 #include "backend/image_ops.h"
+#include "core/philox.h"
 #include "core/tensor.h"
 
 namespace shardtrain {
@@ -114,10 +115,15 @@ class Backend {
   virtual void convert(Tensor dst, Tensor src) = 0;
 
   // ---- embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:] ----------------------------------
-  /// out [B,T,C]; tokens [B,T] int32 (device); wte [V,C]; wpe [maxT,C].
-  virtual void embedding_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) = 0;
-  /// dwte [V,C] += scatter of dout by token; dwpe [maxT,C] += Σ_b dout[b,t,:].
-  virtual void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) = 0;
+  /// out [B,T,C]; tokens [B,T] int32 (device); wte [V,C]; wpe [maxT,C]. With an active
+  /// `dropout` (GPT-2's embd_pdrop), out = dropout(wte[tok] + wpe), the mask of element
+  /// (b·T+t)·C+c (see Dropout in core/philox.h) fused into the same pass.
+  virtual void embedding_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe,
+                                 const Dropout& dropout = {}) = 0;
+  /// dwte [V,C] += scatter of dout by token; dwpe [maxT,C] += Σ_b dout[b,t,:]. With an active
+  /// `dropout` (the forward's), dout is multiplied by the regenerated mask/(1-p) as it is read.
+  virtual void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,
+                                  const Dropout& dropout = {}) = 0;
 
   // ---- layernorm (Ba et al., arXiv 1607.06450, eq. 4; eps = 1e-5) -----------------------------
   /// out [N,C] = (inp - mean) * rstd * weight + bias; saves mean [N], rstd [N] (fp32).
@@ -153,16 +159,26 @@ class Backend {
   virtual void gelu_backward(Tensor dinp, Tensor inp, Tensor dout) = 0;
 
   // ---- residual ------------------------------------------------------------------------------
-  /// out = a + b (element-wise, same shape; out may alias a or b).
-  virtual void add(Tensor out, Tensor a, Tensor b) = 0;
+  /// out = a + b (element-wise, same shape; out may alias a or b). With an active `dropout_b`
+  /// (GPT-2's resid_pdrop), out = a + dropout(b): b's element i is kept with the mask of index i.
+  virtual void add(Tensor out, Tensor a, Tensor b, const Dropout& dropout_b = {}) = 0;
+  /// dst = src ∘ mask / (1-p) (element-wise, same shape, any length; dst may alias src): the
+  /// backward of the dropout `dropout` applied to a tensor of src's shape (src = ∂L/∂output).
+  virtual void dropout_backward(Tensor dst, Tensor src, const Dropout& dropout) = 0;
 
   // ---- causal self-attention (Vaswani et al., arXiv 1706.03762, eq. 1) ----------------------
   /// qkv [B,T,3C] laid out as [q | k | v], each C = NH*hs; out [B,T,C] (heads concatenated).
   /// `saved` receives what backward needs (see AttentionSaved; sized by attention_saved_shape).
-  virtual void attention_forward(Tensor out, AttentionSaved saved, Tensor qkv, int num_heads) = 0;
-  /// dqkv [B,T,3C] (overwrites) from dout [B,T,C].
+  /// With an active `dropout` (GPT-2's attn_pdrop) the probabilities P [B,NH,T,T] are dropped
+  /// before ·V: out = (P∘M/(1-p))·V, M the mask of element ((b·NH+h)·T+tq)·T+tk; saved
+  /// probabilities stay P (before dropout) and backward regenerates M.
+  virtual void attention_forward(Tensor out, AttentionSaved saved, Tensor qkv, int num_heads,
+                                 const Dropout& dropout = {}) = 0;
+  /// dqkv [B,T,3C] (overwrites) from dout [B,T,C]; `dropout` as given to the forward. With
+  /// Pd = P∘M/(1-p): dV = Pdᵀ·dO, dP = (dO·Vᵀ)∘M/(1-p), dS = P∘(dP − rowsum(dO∘O)).
   virtual void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
-                                  AttentionSaved saved, int num_heads) = 0;
+                                  AttentionSaved saved, int num_heads,
+                                  const Dropout& dropout = {}) = 0;
   /// Whether attention over heads of `head_size` channels saves probabilities [B,NH,T,T]
   /// (true: materialized kernels) or log-sum-exp [B,NH,T] in fp32 (false: fused kernels that
   /// recompute the probabilities in backward). Fixed for the backend's lifetime.

@@ -47,8 +47,14 @@ void read_as_f32(const SafetensorsFile& st, const std::string& name, const std::
 }  // namespace
 
 json manifest_model_json(const GPT2Config& c) {
-  return {{"name", c.name},     {"n_layer", c.n_layer},       {"n_head", c.n_head},
-          {"n_embd", c.n_embd}, {"vocab_size", c.vocab_size}, {"n_positions", c.n_positions}};
+  json j = {{"name", c.name},     {"n_layer", c.n_layer},       {"n_head", c.n_head},
+            {"n_embd", c.n_embd}, {"vocab_size", c.vocab_size}, {"n_positions", c.n_positions}};
+  if (c.has_dropout()) {  // only then: manifests without dropout stay as they were
+    j["embd_pdrop"] = c.embd_pdrop;
+    j["attn_pdrop"] = c.attn_pdrop;
+    j["resid_pdrop"] = c.resid_pdrop;
+  }
+  return j;
 }
 
 json manifest_progress_json(const TrainingProgress& p) {
@@ -181,9 +187,9 @@ void save_hf_config(const fs::path& dir, const GPT2Config& c) {
                     {"activation_function", "gelu_new"},
                     {"layer_norm_epsilon", 1e-5},
                     {"initializer_range", 0.02},
-                    {"resid_pdrop", 0.0},
-                    {"embd_pdrop", 0.0},
-                    {"attn_pdrop", 0.0},
+                    {"resid_pdrop", c.resid_pdrop},
+                    {"embd_pdrop", c.embd_pdrop},
+                    {"attn_pdrop", c.attn_pdrop},
                     {"scale_attn_weights", true},
                     {"tie_word_embeddings", true},
                     {"bos_token_id", 50256},
@@ -306,6 +312,9 @@ CheckpointInfo read_checkpoint_info(const fs::path& path) {
     info.model.n_embd = mj.at("n_embd");
     info.model.vocab_size = mj.at("vocab_size");
     info.model.n_positions = mj.at("n_positions");
+    info.model.embd_pdrop = mj.value("embd_pdrop", 0.0f);
+    info.model.attn_pdrop = mj.value("attn_pdrop", 0.0f);
+    info.model.resid_pdrop = mj.value("resid_pdrop", 0.0f);
     const json& pj = m.at("progress");
     info.progress.step = pj.at("step");
     info.progress.epoch = pj.at("epoch");

@@ -1878,6 +1878,12 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         "--weight-decay {} is not valid: it must be a finite number >= 0 (0 turns it off)",
         cfg.weight_decay));
   }
+  if (cfg.dropout != -1 && !(cfg.dropout >= 0.0 && cfg.dropout < 1.0)) {
+    throw ConfigError(fmt::format(
+        "--dropout {} is not valid: it must be a probability in [0, 1) (e.g. 0.1, GPT-2's), 0 to "
+        "turn dropout off, or left unset to keep the model's own",
+        cfg.dropout));
+  }
   if (!std::isfinite(cfg.gradient_clipping) || cfg.gradient_clipping < 0.0) {
     throw ConfigError(fmt::format(
         "--grad-clip {} is not valid: it must be a finite number >= 0 (0 turns clipping off)",

@@ -194,6 +194,9 @@ struct TrainConfig {
   int64_t max_length = 128;  ///< tokens per sample (sequence length T); ≤ model context
   int64_t num_samples = -1;  ///< training samples used; -1 = all
   uint64_t seed = 42;
+  /// --dropout: when ≥ 0, the model's embd_pdrop, attn_pdrop and resid_pdrop all become this
+  /// (in [0, 1)); -1 keeps the model's own (0 in the presets, a config.json's values).
+  double dropout = -1;
 
   // ---- optimizer: AdamW (Loshchilov & Hutter, arXiv 1711.05101), PyTorch defaults ----
   double lr = 6e-4;

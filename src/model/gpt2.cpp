@@ -114,7 +114,7 @@ void GPT2Model::reserve(int s, int64_t B, int64_t T) {
 }
 
 void GPT2Model::prepare(int s, const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
-                        float grad_scale, bool for_backward) {
+                        float grad_scale, bool for_backward, uint64_t dropout_seed) {
   check<ConfigError>(T <= config_.n_positions,
                      "sequence length {} exceeds the context of {} ({} positions)", T, config_.name,
                      config_.n_positions);
@@ -134,6 +134,12 @@ void GPT2Model::prepare(int s, const int32_t* tokens, const int32_t* targets, in
   ctx.losses = Tensor(sl.losses.data(), DType::kF32, backend_.kind(), {B * T});
   ctx.grad_scale = grad_scale;
   ctx.for_backward = for_backward;
+  if (for_backward) {  // dropout only while training
+    ctx.embd_pdrop = config_.embd_pdrop;
+    ctx.attn_pdrop = config_.attn_pdrop;
+    ctx.resid_pdrop = config_.resid_pdrop;
+    ctx.dropout_seed = dropout_seed;
+  }
 }
 
 Tensor GPT2Model::activation(int s, int i) {
@@ -201,11 +207,19 @@ double GPT2Model::slot_loss(int s) {
 }
 
 double GPT2Model::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
-                          float grad_scale, bool for_backward) {
-  prepare(0, tokens, targets, B, T, grad_scale, for_backward && targets != nullptr);
+                          float grad_scale, bool for_backward, uint64_t dropout_seed) {
+  prepare(0, tokens, targets, B, T, grad_scale, for_backward && targets != nullptr, dropout_seed);
   forward_layers(0, 0, num_layers());
   if (!targets) return 0.0;
   return slot_loss(0);
+}
+
+uint64_t micro_batch_dropout_seed(uint64_t run_seed, int64_t rank, int64_t step,
+                                  int64_t micro_batch) {
+  uint64_t s =
+      mix_seed(run_seed ^ 0x44524F504F555421ull, static_cast<uint64_t>(rank));  // "DROPOUT!"
+  s = mix_seed(s, static_cast<uint64_t>(step));
+  return mix_seed(s, static_cast<uint64_t>(micro_batch));
 }
 
 void GPT2Model::backward() { backward_layers(0, 0, num_layers(), BackwardPass::kFull); }

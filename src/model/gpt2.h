@@ -30,7 +30,36 @@ struct StepContext {
   Tensor losses;         ///< [B*T] fp32 per-token losses written by the head
   float grad_scale = 1;  ///< ∂(objective)/∂(per-token loss): 1/(B·T·accumulation) · loss scale
   bool for_backward = true;  ///< keep what backward needs and compute ∂logits in the head
+  /// Dropout probabilities of this micro-batch (the config's when training, else 0: evaluation,
+  /// generation, for_backward false) and its seed (dropout_seed()): the same in the micro-batch's
+  /// forward, its recompute under activation checkpointing and its backward.
+  float embd_pdrop = 0, attn_pdrop = 0, resid_pdrop = 0;
+  uint64_t dropout_seed = 0;
+
+  /// The dropout of `site` (dropout_site) with probability p.
+  Dropout dropout(float p, uint32_t site) const {
+    Dropout d;
+    d.p = p;
+    d.seed = dropout_seed;
+    d.site = site;
+    return d;
+  }
 };
+
+/// The dropouts of the model, each its own Philox counter word: the embedding's, and per block
+/// (0-based `layer`) the attention probabilities', the attention projection's and the MLP
+/// projection's (before their residual adds).
+enum class DropoutKind : uint32_t { kAttnProbs = 0, kAttnResid = 1, kMlpResid = 2 };
+inline constexpr uint32_t kEmbeddingDropoutSite = 0;
+inline uint32_t dropout_site(int layer, DropoutKind kind) {
+  return 4u * (static_cast<uint32_t>(layer) + 1u) + static_cast<uint32_t>(kind);
+}
+
+/// The dropout seed of one micro-batch: a mix of the run's seed, the data-parallel rank (a
+/// pipeline's replica index), the optimizer step and the micro-batch's index within the step,
+/// so that every micro-batch of a run draws its own masks and a rerun draws the same ones.
+uint64_t micro_batch_dropout_seed(uint64_t run_seed, int64_t rank, int64_t step,
+                                  int64_t micro_batch);
 
 /// Callbacks a strategy registers to act around each layer (ZeRO-3 gathers parameters before
 /// a layer's forward/backward; data parallelism reduces a layer's gradients after its backward).
@@ -130,8 +159,9 @@ class GPT2Model {
   /// Runs forward over all layers for tokens/targets (host int32, [B*T] each; targets may be
   /// null for inference). Returns the mean loss over the micro-batch's tokens (0 without
   /// targets). With for_backward, keeps the activations backward() needs and leaves ∂logits.
+  /// With for_backward the config's dropout is on, its masks drawn from `dropout_seed`.
   double forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
-                 float grad_scale, bool for_backward);
+                 float grad_scale, bool for_backward, uint64_t dropout_seed = 0);
   /// Backward over all layers after forward(..., for_backward=true); accumulates into grads.
   void backward();
 
@@ -147,9 +177,11 @@ class GPT2Model {
   /// Starts micro-batch [B, T] in `slot` (≥ 0): copies tokens and targets (host int32 [B*T],
   /// either may be null when this stage does not use them) and sets ∂(objective)/∂(per-token
   /// loss) = grad_scale; `for_backward` false: inference (no ∂logits, nothing kept for
-  /// backward). Allocates the slot's buffers at first use.
+  /// backward, and no dropout). With for_backward the config's dropout probabilities apply, the
+  /// masks drawn from `dropout_seed` (micro_batch_dropout_seed). Allocates the slot's buffers at
+  /// first use.
   void prepare(int slot, const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
-               float grad_scale, bool for_backward = true);
+               float grad_scale, bool for_backward = true, uint64_t dropout_seed = 0);
   /// The input of local layer `i` of `slot` [B, T, C] (compute dtype); i == num_layers(): the
   /// output of the last layer (when it is not the head).
   Tensor activation(int slot, int i);

@@ -216,7 +216,34 @@ GPT2Config parse_gpt2_config(const std::string& text, const std::string& source,
           source, inner.dump(), 4 * int64_t{c.n_embd}));
     }
   }
+  // Dropout probabilities (Hugging Face's GPT-2 configs say 0.1): absent or null means 0.
+  for (auto [key, field] : {std::pair{"embd_pdrop", &GPT2Config::embd_pdrop},
+                            std::pair{"attn_pdrop", &GPT2Config::attn_pdrop},
+                            std::pair{"resid_pdrop", &GPT2Config::resid_pdrop}}) {
+    if (!j.contains(key) || j.at(key).is_null()) continue;
+    const json& v = j.at(key);
+    if (!v.is_number()) {
+      throw ConfigError(fmt::format(
+          "{}: {} is {} but must be a dropout probability in [0, 1) (e.g. 0.1, or 0 for none)",
+          source, key, v.dump()));
+    }
+    c.*field = v.get<float>();
+  }
+  validate_dropout(c, source);
   return c;
+}
+
+void validate_dropout(const GPT2Config& c, const std::string& source) {
+  for (auto [key, p] :
+       {std::pair{"embd_pdrop", c.embd_pdrop}, std::pair{"attn_pdrop", c.attn_pdrop},
+        std::pair{"resid_pdrop", c.resid_pdrop}}) {
+    if (!(p >= 0.0f && p < 1.0f)) {
+      throw ConfigError(fmt::format(
+          "{}: {} is {} but a dropout probability must be in [0, 1): use e.g. 0.1 (GPT-2's), or 0 "
+          "to turn dropout off",
+          source, key, p));
+    }
+  }
 }
 
 GPT2Config resolve_model(const std::string& name_or_path) {

@@ -16,6 +16,13 @@ struct GPT2Config {
   int n_embd = 768;
   int vocab_size = 50257;
   int n_positions = 1024;  ///< maximum context (learned position embeddings)
+  /// Dropout probabilities in [0, 1) during training (Hugging Face GPT2Config's names): after
+  /// the embedding, on the attention probabilities, and on each residual branch's output before
+  /// its add. 0 in every preset (pretraining without dropout, as llm.c and nanoGPT); a
+  /// config.json or --dropout sets them.
+  float embd_pdrop = 0;
+  float attn_pdrop = 0;
+  float resid_pdrop = 0;
 
   /// Exact parameter count (tied LM head counted once), e.g. 124,439,808 for gpt2.
   int64_t num_parameters() const;
@@ -27,7 +34,13 @@ struct GPT2Config {
   bool same_shape(const GPT2Config& other) const;
   /// "n_layer 12, n_embd 768, n_head 12, n_positions 1024, vocab_size 50257", for messages.
   std::string shape_string() const;
+  /// Whether any dropout probability is non-zero.
+  bool has_dropout() const { return embd_pdrop > 0 || attn_pdrop > 0 || resid_pdrop > 0; }
 };
+
+/// Throws ConfigError unless every dropout probability of `c` is in [0, 1); `source` names where
+/// they came from (a file, --dropout) in the message.
+void validate_dropout(const GPT2Config& c, const std::string& source);
 
 /// Looks up a preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-mini, gpt2-tiny, gpt2-micro.
 /// Throws ConfigError listing the valid names (and the closest one) for an unknown name.

@@ -110,10 +110,12 @@ class EmbeddingLayer final : public Layer {
   }
   void reserve(Backend&, int64_t, int64_t) override {}
   void forward(Backend& be, StepContext& ctx, Tensor, Tensor out) override {
-    be.embedding_forward(out, ctx.tokens, wte_, wpe_);
+    be.embedding_forward(out, ctx.tokens, wte_, wpe_,
+                         ctx.dropout(ctx.embd_pdrop, kEmbeddingDropoutSite));
   }
   void backward(Backend& be, StepContext& ctx, Tensor, Tensor dresid) override {
-    be.embedding_backward(dwte_, dwpe_, dresid, ctx.tokens);
+    be.embedding_backward(dwte_, dwpe_, dresid, ctx.tokens,
+                          ctx.dropout(ctx.embd_pdrop, kEmbeddingDropoutSite));
   }
   // The embedding has no input gradient: B is empty and W is its whole backward.
   void backward_input(Backend&, StepContext&, Tensor, Tensor) override {}
@@ -407,22 +409,39 @@ class BlockLayer final : public Layer {
     const Tensor ln1_w = g.ln_dw.empty() ? g.ln1_w : g.ln_dw;
     const Tensor ln1_b = g.ln_db.empty() ? g.ln1_b : g.ln_db;
 
-    // MLP: x3 = x2 + c_proj(gelu(c_fc(ln_2(x2))))
-    if (stash) be.copy(stash->d_fc_proj.data, dres2.data, dres2.bytes());
-    be.matmul_backward(d4c, g.fc_proj_w, g.fc_proj_b, dres2, v(a.fch_gelu, 4), w_[kFcProjW],
+    const Dropout mlp_drop = ctx.dropout(ctx.resid_pdrop, site(DropoutKind::kMlpResid));
+    const Dropout proj_drop = ctx.dropout(ctx.resid_pdrop, site(DropoutKind::kAttnResid));
+    const Dropout att_drop = ctx.dropout(ctx.attn_pdrop, site(DropoutKind::kAttnProbs));
+    // The gradient of a residual branch's output: dres2, or dres2∘mask/(1-p) under dropout
+    // (into the stash for backward_weight, else into scratch).
+    const auto branch_grad = [&](const Dropout& d, const Tensor& stashed) {
+      if (!d.active()) {
+        if (stash) be.copy(stashed.data, dres2.data, dres2.bytes());
+        return dres2;
+      }
+      Tensor dst = stash ? v(stashed, 1) : scratch_->tmp.get(be, dt, {N, C});
+      be.dropout_backward(dst, dres2, d);
+      return dst;
+    };
+
+    // MLP: x3 = x2 + dropout(c_proj(gelu(c_fc(ln_2(x2)))))
+    const Tensor dmlp = branch_grad(mlp_drop, stash ? stash->d_fc_proj : Tensor());
+    be.matmul_backward(d4c, g.fc_proj_w, g.fc_proj_b, dmlp, v(a.fch_gelu, 4), w_[kFcProjW],
                        v(a.fch, 4));
     be.matmul_backward(dln2, g.fc_w, g.fc_b, d4c, v(a.ln2, 1), w_[kFcW]);
     be.layernorm_backward(dres2, ln2_w, ln2_b, dln2, v(a.x2, 1), w_[kLn2W],
                           view_of(be, a.ln2_mean, {N}), view_of(be, a.ln2_rstd, {N}));
-    // Attention: x2 = x + c_proj(attn(c_attn(ln_1(x))))
-    if (stash) be.copy(stash->d_attn_proj.data, dres2.data, dres2.bytes());
-    be.matmul_backward(dc, g.attn_proj_w, g.attn_proj_b, dres2, v(a.atty, 1), w_[kAttnProjW]);
+    // Attention: x2 = x + dropout(c_proj(attn(c_attn(ln_1(x))))), attn's probabilities dropped
+    const Tensor dproj = branch_grad(proj_drop, stash ? stash->d_attn_proj : Tensor());
+    be.matmul_backward(dc, g.attn_proj_w, g.attn_proj_b, dproj, v(a.atty, 1), w_[kAttnProjW]);
     be.attention_backward(dqkv, dc.reshape({B, T, C}), view_of(be, a.qkv, {B, T, 3 * C}),
-                          view_of(be, a.atty, {B, T, C}), saved(be, B, T), c_.n_head);
+                          view_of(be, a.atty, {B, T, C}), saved(be, B, T), c_.n_head, att_drop);
     be.matmul_backward(dln1, g.qkv_w, g.qkv_b, dqkv.reshape({N, 3 * C}), v(a.ln1, 1), w_[kQkvW]);
     be.layernorm_backward(dres2, ln1_w, ln1_b, dln1, in.reshape({N, C}), w_[kLn1W],
                           view_of(be, a.ln1_mean, {N}), view_of(be, a.ln1_rstd, {N}));
   }
+
+  uint32_t site(DropoutKind kind) const { return dropout_site(index_, kind); }
 
   AttentionSaved saved(Backend& be, int64_t B, int64_t T) {
     AttentionSaved s;
@@ -450,20 +469,21 @@ class BlockLayer final : public Layer {
                          w_[kLn1W], w_[kLn1B]);
     be.matmul_forward(qkv, ln1, w_[kQkvW], w_[kQkvB]);
     be.attention_forward(atty.reshape({B, T, C}), saved(be, B, T), qkv.reshape({B, T, 3 * C}),
-                         c_.n_head);
+                         c_.n_head, ctx.dropout(ctx.attn_pdrop, site(DropoutKind::kAttnProbs)));
+    const Dropout proj_drop = ctx.dropout(ctx.resid_pdrop, site(DropoutKind::kAttnResid));
     if (tmp.data == x2.data) {
       be.matmul_forward(x2, atty, w_[kAttnProjW], w_[kAttnProjB]);
-      be.add(x2, x2, x);
+      be.add(x2, x, x2, proj_drop);
     } else {
       be.matmul_forward(tmp, atty, w_[kAttnProjW], w_[kAttnProjB]);
-      be.add(x2, x, tmp);
+      be.add(x2, x, tmp, proj_drop);
     }
     be.layernorm_forward(ln2, view_of(be, a.ln2_mean, {N}), view_of(be, a.ln2_rstd, {N}), x2,
                          w_[kLn2W], w_[kLn2B]);
     be.matmul_forward(fch_gelu, ln2, w_[kFcW], w_[kFcB], Epilogue::kGelu, fch);
     Tensor y = out.reshape({N, C});
     be.matmul_forward(y, fch_gelu, w_[kFcProjW], w_[kFcProjB]);
-    be.add(y, y, x2);
+    be.add(y, x2, y, ctx.dropout(ctx.resid_pdrop, site(DropoutKind::kMlpResid)));
   }
 
   GPT2Config c_;

@@ -90,7 +90,8 @@ StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batch
     // Each micro-batch's loss is a mean over its B·T tokens, scaled for fp16.
     loss += model_.forward(
         mb.tokens, mb.targets, mb.batch, mb.seq_len,
-        static_cast<float>(r.loss_scale / static_cast<double>(mb.batch * mb.seq_len)), true);
+        static_cast<float>(r.loss_scale / static_cast<double>(mb.batch * mb.seq_len)), true,
+        micro_batch_dropout_seed(options_.dropout_seed, comm_.rank(), step, k));
     if (clock_) clock_->mark();
     model_.backward();
     if (clock_) clock_->mark();

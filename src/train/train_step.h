@@ -58,6 +58,9 @@ struct PhaseTimes {
 struct TrainStepOptions {
   int64_t accumulation_steps = 1;  ///< micro-batches per optimizer step on each rank (≥ 1)
   double gradient_clipping = 0;    ///< max global L2 norm of the mean gradient; 0 = off
+  /// The run's seed, from which each micro-batch's dropout seed is drawn
+  /// (micro_batch_dropout_seed(seed, data-parallel rank, step, micro-batch index)).
+  uint64_t dropout_seed = 0;
 };
 
 /// What one step did.

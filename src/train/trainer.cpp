@@ -84,6 +84,7 @@ json config_snapshot(const TrainConfig& c) {
           {"max_length", c.max_length},
           {"num_samples", c.num_samples},
           {"seed", c.seed},
+          {"dropout", c.dropout},
           {"lr", c.lr},
           {"betas", {c.beta1, c.beta2}},
           {"eps", c.adam_eps},
@@ -401,8 +402,13 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int local_rank,
 }
 
 GPT2Config resolve_train_model(const TrainConfig& cfg) {
-  if (cfg.model.empty() && !cfg.resume.empty()) return read_checkpoint_info(cfg.resume).model;
-  return resolve_model(cfg.model);
+  GPT2Config c = cfg.model.empty() && !cfg.resume.empty() ? read_checkpoint_info(cfg.resume).model
+                                                          : resolve_model(cfg.model);
+  if (cfg.dropout >= 0) {  // --dropout overrides the model's three probabilities
+    c.embd_pdrop = c.attn_pdrop = c.resid_pdrop = static_cast<float>(cfg.dropout);
+    validate_dropout(c, "--dropout");
+  }
+  return c;
 }
 
 TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
@@ -587,6 +593,11 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
           : "",
       human_bytes(static_cast<double>(strategy->model_state_bytes())),
       cfg.activation_checkpointing ? "on" : "off", out_dir.string());
+  out.line("  dropout: {}",
+           model_cfg.has_dropout()
+               ? fmt::format("embd_pdrop {:g}, attn_pdrop {:g}, resid_pdrop {:g} (training only)",
+                             model_cfg.embd_pdrop, model_cfg.attn_pdrop, model_cfg.resid_pdrop)
+               : std::string("off"));
   if (cfg.plan.optimizer_offload != OffloadDevice::kNone ||
       cfg.plan.param_offload != OffloadDevice::kNone) {
     const HostMemory h = strategy->host_memory();
@@ -674,7 +685,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   std::unique_ptr<StreamClock> clock =
       cfg.wall_clock_breakdown ? backend->make_stream_clock() : nullptr;
   TrainStep train_step(model, *strategy, comm, *backend, scaler,
-                       TrainStepOptions{accum, cfg.gradient_clipping}, clock.get());
+                       TrainStepOptions{accum, cfg.gradient_clipping, cfg.seed}, clock.get());
   // FLOPs profiler (--profile-step / flops_profiler): one step, not with a pipeline schedule.
   const FlopsProfilerConfig& profile = cfg.flops_profiler;
   bool profile_enabled = profile.enabled;
@@ -726,9 +737,10 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
           train_step.set_clock(phase_clock.get());
         }
       }
-      StepResult r = pipeline ? pipeline->run_step(progress.step, lr, batch, scaler,
-                                                   TrainStepOptions{accum, cfg.gradient_clipping})
-                              : train_step.run(progress.step, lr, batch);
+      StepResult r =
+          pipeline ? pipeline->run_step(progress.step, lr, batch, scaler,
+                                        TrainStepOptions{accum, cfg.gradient_clipping, cfg.seed})
+                   : train_step.run(progress.step, lr, batch);
       if (profile_now) {
         model.set_hooks(strategy_hooks);
         profiling->collect();

@@ -70,6 +70,48 @@ inline float row_max(const float* row, int64_t n) {
 
 /// Runs fn(c0, c1) on every OpenMP thread with its own slice [c0, c1) of [0, C): reductions over
 /// rows into per-channel sums then never race, and each sum is taken in a fixed row order.
+/// f[j] = the dropout multiplier (0 or 1/(1-p)) of element base + j, j < n.
+void dropout_factors(float* f, const Dropout& d, uint64_t base, int64_t n) {
+  const uint32_t thresh = d.threshold();
+  const float keep_scale = d.scale();
+  Philox4x32 r{};
+  uint64_t group = ~uint64_t{0};
+  for (int64_t j = 0; j < n; ++j) {
+    const uint64_t idx = base + static_cast<uint64_t>(j);
+    if ((idx >> 2) != group) {
+      group = idx >> 2;
+      r = d.bits4(idx);
+    }
+    f[j] = r.v[idx & 3] >= thresh ? keep_scale : 0.0f;
+  }
+}
+
+/// dst[j] = src[j] · multiplier of element base + j (dst may alias src).
+void apply_dropout(float* dst, const float* src, const Dropout& d, uint64_t base, int64_t n) {
+  const uint32_t thresh = d.threshold();
+  const float keep_scale = d.scale();
+  Philox4x32 r{};
+  uint64_t group = ~uint64_t{0};
+  for (int64_t j = 0; j < n; ++j) {
+    const uint64_t idx = base + static_cast<uint64_t>(j);
+    if ((idx >> 2) != group) {
+      group = idx >> 2;
+      r = d.bits4(idx);
+    }
+    dst[j] = r.v[idx & 3] >= thresh ? src[j] * keep_scale : 0.0f;
+  }
+}
+
+/// apply_dropout over elements [0, n), in parallel.
+void apply_dropout_parallel(float* dst, const float* src, const Dropout& d, int64_t n) {
+  constexpr int64_t kChunk = 4096;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c) {
+    const int64_t lo = c * kChunk;
+    apply_dropout(dst + lo, src + lo, d, static_cast<uint64_t>(lo), std::min(kChunk, n - lo));
+  }
+}
+
 template <typename F>
 void for_channel_slices(int64_t C, F&& fn) {
 #pragma omp parallel
@@ -141,7 +183,8 @@ class CpuBackend final : public Backend {
   }
 
   // ---- embedding -------------------------------------------------------------------------------
-  void embedding_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) override {
+  void embedding_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe,
+                         const Dropout& dropout) override {
     const int64_t B = out.dim(0), T = out.dim(1), C = out.dim(2);
     const int32_t* tok = tokens.i32();
     const float* te = wte.f32();
@@ -154,14 +197,23 @@ class CpuBackend final : public Backend {
         const float* p = pe + t * C;
         float* y = o + (b * T + t) * C;
         for (int64_t c = 0; c < C; ++c) y[c] = e[c] + p[c];
+        if (dropout.active())
+          apply_dropout(y, y, dropout, static_cast<uint64_t>((b * T + t) * C), C);
       }
     }
   }
 
-  void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) override {
+  void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,
+                          const Dropout& dropout) override {
     const int64_t B = dout.dim(0), T = dout.dim(1), C = dout.dim(2);
     const int32_t* tok = tokens.i32();
     const float* d = dout.f32();
+    std::vector<float> masked;
+    if (dropout.active()) {  // the reference: mask dout first (the GPU fuses it into the scatter)
+      masked.resize(static_cast<size_t>(dout.numel()));
+      apply_dropout_parallel(masked.data(), d, dropout, dout.numel());
+      d = masked.data();
+    }
     float* dte = dwte.f32();
     float* dpe = dwpe.f32();
     // Each thread owns a slice of channels, so rows sharing a token never race and the order of
@@ -339,50 +391,78 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void add(Tensor out, Tensor a, Tensor b) override {
+  void add(Tensor out, Tensor a, Tensor b, const Dropout& dropout_b) override {
     const int64_t n = out.numel();
     const float* x = a.f32();
     const float* y = b.f32();
     float* o = out.f32();
+    if (dropout_b.active()) {
+      const uint32_t thresh = dropout_b.threshold();
+      const float keep_scale = dropout_b.scale();
+#pragma omp parallel for schedule(static)
+      for (int64_t g = 0; g < (n + 3) / 4; ++g) {
+        const Philox4x32 r = dropout_b.bits4(static_cast<uint64_t>(g) * 4);
+        for (int64_t i = g * 4; i < std::min(n, g * 4 + 4); ++i)
+          o[i] = x[i] + (r.v[i & 3] >= thresh ? y[i] * keep_scale : 0.0f);
+      }
+      return;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+  }
+
+  void dropout_backward(Tensor dst, Tensor src, const Dropout& dropout) override {
+    if (!dropout.active()) {
+      if (dst.data != src.data) std::memmove(dst.data, src.data, src.bytes());
+      return;
+    }
+    apply_dropout_parallel(dst.f32(), src.f32(), dropout, src.numel());
   }
 
   // ---- attention -------------------------------------------------------------------------------
   bool attention_saves_probs(int /*head_size*/) const override { return true; }
 
-  void attention_forward(Tensor out, AttentionSaved saved, Tensor qkv, int num_heads) override {
+  void attention_forward(Tensor out, AttentionSaved saved, Tensor qkv, int num_heads,
+                         const Dropout& dropout) override {
     const int64_t B = qkv.dim(0), T = qkv.dim(1), C3 = qkv.dim(2), C = C3 / 3;
     const int64_t NH = num_heads, hs = C / NH;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
     const float* x = qkv.f32();
     float* att = saved.probs.f32();
     float* y = out.f32();
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t h = 0; h < NH; ++h) {
-        for (int64_t t = 0; t < T; ++t) {
-          const float* q = x + (b * T + t) * C3 + h * hs;
-          float* p = att + ((b * NH + h) * T + t) * T;
-          float maxv = -INFINITY;
-          for (int64_t t2 = 0; t2 <= t; ++t2) {
-            const float* k = x + (b * T + t2) * C3 + C + h * hs;
-            float s = 0.f;
-            for (int64_t i = 0; i < hs; ++i) s += q[i] * k[i];
-            s *= scale;
-            p[t2] = s;
-            maxv = std::max(maxv, s);
-          }
-          const float sum = exp_sum(p, p, t + 1, maxv);
-          const float inv = 1.0f / sum;
-          for (int64_t t2 = 0; t2 <= t; ++t2) p[t2] *= inv;
-          for (int64_t t2 = t + 1; t2 < T; ++t2) p[t2] = 0.f;
-          float* yt = y + (b * T + t) * C + h * hs;
-          for (int64_t i = 0; i < hs; ++i) yt[i] = 0.f;
-          for (int64_t t2 = 0; t2 <= t; ++t2) {
-            const float* v = x + (b * T + t2) * C3 + 2 * C + h * hs;
-            const float a = p[t2];
-            for (int64_t i = 0; i < hs; ++i) yt[i] += a * v[i];
+    const bool drop = dropout.active();
+#pragma omp parallel
+    {
+      std::vector<float> fac(drop ? static_cast<size_t>(T) : 0);
+#pragma omp for collapse(2) schedule(static)
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < NH; ++h) {
+          for (int64_t t = 0; t < T; ++t) {
+            if (drop)
+              dropout_factors(fac.data(), dropout,
+                              static_cast<uint64_t>(((b * NH + h) * T + t) * T), t + 1);
+            const float* q = x + (b * T + t) * C3 + h * hs;
+            float* p = att + ((b * NH + h) * T + t) * T;
+            float maxv = -INFINITY;
+            for (int64_t t2 = 0; t2 <= t; ++t2) {
+              const float* k = x + (b * T + t2) * C3 + C + h * hs;
+              float s = 0.f;
+              for (int64_t i = 0; i < hs; ++i) s += q[i] * k[i];
+              s *= scale;
+              p[t2] = s;
+              maxv = std::max(maxv, s);
+            }
+            const float sum = exp_sum(p, p, t + 1, maxv);
+            const float inv = 1.0f / sum;
+            for (int64_t t2 = 0; t2 <= t; ++t2) p[t2] *= inv;
+            for (int64_t t2 = t + 1; t2 < T; ++t2) p[t2] = 0.f;
+            float* yt = y + (b * T + t) * C + h * hs;
+            for (int64_t i = 0; i < hs; ++i) yt[i] = 0.f;
+            for (int64_t t2 = 0; t2 <= t; ++t2) {
+              const float* v = x + (b * T + t2) * C3 + 2 * C + h * hs;
+              const float a = drop ? p[t2] * fac[static_cast<size_t>(t2)] : p[t2];
+              for (int64_t i = 0; i < hs; ++i) yt[i] += a * v[i];
+            }
           }
         }
       }
@@ -390,7 +470,7 @@ class CpuBackend final : public Backend {
   }
 
   void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor /*out*/,
-                          AttentionSaved saved, int num_heads) override {
+                          AttentionSaved saved, int num_heads, const Dropout& dropout) override {
     const int64_t B = qkv.dim(0), T = qkv.dim(1), C3 = qkv.dim(2), C = C3 / 3;
     const int64_t NH = num_heads, hs = C / NH;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -402,6 +482,8 @@ class CpuBackend final : public Backend {
 #pragma omp parallel
     {
       std::vector<float> datt(static_cast<size_t>(T));
+      const bool drop = dropout.active();
+      std::vector<float> fac(drop ? static_cast<size_t>(T) : 0);
 #pragma omp for collapse(2) schedule(static)
       for (int64_t b = 0; b < B; ++b) {
         for (int64_t h = 0; h < NH; ++h) {
@@ -416,16 +498,22 @@ class CpuBackend final : public Backend {
           for (int64_t t = 0; t < T; ++t) {
             const float* p = att + ((b * NH + h) * T + t) * T;
             const float* dyt = dy + (b * T + t) * C + h * hs;
-            // datt = dy · v ; dv += p * dy
+            // datt = dy · v ; dv += p * dy (with dropout: pd = p∘f, datt = (dy · v)∘f)
+            if (drop)
+              dropout_factors(fac.data(), dropout,
+                              static_cast<uint64_t>(((b * NH + h) * T + t) * T), t + 1);
             float dot = 0.f;
             for (int64_t t2 = 0; t2 <= t; ++t2) {
               const float* v = x + (b * T + t2) * C3 + 2 * C + h * hs;
               float* dv = dx + (b * T + t2) * C3 + 2 * C + h * hs;
+              const float f = drop ? fac[static_cast<size_t>(t2)] : 1.0f;
+              const float pd = drop ? p[t2] * f : p[t2];
               float s = 0.f;
               for (int64_t i = 0; i < hs; ++i) {
                 s += dyt[i] * v[i];
-                dv[i] += p[t2] * dyt[i];
+                dv[i] += pd * dyt[i];
               }
+              if (drop) s *= f;
               datt[static_cast<size_t>(t2)] = s;
               dot += s * p[t2];
             }

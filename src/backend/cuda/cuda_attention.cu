@@ -195,10 +195,14 @@ constexpr int kWarpsPerBlock = kSoftmaxThreads / 32;
 /// t = t0 + r. Writes probs[bh, t, 0:t1]: the softmax for t2 ≤ t, zeros for t < t2 < t1 (read by
 /// the chunk's P·v GEMM and the backward's key-chunk GEMMs). Columns ≥ t1 are never read and are
 /// left as they are (only the causal part of saved.probs is specified).
-template <typename T>
+/// kDrop (attention dropout): also writes Pd = P ∘ M · keep_scale into the chunk buffer pd
+/// [BH, R, Tlen] (row w at pd + w·Tlen; zeros for t < t2 < t1), M the mask of element
+/// (bh·Tlen + t)·Tlen + t2 — the P·v GEMM then reads Pd, and probs keep P for the backward.
+template <typename T, bool kDrop>
 __global__ void __launch_bounds__(kSoftmaxThreads)
     causal_softmax_forward_kernel(T* probs, const float* S, int64_t rows, int64_t R, int64_t Tlen,
-                                  int64_t t0, int64_t t1, int64_t ldS) {
+                                  int64_t t0, int64_t t1, int64_t ldS, T* pd, Dropout drop,
+                                  uint32_t thresh, float keep_scale) {
   const int64_t w = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   if (w >= rows) return;
   const int lane = threadIdx.x % 32;
@@ -214,16 +218,49 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   const float inv = 1.0f / sum;
   for (int64_t j = lane; j <= t; j += 32) p[j] = from_float<T>(expf(s[j] - m) * inv);
   for (int64_t j = t + 1 + lane; j < t1; j += 32) p[j] = from_float<T>(0.f);
+  if constexpr (kDrop) {
+    T* q = pd + w * Tlen;
+    const auto row = static_cast<uint64_t>((bh * Tlen + t) * Tlen);
+    for (int64_t j = lane; j <= t; j += 32) {
+      const float x = expf(s[j] - m) * inv;
+      q[j] = from_float<T>(drop.keep(row + static_cast<uint64_t>(j), thresh) ? x * keep_scale
+                                                                              : 0.f);
+    }
+    for (int64_t j = t + 1 + lane; j < t1; j += 32) q[j] = from_float<T>(0.f);
+  }
+}
+
+/// Attention dropout's backward helper: pd [BH, Tlen, Tlen] = P ∘ M · keep_scale for t2 ≤ t and 0
+/// for t2 > t (the full rows the key-chunk dv GEMMs read), one warp per row of probs.
+template <typename T>
+__global__ void __launch_bounds__(kSoftmaxThreads)
+    dropped_probs_kernel(T* pd, const T* probs, int64_t rows, int64_t Tlen, Dropout drop,
+                         uint32_t thresh, float keep_scale) {
+  const int64_t w = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+  if (w >= rows) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t t = w % Tlen;
+  const T* p = probs + w * Tlen;
+  T* q = pd + w * Tlen;
+  const auto row = static_cast<uint64_t>(w * Tlen);
+  for (int64_t j = lane; j <= t; j += 32)
+    q[j] = from_float<T>(drop.keep(row + static_cast<uint64_t>(j), thresh)
+                             ? to_float(p[j]) * keep_scale
+                             : 0.f);
+  for (int64_t j = t + 1 + lane; j < Tlen; j += 32) q[j] = from_float<T>(0.f);
 }
 
 /// dS rows t = t0 + r of the full [BH, T, T] buffer (compute dtype) from the dP chunk
 /// [BH, R, ldS] fp32 and probs rows t: dS[t2] = scale · P[t2] · (dP[t2] − Σ_{t2'≤t} P[t2'] dP[t2'])
 /// for t2 ≤ t, and 0 for t < t2 < t1 (the diagonal block's upper part, which the key-chunk GEMMs
 /// read). dS may alias probs (each element is read by the thread that overwrites it).
-template <typename T>
+/// kDrop: dP holds ∂L/∂Pd (the dropped probabilities); dP[t2] becomes dPd[t2] · M · keep_scale
+/// (M regenerated as in the forward) before the softmax backward.
+template <typename T, bool kDrop>
 __global__ void __launch_bounds__(kSoftmaxThreads)
     causal_softmax_backward_kernel(T* dS, const float* dP, const T* probs, int64_t rows, int64_t R,
-                                   int64_t Tlen, int64_t t0, int64_t t1, int64_t ldS, float scale) {
+                                   int64_t Tlen, int64_t t0, int64_t t1, int64_t ldS, float scale,
+                                   Dropout drop, uint32_t thresh, float keep_scale) {
   const int64_t w = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   if (w >= rows) return;
   const int lane = threadIdx.x % 32;
@@ -231,10 +268,18 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   const T* p = probs + (bh * Tlen + t) * Tlen;
   const float* dp = dP + w * ldS;
   T* ds = dS + (bh * Tlen + t) * Tlen;
+  const auto row = static_cast<uint64_t>((bh * Tlen + t) * Tlen);
+  const auto grad = [&](int64_t j) {
+    if constexpr (kDrop)
+      return drop.keep(row + static_cast<uint64_t>(j), thresh) ? dp[j] * keep_scale : 0.f;
+    else
+      return dp[j];
+  };
   float d = 0.f;
-  for (int64_t j = lane; j <= t; j += 32) d += to_float(p[j]) * dp[j];
+  for (int64_t j = lane; j <= t; j += 32) d += to_float(p[j]) * grad(j);
   d = warp_sum(d);
-  for (int64_t j = lane; j <= t; j += 32) ds[j] = from_float<T>(to_float(p[j]) * (dp[j] - d) * scale);
+  for (int64_t j = lane; j <= t; j += 32)
+    ds[j] = from_float<T>(to_float(p[j]) * (grad(j) - d) * scale);
   for (int64_t j = t + 1 + lane; j < t1; j += 32) ds[j] = from_float<T>(0.f);
 }
 
@@ -342,7 +387,7 @@ void check_dtypes(DType dt, std::initializer_list<std::pair<const Tensor*, const
 // ---- forward --------------------------------------------------------------------------------------
 
 void attention_forward(const CudaContext& ctx, Tensor out, AttentionSaved saved, Tensor qkv,
-                       int num_heads) {
+                       int num_heads, const Dropout& dropout) {
   const AttnShape s = attn_shape(qkv, num_heads, "attention_forward");
   const DType dt = qkv.dtype;
   require(!saved.probs.empty(), "cuda attention_forward: this backend saves probabilities, none given");
@@ -356,13 +401,17 @@ void attention_forward(const CudaContext& ctx, Tensor out, AttentionSaved saved,
   const int64_t Tc = chunk_rows(T), T8 = round_up(T, 8);
   const size_t head_bytes = static_cast<size_t>(BH * T * hs) * es;
   const size_t s_bytes = static_cast<size_t>(BH * Tc * T8) * sizeof(float);
+  // Under dropout: the dropped probabilities of one query chunk, [BH, Tc, T].
+  const size_t pd_bytes = dropout.active() ? static_cast<size_t>(BH * Tc * T) * es : 0;
   Carver cv;
-  cv.base = static_cast<char*>(ctx.get_scratch(4 * Carver::padded(head_bytes) + Carver::padded(s_bytes)));
+  cv.base = static_cast<char*>(ctx.get_scratch(4 * Carver::padded(head_bytes) + Carver::padded(s_bytes) +
+                                               Carver::padded(pd_bytes)));
   void* q = cv.take(head_bytes);
   void* k = cv.take(head_bytes);
   void* v = cv.take(head_bytes);
   void* y = cv.take(head_bytes);
   float* S = static_cast<float*>(cv.take(s_bytes));
+  void* pd = dropout.active() ? cv.take(pd_bytes) : nullptr;
   const GemmEnv env = gemm_env(ctx, dt, BH);
 
   dispatch_float(dt, [&]<typename E>() {
@@ -392,11 +441,14 @@ void attention_forward(const CudaContext& ctx, Tensor out, AttentionSaved saved,
       gemm(env, g1);
       // P rows [t0, t1), columns [0, t1) (zeros above the diagonal)
       const int64_t rows = BH * R;
-      causal_softmax_forward_kernel<E>
-          <<<ceil_div(static_cast<size_t>(rows), kWarpsPerBlock), kSoftmaxThreads, 0, ctx.stream>>>(
-              P, S, rows, R, T, t0, t1, ldS);
-      ST_CUDA_LAUNCH_CHECK();
-      // y[t0:t1] = P[t0:t1, 0:t1] · v[0:t1]
+      dispatch_dropout(dropout, [&]<bool kDrop>() {
+        causal_softmax_forward_kernel<E, kDrop>
+            <<<ceil_div(static_cast<size_t>(rows), kWarpsPerBlock), kSoftmaxThreads, 0, ctx.stream>>>(
+                P, S, rows, R, T, t0, t1, ldS, static_cast<E*>(pd), dropout, dropout.threshold(),
+                dropout.scale());
+        ST_CUDA_LAUNCH_CHECK();
+      });
+      // y[t0:t1] = P[t0:t1, 0:t1] · v[0:t1]   (under dropout Pd, chunk rows of stride T)
       RowMajorGemm g2;
       g2.M = R;
       g2.N = hs;
@@ -404,6 +456,10 @@ void attention_forward(const CudaContext& ctx, Tensor out, AttentionSaved saved,
       g2.A = P + t0 * T;
       g2.lda = T;
       g2.sA = T * T;
+      if (dropout.active()) {
+        g2.A = pd;
+        g2.sA = R * T;
+      }
       g2.B = v;
       g2.ldb = hs;
       g2.sB = T * hs;
@@ -421,7 +477,7 @@ void attention_forward(const CudaContext& ctx, Tensor out, AttentionSaved saved,
 // ---- backward -------------------------------------------------------------------------------------
 
 void attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor qkv, Tensor /*out*/,
-                        AttentionSaved saved, int num_heads) {
+                        AttentionSaved saved, int num_heads, const Dropout& dropout) {
   const AttnShape s = attn_shape(qkv, num_heads, "attention_backward");
   const DType dt = qkv.dtype;
   require(!saved.probs.empty(), "cuda attention_backward: this backend needs saved probabilities");
@@ -460,6 +516,45 @@ void attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor
                       1, NH, ihs);
     const E* P = saved.probs.as<E>();
     E* dSe = static_cast<E*>(dS);
+    const bool drop = dropout.active();
+    // Key chunks [k0, k1) of dk (from dS) or dv (from P, or Pd under dropout): only query rows
+    // t ≥ k0 see these keys.
+    const auto key_chunks = [&](bool do_dk, bool do_dv, const E* probs_for_dv) {
+      for (int64_t k0 = 0; k0 < T; k0 += Tc) {
+        const int64_t k1 = std::min(T, k0 + Tc), Rk = k1 - k0, Kq = T - k0;
+        // dk[k0:k1] = dS[k0:T, k0:k1]ᵀ · q[k0:T]
+        RowMajorGemm g;
+        g.ta = true;
+        g.M = Rk;
+        g.N = hs;
+        g.K = Kq;
+        g.A = dSe + k0 * T + k0;
+        g.lda = T;
+        g.sA = T * T;
+        g.B = static_cast<const E*>(q) + k0 * hs;
+        g.ldb = hs;
+        g.sB = T * hs;
+        g.C = static_cast<E*>(dk) + k0 * hs;
+        g.ldc = hs;
+        g.sC = T * hs;
+        g.c_type = env.ab_type;
+        if (do_dk) gemm(env, g);
+        // dv[k0:k1] = P[k0:T, k0:k1]ᵀ · dy[k0:T]
+        g.A = probs_for_dv + k0 * T + k0;
+        g.B = static_cast<const E*>(dy) + k0 * hs;
+        g.C = static_cast<E*>(dv) + k0 * hs;
+        if (do_dv) gemm(env, g);
+      }
+    };
+    if (drop) {
+      // dv = Pdᵀ·dy first, with Pd materialized in the dS buffer (dS overwrites it below).
+      const int64_t rows = BH * T;
+      dropped_probs_kernel<E>
+          <<<ceil_div(static_cast<size_t>(rows), kWarpsPerBlock), kSoftmaxThreads, 0, ctx.stream>>>(
+              dSe, P, rows, T, dropout, dropout.threshold(), dropout.scale());
+      ST_CUDA_LAUNCH_CHECK();
+      key_chunks(false, true, dSe);
+    }
     // Query chunks [t0, t1): dP = dy·vᵀ (fp32), dS rows, dq = dS·k.
     for (int64_t t0 = 0; t0 < T; t0 += Tc) {
       const int64_t t1 = std::min(T, t0 + Tc), R = t1 - t0, ldS = round_up(t1, 8);
@@ -483,10 +578,13 @@ void attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor
       gemm(env, g);
       // dS[t0:t1, 0:t1] = scale · P ⊙ (dP − rowsum(P ⊙ dP)), causal
       const int64_t rows = BH * R;
-      causal_softmax_backward_kernel<E>
-          <<<ceil_div(static_cast<size_t>(rows), kWarpsPerBlock), kSoftmaxThreads, 0, ctx.stream>>>(
-              dSe, dP, P, rows, R, T, t0, t1, ldS, s.scale);
-      ST_CUDA_LAUNCH_CHECK();
+      dispatch_dropout(dropout, [&]<bool kDrop>() {
+        causal_softmax_backward_kernel<E, kDrop>
+            <<<ceil_div(static_cast<size_t>(rows), kWarpsPerBlock), kSoftmaxThreads, 0, ctx.stream>>>(
+                dSe, dP, P, rows, R, T, t0, t1, ldS, s.scale, dropout, dropout.threshold(),
+                dropout.scale());
+        ST_CUDA_LAUNCH_CHECK();
+      });
       // dq[t0:t1] = dS[t0:t1, 0:t1] · k[0:t1]
       g = RowMajorGemm{};
       g.M = R;
@@ -504,32 +602,7 @@ void attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor
       g.c_type = env.ab_type;
       gemm(env, g);
     }
-    // Key chunks [k0, k1): only query rows t ≥ k0 see these keys.
-    for (int64_t k0 = 0; k0 < T; k0 += Tc) {
-      const int64_t k1 = std::min(T, k0 + Tc), Rk = k1 - k0, Kq = T - k0;
-      // dk[k0:k1] = dS[k0:T, k0:k1]ᵀ · q[k0:T]
-      RowMajorGemm g;
-      g.ta = true;
-      g.M = Rk;
-      g.N = hs;
-      g.K = Kq;
-      g.A = dSe + k0 * T + k0;
-      g.lda = T;
-      g.sA = T * T;
-      g.B = static_cast<const E*>(q) + k0 * hs;
-      g.ldb = hs;
-      g.sB = T * hs;
-      g.C = static_cast<E*>(dk) + k0 * hs;
-      g.ldc = hs;
-      g.sC = T * hs;
-      g.c_type = env.ab_type;
-      gemm(env, g);
-      // dv[k0:k1] = P[k0:T, k0:k1]ᵀ · dy[k0:T]
-      g.A = P + k0 * T + k0;
-      g.B = static_cast<const E*>(dy) + k0 * hs;
-      g.C = static_cast<E*>(dv) + k0 * hs;
-      gemm(env, g);
-    }
+    key_chunks(true, !drop, P);
     merge_heads<E, E>(ctx, dqkv.as<E>(),
                       Ptrs3<const E>{{static_cast<const E*>(dq), static_cast<const E*>(dk),
                                       static_cast<const E*>(dv)}},

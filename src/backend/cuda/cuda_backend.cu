@@ -163,9 +163,11 @@ __global__ void convert_kernel(TD* dst, const TS* src, int64_t n) {
 /// embedding_forward: out[b,t,c] = wte[tok[b,t], c] + wpe[t, c].
 /// out [N=B·T, C], tok [N] int32, wte [V, C], wpe [maxT, C]; C % K == 0. A token outside [0, V)
 /// yields a NaN row (instead of reading out of bounds) so the bad input cannot go unnoticed.
-template <int K, typename T>
+/// kDrop: out = dropout(wte[tok] + wpe) with `drop` (element index row·C + c).
+template <int K, typename T, bool kDrop>
 __global__ void embedding_forward_kernel(T* out, const int32_t* tok, const T* wte, const T* wpe,
-                                         int64_t N, int64_t Tn, int64_t C, int64_t V) {
+                                         int64_t N, int64_t Tn, int64_t C, int64_t V, Dropout drop,
+                                         uint32_t thresh, float keep_scale) {
   const int64_t chunk = global_index();
   const int64_t per_row = C / K;
   if (chunk >= N * per_row) return;
@@ -182,6 +184,8 @@ __global__ void embedding_forward_kernel(T* out, const int32_t* tok, const T* wt
 #pragma unroll
     for (int k = 0; k < K; ++k) y[k] += p[k];
   }
+  if constexpr (kDrop)
+    dropout_chunk<K>(y, drop, thresh, keep_scale, static_cast<uint64_t>(row * C + c));
   store_chunk<K>(out + row * C + c, y, K);
 }
 
@@ -197,9 +201,11 @@ __global__ void iota_kernel(int32_t* v, int32_t n) {
 /// [256·y, 256·y + 256): only the first position of each run does work, summing the run's rows in
 /// order in fp32 — one writer per dwte element, a fixed order, hence deterministic.
 /// dwte [V, C], dout [N, C]. Tokens outside [0, V) are skipped (the forward made them NaN).
-template <typename T>
+/// kDrop: dout is read through the forward's dropout mask (element r·C + c), ·keep_scale.
+template <typename T, bool kDrop>
 __global__ void embedding_dwte_kernel(T* dwte, const T* dout, const int32_t* sorted_tok,
-                                      const int32_t* sorted_row, int32_t N, int64_t C, int64_t V) {
+                                      const int32_t* sorted_row, int32_t N, int64_t C, int64_t V,
+                                      Dropout drop, uint32_t thresh, float keep_scale) {
   const int32_t i = static_cast<int32_t>(blockIdx.x);
   const int32_t token = sorted_tok[i];
   if (i > 0 && sorted_tok[i - 1] == token) return;  // not the first of its run
@@ -207,20 +213,35 @@ __global__ void embedding_dwte_kernel(T* dwte, const T* dout, const int32_t* sor
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   float acc = 0.0f;
-  for (int32_t j = i; j < N && sorted_tok[j] == token; ++j)
-    acc += to_float(dout[static_cast<int64_t>(sorted_row[j]) * C + c]);
+  for (int32_t j = i; j < N && sorted_tok[j] == token; ++j) {
+    const int64_t e = static_cast<int64_t>(sorted_row[j]) * C + c;
+    if constexpr (kDrop) {
+      if (drop.keep(static_cast<uint64_t>(e), thresh)) acc += to_float(dout[e]) * keep_scale;
+    } else {
+      acc += to_float(dout[e]);
+    }
+  }
   T* dst = dwte + token * C + c;
   *dst = from_float<T>(to_float(*dst) + acc);
 }
 
 /// embedding_backward, position part: dwpe[t, c] += Σ_b dout[b, t, c], b in increasing order.
 /// dwpe [maxT, C] (rows t < Tn touched), dout [B, Tn, C].
-template <typename T>
-__global__ void embedding_dwpe_kernel(T* dwpe, const T* dout, int64_t B, int64_t Tn, int64_t C) {
+/// kDrop: dout is read through the forward's dropout mask (element b·Tn·C + i), ·keep_scale.
+template <typename T, bool kDrop>
+__global__ void embedding_dwpe_kernel(T* dwpe, const T* dout, int64_t B, int64_t Tn, int64_t C,
+                                      Dropout drop, uint32_t thresh, float keep_scale) {
   const int64_t i = global_index();  // t * C + c
   if (i >= Tn * C) return;
   float acc = 0.0f;
-  for (int64_t b = 0; b < B; ++b) acc += to_float(dout[b * Tn * C + i]);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t e = b * Tn * C + i;
+    if constexpr (kDrop) {
+      if (drop.keep(static_cast<uint64_t>(e), thresh)) acc += to_float(dout[e]) * keep_scale;
+    } else {
+      acc += to_float(dout[e]);
+    }
+  }
   dwpe[i] = from_float<T>(to_float(dwpe[i]) + acc);
 }
 
@@ -381,18 +402,34 @@ __global__ void gelu_backward_kernel(T* dinp, const T* inp, const T* dout, int64
   store_chunk<K>(dinp + base, x, cnt);
 }
 
-/// add: out = a + b, [n] in T; out may alias a or b.
-template <int K, typename T>
-__global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
+/// add: out = a + b, [n] in T; out may alias a or b. kDrop: out = a + dropout(b) (element i's
+/// mask from `drop`, see core/philox.h).
+template <int K, typename T, bool kDrop>
+__global__ void add_kernel(T* out, const T* a, const T* b, int64_t n, Dropout drop, uint32_t thresh,
+                           float keep_scale) {
   const int64_t base = global_index() * K;
   if (base >= n) return;
   const int cnt = chunk_count<K>(n, base);
   float x[K], y[K];
   load_chunk<K>(x, a + base, cnt);
   load_chunk<K>(y, b + base, cnt);
+  if constexpr (kDrop) dropout_chunk<K>(y, drop, thresh, keep_scale, static_cast<uint64_t>(base));
 #pragma unroll
   for (int k = 0; k < K; ++k) x[k] += y[k];
   store_chunk<K>(out + base, x, cnt);
+}
+
+/// dropout_backward: dst = src ∘ mask · keep_scale, [n] in T; dst may alias src.
+template <int K, typename T>
+__global__ void dropout_backward_kernel(T* dst, const T* src, int64_t n, Dropout drop,
+                                        uint32_t thresh, float keep_scale) {
+  const int64_t base = global_index() * K;
+  if (base >= n) return;
+  const int cnt = chunk_count<K>(n, base);
+  float x[K];
+  load_chunk<K>(x, src + base, cnt);
+  dropout_chunk<K>(x, drop, thresh, keep_scale, static_cast<uint64_t>(base));
+  store_chunk<K>(dst + base, x, cnt);
 }
 
 /// scale: x *= s, [n] in T.
@@ -981,7 +1018,8 @@ class CudaBackend final : public Backend {
   }
 
   // ---- embedding ---------------------------------------------------------------------------
-  void embedding_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) override {
+  void embedding_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe,
+                         const Dropout& dropout) override {
     const char* op = "embedding_forward";
     const int64_t B = out.dim(0), Tn = out.dim(1), C = out.dim(2), N = B * Tn, V = wte.dim(0);
     require_dtype(op, "tokens", tokens, DType::kI32);
@@ -993,14 +1031,19 @@ class CudaBackend final : public Backend {
     activate();
     dispatch_float(out.dtype, [&]<typename T>() {
       dispatch_vec(C % kVec == 0 && all_aligned(out.data, wte.data, wpe.data), [&]<int K>() {
-        embedding_forward_kernel<K, T><<<blocks_for(N * (C / K)), kBlock, 0, ctx_.stream>>>(
-            out.as<T>(), tokens.as<int32_t>(), wte.as<T>(), wpe.as<T>(), N, Tn, C, V);
-        ST_CUDA_LAUNCH_CHECK();
+        dispatch_dropout(dropout, [&]<bool kDrop>() {
+          embedding_forward_kernel<K, T, kDrop>
+              <<<blocks_for(N * (C / K)), kBlock, 0, ctx_.stream>>>(
+                  out.as<T>(), tokens.as<int32_t>(), wte.as<T>(), wpe.as<T>(), N, Tn, C, V, dropout,
+                  dropout.threshold(), dropout.scale());
+          ST_CUDA_LAUNCH_CHECK();
+        });
       });
     });
   }
 
-  void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) override {
+  void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,
+                          const Dropout& dropout) override {
     const char* op = "embedding_backward";
     const int64_t B = dout.dim(0), Tn = dout.dim(1), C = dout.dim(2), N = B * Tn, V = dwte.dim(0);
     require_dtype(op, "tokens", tokens, DType::kI32);
@@ -1036,12 +1079,16 @@ class CudaBackend final : public Backend {
                                                   ctx_.stream));
     dispatch_float(dout.dtype, [&]<typename T>() {
       const dim3 grid(static_cast<unsigned>(N), ceil_div(static_cast<size_t>(C), kBlock));
-      embedding_dwte_kernel<T><<<grid, kBlock, 0, ctx_.stream>>>(dwte.as<T>(), dout.as<T>(),
-                                                                 keys_out, rows_out, n, C, V);
-      ST_CUDA_LAUNCH_CHECK();
-      embedding_dwpe_kernel<T>
-          <<<blocks_for(Tn * C), kBlock, 0, ctx_.stream>>>(dwpe.as<T>(), dout.as<T>(), B, Tn, C);
-      ST_CUDA_LAUNCH_CHECK();
+      const uint32_t thresh = dropout.threshold();
+      const float keep_scale = dropout.scale();
+      dispatch_dropout(dropout, [&]<bool kDrop>() {
+        embedding_dwte_kernel<T, kDrop><<<grid, kBlock, 0, ctx_.stream>>>(
+            dwte.as<T>(), dout.as<T>(), keys_out, rows_out, n, C, V, dropout, thresh, keep_scale);
+        ST_CUDA_LAUNCH_CHECK();
+        embedding_dwpe_kernel<T, kDrop><<<blocks_for(Tn * C), kBlock, 0, ctx_.stream>>>(
+            dwpe.as<T>(), dout.as<T>(), B, Tn, C, dropout, thresh, keep_scale);
+        ST_CUDA_LAUNCH_CHECK();
+      });
     });
   }
 
@@ -1162,7 +1209,7 @@ class CudaBackend final : public Backend {
     });
   }
 
-  void add(Tensor out, Tensor a, Tensor b) override {
+  void add(Tensor out, Tensor a, Tensor b, const Dropout& dropout_b) override {
     require_float("add", "out", out);
     require_dtype("add", "a", a, out.dtype);
     require_dtype("add", "b", b, out.dtype);
@@ -1172,28 +1219,54 @@ class CudaBackend final : public Backend {
     activate();
     dispatch_float(out.dtype, [&]<typename T>() {
       dispatch_vec(all_aligned(out.data, a.data, b.data), [&]<int K>() {
-        add_kernel<K, T><<<blocks_for((n + K - 1) / K), kBlock, 0, ctx_.stream>>>(
-            out.as<T>(), a.as<T>(), b.as<T>(), n);
+        dispatch_dropout(dropout_b, [&]<bool kDrop>() {
+          add_kernel<K, T, kDrop><<<blocks_for((n + K - 1) / K), kBlock, 0, ctx_.stream>>>(
+              out.as<T>(), a.as<T>(), b.as<T>(), n, dropout_b, dropout_b.threshold(),
+              dropout_b.scale());
+          ST_CUDA_LAUNCH_CHECK();
+        });
+      });
+    });
+  }
+
+  void dropout_backward(Tensor dst, Tensor src, const Dropout& dropout) override {
+    require_float("dropout_backward", "src", src);
+    require_dtype("dropout_backward", "dst", dst, src.dtype);
+    ST_ASSERT(dst.numel() == src.numel());
+    const int64_t n = src.numel();
+    if (n == 0) return;
+    activate();
+    if (!dropout.active()) {
+      if (dst.data != src.data)
+        ST_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDeviceToDevice,
+                                      ctx_.stream));
+      return;
+    }
+    dispatch_float(src.dtype, [&]<typename T>() {
+      dispatch_vec(all_aligned(dst.data, src.data), [&]<int K>() {
+        dropout_backward_kernel<K, T><<<blocks_for((n + K - 1) / K), kBlock, 0, ctx_.stream>>>(
+            dst.as<T>(), src.as<T>(), n, dropout, dropout.threshold(), dropout.scale());
         ST_CUDA_LAUNCH_CHECK();
       });
     });
   }
 
   // ---- attention (cuda_attention.cu; cuda_flash_attention.cu when flash_) ------------------
-  void attention_forward(Tensor out, AttentionSaved saved, Tensor qkv, int num_heads) override {
+  void attention_forward(Tensor out, AttentionSaved saved, Tensor qkv, int num_heads,
+                         const Dropout& dropout) override {
     activate();
     if (flash_for(qkv.dim(2) / 3 / num_heads))
-      cuda::flash_attention_forward(ctx_, out, saved.lse, qkv, num_heads);
+      cuda::flash_attention_forward(ctx_, out, saved.lse, qkv, num_heads, dropout);
     else
-      cuda::attention_forward(ctx_, out, saved, qkv, num_heads);
+      cuda::attention_forward(ctx_, out, saved, qkv, num_heads, dropout);
   }
   void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, AttentionSaved saved,
-                          int num_heads) override {
+                          int num_heads, const Dropout& dropout) override {
     activate();
     if (flash_for(qkv.dim(2) / 3 / num_heads))
-      cuda::flash_attention_backward(ctx_, dqkv, dout, qkv, out, saved.lse, num_heads);
+      cuda::flash_attention_backward(ctx_, dqkv, dout, qkv, out, saved.lse, num_heads, dropout);
     else
-      cuda::attention_backward(ctx_, dqkv, dout, qkv, out, saved, num_heads);
+      cuda::attention_backward(ctx_, dqkv, dout, qkv, out, saved, num_heads, dropout);
   }
   bool attention_saves_probs(int head_size) const override { return !flash_for(head_size); }
   DType attention_probs_dtype() const override { return dtype_; }

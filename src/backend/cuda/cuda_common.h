@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "core/error.h"
+#include "core/philox.h"
 #include "core/tensor.h"
 
 namespace shardtrain::cuda {
@@ -115,5 +116,15 @@ void dispatch_float(DType dt, F&& f) {
 }
 
 inline unsigned ceil_div(size_t a, size_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+
+/// Calls f.template operator()<kDrop>() with kDrop = d.active(): kernels take dropout as a
+/// template flag, so the p = 0 instantiation is the kernel without dropout.
+template <typename F>
+void dispatch_dropout(const Dropout& d, F&& f) {
+  if (d.active())
+    f.template operator()<true>();
+  else
+    f.template operator()<false>();
+}
 
 }  // namespace shardtrain::cuda

@@ -22,6 +22,12 @@
 //   dQ = scale · dS k                                             (kernel 3: over query tiles)
 // Same formulas as backend/cpu/cpu_backend.cpp and cuda_attention.cu (dS = P ⊙ (dP − rowsum(P ⊙
 // dP)), with rowsum(P ⊙ dP) = rowsum(dO ⊙ O)).
+// Attention dropout (kDrop instantiations; p = 0 launches the kernels without it): with f =
+// M/(1−p), M the Philox mask of element ((b·NH+h)·T+i)·T+j (core/philox.h, the CPU reference's),
+// the forward multiplies P̃ by f after the row sums (O = (P∘f) v, lse unchanged); the backward
+// regenerates f: dV = (P∘f)ᵀ dO, dS = P ⊙ (dP∘f − D) with dP = dO vᵀ and D = rowsum(dO ⊙ O)
+// (still Σ_j P∘f∘dP). Forward and dQ draw one Philox call per two adjacent keys, dK/dV one per
+// element (its adjacent elements are adjacent queries).
 //
 // ---- layouts and dtypes -----------------------------------------------------------------------
 //   qkv  [B, T, 3C] = [B, T, 3, NH, hs] (q | k | v), bf16 or fp16, read in place: a tile of a head
@@ -191,6 +197,9 @@ struct FwdParams {
   float* lse;
   int T, NH, BH, n_tiles;
   float scale_log2;  // scale · log2(e)
+  Dropout drop;      // attention dropout (used by the kDrop instantiation only)
+  uint32_t drop_thresh;
+  float drop_scale;
 };
 
 struct BwdParams {
@@ -201,7 +210,28 @@ struct BwdParams {
   void* dqkv;
   int T, NH, BH, n_tiles;
   float scale, scale_log2;
+  Dropout drop;  // attention dropout (used by the kDrop instantiations only)
+  uint32_t drop_thresh;
+  float drop_scale;
 };
+
+/// Dropout multipliers (0 or keep_scale) of elements idx and idx + 1 of P — two adjacent keys of
+/// one query row, idx = (bh·T + query)·T + key — from one Philox call unless idx is the last of
+/// its group of four (see Dropout in core/philox.h: the mask is that of the CPU reference).
+__device__ __forceinline__ void dropout_pair(float& f0, float& f1, const Dropout& d,
+                                             uint32_t thresh, float keep_scale, uint64_t idx) {
+  const Philox4x32 r = d.bits4(idx);
+  const uint32_t u0 = philox_lane(r, idx);
+  const uint32_t u1 = (idx & 3) == 3 ? d.bits4(idx + 1).v[0] : philox_lane(r, idx + 1);
+  f0 = u0 >= thresh ? keep_scale : 0.f;
+  f1 = u1 >= thresh ? keep_scale : 0.f;
+}
+
+/// The dropout multiplier of element idx of P.
+__device__ __forceinline__ float dropout_one(const Dropout& d, uint32_t thresh, float keep_scale,
+                                             uint64_t idx) {
+  return d.keep(idx, thresh) ? keep_scale : 0.f;
+}
 
 /// Copies rows [0, kRows) of a slab of rows of D elements (row stride `ld` elements) into shared
 /// memory (row stride kLd<D>), 16 bytes per cp.async by all threads; rows ≥ `valid` are zero-filled
@@ -311,7 +341,9 @@ constexpr size_t fwd_smem_bytes() {
   return static_cast<size_t>(5 * kTile * kLd<D>) * sizeof(T);  // q, 2 × k, 2 × v
 }
 
-template <typename T, int D>
+/// kDrop: attention dropout on P before ·V (the row sums l and lse stay those of the undropped
+/// softmax, so O = (P ∘ M / (1 − p)) v).
+template <typename T, int D, bool kDrop>
 __global__ void __launch_bounds__(kThreads, kFwdMinBlocks<D>)
     flash_forward_kernel(const FwdParams p) {
   constexpr int kBr = kTile, kBc = kTile;
@@ -411,6 +443,19 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks<D>)
       l[0] += s[nt][0] + s[nt][1];
       l[1] += s[nt][2] + s[nt][3];
     }
+    if constexpr (kDrop) {  // P ∘ M / (1 − p), after the row sums
+#pragma unroll
+      for (int nt = 0; nt < kNS; ++nt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int qi = i == 0 ? qi0 : qi1, kj = k0 + nt * 8 + 2 * t4;
+          float f0, f1;
+          dropout_pair(f0, f1, p.drop, p.drop_thresh, p.drop_scale,
+                       (static_cast<uint64_t>(bh) * Tn + qi) * Tn + kj);
+          s[nt][2 * i] *= f0;
+          s[nt][2 * i + 1] *= f1;
+        }
+    }
 
     // O += P v.
     gemm_pv<T, D, kNS>(o, s, cV, lane);
@@ -473,7 +518,9 @@ constexpr size_t dkdv_smem_bytes() {
          4 * kStream<D> * sizeof(float);
 }
 
-template <typename T, int D>
+/// kDrop: with the forward's mask M (f = M / (1 − p)), dV += (P∘f)ᵀ dO and
+/// dSᵀ = Pᵀ ⊙ (dPᵀ∘f − D), dPᵀ = v dOᵀ being the gradient of the dropped probabilities.
+template <typename T, int D, bool kDrop>
 __global__ void __launch_bounds__(kThreads, kDkdvMinBlocks)
     flash_backward_dkdv_kernel(const BwdParams p) {
   constexpr int kBc = kTile;           // keys of this CTA
@@ -584,8 +631,17 @@ __global__ void __launch_bounds__(kThreads, kDkdvMinBlocks)
         const int qc = nt * 8 + 2 * t4 + (e & 1), qi = q0 + qc;
         float pv = exp2f(fmaf(st[nt][e], p.scale_log2, -cL[qc] * kLog2e));
         if (need_mask && ((e < 2 ? kj0 : kj1) > qi || qi >= Tn)) pv = 0.f;
-        st[nt][e] = pv;
-        dpt[nt][e] = pv * (dpt[nt][e] - cD[qc]);
+        if constexpr (kDrop) {
+          // Element (query qi, key kj) of P: adjacent e are adjacent queries, T apart.
+          const float f = dropout_one(p.drop, p.drop_thresh, p.drop_scale,
+                                      (static_cast<uint64_t>(bh) * Tn + qi) * Tn +
+                                          static_cast<uint64_t>(e < 2 ? kj0 : kj1));
+          st[nt][e] = pv * f;
+          dpt[nt][e] = pv * (dpt[nt][e] * f - cD[qc]);
+        } else {
+          st[nt][e] = pv;
+          dpt[nt][e] = pv * (dpt[nt][e] - cD[qc]);
+        }
       }
 
     // dV += Pᵀ dO, dK += dSᵀ q (queries are the reduction dimension).
@@ -609,7 +665,8 @@ constexpr size_t dq_smem_bytes() {
   return static_cast<size_t>(2 * kTile * kLd<D> + 4 * kStream<D> * kLd<D>) * sizeof(T);
 }
 
-template <typename T, int D>
+/// kDrop: dS = P ⊙ (dP∘f − D) with the forward's mask (f = M / (1 − p)).
+template <typename T, int D, bool kDrop>
 __global__ void __launch_bounds__(kThreads, kDqMinBlocks<D>)
     flash_backward_dq_kernel(const BwdParams p) {
   constexpr int kBr = kTile;       // queries of this CTA
@@ -686,15 +743,34 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<D>)
 
     // P = exp(S·scale − lse) (0 where key > query), dS = P ⊙ (dP − D).
     const bool need_mask = k0 + kBc - 1 > q0;
+    if constexpr (kDrop) {
 #pragma unroll
-    for (int nt = 0; nt < kNS; ++nt)
+      for (int nt = 0; nt < kNS; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e >> 1;
-        float pv = exp2f(fmaf(s[nt][e], p.scale_log2, -lse2[i]));
-        if (need_mask && k0 + nt * 8 + 2 * t4 + (e & 1) > (i == 0 ? qi0 : qi1)) pv = 0.f;
-        s[nt][e] = pv * (dp[nt][e] - drow[i]);
-      }
+        for (int i = 0; i < 2; ++i) {
+          float f[2];
+          dropout_pair(
+              f[0], f[1], p.drop, p.drop_thresh, p.drop_scale,
+              (static_cast<uint64_t>(bh) * Tn + (i == 0 ? qi0 : qi1)) * Tn + k0 + nt * 8 + 2 * t4);
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int e = 2 * i + c;
+            float pv = exp2f(fmaf(s[nt][e], p.scale_log2, -lse2[i]));
+            if (need_mask && k0 + nt * 8 + 2 * t4 + c > (i == 0 ? qi0 : qi1)) pv = 0.f;
+            s[nt][e] = pv * (dp[nt][e] * f[c] - drow[i]);
+          }
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kNS; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e >> 1;
+          float pv = exp2f(fmaf(s[nt][e], p.scale_log2, -lse2[i]));
+          if (need_mask && k0 + nt * 8 + 2 * t4 + (e & 1) > (i == 0 ? qi0 : qi1)) pv = 0.f;
+          s[nt][e] = pv * (dp[nt][e] - drow[i]);
+        }
+    }
 
     // dQ += dS k.
     gemm_pv<T, D, kNS>(dq, s, cK, lane);
@@ -800,7 +876,7 @@ bool flash_attention_supported(DType dt, int head_size) {
 }
 
 void flash_attention_forward(const CudaContext& ctx, Tensor out, Tensor lse, Tensor qkv,
-                             int num_heads) {
+                             int num_heads, const Dropout& dropout) {
   const char* op = "flash_attention_forward";
   const FlashShape s = flash_shape(qkv, num_heads, op);
   require(!lse.empty(), "cuda ", op, ": needs a saved lse buffer [B, NH, T] (fp32)");
@@ -818,14 +894,19 @@ void flash_attention_forward(const CudaContext& ctx, Tensor out, Tensor lse, Ten
   prm.BH = static_cast<int>(s.BH);
   prm.n_tiles = static_cast<int>((s.T + kTile - 1) / kTile);
   prm.scale_log2 = s.scale * kLog2e;
+  prm.drop = dropout;
+  prm.drop_thresh = dropout.threshold();
+  prm.drop_scale = dropout.scale();
   const int64_t grid = prm.n_tiles * s.BH;
   dispatch_flash(qkv.dtype, s.hs, [&]<typename E, int D>() {
-    launch(flash_forward_kernel<E, D>, grid, fwd_smem_bytes<E, D>(), ctx.stream, prm);
+    dispatch_dropout(dropout, [&]<bool kDrop>() {
+      launch(flash_forward_kernel<E, D, kDrop>, grid, fwd_smem_bytes<E, D>(), ctx.stream, prm);
+    });
   });
 }
 
 void flash_attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor qkv,
-                              Tensor out, Tensor lse, int num_heads) {
+                              Tensor out, Tensor lse, int num_heads, const Dropout& dropout) {
   const char* op = "flash_attention_backward";
   const FlashShape s = flash_shape(qkv, num_heads, op);
   require(!lse.empty(), "cuda ", op, ": needs the lse [B, NH, T] saved by the forward");
@@ -853,6 +934,9 @@ void flash_attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, 
   prm.n_tiles = static_cast<int>((s.T + kTile - 1) / kTile);
   prm.scale = s.scale;
   prm.scale_log2 = s.scale * kLog2e;
+  prm.drop = dropout;
+  prm.drop_thresh = dropout.threshold();
+  prm.drop_scale = dropout.scale();
   const int64_t grid = prm.n_tiles * s.BH;
   const int64_t rows = s.B * s.T * s.NH;
   dispatch_flash(qkv.dtype, s.hs, [&]<typename E, int D>() {
@@ -861,8 +945,11 @@ void flash_attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, 
         <<<ceil_div(static_cast<size_t>(dot_threads), kDotThreads), kDotThreads, 0, ctx.stream>>>(
             dout.as<E>(), out.as<E>(), dvec, rows, prm.T, prm.NH);
     ST_CUDA_LAUNCH_CHECK();
-    launch(flash_backward_dkdv_kernel<E, D>, grid, dkdv_smem_bytes<E, D>(), ctx.stream, prm);
-    launch(flash_backward_dq_kernel<E, D>, grid, dq_smem_bytes<E, D>(), ctx.stream, prm);
+    dispatch_dropout(dropout, [&]<bool kDrop>() {
+      launch(flash_backward_dkdv_kernel<E, D, kDrop>, grid, dkdv_smem_bytes<E, D>(), ctx.stream,
+             prm);
+      launch(flash_backward_dq_kernel<E, D, kDrop>, grid, dq_smem_bytes<E, D>(), ctx.stream, prm);
+    });
   });
 }
 

@@ -20,11 +20,13 @@ void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor
 
 /// saved.probs [B,NH,T,T] in the compute dtype (this implementation materializes the causal
 /// softmax probabilities; a flash-attention kernel would save saved.lse instead).
+/// An active `dropout` drops the probabilities before ·V (saved.probs stay undropped; backward
+/// regenerates the mask).
 void attention_forward(const CudaContext& ctx, Tensor out, AttentionSaved saved, Tensor qkv,
-                       int num_heads);
+                       int num_heads, const Dropout& dropout);
 
 void attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
-                        AttentionSaved saved, int num_heads);
+                        AttentionSaved saved, int num_heads, const Dropout& dropout);
 
 /// Whether the fused kernels handle tensors of dtype `dt` with heads of `head_size` elements
 /// (bf16/fp16; head size 32, 64 or 128). fp32 tensors use attention_forward/backward above.
@@ -32,12 +34,13 @@ bool flash_attention_supported(DType dt, int head_size);
 
 /// Fused causal attention forward: out [B,T,C] from qkv [B,T,3C]; saves lse [B,NH,T] (fp32,
 /// natural log of each row's softmax denominator). Throws for unsupported dtypes/head sizes.
+/// An active `dropout` masks P inside the kernel (lse stays that of the undropped softmax).
 void flash_attention_forward(const CudaContext& ctx, Tensor out, Tensor lse, Tensor qkv,
-                             int num_heads);
+                             int num_heads, const Dropout& dropout);
 
 /// Fused causal attention backward: dqkv [B,T,3C] (OVERWRITTEN) from dout [B,T,C], the forward's
 /// qkv, out and lse; dqkv must not overlap qkv, dout or out. Deterministic (no atomics).
 void flash_attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor qkv,
-                              Tensor out, Tensor lse, int num_heads);
+                              Tensor out, Tensor lse, int num_heads, const Dropout& dropout);
 
 }  // namespace shardtrain::cuda

@@ -71,7 +71,7 @@ int PipelineExecutor::slot_for(int m, int c) {
   }
   live_[{m, c}].slot = s;
   peak_slots_ = std::max(peak_slots_, static_cast<int>(live_.size()));
-  model_.prepare(s, nullptr, nullptr, B_, T_, grad_scale_);
+  model_.prepare(s, nullptr, nullptr, B_, T_, grad_scale_, true, dropout_seed(m));
   return s;
 }
 
@@ -245,7 +245,7 @@ double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches,
                              "every micro-batch of a step must have the same shape",
                              m, mb.batch, mb.seq_len, B_, T_);
           model_.prepare(s, embed ? mb.tokens : nullptr, head ? mb.targets : nullptr, B_, T_,
-                         grad_scale_);
+                         grad_scale_, true, dropout_seed(m));
         }
         model_.forward_layers(s, ch.first, ch.last);
         if (head) loss += model_.slot_loss(s);

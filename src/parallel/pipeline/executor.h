@@ -59,6 +59,14 @@ class PipelineExecutor : public LayerHooks {
   /// mean losses on the last stage (0 elsewhere). Collective over `pipe`. With `trace`, records
   /// each action's start and end (synchronizing the device after each).
   double run(int micro_batches, const MicroBatchSource& batches, double loss_scale, bool trace);
+  /// The next run()'s dropout: micro-batch m draws its masks from
+  /// micro_batch_dropout_seed(run_seed, replica, step, m) (model/gpt2.h) in its forward, its
+  /// recompute and its backward, whatever the order the schedule runs them in.
+  void set_dropout_step(uint64_t run_seed, int replica, int64_t step) {
+    dropout_run_seed_ = run_seed;
+    dropout_replica_ = replica;
+    dropout_step_ = step;
+  }
   /// The actions of the last traced run, times in seconds from its start.
   const std::vector<MeasuredAction>& trace() const { return trace_; }
   const ChunkLayers& chunk(int c) const { return chunks_[static_cast<size_t>(c)]; }
@@ -109,6 +117,9 @@ class PipelineExecutor : public LayerHooks {
   int virtual_stage(int c) const { return c * P_ + rank_; }
   int rank_of(int v) const { return v % P_; }
   int chunk_of(int v) const { return v / P_; }
+  uint64_t dropout_seed(int m) const {
+    return micro_batch_dropout_seed(dropout_run_seed_, dropout_replica_, dropout_step_, m);
+  }
 
   GPT2Model& model_;
   LayerHooks& inner_hooks_;
@@ -118,6 +129,9 @@ class PipelineExecutor : public LayerHooks {
   Communicator& grad_comm_;
   PipelineSchedule schedule_;
   int P_, V_, rank_;
+  uint64_t dropout_run_seed_ = 0;
+  int dropout_replica_ = 0;
+  int64_t dropout_step_ = 0;
   std::vector<ChunkLayers> chunks_;
   /// CPU (MPI): keep the next receive from each neighbour posted, so that a large (rendezvous)
   /// transfer proceeds while this rank computes. GPU: post receives when needed — NCCL runs a

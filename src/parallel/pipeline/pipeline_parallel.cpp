@@ -228,6 +228,9 @@ StepResult PipelineParallel::run_step(int64_t step_index, double lr,
   r.loss_scale = scaler.scale();
   if (two_bw && have_prev_) swap_in_previous_weights();
   zero_grad();
+  // Dropout seeds from (run seed, replica, step, micro-batch): the masks data parallelism over
+  // D ranks draws for the same micro-batches.
+  executor_->set_dropout_step(options.dropout_seed, replica_, step_index);
   const double loss =
       executor_->run(static_cast<int>(M), batches, r.loss_scale, !opt_.trace_dir.empty());
   traced_step_ = step_index;
