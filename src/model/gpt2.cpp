@@ -77,6 +77,10 @@ void GPT2Model::bind(const Tensor& params, const Tensor& grads) {
   }
 }
 
+double GPT2Model::train_flops_per_sample(int64_t seq_len) const {
+  return config_.flops_per_token(seq_len) * static_cast<double>(seq_len);
+}
+
 void GPT2Model::init_parameters(float* host, uint64_t seed) const {
   init_layout_parameters(layout_, host, seed);
 }
