@@ -39,6 +39,9 @@ struct ModelInput {
   const int32_t* tokens = nullptr;
   const float* images = nullptr;
   const int32_t* targets = nullptr;
+  /// The micro-batch's dropout seed (micro_batch_dropout_seed in model/gpt2.h): image models draw
+  /// their dropout and stochastic-depth masks from it, the same in forward and backward.
+  uint64_t dropout_seed = 0;
 };
 
 class Model {
