@@ -1,6 +1,7 @@
 // ImageModel: an image classifier as a Model (model/model.h) — a list of top-level modules
 // (torchvision's "features.0", ..., "classifier"), each one layer of the flat parameter layout,
-// ending in class logits [N, K] and a label-smoothed softmax cross-entropy.
+// ending in class logits [N, K] and a label-smoothed softmax cross-entropy. An ensemble runs
+// several such lists (its members) on the same images and averages their logits.
 #pragma once
 
 #include <memory>
