@@ -32,14 +32,29 @@ struct Fixture {
   int64_t channels, height, width;
 };
 
+/// The fixture's file (and test) name: the model name with ':' and ',' as '_' (the script's
+/// file_name).
+std::string file_name(std::string model) {
+  for (char& c : model)
+    if (c == ':' || c == ',') c = '_';
+  return model;
+}
+
 class ImageModelParity : public ::testing::TestWithParam<Fixture> {};
 
 TEST_P(ImageModelParity, MatchesPyTorch) {
   const Fixture fx = GetParam();
-  const SafetensorsFile file(std::string(SHARDTRAIN_TEST_FIXTURES) + "/image_models/" + fx.model +
-                             ".safetensors");
+  const SafetensorsFile file(std::string(SHARDTRAIN_TEST_FIXTURES) + "/image_models/" +
+                             file_name(fx.model) + ".safetensors");
   auto be = make_cpu_backend();
-  auto model = make_image_model({fx.model, fx.channels, fx.height, fx.width, 10}, *be);
+  // Dropout and stochastic depth off, as in the fixture script.
+  auto model = make_image_model({.name = fx.model,
+                                 .channels = fx.channels,
+                                 .height = fx.height,
+                                 .width = fx.width,
+                                 .num_classes = 10,
+                                 .dropout = false},
+                                *be);
   const ParamLayout& layout = model->layout();
 
   // Same parameters, same names, same order as PyTorch's named_parameters().
@@ -117,10 +132,12 @@ TEST_P(ImageModelParity, MatchesPyTorch) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, ImageModelParity,
-                         ::testing::Values(Fixture{"cnn", 1, 28, 28},
-                                           Fixture{"mobilenet_v2", 3, 64, 64}),
-                         [](const ::testing::TestParamInfo<Fixture>& p) { return p.param.model; });
+INSTANTIATE_TEST_SUITE_P(
+    Models, ImageModelParity,
+    ::testing::Values(Fixture{"cnn", 1, 28, 28}, Fixture{"mobilenet_v2", 3, 64, 64},
+                      Fixture{"efficientnet_b0", 3, 64, 64}, Fixture{"vgg11_bn", 3, 32, 32},
+                      Fixture{"cnn_lstm", 1, 28, 28}, Fixture{"ensemble:cnn,cnn_lstm", 1, 28, 28}),
+    [](const ::testing::TestParamInfo<Fixture>& p) { return file_name(p.param.model); });
 
 TEST(ImageModels, ClearErrors) {
   auto be = make_cpu_backend();
@@ -136,6 +153,28 @@ TEST(ImageModels, MacsAndParameters) {
   // (Sandler et al., table 4).
   EXPECT_EQ(m->layout().num_parameters(), 3504872);
   EXPECT_NEAR(static_cast<double>(m->macs_per_image()), 300e6, 15e6);
+}
+
+TEST(ImageModels, ParameterCounts) {
+  auto be = make_cpu_backend();
+  // torchvision's efficientnet_b0, vgg11_bn and vgg16_bn at 1000 classes.
+  const std::pair<const char*, int64_t> expected[] = {
+      {"efficientnet_b0", 5288548}, {"vgg11_bn", 132868840}, {"vgg16_bn", 138365992}};
+  for (const auto& [name, count] : expected) {
+    auto m = make_image_model({name, 3, 224, 224, 1000}, *be);
+    EXPECT_EQ(m->layout().num_parameters(), count) << name;
+  }
+  // EfficientNet-B0: about 0.39 G multiply-adds at 224×224 (Tan & Le, table 2).
+  auto e = make_image_model({"efficientnet_b0", 3, 224, 224, 1000}, *be);
+  EXPECT_NEAR(static_cast<double>(e->macs_per_image()), 0.39e9, 0.03e9);
+  // An ensemble's parameters are its members', prefixed.
+  auto ens = make_image_model({"ensemble:cnn,cnn_lstm", 1, 28, 28, 10}, *be);
+  auto cnn = make_image_model({"cnn", 1, 28, 28, 10}, *be);
+  auto lstm = make_image_model({"cnn_lstm", 1, 28, 28, 10}, *be);
+  EXPECT_EQ(ens->layout().num_parameters(),
+            cnn->layout().num_parameters() + lstm->layout().num_parameters());
+  EXPECT_EQ(ens->num_layers(), cnn->num_layers() + lstm->num_layers());
+  EXPECT_NE(ens->layout().find("members.1.lstm.weight_ih_l0"), nullptr);
 }
 
 }  // namespace

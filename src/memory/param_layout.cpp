@@ -98,6 +98,12 @@ void init_layout_parameters(const ParamLayout& layout, float* host, uint64_t see
   for (size_t k = 0; k < tensors.size(); ++k) {
     const ParamTensor& t = *tensors[k];
     float* p = host + t.offset;
+    if (t.init_uniform > 0.0f) {
+      SplitMix64 rng{seed ^ fnv1a64(t.name)};
+      for (int64_t i = 0; i < t.numel; ++i)
+        p[i] = static_cast<float>(t.init_uniform * (2.0 * rng.uniform() - 1.0));
+      continue;
+    }
     if (t.init_std == 0.0f) {
       for (int64_t i = 0; i < t.numel; ++i) p[i] = t.init_value;
       continue;

@@ -39,8 +39,9 @@ struct ModelInput {
   const int32_t* tokens = nullptr;
   const float* images = nullptr;
   const int32_t* targets = nullptr;
-  /// The micro-batch's dropout seed (micro_batch_dropout_seed): training draws its masks from it,
-  /// identically in the micro-batch's forward, recompute and backward.
+  /// The micro-batch's dropout seed (micro_batch_dropout_seed in model/gpt2.h): training draws
+  /// its masks (dropout, stochastic depth) from it, identically in the micro-batch's forward,
+  /// recompute and backward.
   uint64_t dropout_seed = 0;
 };
 

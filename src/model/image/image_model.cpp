@@ -35,14 +35,32 @@ void grow(Backend& be, FlatBuffer& buf, DType dt, int64_t numel) {
 
 }  // namespace
 
+namespace {
+std::vector<std::vector<ModulePtr>> one_member(std::vector<ModulePtr> layers) {
+  std::vector<std::vector<ModulePtr>> m;
+  m.push_back(std::move(layers));
+  return m;
+}
+}  // namespace
+
 ImageModel::ImageModel(ImageModelSpec spec, std::vector<ModulePtr> layers, Backend& backend)
-    : spec_(std::move(spec)), layers_(std::move(layers)), backend_(backend), ops_(ops_of(backend)) {
-  check<ConfigError>(!layers_.empty(), "image model {} has no layers", spec_.name);
-  ImageShape s{1, spec_.channels, spec_.height, spec_.width};
-  for (const auto& l : layers_) s = l->output_shape(s);
-  check<ConfigError>(s.C == spec_.num_classes && s.H == 1 && s.W == 1,
-                     "image model {} outputs [{}, {}, {}] per image, not {} class logits",
-                     spec_.name, s.C, s.H, s.W, spec_.num_classes);
+    : ImageModel(std::move(spec), one_member(std::move(layers)), backend) {}
+
+ImageModel::ImageModel(ImageModelSpec spec, std::vector<std::vector<ModulePtr>> members,
+                       Backend& backend)
+    : spec_(std::move(spec)), backend_(backend), ops_(ops_of(backend)) {
+  check<ConfigError>(!members.empty(), "image model {} has no layers", spec_.name);
+  for (auto& member : members) {
+    check<ConfigError>(!member.empty(), "image model {} has a member without layers", spec_.name);
+    member_begin_.push_back(layers_.size());
+    ImageShape s{1, spec_.channels, spec_.height, spec_.width};
+    for (const auto& l : member) s = l->output_shape(s);
+    check<ConfigError>(s.C == spec_.num_classes && s.H == 1 && s.W == 1,
+                       "image model {} outputs [{}, {}, {}] per image, not {} class logits",
+                       spec_.name, s.C, s.H, s.W, spec_.num_classes);
+    for (auto& l : member) layers_.push_back(std::move(l));
+  }
+  member_begin_.push_back(layers_.size());
   for (const auto& l : layers_) {
     std::vector<ParamTensor> tensors;
     l->param_specs(tensors);
@@ -106,8 +124,8 @@ void ImageModel::set_sync_batchnorm(std::function<void(Tensor)> sum, int64_t ran
   sync_ranks_ = ranks;
 }
 
-ModuleContext ImageModel::context(bool training, bool for_backward) {
-  ModuleContext ctx{backend_, ops_, training, for_backward, {}, 1};
+ModuleContext ImageModel::context(bool training, bool for_backward, uint64_t dropout_seed) {
+  ModuleContext ctx{backend_, ops_, training, for_backward, {}, 1, dropout_seed};
   if (training && sync_sum_) {
     ctx.sync_sums = sync_sum_;
     ctx.sync_ranks = sync_ranks_;
@@ -130,22 +148,40 @@ Tensor ImageModel::run_forward(ModuleContext& ctx, const float* images, int64_t 
                                {batch, spec_.channels, spec_.height, spec_.width}));
   }
   inputs_.resize(layers_.size());
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    if (hooks_) hooks_->before_forward(static_cast<int>(i));
-    inputs_[i] = x;
-    x = layers_[i]->forward(ctx, x);
-    if (hooks_) {
-      hooks_->after_forward(static_cast<int>(i));
-      hooks_->between_layers();
-    }
+  const size_t members = member_begin_.size() - 1;
+  Tensor sum;
+  if (members > 1) {
+    grow(backend_, logit_sum_, dt, batch * spec_.num_classes);
+    sum = Tensor(logit_sum_.data(), dt, backend_.kind(), {batch, spec_.num_classes});
   }
-  return Tensor(x.data, x.dtype, x.device, {batch, spec_.num_classes});
+  const Tensor image = x;
+  for (size_t m = 0; m < members; ++m) {
+    x = image;
+    for (size_t i = member_begin_[m]; i < member_begin_[m + 1]; ++i) {
+      if (hooks_) hooks_->before_forward(static_cast<int>(i));
+      inputs_[i] = x;
+      x = layers_[i]->forward(ctx, x);
+      if (hooks_) {
+        hooks_->after_forward(static_cast<int>(i));
+        hooks_->between_layers();
+      }
+    }
+    if (members == 1) return Tensor(x.data, x.dtype, x.device, {batch, spec_.num_classes});
+    const Tensor logits(x.data, x.dtype, x.device, {batch, spec_.num_classes});
+    if (m == 0)
+      backend_.copy(sum.data, logits.data, logits.bytes());
+    else
+      backend_.add(sum, sum, logits);
+  }
+  backend_.scale(sum, 1.0f / static_cast<float>(members));
+  return sum;
 }
 
 double ImageModel::forward(const ModelInput& input, float grad_scale, bool for_backward) {
   check<ConfigError>(input.images && input.targets && input.batch > 0,
                      "{} takes images and class targets", spec_.name);
-  ModuleContext ctx = context(for_backward, for_backward);
+  dropout_seed_ = input.dropout_seed;
+  ModuleContext ctx = context(for_backward, for_backward, dropout_seed_);
   batch_ = input.batch;
   logits_ = run_forward(ctx, input.images, input.batch);
   grow(backend_, targets_, DType::kI32, batch_);
@@ -161,16 +197,30 @@ double ImageModel::forward(const ModelInput& input, float grad_scale, bool for_b
 }
 
 void ImageModel::backward() {
-  ModuleContext ctx = context(true, true);
+  ModuleContext ctx = context(true, true, dropout_seed_);
+  const size_t members = member_begin_.size() - 1;
+  const auto is_first = [&](size_t k) {
+    return std::find(member_begin_.begin(), member_begin_.end(), k) != member_begin_.end();
+  };
   int64_t largest = 0;
-  for (size_t i = 1; i < inputs_.size(); ++i) largest = std::max(largest, inputs_[i].numel());
+  for (size_t i = 0; i < inputs_.size(); ++i)
+    if (!is_first(i)) largest = std::max(largest, inputs_[i].numel());
   grow(backend_, grad_a_, backend_.compute_dtype(), largest);
   grow(backend_, grad_b_, backend_.compute_dtype(), largest);
   Tensor g(logits_.data, logits_.dtype, logits_.device, {batch_, spec_.num_classes, 1, 1});
+  Tensor member_g = g;
+  if (members > 1) {
+    // ∂/∂(member logits) = ∂/∂(mean) / members, the same for every member.
+    grow(backend_, member_grad_, logits_.dtype, logits_.numel());
+    member_g = Tensor(member_grad_.data(), g.dtype, g.device, {batch_, spec_.num_classes, 1, 1});
+    backend_.copy(member_g.data, g.data, g.bytes());
+    backend_.scale(member_g, 1.0f / static_cast<float>(members));
+  }
   for (size_t k = layers_.size(); k-- > 0;) {
     if (hooks_) hooks_->before_backward(static_cast<int>(k));
+    if (is_first(k + 1)) g = member_g;  // a member's last layer
     Tensor target;
-    if (k > 0) {
+    if (!is_first(k)) {
       const Tensor& in = inputs_[k];
       target = Tensor((k % 2 ? grad_a_ : grad_b_).data(), in.dtype, in.device,
                       {in.shape[0], in.shape[1], in.shape[2], in.shape[3]});
@@ -185,7 +235,7 @@ void ImageModel::backward() {
 }
 
 std::vector<float> ImageModel::predict(const float* images, int64_t batch) {
-  ModuleContext ctx = context(false, false);
+  ModuleContext ctx = context(false, false, 0);
   const Tensor logits = run_forward(ctx, images, batch);
   std::vector<float> out(static_cast<size_t>(logits.numel()));
   if (logits.dtype == DType::kF32) {
@@ -201,10 +251,12 @@ std::vector<float> ImageModel::predict(const float* images, int64_t batch) {
 
 int64_t ImageModel::macs_per_image() const {
   int64_t total = 0;
-  ImageShape s{1, spec_.channels, spec_.height, spec_.width};
-  for (const auto& l : layers_) {
-    total += l->macs_per_image(s);
-    s = l->output_shape(s);
+  for (size_t m = 0; m + 1 < member_begin_.size(); ++m) {
+    ImageShape s{1, spec_.channels, spec_.height, spec_.width};
+    for (size_t i = member_begin_[m]; i < member_begin_[m + 1]; ++i) {
+      total += layers_[i]->macs_per_image(s);
+      s = layers_[i]->output_shape(s);
+    }
   }
   return total;
 }

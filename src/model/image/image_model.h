@@ -1,6 +1,7 @@
 // ImageModel: an image classifier as a Model (model/model.h) — a list of top-level modules
 // (torchvision's "features.0", ..., "classifier"), each one layer of the flat parameter layout,
-// ending in class logits [N, K] and a label-smoothed softmax cross-entropy.
+// ending in class logits [N, K] and a label-smoothed softmax cross-entropy. An ensemble runs
+// several such lists (its members) on the same images and averages their logits.
 #pragma once
 
 #include <memory>
@@ -19,6 +20,9 @@ struct ImageModelSpec {
   int64_t height = 28;       ///< input height H (pixels)
   int64_t width = 28;        ///< input width W (pixels)
   int64_t num_classes = 10;  ///< K
+  /// Build with the architecture's dropout and stochastic depth (false: p = 0 everywhere, e.g.
+  /// for parity tests against a reference with them off).
+  bool dropout = true;
 };
 
 class ImageModel final : public Model {
@@ -27,6 +31,10 @@ class ImageModel final : public Model {
   /// shape for spec's input now. Throws ConfigError (naming the module) when the input is too
   /// small for the network's downsampling or the classifier does not output K classes.
   ImageModel(ImageModelSpec spec, std::vector<ModulePtr> layers, Backend& backend);
+  /// An ensemble: each member's layers (in order) run on the same input and its logits are
+  /// averaged (the mean of the members' logits goes to the loss). The layers of all members are
+  /// the model's layers, member after member, so each is one layer of the flat layout.
+  ImageModel(ImageModelSpec spec, std::vector<std::vector<ModulePtr>> members, Backend& backend);
   ~ImageModel() override;
 
   std::string name() const override { return spec_.name; }
@@ -61,11 +69,13 @@ class ImageModel final : public Model {
 
  private:
   Tensor run_forward(ModuleContext& ctx, const float* images, int64_t batch);
-  ModuleContext context(bool training, bool for_backward);
+  ModuleContext context(bool training, bool for_backward, uint64_t dropout_seed);
   ParamSource source_for(int layer, const LayerRange& r, Tensor params, Tensor grads);
 
   ImageModelSpec spec_;
   std::vector<ModulePtr> layers_;
+  /// First layer of each member, then layers_.size() (one member: {0, size}).
+  std::vector<size_t> member_begin_;
   Backend& backend_;
   ImageOps& ops_;
   ParamLayout layout_;
@@ -74,6 +84,8 @@ class ImageModel final : public Model {
   FlatBuffer buffers_;
   std::vector<Tensor> inputs_;  ///< each layer's input of the last forward
   FlatBuffer image_f32_, image_, targets_, losses_, grad_a_, grad_b_;
+  FlatBuffer logit_sum_, member_grad_;  ///< ensembles: the mean of the logits, and its gradient
+  uint64_t dropout_seed_ = 0;           ///< of the last forward, for backward's masks
   float label_smoothing_ = 0;
   std::function<void(Tensor)> sync_sum_;
   int64_t sync_ranks_ = 1;

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/hash.h"
 
 namespace shardtrain {
 namespace {
@@ -263,13 +264,18 @@ class AdaptiveAvgPool2d final : public Module {
 
 class Linear final : public Module {
  public:
-  Linear(std::string name, int64_t in, int64_t out, float init_std)
-      : Module(std::move(name)), in_(in), out_features_(out), init_std_(init_std) {}
+  Linear(std::string name, int64_t in, int64_t out, float init_std, float init_uniform)
+      : Module(std::move(name)),
+        in_(in),
+        out_features_(out),
+        init_std_(init_std),
+        init_uniform_(init_uniform) {}
   void param_specs(std::vector<ParamTensor>& out) const override {
     out.push_back({.name = name() + ".weight",
                    .shape = {out_features_, in_},
                    .weight_decay = true,
-                   .init_std = init_std_});
+                   .init_std = init_std_,
+                   .init_uniform = init_uniform_});
     out.push_back({.name = name() + ".bias", .shape = {out_features_}});
   }
   void bind(const ParamSource& src) override {
@@ -305,7 +311,7 @@ class Linear final : public Module {
     return Tensor(t.data, t.dtype, t.device, {n, c});
   }
   int64_t in_, out_features_;
-  float init_std_;
+  float init_std_, init_uniform_;
   Tensor w_, dw_, b_, db_;
   FlatBuffer out_;
 };
@@ -347,6 +353,11 @@ class Residual final : public Module {
 };
 
 }  // namespace
+
+uint32_t dropout_site_of(const std::string& module_name) {
+  const uint64_t h = fnv1a64(module_name);
+  return static_cast<uint32_t>(h ^ (h >> 32));
+}
 
 Tensor Module::activation(Backend& be, FlatBuffer& buf, const ImageShape& shape) {
   if (buf.numel() < shape.numel()) {
@@ -446,8 +457,8 @@ ModulePtr make_residual(const std::string& name, ModulePtr body) {
   return std::make_unique<Residual>(name, std::move(body));
 }
 ModulePtr make_linear(const std::string& name, int64_t in_features, int64_t out_features,
-                      float init_std) {
-  return std::make_unique<Linear>(name, in_features, out_features, init_std);
+                      float init_std, float init_uniform) {
+  return std::make_unique<Linear>(name, in_features, out_features, init_std, init_uniform);
 }
 
 }  // namespace shardtrain

@@ -54,7 +54,14 @@ struct ModuleContext {
   std::function<void(Tensor)> sync_sums;
   /// Values per channel over all ranks' batch for synchronized batch norm (N·H·W · ranks).
   int64_t sync_ranks = 1;
+  /// The micro-batch's dropout seed: Dropout and StochasticDepth draw their masks from it (and
+  /// their site, a hash of the module's name), so backward regenerates forward's masks. Dropout
+  /// is active only when `training`.
+  uint64_t dropout_seed = 0;
 };
+
+/// A module's dropout site: a 32-bit hash of its name (FNV-1a), distinct per module.
+uint32_t dropout_site_of(const std::string& module_name);
 
 class Module {
  public:
@@ -160,8 +167,8 @@ ModulePtr make_adaptive_avgpool2d(const std::string& name, int64_t out_h, int64_
 ModulePtr make_residual(const std::string& name, ModulePtr body);
 
 /// nn.Linear(in, out) on the flattened input ([N, C·H·W] → [N, out, 1, 1]); weight init
-/// normal(0, init_std), bias 0.
+/// normal(0, init_std), or uniform(±init_uniform) when that is > 0; bias 0.
 ModulePtr make_linear(const std::string& name, int64_t in_features, int64_t out_features,
-                      float init_std = 0.01f);
+                      float init_std = 0.01f, float init_uniform = 0.0f);
 
 }  // namespace shardtrain
