@@ -81,7 +81,7 @@ class FakeRank : public Strategy {
       v->assign(static_cast<size_t>(numel), -999.0f);
   }
   std::string name() const override { return "fake"; }
-  void setup(GPT2Model&, const std::vector<float>&) override { unused(); }
+  void setup(Model&, const std::vector<float>&) override { unused(); }
   void zero_grad() override { unused(); }
   void begin_micro_step(int64_t, int64_t) override { unused(); }
   void finish_gradients() override { unused(); }

@@ -20,6 +20,19 @@
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
       << "expected to find \"" << (needle) << "\" in:\n  " << (haystack)
 
+/// Expects `stmt` to throw an exception of type `type` whose message contains `needle`.
+#define EXPECT_THROW_MSG(stmt, type, needle)               \
+  do {                                                     \
+    bool thrown_ = false;                                  \
+    try {                                                  \
+      stmt;                                                \
+    } catch (const type& e_) {                             \
+      thrown_ = true;                                      \
+      EXPECT_CONTAINS(e_.what(), needle);                  \
+    }                                                      \
+    EXPECT_TRUE(thrown_) << #stmt " did not throw " #type; \
+  } while (0)
+
 namespace shardtrain::test_support {
 
 struct CommandResult {

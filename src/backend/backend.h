@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "backend/host_transfer.h"
+#include "backend/image_ops.h"
 #include "core/philox.h"
 #include "core/tensor.h"
 
@@ -216,6 +217,11 @@ class Backend {
   };
   virtual void adamw(Tensor master, Tensor grad, Tensor m, Tensor v, Tensor params_out,
                      const AdamWArgs& args) = 0;
+
+  // ---- image models ------------------------------------------------------------------------
+  /// The backend's convolution / batch norm / pooling / LSTM ops (backend/image_ops.h), or null
+  /// where it has none yet.
+  virtual ImageOps* image_ops() { return nullptr; }
 
  protected:
   size_t pinned_bytes_ = 0;  ///< kept by allocate_pinned / free_pinned

@@ -1,8 +1,12 @@
 #include "memory/param_layout.h"
 
 #include <algorithm>
+#include <cmath>
+#include <numbers>
 
 #include "core/error.h"
+#include "core/hash.h"
+#include "core/rng.h"
 
 namespace shardtrain {
 
@@ -86,6 +90,34 @@ std::vector<const ParamTensor*> ParamLayout::tensors() const {
   for (const auto& l : layers_)
     for (const auto& t : l.tensors) out.push_back(&t);
   return out;
+}
+
+void init_layout_parameters(const ParamLayout& layout, float* host, uint64_t seed) {
+  const auto tensors = layout.tensors();
+#pragma omp parallel for schedule(dynamic)
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const ParamTensor& t = *tensors[k];
+    float* p = host + t.offset;
+    if (t.init_uniform > 0.0f) {
+      SplitMix64 rng{seed ^ fnv1a64(t.name)};
+      for (int64_t i = 0; i < t.numel; ++i)
+        p[i] = static_cast<float>(t.init_uniform * (2.0 * rng.uniform() - 1.0));
+      continue;
+    }
+    if (t.init_std == 0.0f) {
+      for (int64_t i = 0; i < t.numel; ++i) p[i] = t.init_value;
+      continue;
+    }
+    SplitMix64 rng{seed ^ fnv1a64(t.name)};
+    for (int64_t i = 0; i < t.numel; i += 2) {
+      // Box–Muller: two independent normals per pair of uniforms.
+      const double u1 = 1.0 - rng.uniform(), u2 = rng.uniform();
+      const double r = std::sqrt(-2.0 * std::log(u1));
+      p[i] = static_cast<float>(t.init_std * r * std::cos(2.0 * std::numbers::pi * u2));
+      if (i + 1 < t.numel)
+        p[i + 1] = static_cast<float>(t.init_std * r * std::sin(2.0 * std::numbers::pi * u2));
+    }
+  }
 }
 
 }  // namespace shardtrain

@@ -22,6 +22,9 @@ struct ParamTensor {
   bool weight_decay = false;   ///< AdamW decays 2-D weights only (not biases, LayerNorm)
   bool hf_transposed = false;  ///< stored as [in, out] by HF's Conv1D
   float init_std = 0.0f;       ///< normal(0, init_std); 0 = constant init_value
+  /// uniform(−init_uniform, init_uniform) when > 0 (PyTorch's nn.LSTM, EfficientNet's linear);
+  /// takes precedence over init_std.
+  float init_uniform = 0.0f;
   float init_value = 0.0f;
 };
 
@@ -74,5 +77,12 @@ class ParamLayout {
   std::vector<LayerRange> layers_;
   int64_t numel_ = 0;
 };
+
+/// Initializes every tensor of `layout` into the host fp32 buffer `host` [layout.numel()]:
+/// uniform(±init_uniform), normal(0, init_std) (Box–Muller over SplitMix64) or the constant
+/// init_value. Each tensor draws
+/// from its own stream seeded by (seed, tensor name), so the result does not depend on how the
+/// buffer is sharded or which other tensors exist. Padding elements are left untouched.
+void init_layout_parameters(const ParamLayout& layout, float* host, uint64_t seed);
 
 }  // namespace shardtrain

@@ -77,26 +77,12 @@ void GPT2Model::bind(const Tensor& params, const Tensor& grads) {
   }
 }
 
+double GPT2Model::train_flops_per_sample(int64_t seq_len) const {
+  return config_.flops_per_token(seq_len) * static_cast<double>(seq_len);
+}
+
 void GPT2Model::init_parameters(float* host, uint64_t seed) const {
-  const auto tensors = layout_.tensors();
-#pragma omp parallel for schedule(dynamic)
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    const ParamTensor& t = *tensors[k];
-    float* p = host + t.offset;
-    if (t.init_std == 0.0f) {
-      for (int64_t i = 0; i < t.numel; ++i) p[i] = t.init_value;
-      continue;
-    }
-    SplitMix64 rng{seed ^ fnv1a64(t.name)};
-    for (int64_t i = 0; i < t.numel; i += 2) {
-      // Box–Muller: two independent normals per pair of uniforms.
-      const double u1 = 1.0 - rng.uniform(), u2 = rng.uniform();
-      const double r = std::sqrt(-2.0 * std::log(u1));
-      p[i] = static_cast<float>(t.init_std * r * std::cos(2.0 * std::numbers::pi * u2));
-      if (i + 1 < t.numel)
-        p[i + 1] = static_cast<float>(t.init_std * r * std::sin(2.0 * std::numbers::pi * u2));
-    }
-  }
+  init_layout_parameters(layout_, host, seed);
 }
 
 GPT2Model::Slot& GPT2Model::slot(int s) {

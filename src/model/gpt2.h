@@ -19,6 +19,7 @@
 #include "memory/flat_buffer.h"
 #include "memory/param_layout.h"
 #include "model/gpt2_config.h"
+#include "model/model.h"
 
 namespace shardtrain {
 
@@ -61,21 +62,6 @@ inline uint32_t dropout_site(int layer, DropoutKind kind) {
 uint64_t micro_batch_dropout_seed(uint64_t run_seed, int64_t rank, int64_t step,
                                   int64_t micro_batch);
 
-/// Callbacks a strategy registers to act around each layer (ZeRO-3 gathers parameters before
-/// a layer's forward/backward; data parallelism reduces a layer's gradients after its backward).
-class LayerHooks {
- public:
-  virtual ~LayerHooks() = default;
-  virtual void before_forward(int /*layer*/) {}
-  virtual void after_forward(int /*layer*/) {}
-  virtual void before_backward(int /*layer*/) {}
-  virtual void after_backward(int /*layer*/) {}
-  /// After every layer of every pass, the input-gradient pass included: where a pipeline polls
-  /// its transfers in flight (MPI moves a large message only while its sender is inside an MPI
-  /// call, so a stage computing for long would otherwise hold its neighbour's data back).
-  virtual void between_layers() {}
-};
-
 class Layer {
  public:
   explicit Layer(std::string name) : name_(std::move(name)) {}
@@ -113,7 +99,7 @@ class Layer {
 /// Which part of the backward backward_layers() runs (zero-bubble pipelines split it).
 enum class BackwardPass { kFull, kInput, kWeight };
 
-class GPT2Model {
+class GPT2Model final : public Model {
  public:
   /// Builds the layers and the parameter layout; allocates nothing on the device yet.
   GPT2Model(const GPT2Config& config, Backend& backend, bool activation_checkpointing = false);
@@ -125,13 +111,13 @@ class GPT2Model {
   /// ConfigError for an empty or unordered list.
   GPT2Model(const GPT2Config& config, Backend& backend, bool activation_checkpointing,
             const std::vector<int>& layer_ids);
-  ~GPT2Model();
+  ~GPT2Model() override;
 
   const GPT2Config& config() const { return config_; }
-  const ParamLayout& layout() const { return layout_; }
-  int num_layers() const { return static_cast<int>(layers_.size()); }
+  std::string name() const override { return config_.name; }
+  const ParamLayout& layout() const override { return layout_; }
   Layer& layer(int i) { return *layers_[static_cast<size_t>(i)]; }
-  Backend& backend() { return backend_; }
+  Backend& backend() override { return backend_; }
   /// The whole model's index of local layer `i` (as in the layer_ids constructor).
   int global_layer(int i) const { return ids_[static_cast<size_t>(i)]; }
   bool has_embedding() const { return ids_.front() == 0; }
@@ -145,16 +131,16 @@ class GPT2Model {
 
   /// Binds every layer to the whole flat buffers (params [numel], grads [numel] or empty),
   /// both in the backend's compute dtype.
-  void bind(const Tensor& params, const Tensor& grads);
+  void bind(const Tensor& params, const Tensor& grads) override;
+  void bind_layer(int i, const LayerRange& r, Tensor params, Tensor grads) override {
+    layer(i).bind(r, params, grads);
+  }
 
   /// GPT-2 initialization into a host fp32 buffer of layout().numel() elements: weights
   /// normal(0, 0.02), residual projections normal(0, 0.02/sqrt(2·n_layer)) (Radford et al. 2019,
   /// §2.3), biases 0, LayerNorm weight 1. Each tensor draws from its own stream seeded by
   /// (seed, tensor name), so the result does not depend on how the buffer is sharded.
-  void init_parameters(float* host_params, uint64_t seed) const;
-
-  void set_hooks(LayerHooks* hooks) { hooks_ = hooks; }
-  LayerHooks* hooks() const { return hooks_; }
+  void init_parameters(float* host_params, uint64_t seed) const override;
 
   /// Runs forward over all layers for tokens/targets (host int32, [B*T] each; targets may be
   /// null for inference). Returns the mean loss over the micro-batch's tokens (0 without
@@ -162,8 +148,16 @@ class GPT2Model {
   /// With for_backward the config's dropout is on, its masks drawn from `dropout_seed`.
   double forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
                  float grad_scale, bool for_backward, uint64_t dropout_seed = 0);
+  /// Model's forward: input.tokens/targets [batch · seq_len].
+  double forward(const ModelInput& input, float grad_scale, bool for_backward) override {
+    return forward(input.tokens, input.targets, input.batch, input.seq_len, grad_scale,
+                   for_backward, input.dropout_seed);
+  }
   /// Backward over all layers after forward(..., for_backward=true); accumulates into grads.
-  void backward();
+  void backward() override;
+  /// 6·N + 12·n_layer·n_embd·T FLOPs per token (Kaplan et al., arXiv 2001.08361, §2.1, with
+  /// attention), times T tokens.
+  double train_flops_per_sample(int64_t seq_len) const override;
 
   /// Logits [B*T, V] of the last forward without targets... for generation: returns the
   /// logits row of position `t` of batch row `b` (host copy, V floats).
@@ -216,7 +210,6 @@ class GPT2Model {
   std::vector<int> ids_;
   ParamLayout layout_;
   std::vector<std::unique_ptr<Layer>> layers_;
-  LayerHooks* hooks_ = nullptr;
   Tensor external_wte_, external_dwte_;  ///< set_tied_embedding()
   std::vector<std::unique_ptr<Slot>> slots_;
 };

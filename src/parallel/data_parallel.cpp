@@ -23,7 +23,7 @@ class DataParallel final : public Strategy {
   std::string name() const override { return "dp"; }
   Tensor compute_parameters() override { return params_.view(); }
 
-  void setup(GPT2Model& model, const std::vector<float>& init) override {
+  void setup(Model& model, const std::vector<float>& init) override {
     model_ = &model;
     const ParamLayout& layout = model.layout();
     const int64_t n = layout.numel();
@@ -149,7 +149,7 @@ class DataParallel final : public Strategy {
   StrategyOptions opt_;
   Backend& backend_;
   Communicator& comm_;
-  GPT2Model* model_ = nullptr;
+  Model* model_ = nullptr;
   FlatBuffer params_, grads_, master_;
   std::unique_ptr<AdamW> optimizer_;
   // Buckets of whole layers up to zero.reduce_bucket_size elements (parallel/buckets.h).

@@ -84,7 +84,7 @@ class Strategy : public LayerHooks {
   /// Allocates the buffers this rank holds, binds `model` to them and loads `init_params`
   /// (host fp32, layout.numel() elements, identical on every rank), or leaves every parameter 0
   /// when `init_params` is empty (a checkpoint is loaded next: no rank then holds a full copy).
-  virtual void setup(GPT2Model& model, const std::vector<float>& init_params) = 0;
+  virtual void setup(Model& model, const std::vector<float>& init_params) = 0;
   /// Starts an optimizer step: zeroes the gradients this rank accumulates into.
   virtual void zero_grad() = 0;
   /// Declares which micro-batch of the accumulation window runs next (0-based of `count`):

@@ -209,8 +209,8 @@ class Zero3 final : public ZeroStrategy {
   void bind(int layer) {
     const LayerRange& r = model_->layout().layers()[static_cast<size_t>(layer)];
     const Unit& u = unit(layer);
-    model_->layer(layer).bind(r, u.params.empty() ? Tensor() : u.params.slice1d(0, r.numel),
-                              u.grads.empty() ? Tensor() : u.grads.slice1d(0, r.numel));
+    model_->bind_layer(layer, r, u.params.empty() ? Tensor() : u.params.slice1d(0, r.numel),
+                       u.grads.empty() ? Tensor() : u.grads.slice1d(0, r.numel));
   }
 
   /// Before position `p` runs: its units gathered and bound, the next ones prefetched.

@@ -29,7 +29,7 @@ class ZeroStrategy : public Strategy {
   ZeroStrategy(const StrategyOptions& options, Backend& backend, Communicator& comm)
       : opt_(options), backend_(backend), comm_(comm) {}
 
-  void setup(GPT2Model& model, const std::vector<float>& init) final {
+  void setup(Model& model, const std::vector<float>& init) final {
     model_ = &model;
     const ParamLayout& layout = model.layout();
     ST_ASSERT(init.empty() || static_cast<int64_t>(init.size()) == layout.numel());
@@ -364,8 +364,8 @@ class ZeroStrategy : public Strategy {
     const LayerRange& r = model_->layout().layers()[static_cast<size_t>(layer)];
     const BucketPartition& p = parts_[static_cast<size_t>(part_of(layer))];
     const int64_t in_bucket = r.offset - p.bucket.offset;
-    model_->layer(layer).bind(r, params_.slice(p.padded_offset + in_bucket, r.numel),
-                              grad_bucket.slice1d(in_bucket, r.numel));
+    model_->bind_layer(layer, r, params_.slice(p.padded_offset + in_bucket, r.numel),
+                       grad_bucket.slice1d(in_bucket, r.numel));
   }
 
   int part_of(int layer) const { return part_of_layer_[static_cast<size_t>(layer)]; }
@@ -471,7 +471,7 @@ class ZeroStrategy : public Strategy {
   StrategyOptions opt_;
   Backend& backend_;
   Communicator& comm_;
-  GPT2Model* model_ = nullptr;
+  Model* model_ = nullptr;
   int world_ = 1, rank_ = 0;
   DType dtype_ = DType::kF32;
   std::vector<GradBucket> buckets_;     ///< backward order; parts_[i] partitions buckets_[i]

@@ -59,7 +59,7 @@ void check_loss_finite(const StepResult& r, int64_t step, double lr) {
 
 // ---- TrainStep ----------------------------------------------------------------------------------
 
-TrainStep::TrainStep(GPT2Model& model, Strategy& strategy, Communicator& comm, Backend& backend,
+TrainStep::TrainStep(Model& model, Strategy& strategy, Communicator& comm, Backend& backend,
                      LossScaler& scaler, TrainStepOptions options, StreamClock* clock)
     : model_(model),
       strategy_(strategy),
@@ -87,11 +87,16 @@ StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batch
   for (int64_t k = 0; k < accum; ++k) {
     const MicroBatch mb = batches(k);
     strategy_.begin_micro_step(k, accum);
-    // Each micro-batch's loss is a mean over its B·T tokens, scaled for fp16.
+    const ModelInput input{
+        .batch = mb.batch,
+        .seq_len = mb.seq_len,
+        .tokens = mb.tokens,
+        .images = mb.images,
+        .targets = mb.targets,
+        .dropout_seed = micro_batch_dropout_seed(options_.dropout_seed, comm_.rank(), step, k)};
+    // Each micro-batch's loss is a mean over its tokens (or images), scaled for fp16.
     loss += model_.forward(
-        mb.tokens, mb.targets, mb.batch, mb.seq_len,
-        static_cast<float>(r.loss_scale / static_cast<double>(mb.batch * mb.seq_len)), true,
-        micro_batch_dropout_seed(options_.dropout_seed, comm_.rank(), step, k));
+        input, static_cast<float>(r.loss_scale / static_cast<double>(mb.loss_units())), true);
     if (clock_) clock_->mark();
     model_.backward();
     if (clock_) clock_->mark();

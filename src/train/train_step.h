@@ -25,13 +25,17 @@
 
 namespace shardtrain {
 
-/// One micro-batch: host int32 tokens and next-token targets, [batch · seq_len] each, row-major.
+/// One micro-batch: host int32 tokens and next-token targets, [batch · seq_len] each, row-major
+/// (language models), or images [batch, C, H, W] fp32 and class targets [batch] (image models).
 /// The pointers must stay valid until the model's forward returned.
 struct MicroBatch {
   const int32_t* tokens = nullptr;
   const int32_t* targets = nullptr;
   int64_t batch = 0;    ///< samples B
-  int64_t seq_len = 0;  ///< tokens per sample T
+  int64_t seq_len = 0;  ///< tokens per sample T (0 for images)
+  const float* images = nullptr;
+  /// Losses the micro-batch's mean is over: B·T tokens, or B images.
+  int64_t loss_units() const { return seq_len > 0 ? batch * seq_len : batch; }
 };
 
 /// Gives micro-batch `k` (0 ≤ k < accumulation_steps) of the step being run. Every micro-batch of
@@ -93,7 +97,7 @@ class TrainStep {
   /// All references must outlive the TrainStep. `strategy` must be set up on `model` already.
   /// `clock` (nullable): marks the phases of each step (wall_clock_breakdown). Throws ConfigError
   /// for accumulation_steps < 1 or a negative gradient_clipping.
-  TrainStep(GPT2Model& model, Strategy& strategy, Communicator& comm, Backend& backend,
+  TrainStep(Model& model, Strategy& strategy, Communicator& comm, Backend& backend,
             LossScaler& scaler, TrainStepOptions options, StreamClock* clock = nullptr);
 
   /// Runs optimizer step number `step` (0-based, for messages) at learning rate `lr` on the
@@ -106,7 +110,7 @@ class TrainStep {
   StreamClock* clock() const { return clock_; }
 
  private:
-  GPT2Model& model_;
+  Model& model_;
   Strategy& strategy_;
   Communicator& comm_;
   Backend& backend_;

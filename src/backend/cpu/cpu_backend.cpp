@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/cpu_image_ops.h"
 #include "core/error.h"
 
 namespace shardtrain {
@@ -131,6 +132,10 @@ class CpuBackend final : public Backend {
     return fmt::format("cpu ({} threads)", omp_get_max_threads());
   }
   DType compute_dtype() const override { return DType::kF32; }
+  ImageOps* image_ops() override {
+    if (!image_ops_) image_ops_ = make_cpu_image_ops();
+    return image_ops_.get();
+  }
 
   // ---- memory ----------------------------------------------------------------------------------
   void* allocate(size_t bytes) override {
@@ -637,6 +642,7 @@ class CpuBackend final : public Backend {
  private:
   size_t allocated_ = 0;
   size_t peak_ = 0;
+  std::unique_ptr<ImageOps> image_ops_;
 };
 
 }  // namespace

@@ -99,7 +99,13 @@ std::vector<double> PipelineParallel::layer_costs(const GPT2Model& whole) {
   return costs;
 }
 
-void PipelineParallel::setup(GPT2Model& whole, const std::vector<float>& init) {
+void PipelineParallel::setup(Model& model, const std::vector<float>& init) {
+  auto* gpt2 = dynamic_cast<GPT2Model*>(&model);
+  check<ConfigError>(gpt2 != nullptr,
+                     "pipeline parallelism splits GPT-2 models only, not {}; choose dp, zero1, "
+                     "zero2, zero3 or offload for it",
+                     model.name());
+  GPT2Model& whole = *gpt2;
   config_ = whole.config();
   whole_layout_ = &whole.layout();
   const int V = opt_.virtual_stages;

@@ -74,7 +74,7 @@ class PipelineParallel final : public Strategy {
 
   /// `model`: the whole model (its layout and config; it runs nothing). Builds this rank's stage
   /// model and the strategy across replicas; `init_params` in the whole model's flat layout.
-  void setup(GPT2Model& model, const std::vector<float>& init_params) override;
+  void setup(Model& model, const std::vector<float>& init_params) override;
 
   /// One optimizer step over `accumulation` micro-batches (M) — the same contract as
   /// TrainStep::run. Collective over the world.

@@ -1,0 +1,338 @@
+#include "model/image/image_blocks.h"
+
+#include <fmt/core.h>
+
+#include <cmath>
+#include <vector>
+
+#include "core/error.h"
+#include "core/philox.h"
+#include "core/rng.h"
+
+namespace shardtrain {
+namespace {
+
+ImageShape shape_of(const Tensor& t) {
+  ST_ASSERT(t.ndim == 4);
+  return {t.shape[0], t.shape[1], t.shape[2], t.shape[3]};
+}
+
+Tensor reshaped(const Tensor& t, std::initializer_list<int64_t> dims) {
+  return Tensor(t.data, t.dtype, t.device, dims);
+}
+
+void grow(Backend& be, FlatBuffer& buf, DType dt, int64_t numel) {
+  if (buf.numel() >= numel) return;
+  buf = FlatBuffer();
+  buf = FlatBuffer(be, dt, numel);
+}
+
+/// Copies `src` into `dst` (same shape and dtype).
+void copy_tensor(Backend& be, const Tensor& dst, const Tensor& src) {
+  ST_ASSERT(dst.numel() == src.numel() && dst.dtype == src.dtype);
+  if (dst.data != src.data) be.copy(dst.data, src.data, src.bytes());
+}
+
+// ---- dropout
+// -------------------------------------------------------------------------------------
+
+class DropoutModule final : public Module {
+ public:
+  DropoutModule(std::string name, float p)
+      : Module(std::move(name)), p_(p), site_(dropout_site_of(this->name())) {
+    check<ConfigError>(p >= 0.0f && p < 1.0f, "{}: dropout probability {} is not in [0, 1)",
+                       this->name(), p);
+  }
+  ImageShape output_shape(const ImageShape& in) const override { return in; }
+  void reserve(Backend& be, const ImageShape& in) override { activation(be, out_, in); }
+  Tensor forward(ModuleContext& ctx, const Tensor& in) override {
+    Tensor out = activation(ctx.be, out_, shape_of(in));
+    const Dropout d = mask(ctx);
+    // dropout_backward multiplies by the mask/(1 − p): dropout's forward as well.
+    if (d.active())
+      ctx.be.dropout_backward(out, in, d);
+    else
+      copy_tensor(ctx.be, out, in);
+    return out;
+  }
+  void backward(ModuleContext& ctx, const Tensor&, const Tensor& dout, const Tensor& din) override {
+    if (din.empty()) return;
+    const Dropout d = mask(ctx);
+    if (d.active())
+      ctx.be.dropout_backward(din, dout, d);
+    else
+      copy_tensor(ctx.be, din, dout);
+  }
+
+ private:
+  Dropout mask(const ModuleContext& ctx) const {
+    Dropout d;
+    d.p = ctx.training ? p_ : 0.0f;
+    d.seed = ctx.dropout_seed;
+    d.site = site_;
+    return d;
+  }
+  float p_;
+  uint32_t site_;
+  FlatBuffer out_;
+};
+
+// ---- stochastic depth --------------------------------------------------------------------------
+
+class StochasticDepth final : public Module {
+ public:
+  StochasticDepth(std::string name, float p)
+      : Module(std::move(name)), p_(p), site_(dropout_site_of(this->name())) {
+    check<ConfigError>(p >= 0.0f && p < 1.0f,
+                       "{}: stochastic depth probability {} is not in [0, 1)", this->name(), p);
+  }
+  ImageShape output_shape(const ImageShape& in) const override { return in; }
+  void reserve(Backend& be, const ImageShape& in) override { activation(be, out_, in); }
+  Tensor forward(ModuleContext& ctx, const Tensor& in) override {
+    Tensor out = activation(ctx.be, out_, shape_of(in));
+    if (!active(ctx)) {
+      copy_tensor(ctx.be, out, in);
+      return out;
+    }
+    ctx.ops.channel_scale_forward(out, in, scale(ctx, shape_of(in)));
+    return out;
+  }
+  void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
+                const Tensor& din) override {
+    if (din.empty()) return;
+    if (!active(ctx)) {
+      copy_tensor(ctx.be, din, dout);
+      return;
+    }
+    const ImageShape s = shape_of(in);
+    const Tensor sc = scale(ctx, s);  // regenerated: the same draws as forward's
+    grow(ctx.be, dscale_, ctx.be.compute_dtype(), s.N * s.C);
+    ctx.ops.channel_scale_backward(din, reshaped(dscale_.view(), {s.N, s.C}), dout, in, sc);
+  }
+
+ private:
+  bool active(const ModuleContext& ctx) const { return ctx.training && p_ > 0.0f; }
+  /// [N, C]: 1/(1 − p) for the kept samples, 0 for the dropped, in the compute dtype.
+  Tensor scale(ModuleContext& ctx, const ImageShape& s) {
+    SplitMix64 rng{ctx.dropout_seed ^ (static_cast<uint64_t>(site_) * 0x9E3779B97F4A7C15ull)};
+    std::vector<float> host(static_cast<size_t>(s.N * s.C));
+    for (int64_t n = 0; n < s.N; ++n) {
+      const float v = rng.uniform() >= static_cast<double>(p_) ? 1.0f / (1.0f - p_) : 0.0f;
+      for (int64_t c = 0; c < s.C; ++c) host[static_cast<size_t>(n * s.C + c)] = v;
+    }
+    const DType dt = ctx.be.compute_dtype();
+    grow(ctx.be, scale_, dt, s.N * s.C);
+    Tensor out = reshaped(scale_.view(), {s.N, s.C});
+    if (dt == DType::kF32) {
+      ctx.be.copy_from_host(out.data, host.data(), host.size() * sizeof(float));
+    } else {
+      grow(ctx.be, scale_f32_, DType::kF32, s.N * s.C);
+      Tensor f = reshaped(scale_f32_.view(), {s.N, s.C});
+      ctx.be.copy_from_host(f.data, host.data(), host.size() * sizeof(float));
+      ctx.be.convert(out, f);
+    }
+    return out;
+  }
+  float p_;
+  uint32_t site_;
+  FlatBuffer out_, scale_, scale_f32_, dscale_;
+};
+
+// ---- squeeze-and-excitation ---------------------------------------------------------------------
+
+class SqueezeExcitation final : public Module {
+ public:
+  SqueezeExcitation(std::string name, int64_t channels, int64_t squeeze, Activation act)
+      : Module(std::move(name)), squeeze_(this->name()) {
+    const std::string& n = this->name();
+    squeeze_.add(make_adaptive_avgpool2d(n + ".avgpool", 1, 1));
+    squeeze_.add(make_conv2d(
+        n + ".fc1", {.in_channels = channels, .out_channels = squeeze, .kernel = 1, .bias = true}));
+    squeeze_.add(make_activation(n + ".activation", act));
+    squeeze_.add(make_conv2d(
+        n + ".fc2", {.in_channels = squeeze, .out_channels = channels, .kernel = 1, .bias = true}));
+    squeeze_.add(make_activation(n + ".scale_activation", Activation::kSigmoid));
+  }
+  void param_specs(std::vector<ParamTensor>& out) const override { squeeze_.param_specs(out); }
+  void bind(const ParamSource& src) override { squeeze_.bind(src); }
+  ImageShape output_shape(const ImageShape& in) const override {
+    squeeze_.output_shape(in);  // checks the channels
+    return in;
+  }
+  void reserve(Backend& be, const ImageShape& in) override {
+    squeeze_.reserve(be, in);
+    activation(be, out_, in);
+  }
+  Tensor forward(ModuleContext& ctx, const Tensor& in) override {
+    const ImageShape s = shape_of(in);
+    scale_ = squeeze_.forward(ctx, in);
+    Tensor out = activation(ctx.be, out_, s);
+    ctx.ops.channel_scale_forward(out, in, reshaped(scale_, {s.N, s.C}));
+    return out;
+  }
+  void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
+                const Tensor& din) override {
+    const ImageShape s = shape_of(in);
+    const DType dt = ctx.be.compute_dtype();
+    grow(ctx.be, dscale_, dt, s.N * s.C);
+    grow(ctx.be, dsqueeze_, dt, s.numel());
+    if (din.empty()) grow(ctx.be, ddirect_, dt, s.numel());
+    const Tensor direct =
+        din.empty() ? reshaped(ddirect_.view(), {s.N, s.C, s.H, s.W}) : din;  // dout · s
+    ctx.ops.channel_scale_backward(direct, reshaped(dscale_.view(), {s.N, s.C}), dout, in,
+                                   reshaped(scale_, {s.N, s.C}));
+    const Tensor through =
+        din.empty() ? Tensor() : reshaped(dsqueeze_.view(), {s.N, s.C, s.H, s.W});
+    squeeze_.backward(ctx, in, reshaped(dscale_.view(), {s.N, s.C, 1, 1}), through);
+    if (!din.empty()) ctx.be.add(din, din, through);
+  }
+  int64_t macs_per_image(const ImageShape& in) const override {
+    return squeeze_.macs_per_image(in) + in.C * in.H * in.W;
+  }
+
+ private:
+  Sequential squeeze_;
+  Tensor scale_;  ///< σ(...) [N, C, 1, 1] of the last forward (owned by squeeze_)
+  FlatBuffer out_, dscale_, dsqueeze_, ddirect_;
+};
+
+// ---- rows to sequence
+// ----------------------------------------------------------------------------
+
+class RowsToSequence final : public Module {
+ public:
+  explicit RowsToSequence(std::string name) : Module(std::move(name)) {}
+  ImageShape output_shape(const ImageShape& in) const override {
+    return {in.N, in.H, in.C * in.W, 1};
+  }
+  void reserve(Backend& be, const ImageShape& in) override {
+    activation(be, out_, output_shape(in));
+  }
+  Tensor forward(ModuleContext& ctx, const Tensor& in) override {
+    const ImageShape s = shape_of(in);
+    Tensor out = activation(ctx.be, out_, output_shape(s));
+    permute(ctx.be, out, in, s, false);
+    return out;
+  }
+  void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
+                const Tensor& din) override {
+    if (!din.empty()) permute(ctx.be, din, dout, shape_of(in), true);
+  }
+
+ private:
+  /// [N, C, H, W] → [N, H, C, W] (or back, `inverse`), one row of W elements per copy.
+  /// TODO: a device kernel; on a GPU these are N·C·H small copies.
+  static void permute(Backend& be, const Tensor& dst, const Tensor& src, const ImageShape& s,
+                      bool inverse) {
+    const size_t es = dtype_size(src.dtype), row = static_cast<size_t>(s.W) * es;
+    char* d = static_cast<char*>(dst.data);
+    const char* p = static_cast<const char*>(src.data);
+    for (int64_t n = 0; n < s.N; ++n)
+      for (int64_t c = 0; c < s.C; ++c)
+        for (int64_t h = 0; h < s.H; ++h) {
+          const auto image = static_cast<size_t>(((n * s.C + c) * s.H + h) * s.W) * es;
+          const auto seq = static_cast<size_t>(((n * s.H + h) * s.C + c) * s.W) * es;
+          if (inverse)
+            be.copy(d + image, p + seq, row);
+          else
+            be.copy(d + seq, p + image, row);
+        }
+  }
+  FlatBuffer out_;
+};
+
+// ---- LSTM
+// ------------------------------------------------------------------------------------------
+
+class Lstm final : public Module {
+ public:
+  Lstm(std::string name, int64_t input, int64_t hidden)
+      : Module(std::move(name)), I_(input), H_(hidden) {}
+  void param_specs(std::vector<ParamTensor>& out) const override {
+    const auto bound = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H_)));
+    const auto add = [&](const char* suffix, std::vector<int64_t> shape, bool decay) {
+      out.push_back({.name = name() + "." + suffix,
+                     .shape = std::move(shape),
+                     .weight_decay = decay,
+                     .init_uniform = bound});
+    };
+    add("weight_ih_l0", {4 * H_, I_}, true);
+    add("weight_hh_l0", {4 * H_, H_}, true);
+    add("bias_ih_l0", {4 * H_}, false);
+    add("bias_hh_l0", {4 * H_}, false);
+  }
+  void bind(const ParamSource& src) override {
+    std::tie(wih_, dwih_) = src.param(name() + ".weight_ih_l0");
+    std::tie(whh_, dwhh_) = src.param(name() + ".weight_hh_l0");
+    std::tie(bih_, dbih_) = src.param(name() + ".bias_ih_l0");
+    std::tie(bhh_, dbhh_) = src.param(name() + ".bias_hh_l0");
+  }
+  ImageShape output_shape(const ImageShape& in) const override {
+    check<ConfigError>(in.H * in.W == I_ && in.C >= 1,
+                       "{} takes sequences of {} features but receives [{}, {}, {}, {}]", name(),
+                       I_, in.N, in.C, in.H, in.W);
+    return {in.N, H_, 1, 1};
+  }
+  void reserve(Backend& be, const ImageShape& in) override {
+    activation(be, out_, output_shape(in));
+    grow(be, seq_, be.compute_dtype(), in.N * in.C * H_);
+    grow(be, saved_, DType::kF32, in.C * in.N * 6 * H_);
+  }
+  Tensor forward(ModuleContext& ctx, const Tensor& in) override {
+    const ImageShape s = shape_of(in);
+    const int64_t N = s.N, L = s.C;
+    reserve(ctx.be, s);
+    Tensor out = activation(ctx.be, out_, output_shape(s));
+    ctx.ops.lstm_forward(seq(N, L), saved(N, L), reshaped(in, {N, L, I_}), wih_, whh_, bih_, bhh_);
+    // The last step's hidden state of each sample.
+    const size_t es = dtype_size(out.dtype), row = static_cast<size_t>(H_) * es;
+    for (int64_t n = 0; n < N; ++n)
+      ctx.be.copy(static_cast<char*>(out.data) + static_cast<size_t>(n) * row,
+                  static_cast<char*>(seq_.data()) + static_cast<size_t>(n * L + L - 1) * row, row);
+    return out;
+  }
+  void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
+                const Tensor& din) override {
+    const ImageShape s = shape_of(in);
+    const int64_t N = s.N, L = s.C;
+    grow(ctx.be, dseq_, ctx.be.compute_dtype(), N * L * H_);
+    Tensor dseq = reshaped(dseq_.view(), {N, L, H_});
+    ctx.be.fill_zero(dseq);
+    const size_t es = dtype_size(dseq.dtype), row = static_cast<size_t>(H_) * es;
+    for (int64_t n = 0; n < N; ++n)
+      ctx.be.copy(static_cast<char*>(dseq.data) + static_cast<size_t>(n * L + L - 1) * row,
+                  static_cast<const char*>(dout.data) + static_cast<size_t>(n) * row, row);
+    ctx.ops.lstm_backward(din.empty() ? Tensor() : reshaped(din, {N, L, I_}), dwih_, dwhh_, dbih_,
+                          dbhh_, dseq, reshaped(in, {N, L, I_}), seq(N, L), saved(N, L), wih_,
+                          whh_);
+  }
+  int64_t macs_per_image(const ImageShape& in) const override { return in.C * 4 * H_ * (I_ + H_); }
+
+ private:
+  Tensor seq(int64_t N, int64_t L) const { return reshaped(seq_.view(), {N, L, H_}); }
+  Tensor saved(int64_t N, int64_t L) const { return reshaped(saved_.view(), {L, N, 6 * H_}); }
+  int64_t I_, H_;
+  Tensor wih_, dwih_, whh_, dwhh_, bih_, dbih_, bhh_, dbhh_;
+  FlatBuffer out_, seq_, saved_, dseq_;
+};
+
+}  // namespace
+
+ModulePtr make_dropout(const std::string& name, float p) {
+  return std::make_unique<DropoutModule>(name, p);
+}
+ModulePtr make_squeeze_excitation(const std::string& name, int64_t channels, int64_t squeeze,
+                                  Activation act) {
+  return std::make_unique<SqueezeExcitation>(name, channels, squeeze, act);
+}
+ModulePtr make_stochastic_depth(const std::string& name, float p) {
+  return std::make_unique<StochasticDepth>(name, p);
+}
+ModulePtr make_rows_to_sequence(const std::string& name) {
+  return std::make_unique<RowsToSequence>(name);
+}
+ModulePtr make_lstm(const std::string& name, int64_t input_size, int64_t hidden_size) {
+  return std::make_unique<Lstm>(name, input_size, hidden_size);
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,269 @@
+#include "model/image/image_model.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <map>
+
+#include "core/error.h"
+
+namespace shardtrain {
+namespace {
+
+ImageOps& ops_of(Backend& be) {
+  ImageOps* ops = be.image_ops();
+  if (!ops)
+    throw ConfigError(fmt::format(
+        "the {} backend has no image-model ops (convolution, batch norm, pooling); train image "
+        "models with --device cpu",
+        be.description()));
+  return *ops;
+}
+
+Tensor shaped(const Tensor& t, const std::vector<int64_t>& shape) {
+  Tensor out = t;
+  out.ndim = static_cast<int>(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) out.shape[i] = shape[i];
+  return out;
+}
+
+void grow(Backend& be, FlatBuffer& buf, DType dt, int64_t numel) {
+  if (buf.numel() >= numel) return;
+  buf = FlatBuffer();
+  buf = FlatBuffer(be, dt, numel);
+}
+
+}  // namespace
+
+namespace {
+std::vector<std::vector<ModulePtr>> one_member(std::vector<ModulePtr> layers) {
+  std::vector<std::vector<ModulePtr>> m;
+  m.push_back(std::move(layers));
+  return m;
+}
+}  // namespace
+
+ImageModel::ImageModel(ImageModelSpec spec, std::vector<ModulePtr> layers, Backend& backend)
+    : ImageModel(std::move(spec), one_member(std::move(layers)), backend) {}
+
+ImageModel::ImageModel(ImageModelSpec spec, std::vector<std::vector<ModulePtr>> members,
+                       Backend& backend)
+    : spec_(std::move(spec)), backend_(backend), ops_(ops_of(backend)) {
+  check<ConfigError>(!members.empty(), "image model {} has no layers", spec_.name);
+  for (auto& member : members) {
+    check<ConfigError>(!member.empty(), "image model {} has a member without layers", spec_.name);
+    member_begin_.push_back(layers_.size());
+    ImageShape s{1, spec_.channels, spec_.height, spec_.width};
+    for (const auto& l : member) s = l->output_shape(s);
+    check<ConfigError>(s.C == spec_.num_classes && s.H == 1 && s.W == 1,
+                       "image model {} outputs [{}, {}, {}] per image, not {} class logits",
+                       spec_.name, s.C, s.H, s.W, spec_.num_classes);
+    for (auto& l : member) layers_.push_back(std::move(l));
+  }
+  member_begin_.push_back(layers_.size());
+  for (const auto& l : layers_) {
+    std::vector<ParamTensor> tensors;
+    l->param_specs(tensors);
+    layout_.add_layer(l->name(), std::move(tensors));
+    l->buffer_specs(buffer_specs_);
+  }
+  int64_t total = 0;
+  std::vector<float> init;
+  for (const BufferSpec& b : buffer_specs_) {
+    buffer_offsets_.push_back(total);
+    total += b.numel;
+    init.insert(init.end(), static_cast<size_t>(b.numel), b.init_value);
+  }
+  if (total > 0) {
+    buffers_ = FlatBuffer(backend_, DType::kF32, total);
+    backend_.copy_from_host(buffers_.data(), init.data(), init.size() * sizeof(float));
+  }
+}
+
+ImageModel::~ImageModel() = default;
+
+ParamSource ImageModel::source_for(int layer, const LayerRange& r, Tensor params, Tensor grads) {
+  ParamSource src;
+  src.param = [this, layer, r, params, grads](const std::string& name) {
+    for (const ParamTensor& t : r.tensors)
+      if (t.name == name) {
+        const int64_t off = t.offset - r.offset;
+        return std::pair{shaped(params.slice1d(off, t.numel), t.shape),
+                         grads.empty() ? Tensor() : shaped(grads.slice1d(off, t.numel), t.shape)};
+      }
+    throw RuntimeFailure(
+        fmt::format("layer {} of {} has no parameter {}", layer, spec_.name, name));
+  };
+  src.buffer = [this](const std::string& name) {
+    for (size_t i = 0; i < buffer_specs_.size(); ++i)
+      if (buffer_specs_[i].name == name)
+        return buffers_.slice(buffer_offsets_[i], buffer_specs_[i].numel);
+    throw RuntimeFailure(fmt::format("{} has no buffer {}", spec_.name, name));
+  };
+  return src;
+}
+
+void ImageModel::bind(const Tensor& params, const Tensor& grads) {
+  for (int i = 0; i < num_layers(); ++i) {
+    const LayerRange& r = layout_.layers()[static_cast<size_t>(i)];
+    bind_layer(i, r, params.slice1d(r.offset, r.numel),
+               grads.empty() ? Tensor() : grads.slice1d(r.offset, r.numel));
+  }
+}
+
+void ImageModel::bind_layer(int layer, const LayerRange& r, Tensor params, Tensor grads) {
+  layers_[static_cast<size_t>(layer)]->bind(source_for(layer, r, params, grads));
+}
+
+void ImageModel::init_parameters(float* host_params, uint64_t seed) const {
+  init_layout_parameters(layout_, host_params, seed);
+}
+
+void ImageModel::set_sync_batchnorm(std::function<void(Tensor)> sum, int64_t ranks) {
+  sync_sum_ = std::move(sum);
+  sync_ranks_ = ranks;
+}
+
+ModuleContext ImageModel::context(bool training, bool for_backward, uint64_t dropout_seed) {
+  ModuleContext ctx{backend_, ops_, training, for_backward, {}, 1, dropout_seed};
+  if (training && sync_sum_) {
+    ctx.sync_sums = sync_sum_;
+    ctx.sync_ranks = sync_ranks_;
+  }
+  return ctx;
+}
+
+Tensor ImageModel::run_forward(ModuleContext& ctx, const float* images, int64_t batch) {
+  const int64_t per_image = spec_.channels * spec_.height * spec_.width;
+  const DType dt = backend_.compute_dtype();
+  grow(backend_, image_, dt, batch * per_image);
+  Tensor x(image_.data(), dt, backend_.kind(), {batch, spec_.channels, spec_.height, spec_.width});
+  if (dt == DType::kF32) {
+    backend_.copy_from_host(x.data, images, x.bytes());
+  } else {
+    grow(backend_, image_f32_, DType::kF32, batch * per_image);
+    backend_.copy_from_host(image_f32_.data(), images,
+                            static_cast<size_t>(batch * per_image) * sizeof(float));
+    backend_.convert(x, Tensor(image_f32_.data(), DType::kF32, backend_.kind(),
+                               {batch, spec_.channels, spec_.height, spec_.width}));
+  }
+  inputs_.resize(layers_.size());
+  const size_t members = member_begin_.size() - 1;
+  Tensor sum;
+  if (members > 1) {
+    grow(backend_, logit_sum_, dt, batch * spec_.num_classes);
+    sum = Tensor(logit_sum_.data(), dt, backend_.kind(), {batch, spec_.num_classes});
+  }
+  const Tensor image = x;
+  for (size_t m = 0; m < members; ++m) {
+    x = image;
+    for (size_t i = member_begin_[m]; i < member_begin_[m + 1]; ++i) {
+      if (hooks_) hooks_->before_forward(static_cast<int>(i));
+      inputs_[i] = x;
+      x = layers_[i]->forward(ctx, x);
+      if (hooks_) {
+        hooks_->after_forward(static_cast<int>(i));
+        hooks_->between_layers();
+      }
+    }
+    if (members == 1) return Tensor(x.data, x.dtype, x.device, {batch, spec_.num_classes});
+    const Tensor logits(x.data, x.dtype, x.device, {batch, spec_.num_classes});
+    if (m == 0)
+      backend_.copy(sum.data, logits.data, logits.bytes());
+    else
+      backend_.add(sum, sum, logits);
+  }
+  backend_.scale(sum, 1.0f / static_cast<float>(members));
+  return sum;
+}
+
+double ImageModel::forward(const ModelInput& input, float grad_scale, bool for_backward) {
+  check<ConfigError>(input.images && input.targets && input.batch > 0,
+                     "{} takes images and class targets", spec_.name);
+  dropout_seed_ = input.dropout_seed;
+  ModuleContext ctx = context(for_backward, for_backward, dropout_seed_);
+  batch_ = input.batch;
+  logits_ = run_forward(ctx, input.images, input.batch);
+  grow(backend_, targets_, DType::kI32, batch_);
+  grow(backend_, losses_, DType::kF32, batch_);
+  backend_.copy_from_host(targets_.data(), input.targets,
+                          static_cast<size_t>(batch_) * sizeof(int32_t));
+  Tensor targets(targets_.data(), DType::kI32, backend_.kind(), {batch_});
+  Tensor losses(losses_.data(), DType::kF32, backend_.kind(), {batch_});
+  // Leaves ∂objective/∂logits in logits_ for backward().
+  ops_.classification_loss(losses, logits_, targets, for_backward ? label_smoothing_ : 0.0f,
+                           grad_scale);
+  return backend_.sum(losses) / static_cast<double>(batch_);
+}
+
+void ImageModel::backward() {
+  ModuleContext ctx = context(true, true, dropout_seed_);
+  const size_t members = member_begin_.size() - 1;
+  const auto is_first = [&](size_t k) {
+    return std::find(member_begin_.begin(), member_begin_.end(), k) != member_begin_.end();
+  };
+  int64_t largest = 0;
+  for (size_t i = 0; i < inputs_.size(); ++i)
+    if (!is_first(i)) largest = std::max(largest, inputs_[i].numel());
+  grow(backend_, grad_a_, backend_.compute_dtype(), largest);
+  grow(backend_, grad_b_, backend_.compute_dtype(), largest);
+  Tensor g(logits_.data, logits_.dtype, logits_.device, {batch_, spec_.num_classes, 1, 1});
+  Tensor member_g = g;
+  if (members > 1) {
+    // ∂/∂(member logits) = ∂/∂(mean) / members, the same for every member.
+    grow(backend_, member_grad_, logits_.dtype, logits_.numel());
+    member_g = Tensor(member_grad_.data(), g.dtype, g.device, {batch_, spec_.num_classes, 1, 1});
+    backend_.copy(member_g.data, g.data, g.bytes());
+    backend_.scale(member_g, 1.0f / static_cast<float>(members));
+  }
+  for (size_t k = layers_.size(); k-- > 0;) {
+    if (hooks_) hooks_->before_backward(static_cast<int>(k));
+    if (is_first(k + 1)) g = member_g;  // a member's last layer
+    Tensor target;
+    if (!is_first(k)) {
+      const Tensor& in = inputs_[k];
+      target = Tensor((k % 2 ? grad_a_ : grad_b_).data(), in.dtype, in.device,
+                      {in.shape[0], in.shape[1], in.shape[2], in.shape[3]});
+    }
+    layers_[k]->backward(ctx, inputs_[k], g, target);
+    if (hooks_) {
+      hooks_->after_backward(static_cast<int>(k));
+      hooks_->between_layers();
+    }
+    g = target;
+  }
+}
+
+std::vector<float> ImageModel::predict(const float* images, int64_t batch) {
+  ModuleContext ctx = context(false, false, 0);
+  const Tensor logits = run_forward(ctx, images, batch);
+  std::vector<float> out(static_cast<size_t>(logits.numel()));
+  if (logits.dtype == DType::kF32) {
+    backend_.copy_to_host(out.data(), logits.data, logits.bytes());
+  } else {
+    FlatBuffer tmp(backend_, DType::kF32, logits.numel());
+    backend_.convert(Tensor(tmp.data(), DType::kF32, backend_.kind(), {batch, spec_.num_classes}),
+                     logits);
+    backend_.copy_to_host(out.data(), tmp.data(), out.size() * sizeof(float));
+  }
+  return out;
+}
+
+int64_t ImageModel::macs_per_image() const {
+  int64_t total = 0;
+  for (size_t m = 0; m + 1 < member_begin_.size(); ++m) {
+    ImageShape s{1, spec_.channels, spec_.height, spec_.width};
+    for (size_t i = member_begin_[m]; i < member_begin_[m + 1]; ++i) {
+      total += layers_[i]->macs_per_image(s);
+      s = layers_[i]->output_shape(s);
+    }
+  }
+  return total;
+}
+
+double ImageModel::train_flops_per_sample(int64_t) const {
+  // forward 2·MACs, backward 4·MACs (input and weight gradients)
+  return 6.0 * static_cast<double>(macs_per_image());
+}
+
+}  // namespace shardtrain

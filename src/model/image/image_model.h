@@ -1,0 +1,96 @@
+// ImageModel: an image classifier as a Model (model/model.h) — a list of top-level modules
+// (torchvision's "features.0", ..., "classifier"), each one layer of the flat parameter layout,
+// ending in class logits [N, K] and a label-smoothed softmax cross-entropy. An ensemble runs
+// several such lists (its members) on the same images and averages their logits.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/image/image_module.h"
+#include "model/model.h"
+
+namespace shardtrain {
+
+/// What an image model is built for: the input (from the data set) and the class count.
+struct ImageModelSpec {
+  std::string name;          ///< "cnn", "mobilenet_v2", ...
+  int64_t channels = 1;      ///< input channels C
+  int64_t height = 28;       ///< input height H (pixels)
+  int64_t width = 28;        ///< input width W (pixels)
+  int64_t num_classes = 10;  ///< K
+  /// Build with the architecture's dropout and stochastic depth (false: p = 0 everywhere, e.g.
+  /// for parity tests against a reference with them off).
+  bool dropout = true;
+};
+
+class ImageModel final : public Model {
+ public:
+  /// `layers`: the top-level modules in order; the last must output [N, K, 1, 1]. Checks every
+  /// shape for spec's input now. Throws ConfigError (naming the module) when the input is too
+  /// small for the network's downsampling or the classifier does not output K classes.
+  ImageModel(ImageModelSpec spec, std::vector<ModulePtr> layers, Backend& backend);
+  /// An ensemble: each member's layers (in order) run on the same input and its logits are
+  /// averaged (the mean of the members' logits goes to the loss). The layers of all members are
+  /// the model's layers, member after member, so each is one layer of the flat layout.
+  ImageModel(ImageModelSpec spec, std::vector<std::vector<ModulePtr>> members, Backend& backend);
+  ~ImageModel() override;
+
+  std::string name() const override { return spec_.name; }
+  const ImageModelSpec& spec() const { return spec_; }
+  const ParamLayout& layout() const override { return layout_; }
+  Backend& backend() override { return backend_; }
+  Module& layer(int i) { return *layers_[static_cast<size_t>(i)]; }
+
+  void bind(const Tensor& params, const Tensor& grads) override;
+  void bind_layer(int layer, const LayerRange& r, Tensor params, Tensor grads) override;
+  void init_parameters(float* host_params, uint64_t seed) const override;
+
+  /// Label smoothing ε of the training loss (0 = plain cross-entropy).
+  void set_label_smoothing(float eps) { label_smoothing_ = eps; }
+  /// Synchronized batch norm: `sum` all-reduces an fp32 tensor in place across `ranks`
+  /// data-parallel ranks (null: per-rank statistics).
+  void set_sync_batchnorm(std::function<void(Tensor)> sum, int64_t ranks);
+
+  double forward(const ModelInput& input, float grad_scale, bool for_backward) override;
+  void backward() override;
+  /// Evaluation forward (running batch-norm statistics, no dropout): logits [batch, K] fp32 on
+  /// the host, row-major.
+  std::vector<float> predict(const float* images, int64_t batch);
+
+  double train_flops_per_sample(int64_t seq_len) const override;
+  /// Multiply-accumulates of one forward per image.
+  int64_t macs_per_image() const;
+
+  /// The fp32 buffers (batch norm's running statistics), in buffer_specs() order, on the device.
+  const std::vector<BufferSpec>& buffer_specs() const { return buffer_specs_; }
+  Tensor buffers() const { return buffers_.view(); }
+
+ private:
+  Tensor run_forward(ModuleContext& ctx, const float* images, int64_t batch);
+  ModuleContext context(bool training, bool for_backward, uint64_t dropout_seed);
+  ParamSource source_for(int layer, const LayerRange& r, Tensor params, Tensor grads);
+
+  ImageModelSpec spec_;
+  std::vector<ModulePtr> layers_;
+  /// First layer of each member, then layers_.size() (one member: {0, size}).
+  std::vector<size_t> member_begin_;
+  Backend& backend_;
+  ImageOps& ops_;
+  ParamLayout layout_;
+  std::vector<BufferSpec> buffer_specs_;
+  std::vector<int64_t> buffer_offsets_;
+  FlatBuffer buffers_;
+  std::vector<Tensor> inputs_;  ///< each layer's input of the last forward
+  FlatBuffer image_f32_, image_, targets_, losses_, grad_a_, grad_b_;
+  FlatBuffer logit_sum_, member_grad_;  ///< ensembles: the mean of the logits, and its gradient
+  uint64_t dropout_seed_ = 0;           ///< of the last forward, for backward's masks
+  float label_smoothing_ = 0;
+  std::function<void(Tensor)> sync_sum_;
+  int64_t sync_ranks_ = 1;
+  int64_t batch_ = 0;
+  Tensor logits_;
+};
+
+}  // namespace shardtrain

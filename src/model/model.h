@@ -1,0 +1,86 @@
+// Model: what strategies, the training step and checkpoints need of a model, whatever it is —
+// GPT-2 (model/gpt2.h) or an image classifier (model/image/image_model.h).
+//
+// A model is an ordered list of layers over one flat parameter layout (memory/param_layout.h).
+// Strategies own the flat buffers and bind them (all at once, or one layer at a time for
+// ZeRO-3's gathered parameters); the model runs forward and backward over its layers, calling the
+// strategy's LayerHooks around each.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "backend/backend.h"
+#include "memory/param_layout.h"
+
+namespace shardtrain {
+
+/// Callbacks a strategy registers to act around each layer (ZeRO-3 gathers parameters before
+/// a layer's forward/backward; data parallelism reduces a layer's gradients after its backward).
+class LayerHooks {
+ public:
+  virtual ~LayerHooks() = default;
+  virtual void before_forward(int /*layer*/) {}
+  virtual void after_forward(int /*layer*/) {}
+  virtual void before_backward(int /*layer*/) {}
+  virtual void after_backward(int /*layer*/) {}
+  /// After every layer of every pass, the input-gradient pass included: where a pipeline polls
+  /// its transfers in flight (MPI moves a large message only while its sender is inside an MPI
+  /// call, so a stage computing for long would otherwise hold its neighbour's data back).
+  virtual void between_layers() {}
+};
+
+/// One micro-batch in host memory. Language models read `tokens` [batch · seq_len] and
+/// next-token `targets` [batch · seq_len]; image classifiers read `images` [batch, C, H, W] fp32
+/// (normalized) and `targets` [batch] (class indices). Pointers stay valid until forward returns.
+struct ModelInput {
+  int64_t batch = 0;
+  int64_t seq_len = 0;  ///< tokens per sample (language models); 0 for images
+  const int32_t* tokens = nullptr;
+  const float* images = nullptr;
+  const int32_t* targets = nullptr;
+  /// The micro-batch's dropout seed (micro_batch_dropout_seed in model/gpt2.h): training draws
+  /// its masks (dropout, stochastic depth) from it, identically in the micro-batch's forward,
+  /// recompute and backward.
+  uint64_t dropout_seed = 0;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  /// "gpt2-medium", "mobilenet_v2", ...
+  virtual std::string name() const = 0;
+  virtual const ParamLayout& layout() const = 0;
+  int num_layers() const { return layout().num_layers(); }
+  virtual Backend& backend() = 0;
+
+  /// Binds every layer to the whole flat buffers (params [numel], grads [numel] or empty), in
+  /// the backend's compute dtype.
+  virtual void bind(const Tensor& params, const Tensor& grads) = 0;
+  /// Binds layer `layer` alone to `params`/`grads` holding exactly its range `r` (ZeRO-3's
+  /// gathered copy); grads may be empty.
+  virtual void bind_layer(int layer, const LayerRange& r, Tensor params, Tensor grads) = 0;
+  /// The model's initialization into a host fp32 buffer of layout().numel() elements, each
+  /// tensor from its own stream seeded by (seed, tensor name) so that sharding does not change it.
+  virtual void init_parameters(float* host_params, uint64_t seed) const = 0;
+
+  void set_hooks(LayerHooks* hooks) { hooks_ = hooks; }
+  LayerHooks* hooks() const { return hooks_; }
+
+  /// Forward over all layers; returns the micro-batch's mean loss. With for_backward, keeps what
+  /// backward() needs and seeds the output gradient with `grad_scale` (∂objective/∂(per-sample
+  /// or per-token loss)).
+  virtual double forward(const ModelInput& input, float grad_scale, bool for_backward) = 0;
+  /// Backward over all layers after forward(..., for_backward=true); accumulates into grads.
+  virtual void backward() = 0;
+
+  /// Dense FLOPs of one training step's forward + backward per sample (6·N·T-style analytic
+  /// count), for MFU.
+  virtual double train_flops_per_sample(int64_t seq_len) const = 0;
+
+ protected:
+  LayerHooks* hooks_ = nullptr;
+};
+
+}  // namespace shardtrain

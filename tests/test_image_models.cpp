@@ -1,0 +1,181 @@
+// Image models (model/image/) against PyTorch/torchvision: forward parity in eval and train mode,
+// the training loss, every parameter gradient and the running statistics, on the fixtures that
+// tests/fixtures/make_image_fixtures.py made (weights filled by a formula on both sides); and the
+// models' clear errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "image_fixture_weights.h"
+#include "io/safetensors.h"
+#include "model/image/image_zoo.h"
+#include "test_support.h"
+
+namespace shardtrain {
+namespace {
+
+using test_support::fixture_fill;
+
+template <typename T>
+std::vector<T> read_tensor(const SafetensorsFile& f, const std::string& name) {
+  const SafetensorEntry& e = f.entry(name);
+  std::vector<T> out(e.bytes / sizeof(T));
+  f.read(name, out.data());
+  return out;
+}
+
+struct Fixture {
+  std::string model;
+  int64_t channels, height, width;
+};
+
+/// The fixture's file (and test) name: the model name with ':' and ',' as '_' (the script's
+/// file_name).
+std::string file_name(std::string model) {
+  for (char& c : model)
+    if (c == ':' || c == ',') c = '_';
+  return model;
+}
+
+class ImageModelParity : public ::testing::TestWithParam<Fixture> {};
+
+TEST_P(ImageModelParity, MatchesPyTorch) {
+  const Fixture fx = GetParam();
+  const SafetensorsFile file(std::string(SHARDTRAIN_TEST_FIXTURES) + "/image_models/" +
+                             file_name(fx.model) + ".safetensors");
+  auto be = make_cpu_backend();
+  // Dropout and stochastic depth off, as in the fixture script.
+  auto model = make_image_model({.name = fx.model,
+                                 .channels = fx.channels,
+                                 .height = fx.height,
+                                 .width = fx.width,
+                                 .num_classes = 10,
+                                 .dropout = false},
+                                *be);
+  const ParamLayout& layout = model->layout();
+
+  // Same parameters, same names, same order as PyTorch's named_parameters().
+  std::vector<std::string> names;
+  for (const ParamTensor* t : layout.tensors()) names.push_back(t->name);
+  std::vector<std::string> expected;
+  std::istringstream lines(file.metadata().at("parameters"));
+  for (std::string l; std::getline(lines, l);) expected.push_back(l);
+  ASSERT_EQ(names, expected);
+
+  std::vector<float> host(static_cast<size_t>(layout.numel()), 0.0f);
+  for (const ParamTensor* t : layout.tensors()) {
+    const std::vector<float> v = fixture_fill(t->name, t->shape);
+    std::copy(v.begin(), v.end(), host.begin() + t->offset);
+  }
+  FlatBuffer params(*be, DType::kF32, layout.numel()), grads(*be, DType::kF32, layout.numel());
+  be->copy_from_host(params.data(), host.data(), host.size() * sizeof(float));
+  model->bind(params.view(), grads.view());
+  std::vector<float> buffers;
+  for (const BufferSpec& b : model->buffer_specs()) {
+    const std::vector<float> v = fixture_fill(b.name, {b.numel});
+    buffers.insert(buffers.end(), v.begin(), v.end());
+  }
+  be->copy_from_host(model->buffers().data, buffers.data(), buffers.size() * sizeof(float));
+
+  const std::vector<float> input = read_tensor<float>(file, "input");
+  const std::vector<int32_t> targets = read_tensor<int32_t>(file, "targets");
+  const auto close = [](double got, double want, double tol, const std::string& what) {
+    EXPECT_NEAR(got, want, tol * std::max(1.0, std::abs(want))) << what;
+  };
+
+  const int64_t batch = file.entry("input").shape[0];
+  const std::vector<float> eval = model->predict(input.data(), batch);
+  const std::vector<float> want_eval = read_tensor<float>(file, "logits_eval");
+  ASSERT_EQ(eval.size(), want_eval.size());
+  for (size_t i = 0; i < eval.size(); ++i) close(eval[i], want_eval[i], 1e-4, "eval logit");
+
+  model->set_label_smoothing(0.1f);
+  const double loss =
+      model->forward({.batch = batch, .images = input.data(), .targets = targets.data()},
+                     1.0f / static_cast<float>(batch), true);
+  close(loss, read_tensor<float>(file, "loss_train")[0], 1e-4, "train loss");
+  model->backward();
+  std::vector<float> g(host.size());
+  be->copy_to_host(g.data(), grads.data(), g.size() * sizeof(float));
+  const std::vector<double> want_sum = read_tensor<double>(file, "grad_sum");
+  const std::vector<double> want_sq = read_tensor<double>(file, "grad_sumsq");
+  const auto tensors = layout.tensors();
+  ASSERT_EQ(tensors.size(), want_sum.size());
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    double s = 0, sq = 0;
+    for (int64_t i = 0; i < tensors[k]->numel; ++i) {
+      const double v = g[static_cast<size_t>(tensors[k]->offset + i)];
+      s += v;
+      sq += v * v;
+    }
+    close(sq, want_sq[k], 1e-3, "Σg² of " + tensors[k]->name);
+    EXPECT_NEAR(s, want_sum[k], 1e-3 * std::sqrt(want_sq[k] * tensors[k]->numel) + 1e-7)
+        << "Σg of " << tensors[k]->name;
+  }
+
+  // Running statistics after the one training forward (momentum 0.1, unbiased variance).
+  std::vector<float> after(buffers.size());
+  be->copy_to_host(after.data(), model->buffers().data, after.size() * sizeof(float));
+  const std::vector<double> rm = read_tensor<double>(file, "running_mean_sum");
+  const std::vector<double> rv = read_tensor<double>(file, "running_var_sum");
+  size_t off = 0, bn = 0;
+  for (const BufferSpec& b : model->buffer_specs()) {
+    double s = 0;
+    for (int64_t i = 0; i < b.numel; ++i) s += after[off + static_cast<size_t>(i)];
+    off += static_cast<size_t>(b.numel);
+    const bool mean = test_support::ends_with(b.name, "running_mean");
+    close(s, mean ? rm[bn] : rv[bn], 1e-4, b.name);
+    if (!mean) ++bn;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Models, ImageModelParity,
+    ::testing::Values(Fixture{"cnn", 1, 28, 28}, Fixture{"mobilenet_v2", 3, 64, 64},
+                      Fixture{"efficientnet_b0", 3, 64, 64}, Fixture{"vgg11_bn", 3, 32, 32},
+                      Fixture{"cnn_lstm", 1, 28, 28}, Fixture{"ensemble:cnn,cnn_lstm", 1, 28, 28}),
+    [](const ::testing::TestParamInfo<Fixture>& p) { return file_name(p.param.model); });
+
+TEST(ImageModels, ClearErrors) {
+  auto be = make_cpu_backend();
+  EXPECT_THROW_MSG(make_image_model({"mobilenet_v3", 3, 32, 32, 10}, *be), ConfigError,
+                   "did you mean 'mobilenet_v2'");
+  EXPECT_THROW_MSG(make_image_model({"cnn", 1, 2, 2, 10}, *be), ConfigError, "too small");
+}
+
+TEST(ImageModels, MacsAndParameters) {
+  auto be = make_cpu_backend();
+  auto m = make_image_model({"mobilenet_v2", 3, 224, 224, 1000}, *be);
+  // torchvision's MobileNetV2: 3,504,872 parameters and about 300 M multiply-adds at 224×224
+  // (Sandler et al., table 4).
+  EXPECT_EQ(m->layout().num_parameters(), 3504872);
+  EXPECT_NEAR(static_cast<double>(m->macs_per_image()), 300e6, 15e6);
+}
+
+TEST(ImageModels, ParameterCounts) {
+  auto be = make_cpu_backend();
+  // torchvision's efficientnet_b0, vgg11_bn and vgg16_bn at 1000 classes.
+  const std::pair<const char*, int64_t> expected[] = {
+      {"efficientnet_b0", 5288548}, {"vgg11_bn", 132868840}, {"vgg16_bn", 138365992}};
+  for (const auto& [name, count] : expected) {
+    auto m = make_image_model({name, 3, 224, 224, 1000}, *be);
+    EXPECT_EQ(m->layout().num_parameters(), count) << name;
+  }
+  // EfficientNet-B0: about 0.39 G multiply-adds at 224×224 (Tan & Le, table 2).
+  auto e = make_image_model({"efficientnet_b0", 3, 224, 224, 1000}, *be);
+  EXPECT_NEAR(static_cast<double>(e->macs_per_image()), 0.39e9, 0.03e9);
+  // An ensemble's parameters are its members', prefixed.
+  auto ens = make_image_model({"ensemble:cnn,cnn_lstm", 1, 28, 28, 10}, *be);
+  auto cnn = make_image_model({"cnn", 1, 28, 28, 10}, *be);
+  auto lstm = make_image_model({"cnn_lstm", 1, 28, 28, 10}, *be);
+  EXPECT_EQ(ens->layout().num_parameters(),
+            cnn->layout().num_parameters() + lstm->layout().num_parameters());
+  EXPECT_EQ(ens->num_layers(), cnn->num_layers() + lstm->num_layers());
+  EXPECT_NE(ens->layout().find("members.1.lstm.weight_ih_l0"), nullptr);
+}
+
+}  // namespace
+}  // namespace shardtrain
