@@ -11,6 +11,8 @@ if [ ! -f /work/main/build/data/wikitext-2/wiki.train.tokens ]; then
   tar -C /work/main/build/data -xJf data/wikitext-2/wikitext-2-v1.tar.xz
   cp -r data/gpt2-tokenizer /work/main/build/data/
 fi
+# The carried binary looks for its data next to itself (.device/data); point it at the copy above.
+export SHARDTRAIN_DATA_DIR=/work/main/build/data
 # bench/pack_device.sh packs .device/ into one archive when it would not fit the call uncompressed
 if [ -f .device/bundle.tar.xz ] && [ ! -e .device/shardtrain ]; then
   tar -C .device -xJf .device/bundle.tar.xz
