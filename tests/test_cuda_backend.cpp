@@ -1439,15 +1439,17 @@ TEST(FlashAttentionModelTest, WholeModelMatchesCpuBf16) {
 }
 
 // Attention dropout inside the fused kernels: forward and backward against the CPU reference
-// with the same mask (element ((b·NH+h)·T+tq)·T+tk), bit-identical from run to run; T odd
-// (63, 97) puts pairs of adjacent keys across Philox groups of four. The lse is that of the
-// undropped softmax.
+// with the same mask (element ((b·NH+h)·T+tq)·T+tk, AttnDropout8), bit-identical from run to run;
+// T odd (63, 97) puts pairs of adjacent keys across Philox groups of 16, T = 200 (a multiple of 4,
+// not of 16) takes the per-pair/per-element fallback, T = 128, 192, 160 the shuffled groups of 16
+// (tiles of 64 and, at hs = 128, 32 keys or queries). The lse is that of the undropped softmax.
 TEST_P(FlashAttentionTest, ForwardBackwardWithDropoutMatchCpu) {
   struct Case {
     int64_t B, NH, Tn, hs;
   };
-  for (const Case& cs : {Case{2, 3, 63, 64}, Case{2, 3, 65, 64}, Case{2, 3, 200, 64},
-                         Case{1, 2, 128, 32}, Case{1, 2, 97, 128}}) {
+  for (const Case& cs :
+       {Case{2, 3, 63, 64}, Case{2, 3, 65, 64}, Case{2, 3, 200, 64}, Case{1, 2, 128, 32},
+        Case{1, 2, 97, 128}, Case{2, 2, 192, 64}, Case{1, 2, 160, 128}}) {
     const int64_t B = cs.B, NH = cs.NH, Tn = cs.Tn, hs = cs.hs, C = NH * hs;
     SCOPED_TRACE("B=" + std::to_string(B) + " NH=" + std::to_string(NH) +
                  " T=" + std::to_string(Tn) + " hs=" + std::to_string(hs));

@@ -136,6 +136,62 @@ TEST(Dropout, MaskStatisticsKeepRateAndScale) {
   }
 }
 
+// Attention dropout's 8-bit decisions (AttnDropout8): p rounded to a multiple of 1/256, the scale
+// 1/(1 − p_effective), one Philox call per 16 elements (byte index & 3 of lane (index >> 2) & 3 of
+// the call of counter index >> 4), keep iff byte ≥ threshold.
+TEST(Dropout, AttentionEightBitThresholdScaleAndBytes) {
+  EXPECT_EQ(AttnDropout8::threshold(make_dropout(0.1f, 1)), 26u);
+  EXPECT_EQ(AttnDropout8::threshold(make_dropout(0.5f, 1)), 128u);
+  EXPECT_EQ(AttnDropout8::threshold(make_dropout(0.999f, 1)), 255u);
+  EXPECT_FLOAT_EQ(AttnDropout8::p_effective(make_dropout(0.1f, 1)), 26.0f / 256.0f);
+  EXPECT_FLOAT_EQ(AttnDropout8::scale(make_dropout(0.1f, 1)), 256.0f / 230.0f);
+  EXPECT_FLOAT_EQ(AttnDropout8::scale(make_dropout(0.25f, 1)), 1.0f / 0.75f);
+  const Dropout d = make_dropout(0.3f, 0x123456789ull, 5);
+  const uint32_t th = AttnDropout8::threshold(d);
+  for (uint64_t g : {uint64_t{0}, uint64_t{1}, uint64_t{12345}, uint64_t{1} << 33}) {
+    const Philox4x32 r = philox4x32_10(
+        Philox4x32{{static_cast<uint32_t>(g), static_cast<uint32_t>(g >> 32), 5u, 0u}}, 0x23456789u,
+        0x1u);
+    const uint32_t mask = AttnDropout8::keep_mask16(d, 16 * g, th);
+    for (uint64_t i = 0; i < 16; ++i) {
+      const uint32_t byte = (r.v[i >> 2] >> (8 * (i & 3))) & 0xFFu;
+      ASSERT_EQ(AttnDropout8::keep(d, 16 * g + i, th), byte >= th) << g << " " << i;
+      ASSERT_EQ(((mask >> i) & 1u) != 0, byte >= th) << g << " " << i;
+    }
+  }
+}
+
+// Keep rate within 4σ of 1 − p_effective over 2^18 elements, and at every byte position of a
+// group of 16; the mean multiplier ≈ 1 (the expectation is exact with the effective scale).
+TEST(Dropout, AttentionEightBitMaskStatistics) {
+  const int64_t n = int64_t{1} << 18;
+  for (float p : {0.1f, 0.5f, 0.9f}) {
+    SCOPED_TRACE(p);
+    const Dropout d = make_dropout(p, 4321, 6);
+    const uint32_t th = AttnDropout8::threshold(d);
+    const double q = 1.0 - AttnDropout8::p_effective(d);
+    int64_t kept = 0;
+    std::vector<int64_t> per(16, 0);
+    for (int64_t g = 0; g < n / 16; ++g) {
+      const uint32_t m = AttnDropout8::keep_mask16(d, static_cast<uint64_t>(16 * g), th);
+      for (int i = 0; i < 16; ++i) {
+        const bool k = (m >> i) & 1u;
+        kept += k;
+        per[static_cast<size_t>(i)] += k;
+      }
+    }
+    const double sigma = std::sqrt(static_cast<double>(n) * q * (1.0 - q));
+    EXPECT_NEAR(static_cast<double>(kept), static_cast<double>(n) * q, 4.0 * sigma);
+    const double mean = static_cast<double>(kept) * AttnDropout8::scale(d) / static_cast<double>(n);
+    EXPECT_NEAR(mean, 1.0, 4.0 * sigma / static_cast<double>(n) / q + 1e-6);
+    const double nl = static_cast<double>(n / 16);
+    for (int i = 0; i < 16; ++i)
+      EXPECT_NEAR(static_cast<double>(per[static_cast<size_t>(i)]), nl * q,
+                  4.0 * std::sqrt(nl * q * (1.0 - q)))
+          << "byte " << i;
+  }
+}
+
 // Same (seed, site) → the same mask; another seed, site or stream → another mask; the mask of
 // an element does not depend on the length of the tensor (counter-based).
 TEST(Dropout, MasksAreDeterministicPerSeedAndSite) {

@@ -56,6 +56,7 @@ ST_HD Philox4x32 philox4x32_10(Philox4x32 ctr, uint32_t k0, uint32_t k1) {
 /// Active iff p > 0. Element `index` of a tensor is dropped iff the 32-bit lane (index & 3) of
 /// Philox4x32-10(counter = (index>>2 low, index>>2 high, site, stream), key = seed) is below
 /// threshold() = round(p·2^32). CPU and GPU evaluate the same function, so their masks agree.
+/// The attention-probability dropout decides with 8 bits instead (AttnDropout8 below).
 struct Dropout {
   float p = 0;          ///< drop probability in [0, 1)
   uint64_t seed = 0;    ///< key: the micro-batch's dropout seed (StepContext::dropout_seed)
@@ -84,6 +85,66 @@ struct Dropout {
   /// The multiplier of element `index`: scale() when kept, 0 when dropped.
   ST_HD float factor(uint64_t index) const { return keep(index, threshold()) ? scale() : 0.0f; }
 };
+
+/// Attention-probability dropout with 8-bit decisions (FlashAttention-2's scheme: Dao, arXiv
+/// 2307.08691, whose kernels compare 8-bit random values with p_dropout_in_uint8_t). One Philox
+/// call decides 16 elements: element `index` of P reads byte (index & 3) of 32-bit lane
+/// ((index >> 2) & 3) of Philox4x32-10(counter = (index>>4 low, index>>4 high, site, stream),
+/// key = seed) and is kept iff that byte ≥ threshold8() = round(p·256) (at most 255). The
+/// effective drop probability is therefore p rounded to a multiple of 1/256,
+/// p_effective = threshold8()/256 (0.1 → 26/256 = 0.1015625), and kept elements are scaled by
+/// 1/(1 − p_effective) (scale8()), so the expectation is exact. Used by the attention dropout only
+/// (the CPU reference, the materialized and the flash CUDA kernels, so their masks agree); the
+/// embedding and residual dropouts keep the exact 32-bit decision of Dropout::keep.
+struct AttnDropout8 {
+  /// round(p·256), clamped to 255.
+  ST_HD static uint32_t threshold(const Dropout& d) {
+    const float t = d.p * 256.0f + 0.5f;
+    return t >= 255.0f ? 255u : static_cast<uint32_t>(t);
+  }
+  /// The drop probability actually applied: threshold/256.
+  ST_HD static float p_effective(const Dropout& d) {
+    return static_cast<float>(threshold(d)) * (1.0f / 256.0f);
+  }
+  /// The scale of kept elements, 1/(1 − p_effective) = 256/(256 − threshold).
+  ST_HD static float scale(const Dropout& d) {
+    return 256.0f / static_cast<float>(256u - threshold(d));
+  }
+  /// The 128 random bits of elements [16·(index>>4), 16·(index>>4) + 16).
+  ST_HD static Philox4x32 bits16(const Dropout& d, uint64_t index) {
+    const uint64_t group = index >> 4;
+    return philox4x32_10(Philox4x32{{static_cast<uint32_t>(group),
+                                     static_cast<uint32_t>(group >> 32), d.site, d.stream}},
+                         static_cast<uint32_t>(d.seed), static_cast<uint32_t>(d.seed >> 32));
+  }
+  /// Keep bits of the 16 elements of r's group: bit i for element 16·group + i.
+  ST_HD static uint32_t mask16(const Philox4x32& r, uint32_t thresh) {
+    uint32_t m = 0;
+    ST_UNROLL
+    for (int w = 0; w < 4; ++w) {
+      ST_UNROLL
+      for (int b = 0; b < 4; ++b)
+        m |= static_cast<uint32_t>(((r.v[w] >> (8 * b)) & 0xFFu) >= thresh) << (4 * w + b);
+    }
+    return m;
+  }
+  /// Keep bits of elements index16 .. index16 + 15 (index16 a multiple of 16: one Philox call).
+  ST_HD static uint32_t keep_mask16(const Dropout& d, uint64_t index16, uint32_t thresh) {
+    return mask16(bits16(d, index16), thresh);
+  }
+  /// Whether element `index` is kept, given threshold(d).
+  ST_HD static bool keep(const Dropout& d, uint64_t index, uint32_t thresh) {
+    const uint32_t word = philox_lane(bits16(d, index), index >> 2);
+    return ((word >> (8 * (index & 3))) & 0xFFu) >= thresh;
+  }
+};
+
+/// The attention dropout's effective probability for a configured p (AttnDropout8::p_effective).
+ST_HD float attn_pdrop_effective(float p) {
+  Dropout d;
+  d.p = p;
+  return AttnDropout8::p_effective(d);
+}
 
 /// x[k] = x[k] · multiplier of element base + k, k < K: one Philox call per group of four.
 /// `thresh` = d.threshold(), `keep_scale` = d.scale().

@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/philox.h"
 #include "core/strings.h"
 #include "data/bpe_tokenizer.h"
 #include "data/dataset.h"
@@ -596,8 +597,10 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
       cfg.activation_checkpointing ? "on" : "off", out_dir.string());
   out.line("  dropout: {}",
            model_cfg.has_dropout()
-               ? fmt::format("embd_pdrop {:g}, attn_pdrop {:g}, resid_pdrop {:g} (training only)",
-                             model_cfg.embd_pdrop, model_cfg.attn_pdrop, model_cfg.resid_pdrop)
+               ? fmt::format("embd_pdrop {:g}, attn_pdrop {:g}, resid_pdrop {:g} (training "
+                             "only; attention's effective p {:g}: 8-bit decisions)",
+                             model_cfg.embd_pdrop, model_cfg.attn_pdrop, model_cfg.resid_pdrop,
+                             attn_pdrop_effective(model_cfg.attn_pdrop))
                : std::string("off"));
   if (cfg.plan.optimizer_offload != OffloadDevice::kNone ||
       cfg.plan.param_offload != OffloadDevice::kNone) {

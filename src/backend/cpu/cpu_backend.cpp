@@ -70,19 +70,20 @@ inline float row_max(const float* row, int64_t n) {
 
 /// Runs fn(c0, c1) on every OpenMP thread with its own slice [c0, c1) of [0, C): reductions over
 /// rows into per-channel sums then never race, and each sum is taken in a fixed row order.
-/// f[j] = the dropout multiplier (0 or 1/(1-p)) of element base + j, j < n.
-void dropout_factors(float* f, const Dropout& d, uint64_t base, int64_t n) {
-  const uint32_t thresh = d.threshold();
-  const float keep_scale = d.scale();
-  Philox4x32 r{};
+/// f[j] = the attention dropout multiplier (0 or 1/(1-p_effective)) of element base + j, j < n:
+/// the 8-bit decisions of AttnDropout8 (core/philox.h), one Philox call per 16 elements.
+void attention_dropout_factors(float* f, const Dropout& d, uint64_t base, int64_t n) {
+  const uint32_t thresh = AttnDropout8::threshold(d);
+  const float keep_scale = AttnDropout8::scale(d);
+  uint32_t mask = 0;
   uint64_t group = ~uint64_t{0};
   for (int64_t j = 0; j < n; ++j) {
     const uint64_t idx = base + static_cast<uint64_t>(j);
-    if ((idx >> 2) != group) {
-      group = idx >> 2;
-      r = d.bits4(idx);
+    if ((idx >> 4) != group) {
+      group = idx >> 4;
+      mask = AttnDropout8::keep_mask16(d, idx & ~uint64_t{15}, thresh);
     }
-    f[j] = r.v[idx & 3] >= thresh ? keep_scale : 0.0f;
+    f[j] = (mask >> (idx & 15)) & 1u ? keep_scale : 0.0f;
   }
 }
 
@@ -439,8 +440,8 @@ class CpuBackend final : public Backend {
         for (int64_t h = 0; h < NH; ++h) {
           for (int64_t t = 0; t < T; ++t) {
             if (drop)
-              dropout_factors(fac.data(), dropout,
-                              static_cast<uint64_t>(((b * NH + h) * T + t) * T), t + 1);
+              attention_dropout_factors(fac.data(), dropout,
+                                        static_cast<uint64_t>(((b * NH + h) * T + t) * T), t + 1);
             const float* q = x + (b * T + t) * C3 + h * hs;
             float* p = att + ((b * NH + h) * T + t) * T;
             float maxv = -INFINITY;
@@ -500,8 +501,8 @@ class CpuBackend final : public Backend {
             const float* dyt = dy + (b * T + t) * C + h * hs;
             // datt = dy · v ; dv += p * dy (with dropout: pd = p∘f, datt = (dy · v)∘f)
             if (drop)
-              dropout_factors(fac.data(), dropout,
-                              static_cast<uint64_t>(((b * NH + h) * T + t) * T), t + 1);
+              attention_dropout_factors(fac.data(), dropout,
+                                        static_cast<uint64_t>(((b * NH + h) * T + t) * T), t + 1);
             float dot = 0.f;
             for (int64_t t2 = 0; t2 <= t; ++t2) {
               const float* v = x + (b * T + t2) * C3 + 2 * C + h * hs;

@@ -197,7 +197,8 @@ constexpr int kWarpsPerBlock = kSoftmaxThreads / 32;
 /// left as they are (only the causal part of saved.probs is specified).
 /// kDrop (attention dropout): also writes Pd = P ∘ M · keep_scale into the chunk buffer pd
 /// [BH, R, Tlen] (row w at pd + w·Tlen; zeros for t < t2 < t1), M the mask of element
-/// (bh·Tlen + t)·Tlen + t2 — the P·v GEMM then reads Pd, and probs keep P for the backward.
+/// (bh·Tlen + t)·Tlen + t2 (AttnDropout8 in core/philox.h: 8-bit decisions, keep_scale =
+/// 1/(1 − p_effective)) — the P·v GEMM then reads Pd, and probs keep P for the backward.
 template <typename T, bool kDrop>
 __global__ void __launch_bounds__(kSoftmaxThreads)
     causal_softmax_forward_kernel(T* probs, const float* S, int64_t rows, int64_t R, int64_t Tlen,
@@ -223,8 +224,8 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
     const auto row = static_cast<uint64_t>((bh * Tlen + t) * Tlen);
     for (int64_t j = lane; j <= t; j += 32) {
       const float x = expf(s[j] - m) * inv;
-      q[j] = from_float<T>(drop.keep(row + static_cast<uint64_t>(j), thresh) ? x * keep_scale
-                                                                              : 0.f);
+      q[j] = from_float<T>(
+          AttnDropout8::keep(drop, row + static_cast<uint64_t>(j), thresh) ? x * keep_scale : 0.f);
     }
     for (int64_t j = t + 1 + lane; j < t1; j += 32) q[j] = from_float<T>(0.f);
   }
@@ -244,7 +245,7 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   T* q = pd + w * Tlen;
   const auto row = static_cast<uint64_t>(w * Tlen);
   for (int64_t j = lane; j <= t; j += 32)
-    q[j] = from_float<T>(drop.keep(row + static_cast<uint64_t>(j), thresh)
+    q[j] = from_float<T>(AttnDropout8::keep(drop, row + static_cast<uint64_t>(j), thresh)
                              ? to_float(p[j]) * keep_scale
                              : 0.f);
   for (int64_t j = t + 1 + lane; j < Tlen; j += 32) q[j] = from_float<T>(0.f);
@@ -271,7 +272,8 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   const auto row = static_cast<uint64_t>((bh * Tlen + t) * Tlen);
   const auto grad = [&](int64_t j) {
     if constexpr (kDrop)
-      return drop.keep(row + static_cast<uint64_t>(j), thresh) ? dp[j] * keep_scale : 0.f;
+      return AttnDropout8::keep(drop, row + static_cast<uint64_t>(j), thresh) ? dp[j] * keep_scale
+                                                                              : 0.f;
     else
       return dp[j];
   };
@@ -443,9 +445,9 @@ void attention_forward(const CudaContext& ctx, Tensor out, AttentionSaved saved,
       const int64_t rows = BH * R;
       dispatch_dropout(dropout, [&]<bool kDrop>() {
         causal_softmax_forward_kernel<E, kDrop>
-            <<<ceil_div(static_cast<size_t>(rows), kWarpsPerBlock), kSoftmaxThreads, 0, ctx.stream>>>(
-                P, S, rows, R, T, t0, t1, ldS, static_cast<E*>(pd), dropout, dropout.threshold(),
-                dropout.scale());
+            <<<ceil_div(static_cast<size_t>(rows), kWarpsPerBlock), kSoftmaxThreads, 0,
+               ctx.stream>>>(P, S, rows, R, T, t0, t1, ldS, static_cast<E*>(pd), dropout,
+                             AttnDropout8::threshold(dropout), AttnDropout8::scale(dropout));
         ST_CUDA_LAUNCH_CHECK();
       });
       // y[t0:t1] = P[t0:t1, 0:t1] · v[0:t1]   (under dropout Pd, chunk rows of stride T)
@@ -551,7 +553,8 @@ void attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor
       const int64_t rows = BH * T;
       dropped_probs_kernel<E>
           <<<ceil_div(static_cast<size_t>(rows), kWarpsPerBlock), kSoftmaxThreads, 0, ctx.stream>>>(
-              dSe, P, rows, T, dropout, dropout.threshold(), dropout.scale());
+              dSe, P, rows, T, dropout, AttnDropout8::threshold(dropout),
+              AttnDropout8::scale(dropout));
       ST_CUDA_LAUNCH_CHECK();
       key_chunks(false, true, dSe);
     }
@@ -580,9 +583,9 @@ void attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor
       const int64_t rows = BH * R;
       dispatch_dropout(dropout, [&]<bool kDrop>() {
         causal_softmax_backward_kernel<E, kDrop>
-            <<<ceil_div(static_cast<size_t>(rows), kWarpsPerBlock), kSoftmaxThreads, 0, ctx.stream>>>(
-                dSe, dP, P, rows, R, T, t0, t1, ldS, s.scale, dropout, dropout.threshold(),
-                dropout.scale());
+            <<<ceil_div(static_cast<size_t>(rows), kWarpsPerBlock), kSoftmaxThreads, 0,
+               ctx.stream>>>(dSe, dP, P, rows, R, T, t0, t1, ldS, s.scale, dropout,
+                             AttnDropout8::threshold(dropout), AttnDropout8::scale(dropout));
         ST_CUDA_LAUNCH_CHECK();
       });
       // dq[t0:t1] = dS[t0:t1, 0:t1] · k[0:t1]

@@ -23,13 +23,15 @@
 // Same formulas as backend/cpu/cpu_backend.cpp and cuda_attention.cu (dS = P ⊙ (dP − rowsum(P ⊙
 // dP)), with rowsum(P ⊙ dP) = rowsum(dO ⊙ O)).
 // Attention dropout (kDrop instantiations; p = 0 launches the kernels without it): with f =
-// M/(1−p), M the Philox mask of element ((b·NH+h)·T+i)·T+j (core/philox.h, the CPU reference's),
-// the forward multiplies P̃ by f after the row sums (O = (P∘f) v, lse unchanged); the backward
-// regenerates f: dV = (P∘f)ᵀ dO, dS = P ⊙ (dP∘f − D) with dP = dO vᵀ and D = rowsum(dO ⊙ O)
-// (still Σ_j P∘f∘dP). With T a multiple of 4, groups of four adjacent keys are aligned Philox
-// calls: each lane draws one group and the lanes share the keep bits with shuffles (one call per
-// 4 elements; forward and dQ per quad of lanes, dK/dV per warp); otherwise forward and dQ draw
-// one call per two adjacent keys and dK/dV one per element.
+// M/(1−p_eff), M the mask of element ((b·NH+h)·T+i)·T+j (AttnDropout8 in core/philox.h, the CPU
+// reference's: FlashAttention-2's 8-bit decisions, one Philox call per 16 elements, p_eff = p
+// rounded to a multiple of 1/256), the forward multiplies P̃ by f after the row sums (O = (P∘f) v,
+// lse unchanged); the backward regenerates f: dV = (P∘f)ᵀ dO, dS = P ⊙ (dP∘f − D) with dP = dO vᵀ
+// and D = rowsum(dO ⊙ O) (still Σ_j P∘f∘dP). With T a multiple of 16, groups of 16 adjacent keys
+// from a multiple of 16 are aligned Philox calls: each lane draws one or two groups and the lanes
+// share the keep bits with shuffles (one call per 16 elements; forward and dQ per quad of lanes,
+// dK/dV per warp); otherwise forward and dQ draw one call per two adjacent keys and dK/dV one per
+// element.
 //
 // ---- layouts and dtypes -----------------------------------------------------------------------
 //   qkv  [B, T, 3C] = [B, T, 3, NH, hs] (q | k | v), bf16 or fp16, read in place: a tile of a head
@@ -223,60 +225,75 @@ struct BwdParams {
 
 /// Dropout multipliers (0 or keep_scale) of elements idx and idx + 1 of P — two adjacent keys of
 /// one query row, idx = (bh·T + query)·T + key — from one Philox call unless idx is the last of
-/// its group of four (see Dropout in core/philox.h: the mask is that of the CPU reference).
+/// its group of 16 (AttnDropout8 in core/philox.h: the mask is that of the CPU reference).
 __device__ __forceinline__ void dropout_pair(float& f0, float& f1, const Dropout& d,
                                              uint32_t thresh, float keep_scale, uint64_t idx) {
-  const Philox4x32 r = d.bits4(idx);
-  const uint32_t u0 = philox_lane(r, idx);
-  const uint32_t u1 = (idx & 3) == 3 ? d.bits4(idx + 1).v[0] : philox_lane(r, idx + 1);
-  f0 = u0 >= thresh ? keep_scale : 0.f;
-  f1 = u1 >= thresh ? keep_scale : 0.f;
+  const uint32_t m0 = AttnDropout8::keep_mask16(d, idx & ~uint64_t{15}, thresh);
+  const uint32_t m1 = (idx & 15) == 15 ? AttnDropout8::keep_mask16(d, idx + 1, thresh) : m0;
+  f0 = (m0 >> (idx & 15)) & 1u ? keep_scale : 0.f;
+  f1 = (m1 >> ((idx + 1) & 15)) & 1u ? keep_scale : 0.f;
 }
 
-/// Keep bits of elements idx4 .. idx4 + 3 (idx4 a multiple of 4: one Philox call), bit i for
-/// element idx4 + i. With T a multiple of 4, four adjacent keys from a multiple of 4 are such a
-/// group, and the lanes of a warp each draw one group and share the bits with shuffles.
-__device__ __forceinline__ uint32_t dropout_nibble(const Dropout& d, uint32_t thresh,
-                                                   uint64_t idx4) {
-  const Philox4x32 r = d.bits4(idx4);
-  return static_cast<uint32_t>(r.v[0] >= thresh) | static_cast<uint32_t>(r.v[1] >= thresh) << 1 |
-         static_cast<uint32_t>(r.v[2] >= thresh) << 2 |
-         static_cast<uint32_t>(r.v[3] >= thresh) << 3;
-}
-
-/// The dropout multipliers of keys k and k + 1 (k = k0 + 8·nt + 2·t4, k0 a multiple of 8) of the
-/// two query rows (row_i, i = 0, 1) a thread holds in the accumulator layout of an n8 tile
-/// (lane = 4·gi + t4), into f[i][0..1]. T a multiple of 4: the quad of lanes with this gi draws
-/// the 2 rows × 2 groups of four keys, one Philox call per lane, and shares them; otherwise
-/// dropout_pair per row.
-__device__ __forceinline__ void dropout_rows2(float (&f)[2][2], const Dropout& d, uint32_t thresh,
-                                              float keep_scale, uint64_t bh, int Tn, int row0,
-                                              int row1, int k, int lane) {
+/// T a multiple of 16 (then 16 adjacent keys from a multiple of 16 are one aligned Philox group):
+/// the keep bits of the two query rows (row0, row1) a thread holds in the accumulator layout
+/// (lane = 4·gi + t4) over the key tile [k0, k0 + kBc), k0 a multiple of 16, into w[i][h]: bit b
+/// for key k0 + h·kBc/2 + b of row i. The quad of lanes with this gi draws the 2 rows × kBc/16
+/// groups, kBc/32 Philox calls per lane, and shares them with 4 shuffles.
+template <int kBc>
+__device__ __forceinline__ void dropout_tile_bits(uint32_t (&w)[2][2], const Dropout& d,
+                                                  uint32_t thresh, uint64_t bh, int Tn, int row0,
+                                                  int row1, int k0, int lane) {
+  static_assert(kBc == 32 || kBc == 64, "one or two groups of 16 keys per lane");
+  constexpr int kHalf = kBc / 2;
   const int t4 = lane & 3;
-  if ((Tn & 3) == 0) {  // uniform over the kernel
-    const int row = (t4 >> 1) ? row1 : row0;
-    const int kbase = k - 2 * t4 + 4 * (t4 & 1);  // this lane's group: keys kbase .. kbase+3
-    const uint32_t nib = dropout_nibble(
-        d, thresh, (bh * static_cast<uint64_t>(Tn) + static_cast<uint64_t>(row)) * Tn + kbase);
+  const int row = (t4 >> 1) ? row1 : row0;
+  const uint64_t idx =
+      (bh * static_cast<uint64_t>(Tn) + static_cast<uint64_t>(row)) * static_cast<uint64_t>(Tn) +
+      static_cast<uint64_t>(k0 + (t4 & 1) * kHalf);
+  uint32_t mine = 0;
+#pragma unroll
+  for (int g = 0; g < kHalf / 16; ++g)
+    mine |= AttnDropout8::keep_mask16(d, idx + 16 * g, thresh) << (16 * g);
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) w[i][h] = shfl_idx(mine, (lane & ~3) + 2 * i + h);
+}
+
+/// The dropout multipliers of keys k and k + 1 (k = k0 + 8·nt + 2·t4, k0 a multiple of kBc) of
+/// the two query rows (row0, row1) a thread holds in the accumulator layout of an n8 tile, into
+/// f[i][0..1]: from the bits w of dropout_tile_bits when T is a multiple of 16, otherwise
+/// dropout_pair per row. nt must be a compile-time constant after unrolling (w stays in registers).
+template <int kBc>
+__device__ __forceinline__ void dropout_rows2(float (&f)[2][2], const uint32_t (&w)[2][2],
+                                              const Dropout& d, uint32_t thresh, float keep_scale,
+                                              uint64_t bh, int Tn, int row0, int row1, int k0,
+                                              int nt, int lane) {
+  constexpr int kHalf = kBc / 2;
+  const int t4 = lane & 3;
+  if ((Tn & 15) == 0) {  // uniform over the kernel
+    const int h = nt * 8 / kHalf;
+    const int sh = nt * 8 % kHalf + 2 * t4;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const uint32_t bits = shfl_idx(nib, (lane & ~3) + 2 * i + (t4 >> 1)) >> (2 * (t4 & 1));
+      const uint32_t bits = w[i][h] >> sh;
       f[i][0] = (bits & 1u) ? keep_scale : 0.f;
       f[i][1] = (bits & 2u) ? keep_scale : 0.f;
     }
   } else {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
-      dropout_pair(
-          f[i][0], f[i][1], d, thresh, keep_scale,
-          (bh * static_cast<uint64_t>(Tn) + static_cast<uint64_t>(i == 0 ? row0 : row1)) * Tn + k);
+      dropout_pair(f[i][0], f[i][1], d, thresh, keep_scale,
+                   (bh * static_cast<uint64_t>(Tn) + static_cast<uint64_t>(i == 0 ? row0 : row1)) *
+                           static_cast<uint64_t>(Tn) +
+                       static_cast<uint64_t>(k0 + nt * 8 + 2 * t4));
   }
 }
 
 /// The dropout multiplier of element idx of P.
 __device__ __forceinline__ float dropout_one(const Dropout& d, uint32_t thresh, float keep_scale,
                                              uint64_t idx) {
-  return d.keep(idx, thresh) ? keep_scale : 0.f;
+  return AttnDropout8::keep(d, idx, thresh) ? keep_scale : 0.f;
 }
 
 /// Copies rows [0, kRows) of a slab of rows of D elements (row stride `ld` elements) into shared
@@ -489,12 +506,16 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks<D>)
       l[0] += s[nt][0] + s[nt][1];
       l[1] += s[nt][2] + s[nt][3];
     }
-    if constexpr (kDrop) {  // P ∘ M / (1 − p), after the row sums
+    if constexpr (kDrop) {  // P ∘ M / (1 − p_effective), after the row sums
+      uint32_t w[2][2] = {};
+      if ((Tn & 15) == 0)
+        dropout_tile_bits<kBc>(w, p.drop, p.drop_thresh, static_cast<uint64_t>(bh), Tn, qi0, qi1,
+                               k0, lane);
 #pragma unroll
       for (int nt = 0; nt < kNS; ++nt) {
         float f[2][2];
-        dropout_rows2(f, p.drop, p.drop_thresh, p.drop_scale, static_cast<uint64_t>(bh), Tn, qi0,
-                      qi1, k0 + nt * 8 + 2 * t4, lane);
+        dropout_rows2<kBc>(f, w, p.drop, p.drop_thresh, p.drop_scale, static_cast<uint64_t>(bh), Tn,
+                           qi0, qi1, k0, nt, lane);
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] *= f[e >> 1][e & 1];
       }
@@ -667,17 +688,32 @@ __global__ void __launch_bounds__(kThreads, kDkdvMinBlocks)
     // Pᵀ = exp(Sᵀ·scale − lse[query]), 0 where key > query or query ≥ T;
     // dSᵀ = Pᵀ ⊙ (dPᵀ − D[query]).
     const bool need_mask = q0 < k0 + kBc - 1 || q0 + kBr > Tn;
+    // Dropout with T a multiple of 16: this warp's 16 keys from k0 + r0 (a multiple of 16) are one
+    // aligned Philox group per query; lane L draws the groups of queries q0 + L + 32·j (j <
+    // kBr/32, bits 16·j ..) and the lanes share them with shuffles.
+    uint32_t mine = 0;
+    if constexpr (kDrop) {
+      if ((Tn & 15) == 0) {
+#pragma unroll
+        for (int j = 0; j < kBr / 32; ++j)
+          mine |= AttnDropout8::keep_mask16(
+                      p.drop,
+                      (static_cast<uint64_t>(bh) * Tn + static_cast<uint64_t>(q0 + lane + 32 * j)) *
+                              static_cast<uint64_t>(Tn) +
+                          static_cast<uint64_t>(k0 + r0),
+                      p.drop_thresh)
+                  << (16 * j);
+      }
+    }
 #pragma unroll
     for (int nt = 0; nt < kNS; ++nt) {
-      // Dropout with T a multiple of 4: this warp's 16 keys from k0 + r0 (a multiple of 16) are
-      // four aligned groups of four; the n8 tile's 8 queries × 4 groups are 32 Philox calls, one
-      // per lane (lane = 4·query + group), shared with shuffles.
-      uint32_t nib = 0;
+      uint32_t qbits[2] = {0, 0};  // keep bits of queries nt·8 + 2·t4 + c over the warp's 16 keys
       if constexpr (kDrop) {
-        if ((Tn & 3) == 0)
-          nib = dropout_nibble(p.drop, p.drop_thresh,
-                               (static_cast<uint64_t>(bh) * Tn + q0 + nt * 8 + (lane >> 2)) * Tn +
-                                   k0 + r0 + 4 * (lane & 3));
+        if ((Tn & 15) == 0) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            qbits[c] = shfl_idx(mine, (nt & 3) * 8 + 2 * t4 + c) >> (16 * (nt >> 2));
+        }
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -687,10 +723,8 @@ __global__ void __launch_bounds__(kThreads, kDkdvMinBlocks)
         if constexpr (kDrop) {
           // Element (query qi, key kj) of P: adjacent e are adjacent queries, T apart.
           float f;
-          if ((Tn & 3) == 0) {
-            const int grp = e < 2 ? gi >> 2 : 2 + (gi >> 2);
-            const uint32_t bits = shfl_idx(nib, (2 * t4 + (e & 1)) * 4 + grp);
-            f = (bits >> (gi & 3)) & 1u ? p.drop_scale : 0.f;
+          if ((Tn & 15) == 0) {
+            f = (qbits[e & 1] >> (gi + 8 * (e >> 1))) & 1u ? p.drop_scale : 0.f;
           } else {
             f = dropout_one(p.drop, p.drop_thresh, p.drop_scale,
                             (static_cast<uint64_t>(bh) * Tn + qi) * Tn +
@@ -805,11 +839,15 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<D>)
     // P = exp(S·scale − lse) (0 where key > query), dS = P ⊙ (dP − D).
     const bool need_mask = k0 + kBc - 1 > q0;
     if constexpr (kDrop) {
+      uint32_t w[2][2] = {};
+      if ((Tn & 15) == 0)
+        dropout_tile_bits<kBc>(w, p.drop, p.drop_thresh, static_cast<uint64_t>(bh), Tn, qi0, qi1,
+                               k0, lane);
 #pragma unroll
       for (int nt = 0; nt < kNS; ++nt) {
         float f[2][2];
-        dropout_rows2(f, p.drop, p.drop_thresh, p.drop_scale, static_cast<uint64_t>(bh), Tn, qi0,
-                      qi1, k0 + nt * 8 + 2 * t4, lane);
+        dropout_rows2<kBc>(f, w, p.drop, p.drop_thresh, p.drop_scale, static_cast<uint64_t>(bh), Tn,
+                           qi0, qi1, k0, nt, lane);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int i = e >> 1;
@@ -953,8 +991,8 @@ void flash_attention_forward(const CudaContext& ctx, Tensor out, Tensor lse, Ten
   prm.n_tiles = static_cast<int>((s.T + kTile - 1) / kTile);
   prm.scale_log2 = s.scale * kLog2e;
   prm.drop = dropout;
-  prm.drop_thresh = dropout.threshold();
-  prm.drop_scale = dropout.scale();
+  prm.drop_thresh = AttnDropout8::threshold(dropout);
+  prm.drop_scale = AttnDropout8::scale(dropout);
   const int64_t grid = prm.n_tiles * s.BH;
   dispatch_flash(qkv.dtype, s.hs, [&]<typename E, int D>() {
     dispatch_dropout(dropout, [&]<bool kDrop>() {
@@ -993,8 +1031,8 @@ void flash_attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, 
   prm.scale = s.scale;
   prm.scale_log2 = s.scale * kLog2e;
   prm.drop = dropout;
-  prm.drop_thresh = dropout.threshold();
-  prm.drop_scale = dropout.scale();
+  prm.drop_thresh = AttnDropout8::threshold(dropout);
+  prm.drop_scale = AttnDropout8::scale(dropout);
   const int64_t grid = prm.n_tiles * s.BH;
   const int64_t rows = s.B * s.T * s.NH;
   dispatch_flash(qkv.dtype, s.hs, [&]<typename E, int D>() {
