@@ -401,6 +401,66 @@ TEST_F(ImageOpsTest, BatchNormRunningStatisticsAndEvalMatchReference) {
   }
 }
 
+/// The training backward against its closed form in double (Ioffe & Szegedy, Algorithm 1's
+/// backward): dx = γ·invstd·(dy' − mean(dy') − x̂·mean(dy'·x̂)), dy' = dy·act'(pre-activation).
+TEST_F(ImageOpsTest, BatchNormBackwardMatchesClosedForm) {
+  const int64_t N = 4, C = 24, H = 2, W = 2, HW = H * W, count = N * HW;
+  for (Activation act : {Activation::kNone, Activation::kRelu6}) {
+    SCOPED_TRACE(activation_name(act));
+    auto x = randu(static_cast<size_t>(N * C * HW), 610, 3.0f);
+    auto g = randu(C, 611), b = randu(C, 612), dy = randu(x.size(), 613);
+    for (auto& v : g) v += 1.5f;
+    std::vector<float> sums(2 * C), mean(C), invstd(C), y(x.size()), dsums(2 * C), dg(C, 0.0f),
+        db(C, 0.0f), dx(x.size(), 7.0f);
+    ops->batchnorm_statistics(T(sums, {2, C}), T(x, {N, C, H, W}));
+    ops->batchnorm_forward_train(T(y, {N, C, H, W}), T(mean, {C}), T(invstd, {C}), Tensor(),
+                                 Tensor(), T(x, {N, C, H, W}), T(g, {C}), T(b, {C}),
+                                 T(sums, {2, C}), count, kBnEps, 0.1f, act);
+    ops->batchnorm_backward_reduce(T(dsums, {2, C}), T(dg, {C}), T(db, {C}), T(dy, {N, C, H, W}),
+                                   T(x, {N, C, H, W}), T(g, {C}), T(b, {C}), T(mean, {C}),
+                                   T(invstd, {C}), act);
+    ops->batchnorm_backward_input(T(dx, {N, C, H, W}), T(dy, {N, C, H, W}), T(x, {N, C, H, W}),
+                                  T(g, {C}), T(b, {C}), T(mean, {C}), T(invstd, {C}),
+                                  T(dsums, {2, C}), count, act);
+    std::vector<double> want_dx(x.size()), want_dg(C), want_db(C);
+    for (int64_t c = 0; c < C; ++c) {
+      const auto cs = static_cast<size_t>(c);
+      const auto at = [&](int64_t n, int64_t i) {
+        return static_cast<size_t>((n * C + c) * HW + i);
+      };
+      double m = 0, ss = 0;
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t i = 0; i < HW; ++i) m += x[at(n, i)];
+      m /= count;
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t i = 0; i < HW; ++i) ss += (x[at(n, i)] - m) * (x[at(n, i)] - m);
+      const double is = 1.0 / std::sqrt(ss / count + kBnEps);
+      double sdy = 0, sdyx = 0;
+      std::vector<double> d(static_cast<size_t>(count)), xh(static_cast<size_t>(count));
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t i = 0; i < HW; ++i) {
+          const auto j = static_cast<size_t>(n * HW + i);
+          xh[j] = (x[at(n, i)] - m) * is;
+          const double pre = xh[j] * g[cs] + b[cs];
+          const bool pass = act == Activation::kNone || (pre > 0.0 && pre < 6.0);
+          d[j] = pass ? dy[at(n, i)] : 0.0;
+          sdy += d[j];
+          sdyx += d[j] * xh[j];
+        }
+      want_dg[cs] = sdyx;
+      want_db[cs] = sdy;
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t i = 0; i < HW; ++i) {
+          const auto j = static_cast<size_t>(n * HW + i);
+          want_dx[at(n, i)] = g[cs] * is * (d[j] - sdy / count - xh[j] * sdyx / count);
+        }
+    }
+    expect_all_near(dx, want_dx, 1e-5, "dinp");
+    expect_all_near(dg, want_dg, 1e-5, "dweight");
+    expect_all_near(db, want_db, 1e-5, "dbias");
+  }
+}
+
 TEST_F(ImageOpsTest, BatchNormBackwardAccumulatesParametersAndOverwritesInput) {
   BnData d = bn_data(2, 3, 2, 2, 600, kBnEps);
   const int64_t N = d.N, C = d.C, H = d.H, W = d.W;
@@ -788,6 +848,10 @@ TEST_F(ImageOpsTest, LargeConvolutionsMatchDirectLoops) {
       {"depthwise 5x5", conv_shape(4, 16, 16, 16, 16, 5, 5, 1, 1, 2, 2, 16), true},
       {"one image (threads inside sgemm)", conv_shape(1, 16, 20, 20, 32, 3, 3, 1, 1, 1, 1, 1),
        true},
+      {"1x1 at 2x2 (MobileNetV2's last blocks)", conv_shape(4, 96, 2, 2, 32, 1, 1, 1, 1, 0, 0, 1),
+       false},
+      {"depthwise 3x3 at 2x2", conv_shape(4, 24, 2, 2, 24, 3, 3, 1, 1, 1, 1, 24), false},
+      {"depthwise 3x3 s2 at 4x4", conv_shape(4, 24, 4, 4, 24, 3, 3, 2, 2, 1, 1, 24), false},
   };
   for (const auto& cc : cases) {
     SCOPED_TRACE(cc.name);
