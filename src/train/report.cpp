@@ -220,6 +220,7 @@ json report_json(const std::vector<RunRecord>& runs) {
               {"max_length", r.max_length},
               {"parameters", r.parameters},
               {"epochs", r.epochs},
+              {"samples_per_epoch", jnum(std::round(r.samples_per_s * r.epoch_time_s))},
               {"time_per_epoch_s", jnum(r.epoch_time_s)},
               {"samples_per_s", jnum(r.samples_per_s)},
               {"tokens_per_s", jnum(r.tokens_per_s)},
@@ -264,20 +265,24 @@ std::string report_markdown(const std::vector<RunRecord>& runs,
       runs.size(), runs.size() == 1 ? "" : "s",
       any_gpu ? "GPU memory allocated" : "the process's resident set on CPU runs");
   md +=
-      "| run | model | ranks | batch | time/epoch (s) | samples/s | tokens/s | MFU | peak memory "
+      "| run | model | ranks | batch | samples/epoch | time/epoch (s) | samples/s | tokens/s | MFU "
+      "| "
+      "peak memory "
       "(MiB) | estimated (MiB) | host peak (MiB) | final loss | val ppl | speed vs dp | memory "
       "vs dp |\n";
-  md += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  md += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const RunRecord& r : runs) {
     if (!r.ok) {
-      md += fmt::format("| {} | {} | {} | {} | **failed** | | | | | | | | | | |\n", r.label,
+      md += fmt::format("| {} | {} | {} | {} | **failed** | | | | | | | | | | | |\n", r.label,
                         r.model, r.world_size, r.micro_batch);
       continue;
     }
     md += fmt::format(
-        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", r.label,
-        r.model, r.world_size, r.micro_batch, fixed(r.epoch_time_s, "{:.2f}"),
-        fixed(r.samples_per_s, "{:.2f}"), fixed(r.tokens_per_s, "{:.0f}"),
+        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+        r.label, r.model, r.world_size, r.micro_batch,
+        fixed(std::round(r.samples_per_s * r.epoch_time_s), "{:.0f}"),
+        fixed(r.epoch_time_s, "{:.2f}"), fixed(r.samples_per_s, "{:.2f}"),
+        fixed(r.tokens_per_s, "{:.0f}"),
         std::isfinite(r.mfu) ? fmt::format("{:.1f}%", 100 * r.mfu) : "n/a",
         mib(r.peak_memory_bytes), r.estimate ? mib(r.estimate->total()) : "n/a",
         mib(r.host_peak_bytes), fixed(r.final_loss, "{:.4f}"), fixed(r.val_ppl, "{:.2f}"),
