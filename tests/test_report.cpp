@@ -157,7 +157,7 @@ TEST(Report, NumbersAreTheRunsMetricsAndTheEstimatorsPrediction) {
   EXPECT_NEAR(j["runs"][1]["estimate"]["total_bytes"].get<double>(), e.strategies[1].total(), 1.0);
   EXPECT_EQ(j["runs"][2]["status"], "failed");
   const std::string md = read_all(dir / "report" / "report.md");
-  EXPECT_CONTAINS(md, "| zero1 | gpt2-tiny | 2 | 4 | 2.00 | 32.00 | 2048 |");
+  EXPECT_CONTAINS(md, "| zero1 | gpt2-tiny | 2 | 4 | 64 | 2.00 | 32.00 | 2048 |");
   EXPECT_CONTAINS(md, "**failed**");
   EXPECT_CONTAINS(md, "2.00×");
   if (gnuplot_program().empty()) GTEST_SKIP() << "gnuplot is not installed: no pictures to check";
