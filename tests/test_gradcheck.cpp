@@ -8,6 +8,7 @@
 
 #include "backend/backend.h"
 #include "core/rng.h"
+#include "gradcheck_support.h"
 #include "model/gpt2.h"
 
 using namespace shardtrain;
@@ -15,42 +16,21 @@ using namespace shardtrain;
 namespace {
 
 std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f) {
-  SplitMix64 g{seed};
-  std::vector<float> v(n);
-  for (auto& x : v) x = static_cast<float>((g.uniform() * 2.0 - 1.0) * scale);
-  return v;
+  return test_support::random_uniform(n, seed, scale);
 }
 
 Tensor T(std::vector<float>& v, std::initializer_list<int64_t> dims) {
-  return Tensor(v.data(), DType::kF32, DeviceKind::kCPU, dims);
+  return test_support::cpu_tensor(v, dims);
 }
 
-double dot(const std::vector<float>& a, const std::vector<float>& b) {
-  double s = 0;
-  for (size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
-  return s;
-}
+using test_support::dot;
 
 /// Compares analytic d(objective)/d(x) with central differences of `objective` at a sample of
 /// the entries of x.
 void expect_grad_close(std::vector<float>& x, const std::vector<float>& analytic,
                        const std::function<double()>& objective, const char* what, float h = 1e-2f,
                        double rtol = 2e-2, double atol = 2e-3) {
-  ASSERT_EQ(x.size(), analytic.size());
-  const size_t step = std::max<size_t>(1, x.size() / 40);
-  int checked = 0;
-  for (size_t i = 0; i < x.size(); i += step) {
-    const float orig = x[i];
-    x[i] = orig + h;
-    const double lp = objective();
-    x[i] = orig - h;
-    const double lm = objective();
-    x[i] = orig;
-    const double numeric = (lp - lm) / (2.0 * h);
-    EXPECT_NEAR(analytic[i], numeric, atol + rtol * std::abs(numeric)) << what << " element " << i;
-    ++checked;
-  }
-  EXPECT_GT(checked, 0);
+  test_support::expect_grad_close(x, analytic, objective, what, h, rtol, atol);
 }
 
 /// A GPT-2 small enough for finite differences: 2 heads of 8 channels, 8 positions.

@@ -15,6 +15,7 @@
 #include "backend/backend.h"
 #include "core/hash.h"
 #include "core/rng.h"
+#include "gradcheck_support.h"
 #include "image_fixture_weights.h"
 #include "model/image/image_blocks.h"
 #include "model/image/image_zoo.h"
@@ -23,11 +24,9 @@
 namespace shardtrain {
 namespace {
 
+using test_support::random_uniform;
 std::vector<float> randu(size_t n, uint64_t seed, float scale = 1.0f) {
-  SplitMix64 g{seed};
-  std::vector<float> v(n);
-  for (auto& x : v) x = static_cast<float>((g.uniform() * 2.0 - 1.0) * scale);
-  return v;
+  return random_uniform(n, seed, scale);
 }
 
 Tensor tensor_of(std::vector<float>& v, const std::vector<int64_t>& shape) {
@@ -121,22 +120,8 @@ class Rig {
  private:
   void check(std::vector<float>& x, const std::vector<float>& analytic, const std::string& what,
              float h, double rtol, double atol) {
-    ASSERT_EQ(x.size(), analytic.size()) << what;
-    const size_t step = std::max<size_t>(1, x.size() / 30);
-    double max_err = 0;
-    for (size_t i = 0; i < x.size(); i += step) {
-      const float orig = x[i];
-      x[i] = orig + h;
-      const double lp = objective();
-      x[i] = orig - h;
-      const double lm = objective();
-      x[i] = orig;
-      const double numeric = (lp - lm) / (2.0 * static_cast<double>(h));
-      EXPECT_NEAR(analytic[i], numeric, atol + rtol * std::abs(numeric))
-          << what << " element " << i;
-      max_err = std::max(max_err, std::abs(analytic[i] - numeric));
-    }
-    std::printf("  gradcheck %-36s max |analytic - numeric| = %.2e\n", what.c_str(), max_err);
+    test_support::expect_grad_close(
+        x, analytic, [this] { return objective(); }, what, h, rtol, atol, 30);
   }
 };
 

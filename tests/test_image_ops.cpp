@@ -14,6 +14,7 @@
 
 #include "backend/cpu/cpu_image_ops.h"
 #include "core/rng.h"
+#include "gradcheck_support.h"
 #include "test_support.h"
 
 using namespace shardtrain;
@@ -21,24 +22,17 @@ using namespace shardtrain;
 namespace {
 
 std::vector<float> randu(size_t n, uint64_t seed, float scale = 1.0f) {
-  SplitMix64 g{seed};
-  std::vector<float> v(n);
-  for (auto& x : v) x = static_cast<float>((g.uniform() * 2.0 - 1.0) * scale);
-  return v;
+  return test_support::random_uniform(n, seed, scale);
 }
 
 Tensor T(std::vector<float>& v, std::initializer_list<int64_t> dims) {
-  return Tensor(v.data(), DType::kF32, DeviceKind::kCPU, dims);
+  return test_support::cpu_tensor(v, dims);
 }
 Tensor I32(std::vector<int32_t>& v, std::initializer_list<int64_t> dims) {
   return Tensor(v.data(), DType::kI32, DeviceKind::kCPU, dims);
 }
 
-double dot(const std::vector<float>& a, const std::vector<float>& b) {
-  double s = 0;
-  for (size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
-  return s;
-}
+using test_support::dot;
 
 constexpr float kH = 1e-3f;  // finite-difference step (fp32 values, objective summed in double)
 
@@ -47,26 +41,7 @@ constexpr float kH = 1e-3f;  // finite-difference step (fp32 values, objective s
 void expect_grad_close(std::vector<float>& x, const std::vector<float>& analytic,
                        const std::function<double()>& objective, const std::string& what,
                        double rtol = 2e-2, double atol = 2e-3) {
-  ASSERT_EQ(x.size(), analytic.size()) << what;
-  const size_t step = std::max<size_t>(1, x.size() / 40);
-  double max_err = 0, max_num = 0;
-  int checked = 0;
-  for (size_t i = 0; i < x.size(); i += step) {
-    const float orig = x[i];
-    x[i] = orig + kH;
-    const double lp = objective();
-    x[i] = orig - kH;
-    const double lm = objective();
-    x[i] = orig;
-    const double numeric = (lp - lm) / (2.0 * static_cast<double>(kH));
-    EXPECT_NEAR(analytic[i], numeric, atol + rtol * std::abs(numeric)) << what << " element " << i;
-    max_err = std::max(max_err, std::abs(analytic[i] - numeric));
-    max_num = std::max(max_num, std::abs(numeric));
-    ++checked;
-  }
-  EXPECT_GT(checked, 0);
-  std::printf("  gradcheck %-40s %3d entries, max |analytic - numeric| = %.2e (max |grad| %.2e)\n",
-              what.c_str(), checked, max_err, max_num);
+  test_support::expect_grad_close(x, analytic, objective, what, kH, rtol, atol);
 }
 
 void expect_all_near(const std::vector<float>& a, const std::vector<double>& b, double tol,
