@@ -104,15 +104,16 @@ TEST_P(ImageModelParity, MatchesPyTorch) {
   const std::vector<double> want_sq = read_tensor<double>(file, "grad_sumsq");
   const auto tensors = layout.tensors();
   ASSERT_EQ(tensors.size(), want_sum.size());
-  // Known gap (issue 15): mobilenet_v2's gradients below its last block norm (features.17 and
-  // down) differ from float64 PyTorch by up to 3% (Σg²), while its logits, loss, running
-  // statistics and its top layers' gradients agree to 1e-4; efficientnet_b0, with the same
-  // blocks but SiLU instead of ReLU6, agrees everywhere. Until that is explained, those tensors
-  // are held to 5% here.
+  // Known gap (issue 15): mobilenet_v2's gradients below features.9 differ from float64
+  // PyTorch by up to 0.62% (Σg²; 3% before batch norm's sums became fp64), while its logits,
+  // loss, running statistics and upper layers agree to 1e-3; efficientnet_b0 (the same blocks
+  // with SiLU instead of ReLU6) agrees everywhere. Until that is explained, those tensors are held
+  // to 1%.
   const bool known_gap = fx.model == "mobilenet_v2";
   for (size_t k = 0; k < tensors.size(); ++k) {
-    const bool deep = known_gap && k + 5 < tensors.size();
-    const double tol = deep ? 5e-2 : 1e-3;
+    const std::string& n = tensors[k]->name;
+    const bool deep = known_gap && n.starts_with("features.") && std::stoi(n.substr(9)) <= 9;
+    const double tol = deep ? 1e-2 : 1e-3;
     double s = 0, sq = 0;
     for (int64_t i = 0; i < tensors[k]->numel; ++i) {
       const double v = g[static_cast<size_t>(tensors[k]->offset + i)];

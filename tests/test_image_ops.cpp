@@ -28,6 +28,9 @@ std::vector<float> randu(size_t n, uint64_t seed, float scale = 1.0f) {
 Tensor T(std::vector<float>& v, std::initializer_list<int64_t> dims) {
   return test_support::cpu_tensor(v, dims);
 }
+Tensor T(std::vector<double>& v, std::initializer_list<int64_t> dims) {
+  return Tensor(v.data(), DType::kF64, DeviceKind::kCPU, dims);
+}
 Tensor I32(std::vector<int32_t>& v, std::initializer_list<int64_t> dims) {
   return Tensor(v.data(), DType::kI32, DeviceKind::kCPU, dims);
 }
@@ -295,7 +298,8 @@ TEST_F(ImageOpsTest, BatchNormTrainingGradients) {
     BnData d = bn_data(2, 3, 3, 4, 300 + static_cast<uint64_t>(act), kBnEps);
     const int64_t N = d.N, C = d.C, H = d.H, W = d.W;
     auto r = randu(d.x.size(), 400);
-    std::vector<float> y(d.x.size()), sums(2 * C), mean(C), invstd(C);
+    std::vector<float> y(d.x.size()), mean(C), invstd(C);
+    std::vector<double> sums(2 * C);
     auto f = [&] {
       ops->batchnorm_statistics(T(sums, {2, C}), T(d.x, {N, C, H, W}));
       ops->batchnorm_forward_train(T(y, {N, C, H, W}), T(mean, {C}), T(invstd, {C}), Tensor(),
@@ -304,7 +308,8 @@ TEST_F(ImageOpsTest, BatchNormTrainingGradients) {
       return dot(y, r);
     };
     f();
-    std::vector<float> dsums(2 * C), dg(C, 0.0f), db(C, 0.0f), dx(d.x.size(), 5.0f);
+    std::vector<float> dg(C, 0.0f), db(C, 0.0f), dx(d.x.size(), 5.0f);
+    std::vector<double> dsums(2 * C);
     ops->batchnorm_backward_reduce(T(dsums, {2, C}), T(dg, {C}), T(db, {C}), T(r, {N, C, H, W}),
                                    T(d.x, {N, C, H, W}), T(d.gamma, {C}), T(d.beta, {C}),
                                    T(mean, {C}), T(invstd, {C}), act);
@@ -323,7 +328,8 @@ TEST_F(ImageOpsTest, BatchNormRunningStatisticsAndEvalMatchReference) {
   auto x = randu(static_cast<size_t>(N * C * HW), 500, 3.0f);
   for (auto& v : x) v += 2.0f;  // a non-zero mean
   auto g = randu(C, 501), b = randu(C, 502);
-  std::vector<float> rm = randu(C, 503), rv(C, 0.0f), sums(2 * C), mean(C), invstd(C), y(x.size());
+  std::vector<float> rm = randu(C, 503), rv(C, 0.0f), mean(C), invstd(C), y(x.size());
+  std::vector<double> sums(2 * C);
   for (int64_t c = 0; c < C; ++c) rv[static_cast<size_t>(c)] = 0.5f + 0.1f * static_cast<float>(c);
   const auto rm0 = rm, rv0 = rv;
   const float momentum = 0.1f;
@@ -385,8 +391,9 @@ TEST_F(ImageOpsTest, BatchNormBackwardMatchesClosedForm) {
     auto x = randu(static_cast<size_t>(N * C * HW), 610, 3.0f);
     auto g = randu(C, 611), b = randu(C, 612), dy = randu(x.size(), 613);
     for (auto& v : g) v += 1.5f;
-    std::vector<float> sums(2 * C), mean(C), invstd(C), y(x.size()), dsums(2 * C), dg(C, 0.0f),
-        db(C, 0.0f), dx(x.size(), 7.0f);
+    std::vector<float> mean(C), invstd(C), y(x.size()), dg(C, 0.0f), db(C, 0.0f),
+        dx(x.size(), 7.0f);
+    std::vector<double> sums(2 * C), dsums(2 * C);
     ops->batchnorm_statistics(T(sums, {2, C}), T(x, {N, C, H, W}));
     ops->batchnorm_forward_train(T(y, {N, C, H, W}), T(mean, {C}), T(invstd, {C}), Tensor(),
                                  Tensor(), T(x, {N, C, H, W}), T(g, {C}), T(b, {C}),
@@ -440,8 +447,9 @@ TEST_F(ImageOpsTest, BatchNormBackwardAccumulatesParametersAndOverwritesInput) {
   BnData d = bn_data(2, 3, 2, 2, 600, kBnEps);
   const int64_t N = d.N, C = d.C, H = d.H, W = d.W;
   auto dy = randu(d.x.size(), 601);
-  std::vector<float> y(d.x.size()), sums(2 * C), mean(C), invstd(C), dsums(2 * C), dg(C, 0.0f),
-      db(C, 0.0f), dx1(d.x.size(), 9.0f), dx2(d.x.size(), -1e5f);
+  std::vector<float> y(d.x.size()), mean(C), invstd(C), dg(C, 0.0f), db(C, 0.0f),
+      dx1(d.x.size(), 9.0f), dx2(d.x.size(), -1e5f);
+  std::vector<double> sums(2 * C), dsums(2 * C);
   ops->batchnorm_statistics(T(sums, {2, C}), T(d.x, {N, C, H, W}));
   ops->batchnorm_forward_train(T(y, {N, C, H, W}), T(mean, {C}), T(invstd, {C}), Tensor(), Tensor(),
                                T(d.x, {N, C, H, W}), T(d.gamma, {C}), T(d.beta, {C}),
@@ -472,8 +480,9 @@ TEST_F(ImageOpsTest, SynchronizedBatchNormHalvesEqualWholeBatch) {
   const int64_t N = d.N, C = d.C, H = d.H, W = d.W, half = N / 2, per = C * H * W;
   auto dy = randu(d.x.size(), 701);
   // The whole batch.
-  std::vector<float> y(d.x.size()), sums(2 * C), mean(C), invstd(C), rm(C, 0.0f), rv(C, 1.0f),
-      dsums(2 * C), dg(C, 0.0f), db(C, 0.0f), dx(d.x.size());
+  std::vector<float> y(d.x.size()), mean(C), invstd(C), rm(C, 0.0f), rv(C, 1.0f), dg(C, 0.0f),
+      db(C, 0.0f), dx(d.x.size());
+  std::vector<double> sums(2 * C), dsums(2 * C);
   ops->batchnorm_statistics(T(sums, {2, C}), T(d.x, {N, C, H, W}));
   ops->batchnorm_forward_train(T(y, {N, C, H, W}), T(mean, {C}), T(invstd, {C}), T(rm, {C}),
                                T(rv, {C}), T(d.x, {N, C, H, W}), T(d.gamma, {C}), T(d.beta, {C}),
@@ -489,14 +498,15 @@ TEST_F(ImageOpsTest, SynchronizedBatchNormHalvesEqualWholeBatch) {
     return std::vector<float>(v.begin() + h * half * per, v.begin() + (h + 1) * half * per);
   };
   std::vector<float> xs[2] = {part(d.x, 0), part(d.x, 1)}, dys[2] = {part(dy, 0), part(dy, 1)};
-  std::vector<float> sum_parts[2] = {std::vector<float>(2 * C), std::vector<float>(2 * C)};
+  std::vector<double> sum_parts[2] = {std::vector<double>(2 * C), std::vector<double>(2 * C)};
   for (int h = 0; h < 2; ++h)
     ops->batchnorm_statistics(T(sum_parts[h], {2, C}), T(xs[h], {half, C, H, W}));
-  std::vector<float> all_sums(2 * C);  // the all-reduce
+  std::vector<double> all_sums(2 * C);  // the all-reduce
   for (int64_t i = 0; i < 2 * C; ++i)
     all_sums[static_cast<size_t>(i)] =
         sum_parts[0][static_cast<size_t>(i)] + sum_parts[1][static_cast<size_t>(i)];
-  std::vector<float> ys[2], means[2], invstds[2], dsum_parts[2], dgs[2], dbs[2];
+  std::vector<float> ys[2], means[2], invstds[2], dgs[2], dbs[2];
+  std::vector<double> dsum_parts[2];
   for (int h = 0; h < 2; ++h) {
     ys[h].resize(xs[h].size());
     means[h].resize(C), invstds[h].resize(C), dsum_parts[h].resize(2 * C);
@@ -509,7 +519,7 @@ TEST_F(ImageOpsTest, SynchronizedBatchNormHalvesEqualWholeBatch) {
                                    T(d.gamma, {C}), T(d.beta, {C}), T(means[h], {C}),
                                    T(invstds[h], {C}), act);
   }
-  std::vector<float> all_dsums(2 * C);
+  std::vector<double> all_dsums(2 * C);
   for (int64_t i = 0; i < 2 * C; ++i)
     all_dsums[static_cast<size_t>(i)] =
         dsum_parts[0][static_cast<size_t>(i)] + dsum_parts[1][static_cast<size_t>(i)];
@@ -858,8 +868,9 @@ TEST_F(ImageOpsTest, LargeShapesAgreeAcrossThreadCounts) {
     std::vector<std::vector<float>> r;
     auto x = randu(static_cast<size_t>(N * C * H * W), 1500, 2.0f);
     auto g = randu(C, 1501), b = randu(C, 1502), dy = randu(x.size(), 1503);
-    std::vector<float> y(x.size()), sums(2 * C), mean(C), invstd(C), rm(C, 0.0f), rv(C, 1.0f),
-        dsums(2 * C), dg(C, 0.0f), db(C, 0.0f), dx(x.size());
+    std::vector<float> y(x.size()), mean(C), invstd(C), rm(C, 0.0f), rv(C, 1.0f), dg(C, 0.0f),
+        db(C, 0.0f), dx(x.size());
+    std::vector<double> sums(2 * C), dsums(2 * C);
     const Tensor X = T(x, {N, C, H, W}), DY = T(dy, {N, C, H, W});
     ops->batchnorm_statistics(T(sums, {2, C}), X);
     ops->batchnorm_forward_train(T(y, {N, C, H, W}), T(mean, {C}), T(invstd, {C}), T(rm, {C}),
@@ -869,7 +880,10 @@ TEST_F(ImageOpsTest, LargeShapesAgreeAcrossThreadCounts) {
                                    T(b, {C}), T(mean, {C}), T(invstd, {C}), Activation::kRelu6);
     ops->batchnorm_backward_input(T(dx, {N, C, H, W}), DY, X, T(g, {C}), T(b, {C}), T(mean, {C}),
                                   T(invstd, {C}), T(dsums, {2, C}), N * H * W, Activation::kRelu6);
-    r.insert(r.end(), {y, sums, mean, invstd, rm, rv, dsums, dg, db, dx});
+    const auto as_float = [](const std::vector<double>& v) {
+      return std::vector<float>(v.begin(), v.end());
+    };
+    r.insert(r.end(), {y, as_float(sums), mean, invstd, rm, rv, as_float(dsums), dg, db, dx});
     ops->batchnorm_forward_eval(T(y, {N, C, H, W}), X, T(g, {C}), T(b, {C}), T(rm, {C}), T(rv, {C}),
                                 kBnEps, Activation::kSilu);
     r.push_back(y);
@@ -955,7 +969,8 @@ TEST_F(ImageOpsTest, BadInputNamesTheOpAndTheShapes) {
   EXPECT_THROW_MSG(ops->conv2d_backward(Tensor(), T(w, {4, 3, 3, 3}), Tensor(), T(y, {2, 4, 5, 5}),
                                         T(x, {2, 3, 5, 5}), T(w, {4, 3, 3, 3}), bad_groups),
                    Error, "conv2d_backward: groups=2 must divide the input channels C=3");
-  std::vector<float> sums(6), m(3), is(3), g(3), b(3);
+  std::vector<float> m(3), is(3), g(3), b(3);
+  std::vector<double> sums(6);
   EXPECT_THROW_MSG(ops->batchnorm_statistics(T(sums, {2, 2}), T(x, {2, 3, 5, 5})), Error,
                    "batchnorm_statistics: sums has shape [2, 2], expected [2, 3]");
   EXPECT_THROW_MSG(

@@ -9,8 +9,10 @@
 //  * Backward ops ACCUMULATE (+=) into parameter gradients and OVERWRITE activation gradients;
 //    an empty dinp skips the input gradient (the first layer).
 //  * Parameters (weights, biases, batch norm's γ and β) and activations are in the backend's
-//    compute dtype; tensors noted "fp32" (batch-norm statistics and sums, LSTM's saved gates,
-//    losses) are fp32 on every backend.
+//    compute dtype; tensors noted "fp32" (batch-norm statistics, LSTM's saved gates, losses) are
+//    fp32 and batch norm's per-channel sums are fp64 on every backend: a variance taken as
+//    E[x²] − E[x]² from fp32 sums loses most of its digits when the mean is large against the
+//    spread, which shifted deep gradients by percents in a parity test.
 #pragma once
 
 #include <cstdint>
@@ -74,7 +76,7 @@ class ImageOps {
   // Synchronized batch norm (--sync-batchnorm) splits the training forward and the backward at
   // their reductions so a caller can all-reduce the per-channel sums across ranks in between.
 
-  /// Per-channel sums over inp [N,C,H,W]: sums [2, C] fp32 = (Σx, Σx²) (overwrites).
+  /// Per-channel sums over inp [N,C,H,W]: sums [2, C] fp64 = (Σx, Σx²) (overwrites).
   virtual void batchnorm_statistics(Tensor sums, Tensor inp) = 0;
   /// Training forward from (possibly all-reduced) `sums` [2, C] over `count` values per channel:
   /// writes mean [C] and invstd [C] (fp32, for backward), updates running_mean/running_var [C]
@@ -89,7 +91,7 @@ class ImageOps {
                                       Activation act = Activation::kNone) = 0;
   /// Backward, first half: dout [N,C,H,W] is ∂L/∂(act output); the activation's derivative is
   /// taken at the recomputed pre-activation (from inp, mean, invstd, weight, bias). Writes
-  /// dsums [2, C] fp32 = (Σ dy, Σ dy·x̂) over this rank's values (dy: ∂L/∂(BN output)) and
+  /// dsums [2, C] fp64 = (Σ dy, Σ dy·x̂) over this rank's values (dy: ∂L/∂(BN output)) and
   /// accumulates dweight [C] += Σ dy·x̂, dbias [C] += Σ dy (this rank's share: the data-parallel
   /// reduction of gradients sums them).
   virtual void batchnorm_backward_reduce(Tensor dsums, Tensor dweight, Tensor dbias, Tensor dout,

@@ -437,6 +437,8 @@ MPI_Datatype mpi_type(DType t) {
   switch (t) {
     case DType::kF32:
       return MPI_FLOAT;
+    case DType::kF64:
+      return MPI_DOUBLE;
     case DType::kI32:
       return MPI_INT32_T;
     case DType::kBF16:
@@ -454,6 +456,7 @@ MPI_Op mpi_op(DType t, ReduceOp op, const char* what) {
                         "{}: kAvg needs a floating dtype, got int32", what);
   switch (t) {
     case DType::kF32:
+    case DType::kF64:
     case DType::kI32:
       return max ? MPI_MAX : MPI_SUM;
     case DType::kBF16:
@@ -473,6 +476,9 @@ void divide(Tensor t, int n) {
   if (t.dtype == DType::kF32) {
     float* p = t.f32();
     for (int64_t i = 0; i < count; ++i) p[i] *= inv;
+  } else if (t.dtype == DType::kF64) {
+    auto* p = t.as<double>();
+    for (int64_t i = 0; i < count; ++i) p[i] /= n;
   } else {
     auto* p = t.as<uint16_t>();
     const bool bf = t.dtype == DType::kBF16;

@@ -71,6 +71,8 @@ std::pair<ncclDataType_t, size_t> nccl_type(const Tensor& t) {
       return {ncclInt32, n};
     case DType::kU16:
       return {ncclUint8, 2 * n};
+    case DType::kF64:
+      return {ncclFloat64, n};
   }
   return {ncclUint8, t.bytes()};
 }

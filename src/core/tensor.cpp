@@ -16,6 +16,8 @@ const char* dtype_name(DType t) {
       return "int32";
     case DType::kU16:
       return "uint16";
+    case DType::kF64:
+      return "fp64";
   }
   return "?";
 }

@@ -13,7 +13,9 @@
 
 namespace shardtrain {
 
-enum class DType : uint8_t { kF32, kBF16, kF16, kI32, kU16 };
+/// Element types. kF64 is for small exact accumulators (batch norm's per-channel sums), not for
+/// parameters or activations.
+enum class DType : uint8_t { kF32, kBF16, kF16, kI32, kU16, kF64 };
 
 /// Bytes per element.
 constexpr size_t dtype_size(DType t) {
@@ -28,6 +30,8 @@ constexpr size_t dtype_size(DType t) {
       return 2;
     case DType::kU16:
       return 2;
+    case DType::kF64:
+      return 8;
   }
   return 0;
 }

@@ -37,6 +37,18 @@ inline void expect_f32_or_empty(const char* op, const char* name, const Tensor& 
   if (!t.empty()) expect_f32(op, name, t, dims);
 }
 
+/// Throws unless `t` is an fp64 CPU tensor of shape `dims` (batch norm's per-channel sums).
+inline void expect_f64(const char* op, const char* name, const Tensor& t,
+                       std::initializer_list<int64_t> dims) {
+  const Tensor want(nullptr, DType::kF64, DeviceKind::kCPU, dims);
+  check(!t.empty() && t.device == DeviceKind::kCPU && t.dtype == DType::kF64,
+        "{}: {} must be an fp64 CPU tensor of shape {}, got {} {}", op, name, want.shape_str(),
+        t.empty() ? std::string("(empty)") : t.shape_str(), dtype_name(t.dtype));
+  bool same = t.ndim == want.ndim;
+  for (int i = 0; same && i < t.ndim; ++i) same = t.dim(i) == want.dim(i);
+  check(same, "{}: {} has shape {}, expected {}", op, name, t.shape_str(), want.shape_str());
+}
+
 /// Throws unless `t` is a 4-D fp32 CPU tensor (NCHW); its shape is then read from it.
 inline void expect_nchw(const char* op, const char* name, const Tensor& t) {
   check(!t.empty() && t.ndim == 4, "{}: {} has shape {}, expected [N, C, H, W]", op, name,

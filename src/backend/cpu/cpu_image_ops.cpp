@@ -20,6 +20,7 @@ namespace {
 using cpu_image::act_derivative;
 using cpu_image::act_forward;
 using cpu_image::expect_f32;
+using cpu_image::expect_f64;
 using cpu_image::expect_f32_or_empty;
 using cpu_image::expect_nchw;
 using cpu_image::sigmoid;
@@ -102,9 +103,9 @@ class CpuImageOps final : public ImageOps {
     const char* op = "batchnorm_statistics";
     expect_nchw(op, "inp", inp);
     const int64_t N = inp.dim(0), C = inp.dim(1), HW = inp.dim(2) * inp.dim(3);
-    expect_f32(op, "sums", sums, {2, C});
+    expect_f64(op, "sums", sums, {2, C});
     const float* x = inp.f32();
-    float* sp = sums.f32();
+    auto* sp = sums.as<double>();
 #pragma omp parallel for schedule(static) if (worth_parallel(N * C * HW))
     for (int64_t c = 0; c < C; ++c) {
       double s1 = 0.0, s2 = 0.0;
@@ -115,8 +116,8 @@ class CpuImageOps final : public ImageOps {
           s2 += static_cast<double>(xc[i]) * xc[i];
         }
       }
-      sp[c] = static_cast<float>(s1);
-      sp[C + c] = static_cast<float>(s2);
+      sp[c] = s1;
+      sp[C + c] = s2;
     }
   }
 
@@ -134,11 +135,12 @@ class CpuImageOps final : public ImageOps {
     expect_f32_or_empty(op, "running_var", running_var, {C});
     expect_f32(op, "weight", weight, {C});
     expect_f32(op, "bias", bias, {C});
-    expect_f32(op, "sums", sums, {2, C});
+    expect_f64(op, "sums", sums, {2, C});
     check(count > 1,
           "{}: count={} values per channel; training batch norm needs more than one (inp {})", op,
           count, inp.shape_str());
-    const float *sp = sums.f32(), *x = inp.f32(), *g = weight.f32(), *b = bias.f32();
+    const auto* sp = sums.as<const double>();
+    const float *x = inp.f32(), *g = weight.f32(), *b = bias.f32();
     float *mu = mean.f32(), *is = invstd.f32(), *y = out.f32();
     float* rm = ptr_or_null(running_mean);
     float* rv = ptr_or_null(running_var);
@@ -193,7 +195,7 @@ class CpuImageOps final : public ImageOps {
     expect_nchw(op, "inp", inp);
     const int64_t N = inp.dim(0), C = inp.dim(1), HW = inp.dim(2) * inp.dim(3);
     expect_like(op, "dout", dout, "inp", inp);
-    expect_f32(op, "dsums", dsums, {2, C});
+    expect_f64(op, "dsums", dsums, {2, C});
     expect_f32(op, "dweight", dweight, {C});
     expect_f32(op, "dbias", dbias, {C});
     expect_f32(op, "weight", weight, {C});
@@ -202,7 +204,8 @@ class CpuImageOps final : public ImageOps {
     expect_f32(op, "invstd", invstd, {C});
     const float *x = inp.f32(), *dy = dout.f32(), *g = weight.f32(), *b = bias.f32(),
                 *mu = mean.f32(), *is = invstd.f32();
-    float *ds = dsums.f32(), *dw = dweight.f32(), *db = dbias.f32();
+    auto* ds = dsums.as<double>();
+    float *dw = dweight.f32(), *db = dbias.f32();
 #pragma omp parallel for schedule(static) if (worth_parallel(N * C * HW))
     for (int64_t c = 0; c < C; ++c) {
       const ChannelAffine a{mu[c], is[c], g[c], b[c]};
@@ -216,8 +219,8 @@ class CpuImageOps final : public ImageOps {
           s2 += static_cast<double>(d) * a.xhat(xc[i]);
         }
       }
-      ds[c] = static_cast<float>(s1);
-      ds[C + c] = static_cast<float>(s2);
+      ds[c] = s1;
+      ds[C + c] = s2;
       dw[c] += static_cast<float>(s2);
       db[c] += static_cast<float>(s1);
     }
@@ -235,17 +238,19 @@ class CpuImageOps final : public ImageOps {
     expect_f32(op, "bias", bias, {C});
     expect_f32(op, "mean", mean, {C});
     expect_f32(op, "invstd", invstd, {C});
-    expect_f32(op, "dsums", dsums, {2, C});
+    expect_f64(op, "dsums", dsums, {2, C});
     check(count > 0, "{}: count={} values per channel (inp {})", op, count, inp.shape_str());
     const float *x = inp.f32(), *dy = dout.f32(), *g = weight.f32(), *b = bias.f32(),
-                *mu = mean.f32(), *is = invstd.f32(), *ds = dsums.f32();
+                *mu = mean.f32(), *is = invstd.f32();
+    const auto* ds = dsums.as<const double>();
     float* dx = dinp.f32();
-    const float inv_count = 1.0f / static_cast<float>(count);
+    const double inv_count = 1.0 / static_cast<double>(count);
 #pragma omp parallel for schedule(static) if (worth_parallel(N * C * HW))
     for (int64_t nc = 0; nc < N * C; ++nc) {
       const int64_t c = nc % C;
       const ChannelAffine a{mu[c], is[c], g[c], b[c]};
-      const float mean_dy = ds[c] * inv_count, mean_dy_xhat = ds[C + c] * inv_count;
+      const auto mean_dy = static_cast<float>(ds[c] * inv_count);
+      const auto mean_dy_xhat = static_cast<float>(ds[C + c] * inv_count);
       const float scale = g[c] * is[c];
       const float* xc = x + nc * HW;
       const float* dyc = dy + nc * HW;

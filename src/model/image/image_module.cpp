@@ -129,7 +129,8 @@ class BatchNorm2d final : public Module {
   }
   void reserve(Backend& be, const ImageShape& in) override {
     activation(be, out_, output_shape(in));
-    if (stats_.numel() == 0) stats_ = FlatBuffer(be, DType::kF32, 6 * C_);
+    if (stats_.numel() == 0) stats_ = FlatBuffer(be, DType::kF32, 2 * C_);
+    if (sums_.numel() == 0) sums_ = FlatBuffer(be, DType::kF64, 4 * C_);
   }
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
     const ImageShape s = output_shape(shape_of(in));
@@ -139,7 +140,7 @@ class BatchNorm2d final : public Module {
       ctx.ops.batchnorm_forward_eval(out, in, w_, b_, running_mean_, running_var_, eps_, act_);
       return out;
     }
-    Tensor sums = stat(0, 2), mean = stat(2, 1), invstd = stat(3, 1);
+    Tensor sums = sums_of(0), mean = stat(0), invstd = stat(1);
     ctx.ops.batchnorm_statistics(sums, in);
     if (ctx.sync_sums) ctx.sync_sums(sums);
     ctx.ops.batchnorm_forward_train(out, mean, invstd, running_mean_, running_var_, in, w_, b_,
@@ -149,7 +150,7 @@ class BatchNorm2d final : public Module {
   void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
                 const Tensor& din) override {
     const ImageShape s = shape_of(in);
-    Tensor mean = stat(2, 1), invstd = stat(3, 1), dsums = stat(4, 2);
+    Tensor mean = stat(0), invstd = stat(1), dsums = sums_of(1);
     ctx.ops.batchnorm_backward_reduce(dsums, dw_, db_, dout, in, w_, b_, mean, invstd, act_);
     if (din.empty()) return;
     if (ctx.sync_sums) ctx.sync_sums(dsums);
@@ -158,11 +159,12 @@ class BatchNorm2d final : public Module {
   }
 
  private:
-  /// stats_ holds sums [2,C] | mean [C] | invstd [C] | dsums [2,C].
-  Tensor stat(int64_t first_row, int64_t rows) const {
-    Tensor t = stats_.slice(first_row * C_, rows * C_);
-    if (rows == 2) return Tensor(t.data, DType::kF32, t.device, {2, C_});
-    return t;
+  /// stats_ (fp32) holds mean [C] | invstd [C]; sums_ (fp64) the forward's sums [2,C] (which 0)
+  /// | the backward's dsums [2,C] (which 1).
+  Tensor stat(int64_t row) const { return stats_.slice(row * C_, C_); }
+  Tensor sums_of(int64_t which) const {
+    const Tensor t = sums_.slice(which * 2 * C_, 2 * C_);
+    return Tensor(t.data, DType::kF64, t.device, {2, C_});
   }
   static int64_t count(const ModuleContext& ctx, const ImageShape& s) {
     return s.N * s.H * s.W * (ctx.sync_sums ? ctx.sync_ranks : 1);
@@ -172,7 +174,7 @@ class BatchNorm2d final : public Module {
   Activation act_;
   float eps_, momentum_;
   Tensor w_, dw_, b_, db_, running_mean_, running_var_;
-  FlatBuffer out_, stats_;
+  FlatBuffer out_, stats_, sums_;
 };
 
 // ---- activations, pooling, linear -----------------------------------------------------------
