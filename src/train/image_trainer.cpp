@@ -153,7 +153,14 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
   spec.height = data.train.height;
   spec.width = data.train.width;
   spec.num_classes = static_cast<int64_t>(data.train.classes.size());
-  std::unique_ptr<ImageModel> model = make_image_model(spec, *backend);
+  std::unique_ptr<ImageModel> model;
+  try {
+    model = make_image_model(spec, *backend);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("--model {} on {} images of {}×{}×{}: {}", cfg.model,
+                                  data.train.name, spec.channels, spec.height, spec.width,
+                                  e.what()));
+  }
   model->set_label_smoothing(static_cast<float>(cfg.label_smoothing));
   if (cfg.sync_batchnorm && comm.world_size() > 1)
     model->set_sync_batchnorm(
