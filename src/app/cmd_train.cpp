@@ -4,6 +4,8 @@
 // from it (MPI on CPU, NCCL on GPU; docs/LAUNCHING.md).
 #include <fmt/core.h>
 
+#include <filesystem>
+
 #include "app/commands.h"
 #include "app/train_flags.h"
 #include "backend/backend.h"
@@ -11,6 +13,8 @@
 #include "comm/dist_env.h"
 #include "core/strings.h"
 #include "model/gpt2_config.h"
+#include "model/image/image_zoo.h"
+#include "train/image_trainer.h"
 #include "train/trainer.h"
 
 namespace shardtrain {
@@ -21,6 +25,26 @@ DeviceKind job_device(const std::string& device) {
   if (device == "cpu") return DeviceKind::kCPU;
   if (device == "cuda") return DeviceKind::kCUDA;
   return cuda_available() ? DeviceKind::kCUDA : DeviceKind::kCPU;
+}
+
+/// Throws ConfigError for a --model that is neither a GPT-2 preset, an image model nor a path,
+/// suggesting the nearest name of either kind.
+void check_model_name(const std::string& name) {
+  if (name.empty() || is_image_model(name)) return;
+  std::vector<std::string> names = gpt2_preset_names();
+  for (const std::string& n : names)
+    if (n == name) return;
+  std::error_code ec;
+  const bool looks_like_path = name.find('/') != std::string::npos ||
+                               std::filesystem::path(name).extension() == ".json" ||
+                               name.rfind('.', 0) == 0 || std::filesystem::exists(name, ec);
+  if (looks_like_path) return;  // resolve_model() explains a missing file
+  const std::vector<std::string>& images = image_model_names();
+  names.insert(names.end(), images.begin(), images.end());
+  throw ConfigError(fmt::format(
+      "--model {}: unknown model{}: GPT-2 presets: {}; image models: {} (and ensemble:m1,m2,...); "
+      "or the path of a Hugging Face style config.json",
+      name, did_you_mean(name, names), join(gpt2_preset_names(), ", "), join(images, ", ")));
 }
 
 /// Runs `f`; in a job of several ranks, errors are rethrown with "rank R: " in front (same
@@ -56,7 +80,8 @@ void with_rank_in_errors(int rank, int world, F&& f) {
 void register_train_command(CLI::App& app) {
   auto cfg = std::make_shared<TrainConfig>();
   auto comm_timeout = std::make_shared<double>(0);
-  CLI::App* cmd = app.add_subcommand("train", "train a GPT-2 model (see --help for the flags)");
+  CLI::App* cmd = app.add_subcommand(
+      "train", "train a GPT-2 model or an image classifier (see --help for the flags)");
   add_train_flags(*cmd, *cfg);
   cmd->add_option("--comm-timeout", *comm_timeout,
                   "seconds a collective may wait for the other ranks before the job stops with a "
@@ -69,8 +94,11 @@ void register_train_command(CLI::App& app) {
       std::vector<std::string> warnings;
       // --resume without --model: the checkpoint's own shape (a custom one needs no config.json).
       if (!cfg->resume.empty() && cmd->count("--model") == 0) cfg->model.clear();
-      // The model's context bounds --max-length; an unknown model name fails here, clearly.
-      const int64_t context = resolve_train_model(*cfg).n_positions;
+      // The model's context bounds --max-length (image models: none); an unknown model name
+      // fails here, clearly.
+      check_model_name(cfg->model);
+      const int64_t context =
+          is_image_model(cfg->model) ? 0 : resolve_train_model(*cfg).n_positions;
       cfg->world_size = env.world_size;  // before validation: the batch identity needs it
       TrainConfig final_cfg = finalize_train_config(*cmd, *cfg, context, warnings);
       if (env.rank == 0)
@@ -78,7 +106,10 @@ void register_train_command(CLI::App& app) {
       CommOptions options;
       options.timeout_s = comm_timeout_seconds(*comm_timeout);
       auto comm = make_world_communicator(env, job_device(final_cfg.device), nullptr, options);
-      train(final_cfg, *comm);
+      if (is_image_model(final_cfg.model))
+        train_image_model(final_cfg, *comm);
+      else
+        train(final_cfg, *comm);
       comm.reset();
       finalize_mpi(options.timeout_s);
     });

@@ -346,7 +346,9 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
 
   // ---- data ----
   cmd.add_option("--dataset", cfg.dataset,
-                 fmt::format("named data set, e.g. wikitext-2 (default: {})", or_none(cfg.dataset)))
+                 fmt::format("named data set: wikitext-2 (GPT-2), fashion-mnist (image models) "
+                             "(default: {})",
+                             or_none(cfg.dataset)))
       ->type_name("NAME");
   cmd.add_option("--train-file", cfg.train_file,
                  "training text file (or a token file written by `shardtrain tokenize`); "
@@ -357,8 +359,20 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->type_name("PATH");
   cmd.add_option("--data-dir", cfg.data_dir,
                  "directory holding the named data sets (default: the copy shipped with "
-                 "shardtrain)")
+                 "shardtrain); image models: an ImageFolder root (one subfolder per class; 10% "
+                 "held out), or with --dataset fashion-mnist the directory of its IDX files")
       ->type_name("DIR");
+  cmd.add_option("--image-size", cfg.image_size,
+                 "image models: resize every image to N × N pixels (bilinear; default: as stored)")
+      ->type_name("N")
+      ->check(int_at_least(1));
+  cmd.add_option("--label-smoothing", cfg.label_smoothing,
+                 "image models: label smoothing of the training loss in [0, 1) (default: 0)")
+      ->type_name("EPS")
+      ->check(number_in(0.0, false, 1.0, true));
+  cmd.add_flag("--sync-batchnorm", cfg.sync_batchnorm,
+               "image models: batch norm's training statistics over all ranks (SyncBatchNorm; "
+               "default: each rank's own micro-batch)");
   cmd.add_option("--cache-dir", cfg.cache_dir,
                  "directory for token caches (default: $SHARDTRAIN_CACHE_DIR or "
                  "~/.cache/shardtrain)")

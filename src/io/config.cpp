@@ -22,6 +22,7 @@
 
 #include "core/error.h"
 #include "core/strings.h"
+#include "model/image/image_zoo.h"
 
 namespace shardtrain {
 
@@ -1816,6 +1817,47 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         "--model is empty: name a model preset (e.g. --model gpt2-tiny) or the path of a "
         "config.json");
   }
+  const bool image_model = is_image_model(cfg.model);
+  if (image_model) {
+    if (cfg.strategy == StrategyKind::kPipeline) {
+      throw ConfigError(fmt::format(
+          "--strategy pipeline trains GPT-2 models only; image model '{}' trains with dp, zero1, "
+          "zero2, zero3 or offload",
+          cfg.model));
+    }
+    if (!cfg.dataset.empty() && cfg.dataset != "fashion-mnist") {
+      throw ConfigError(fmt::format(
+          "--dataset '{}' is not an image data set: image model '{}' trains on --dataset "
+          "fashion-mnist or an ImageFolder directory (--data-dir DIR)",
+          cfg.dataset, cfg.model));
+    }
+    if (!cfg.train_file.empty() || !cfg.valid_file.empty()) {
+      throw ConfigError(fmt::format(
+          "--train-file / --valid-file are text for GPT-2; image model '{}' trains on --dataset "
+          "fashion-mnist or an ImageFolder directory (--data-dir DIR)",
+          cfg.model));
+    }
+    if (cfg.dataset.empty() && cfg.data_dir.empty()) {
+      throw ConfigError(fmt::format(
+          "no training data for image model '{}': give --dataset fashion-mnist, or --data-dir DIR "
+          "(an ImageFolder root: one subfolder of images per class)",
+          cfg.model));
+    }
+  } else {
+    if (cfg.dataset == "fashion-mnist") {
+      throw ConfigError(fmt::format(
+          "--dataset fashion-mnist holds images, but model '{}' is a language model: train an "
+          "image model on it ({})",
+          cfg.model.empty() ? "of the checkpoint" : cfg.model, join(image_model_names(), ", ")));
+    }
+    if (cfg.image_size != 0 || cfg.label_smoothing != 0 || cfg.sync_batchnorm) {
+      throw ConfigError(fmt::format(
+          "--image-size, --label-smoothing and --sync-batchnorm are for image models ({}); model "
+          "'{}' is a "
+          "language model",
+          join(image_model_names(), ", "), cfg.model.empty() ? "of the checkpoint" : cfg.model));
+    }
+  }
   if (cfg.max_length < 1) {
     throw ConfigError(
         fmt::format("--max-length {} is not valid: the sequence length must be at least 1 token",
@@ -1932,7 +1974,7 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         "or your own text files)",
         cfg.dataset, cfg.train_file));
   }
-  if (cfg.dataset.empty() && cfg.train_file.empty()) {
+  if (cfg.dataset.empty() && cfg.train_file.empty() && !image_model) {
     throw ConfigError(
         "no training data: give --dataset wikitext-2, or --train-file PATH (and optionally "
         "--valid-file PATH)");

@@ -221,6 +221,12 @@ struct TrainConfig {
   std::string data_dir;   ///< where named data sets live; empty = the shipped copy
   std::string cache_dir;  ///< token caches; empty = $SHARDTRAIN_CACHE_DIR or ~/.cache/shardtrain
   int64_t eval_samples = -1;  ///< validation samples per evaluation; -1 = the whole split
+  /// Image models: every image resized to image_size × image_size (bilinear); 0 = as stored.
+  int64_t image_size = 0;
+  /// Image models: label smoothing ε of the training loss (0 = plain cross-entropy).
+  double label_smoothing = 0;
+  /// Image models: batch norm's training statistics over all data-parallel ranks (SyncBatchNorm).
+  bool sync_batchnorm = false;
 
   // ---- output, logging, checkpoints ----
   std::string output_dir = "out";

@@ -1,8 +1,5 @@
 #include "train/trainer.h"
 
-#include <sys/resource.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -29,80 +26,15 @@
 #include "parallel/pipeline/pipeline_parallel.h"
 #include "parallel/strategy.h"
 #include "train/flops_profiler.h"
+#include "train/train_common.h"
 #include "train/train_step.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
+using Clock = TrainClock;
 using nlohmann::json;
 
 namespace {
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-size_t peak_rss_bytes() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<size_t>(ru.ru_maxrss) * 1024;
-}
-
-json config_snapshot(const TrainConfig& c) {
-  const ZeroConfig& z = c.zero;
-  return {{"model", c.model},
-          {"strategy", to_string(c.strategy)},
-          {"plan",
-           {{"zero_stage", c.plan.zero_stage},
-            {"optimizer_offload", to_string(c.plan.optimizer_offload)},
-            {"optimizer_offload_ratio", c.plan.optimizer_offload_ratio},
-            {"param_offload", to_string(c.plan.param_offload)},
-            {"pipeline_stages", c.plan.pipeline_stages}}},
-          {"pipeline",
-           {{"stages", c.pipeline.stages},
-            {"schedule", to_string(c.pipeline.schedule)},
-            {"virtual_stages", c.pipeline.virtual_stages},
-            {"partition_method", c.pipeline.partition_method},
-            {"activation_checkpoint_interval", c.pipeline.activation_checkpoint_interval}}},
-          {"zero_optimization",
-           {{"stage", z.stage},
-            {"reduce_bucket_size", z.reduce_bucket_size},
-            {"allgather_bucket_size", z.allgather_bucket_size},
-            {"overlap_comm", z.overlap_comm},
-            {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
-            {"stage3_param_persistence_threshold", z.stage3_param_persistence_threshold},
-            {"stage3_max_live_parameters", z.stage3_max_live_parameters},
-            {"stage3_max_reuse_distance", z.stage3_max_reuse_distance},
-            {"stage3_gather_16bit_weights_on_model_save",
-             z.stage3_gather_16bit_weights_on_model_save}}},
-          {"device", c.device},
-          {"precision", to_string(c.precision)},
-          {"micro_batch_size", c.micro_batch_size},
-          {"gradient_accumulation_steps", c.gradient_accumulation_steps},
-          {"train_batch_size", c.train_batch_size},
-          {"world_size", c.world_size},
-          {"epochs", c.epochs},
-          {"max_steps", c.max_steps},
-          {"max_length", c.max_length},
-          {"num_samples", c.num_samples},
-          {"seed", c.seed},
-          {"dropout", c.dropout},
-          {"lr", c.lr},
-          {"betas", {c.beta1, c.beta2}},
-          {"eps", c.adam_eps},
-          {"weight_decay", c.weight_decay},
-          {"gradient_clipping", c.gradient_clipping},
-          {"warmup_steps", c.warmup_steps},
-          {"lr_schedule", to_string(c.lr_schedule)},
-          {"min_lr_ratio", c.min_lr_ratio},
-          {"dataset", c.dataset},
-          {"train_file", c.train_file},
-          {"valid_file", c.valid_file},
-          {"monitor",
-           {{"tensorboard", c.monitor.tensorboard_dir},
-            {"tensorboard_all_ranks", c.monitor.tensorboard_all_ranks},
-            {"csv_monitor", c.monitor.csv_dir}}}};
-}
 
 /// Parameters of the largest layer of `layout` (its tensors' elements, without padding): what
 /// ZeRO-3's persistence threshold is compared with.
@@ -114,231 +46,6 @@ int64_t largest_layer_numel(const ParamLayout& layout) {
     largest = std::max(largest, n);
   }
   return largest;
-}
-
-/// Whether this process's stdout ends at a terminal, so that a progress bar may be redrawn there.
-/// `shardtrain launch` says so for its ranks in SHARDTRAIN_STDOUT_TTY (its own stdout decides):
-/// mpirun (Open MPI) gives each rank a pseudo-terminal as stdout even when mpirun's output goes
-/// to a file or pipe, so isatty() in a rank says nothing. Under a plain mpirun (no launcher):
-/// no bar.
-bool stdout_is_terminal() {
-  if (const char* v = std::getenv("SHARDTRAIN_STDOUT_TTY")) return std::string_view(v) == "1";
-  if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMIX_RANK") != nullptr)
-    return false;
-  return isatty(STDOUT_FILENO) != 0;
-}
-
-/// Prints on rank 0 only; a progress bar (stdout a terminal) is erased before each line.
-class Console {
- public:
-  explicit Console(bool active) : active_(active), tty_(active && stdout_is_terminal()) {}
-  template <typename... Args>
-  void line(fmt::format_string<Args...> f, Args&&... args) {
-    if (!active_) return;
-    clear_bar();
-    fmt::print("{}\n", fmt::format(f, std::forward<Args>(args)...));
-    std::fflush(stdout);
-  }
-  void warn(const std::string& msg) {
-    if (!active_) return;
-    clear_bar();
-    fmt::print(stderr, "warning: {}\n", msg);
-  }
-  void bar(int64_t done, int64_t total, double loss, double tok_s) {
-    if (!tty_) return;
-    constexpr int kWidth = 30;
-    const int fill = total > 0 ? static_cast<int>(kWidth * done / total) : 0;
-    fmt::print("\r[{}{}] {}/{} loss {:.4f} {:.0f} tok/s",
-               std::string(static_cast<size_t>(fill), '#'),
-               std::string(static_cast<size_t>(kWidth - fill), '.'), done, total, loss, tok_s);
-    std::fflush(stdout);
-    bar_shown_ = true;
-  }
-
- private:
-  void clear_bar() {
-    if (bar_shown_) fmt::print("\r\033[K");
-    bar_shown_ = false;
-  }
-  bool active_, tty_;
-  bool bar_shown_ = false;
-};
-
-/// The step log: a console line and a metrics.jsonl record every `log_interval` steps (and at
-/// the first and last step), with the means over the steps since the previous line: time, tokens/s,
-/// MFU on GPUs and (wall_clock_breakdown) the device time of each phase. The monitors get every
-/// step's loss, lr, grad norm (and fp16 loss scale), and the window's throughput with each line.
-class StepLog {
- public:
-  StepLog(Console& out, MetricsWriter& metrics, Monitor& monitor, const TrainConfig& cfg,
-          const GPT2Config& model, int world_size, bool on_gpu, int64_t tokens_per_step,
-          int64_t total_steps)
-      : out_(out),
-        metrics_(metrics),
-        monitor_(monitor),
-        cfg_(cfg),
-        model_(model),
-        world_size_(world_size),
-        on_gpu_(on_gpu),
-        tokens_per_step_(tokens_per_step),
-        total_steps_(total_steps),
-        step_digits_(static_cast<int>(fmt::formatted_size("{}", total_steps))) {}
-
-  /// Records step number `progress.step` (just taken, in `seconds`, at learning rate `lr`);
-  /// logs when it is due. `loss_scale`: the fp16 scale now (nullopt without fp16).
-  void add(const StepResult& r, double seconds, double lr, const TrainingProgress& progress,
-           int64_t epoch, std::optional<double> loss_scale, double host_step_seconds = 0) {
-    seconds_ += seconds;
-    host_step_ += host_step_seconds;
-    loss_ += r.loss;
-    ++steps_;
-    if (r.phases) phases_ += *r.phases;
-    const int64_t step = progress.step;
-    monitor_.scalar("train/loss", r.loss, step);
-    monitor_.scalar("train/lr", lr, step);
-    monitor_.scalar("train/grad_norm", r.grad_norm, step);
-    if (loss_scale) monitor_.scalar("train/loss_scale", *loss_scale, step);
-    if (step % cfg_.log_interval != 0 && step != total_steps_ && step != 1) return;
-    const double per_step = seconds_ / static_cast<double>(steps_);
-    const double tok_s = static_cast<double>(tokens_per_step_ * steps_) / seconds_;
-    // MFU: model FLOPs per token (6N + 12·L·d·T) at the measured rate, against the dense bf16
-    // peak of the ranks' GPUs (--peak-tflops each).
-    const double mfu = model_.flops_per_token(cfg_.max_length) * tok_s /
-                       (cfg_.peak_tflops * 1e12 * static_cast<double>(world_size_));
-    out_.line(
-        "epoch {} | step {:>{}}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} "
-        "tokens/s{} | {:.3f} s/step",
-        epoch + 1, step, step_digits_, total_steps_, r.loss, lr, r.grad_norm, tok_s,
-        on_gpu_ ? fmt::format(" | MFU {:.1f}%", 100.0 * mfu) : std::string(), per_step);
-    json rec = {{"step", step},
-                {"epoch", epoch + 1},
-                {"loss", r.loss},
-                {"avg_loss", loss_ / static_cast<double>(steps_)},
-                {"lr", lr},
-                {"grad_norm", r.grad_norm},
-                {"tokens_per_s", tok_s},
-                {"step_time_s", per_step},
-                {"tokens_seen", progress.tokens_seen}};
-    if (on_gpu_) rec["mfu"] = mfu;
-    if (loss_scale) rec["loss_scale"] = *loss_scale;
-    monitor_.scalar("train/tokens_per_s", tok_s, step);
-    monitor_.scalar("train/step_time_s", per_step, step);
-    if (on_gpu_) monitor_.scalar("train/mfu", mfu, step);
-    // The CPU optimizer step (offload) runs beside the device: host time of the last completed
-    // one, averaged over the window.
-    if (host_step_ > 0) rec["cpu_step_ms"] = 1e3 * host_step_ / static_cast<double>(steps_);
-    if (r.phases) {
-      const PhaseTimes ms = phases_.scaled(1e3 / static_cast<double>(steps_));
-      out_.line(
-          "  device time per step: forward {:.2f} ms | backward {:.2f} ms | gradient "
-          "reduction wait {:.2f} ms | optimizer {:.2f} ms",
-          ms.forward, ms.backward, ms.reduce_wait, ms.optimizer);
-      rec["forward_ms"] = ms.forward;
-      rec["backward_ms"] = ms.backward;
-      rec["reduce_wait_ms"] = ms.reduce_wait;
-      rec["optimizer_ms"] = ms.optimizer;
-    }
-    metrics_.write(rec);
-    seconds_ = loss_ = host_step_ = 0;
-    steps_ = 0;
-    phases_ = PhaseTimes{};
-  }
-
- private:
-  Console& out_;
-  MetricsWriter& metrics_;
-  Monitor& monitor_;
-  const TrainConfig& cfg_;
-  const GPT2Config& model_;
-  int world_size_;
-  bool on_gpu_;
-  int64_t tokens_per_step_, total_steps_;
-  int step_digits_;
-  // Since the last log line:
-  double seconds_ = 0, loss_ = 0, host_step_ = 0;
-  int64_t steps_ = 0;
-  PhaseTimes phases_;
-};
-
-/// The steps of one epoch this run executed.
-struct EpochStats {
-  int64_t epoch = 0;      ///< 0-based
-  bool complete = false;  ///< the epoch's data was used up (not cut by --max-steps)
-  int64_t steps = 0;      ///< > 0
-  double loss_sum = 0;    ///< Σ step losses
-  double seconds = 0;
-  double samples = 0;         ///< global samples trained on
-  int64_t seq_len = 0;        ///< T
-  int64_t skipped_steps = 0;  ///< fp16 overflows so far
-  double gathered_bytes = 0;  ///< Σ over the steps of the parameter bytes this rank all-gathered
-  int64_t step = 0;           ///< the optimizer step at the epoch's end (the monitors' step)
-};
-
-/// The epoch summary: a console line and a metrics.jsonl record with throughput, peak memory
-/// (the GPU's peak allocated bytes, or the process's peak resident set on CPU) of every rank, and
-/// the parameter bytes all-gathered per step. Collective (the ranks' peaks are gathered).
-void log_epoch(Console& out, MetricsWriter& metrics, Monitor& monitor, Backend& backend,
-               ScalarAllReduce& reduce, const EpochStats& e, const HostMemory& host) {
-  const bool on_gpu = backend.kind() == DeviceKind::kCUDA;
-  const size_t peak = on_gpu ? backend.peak_allocated_bytes() : peak_rss_bytes();
-  const double mine[] = {static_cast<double>(peak),
-                         static_cast<double>(on_gpu ? backend.peak_reserved_bytes() : peak)};
-  const std::vector<double> all = reduce.gather(mine);  // [rank][allocated, reserved]
-  std::vector<size_t> peaks;
-  std::string per_rank;
-  for (size_t r = 0; r < all.size() / 2; ++r) {
-    peaks.push_back(static_cast<size_t>(all[2 * r]));
-    per_rank += fmt::format("{}{}", r ? ", " : "", human_bytes(all[2 * r]));
-  }
-  std::string mem =
-      on_gpu ? fmt::format("peak memory {} allocated, {} reserved",
-                           human_bytes(static_cast<double>(peak)),
-                           human_bytes(static_cast<double>(backend.peak_reserved_bytes())))
-             : fmt::format("peak memory {}", human_bytes(static_cast<double>(peak)));
-  if (peaks.size() > 1) mem += fmt::format(" (rank 0; ranks: {})", per_rank);
-  const double gathered_per_step = e.gathered_bytes / static_cast<double>(e.steps);
-  if (gathered_per_step > 0)
-    mem += fmt::format(" | all-gathered {} per step", human_bytes(gathered_per_step));
-  if (host.pinned + host.pageable + host.nvme > 0)
-    mem += fmt::format(" | host {} pinned, {} pageable, NVMe {}",
-                       human_bytes(static_cast<double>(host.pinned)),
-                       human_bytes(static_cast<double>(host.pageable)),
-                       human_bytes(static_cast<double>(host.nvme)));
-  const double avg_loss = e.loss_sum / static_cast<double>(e.steps);
-  const double tokens_per_s = e.samples * static_cast<double>(e.seq_len) / e.seconds;
-  out.line(
-      "epoch {}{} | {} steps | avg loss {:.4f} | {:.1f} s | {:.1f} samples/s | {:.0f} "
-      "tokens/s | {}",
-      e.epoch + 1, e.complete ? "" : " (partial)", e.steps, avg_loss, e.seconds,
-      e.samples / e.seconds, tokens_per_s, mem);
-  metrics.write({{"epoch", e.epoch + 1},
-                 {"epoch_complete", e.complete},
-                 {"steps", e.steps},
-                 {"avg_loss", avg_loss},
-                 {"time_s", e.seconds},
-                 {"samples_per_s", e.samples / e.seconds},
-                 {"tokens_per_s", tokens_per_s},
-                 {"peak_memory_bytes", peak},
-                 {"device_allocated_bytes", backend.allocated_bytes()},
-                 {"device_reserved_bytes", backend.reserved_bytes()},
-                 {"device_peak_allocated_bytes", backend.peak_allocated_bytes()},
-                 {"device_peak_reserved_bytes", backend.peak_reserved_bytes()},
-                 {"peak_memory_bytes_per_rank", peaks},
-                 {"gathered_bytes_per_step", gathered_per_step},
-                 {"host_pinned_bytes", host.pinned},
-                 {"host_pageable_bytes", host.pageable},
-                 {"nvme_bytes", host.nvme},
-                 {"peak_rss_bytes", peak_rss_bytes()},
-                 {"skipped_steps", e.skipped_steps}});
-  monitor.scalar("train/epoch_avg_loss", avg_loss, e.step);
-  monitor.scalar("train/samples_per_s", e.samples / e.seconds, e.step);
-  if (on_gpu) {
-    monitor.scalar("memory/gpu_peak_bytes", static_cast<double>(backend.peak_allocated_bytes()),
-                   e.step);
-    monitor.scalar("memory/gpu_peak_reserved_bytes",
-                   static_cast<double>(backend.peak_reserved_bytes()), e.step);
-  }
-  monitor.scalar("memory/host_peak_bytes", static_cast<double>(peak_rss_bytes()), e.step);
 }
 
 struct Evaluation {
@@ -374,15 +81,6 @@ Evaluation evaluate(GPT2Model& model, const PackedDataset& data, int64_t batch,
   ev.loss = ev.samples ? totals[0] / totals[1] : ev.loss;
   ev.seconds = seconds_since(t0);
   return ev;
-}
-
-/// The GPU index of this rank: LOCAL_RANK as set by launchers (torchrun, shardtrain launch,
-/// SLURM, mpirun), else the rank.
-int local_rank_of(const Communicator& comm) {
-  for (const char* var : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
-    if (const char* v = std::getenv(var)) return std::atoi(v);
-  }
-  return comm.rank();
 }
 
 }  // namespace
@@ -424,13 +122,9 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   std::unique_ptr<Backend> backend = make_backend(cfg.device, local_rank_of(comm), cfg.precision);
   const bool on_gpu = backend->kind() == DeviceKind::kCUDA;
   // Collectives must start after the kernels that produce their inputs (the backend computes on
-  // its own non-default stream).
-  comm.set_compute_stream(backend->native_stream());
-  // ... and must not use that stream once the backend (declared before this guard) destroys it.
-  struct ComputeStreamReset {
-    Communicator& comm;
-    ~ComputeStreamReset() { comm.set_compute_stream(nullptr); }
-  } compute_stream_reset{comm};
+  // its own non-default stream), and must not use that stream once the backend (declared before
+  // this guard) destroys it.
+  ComputeStreamScope compute_stream(comm, *backend);
   LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
   GPT2Model model(model_cfg, *backend, cfg.activation_checkpointing);
   check<ConfigError>(cfg.plan == plan_of(cfg),
@@ -543,22 +237,8 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   }
 
   const fs::path out_dir = cfg.output_dir;
-  MetricsWriter metrics;
-  if (rank0) {
-    std::error_code ec;
-    fs::create_directories(out_dir, ec);
-    check<ConfigError>(!ec, "cannot create --output-dir {}: {}", out_dir.string(), ec.message());
-    metrics = MetricsWriter(out_dir / "metrics.jsonl");
-  }
-  // TensorBoard / CSV scalars (rank 0; --tensorboard-all-ranks: every rank's own events), the
-  // configuration first, as text (Markdown: indented = preformatted).
-  Monitor monitor;
-  if (rank0 || cfg.monitor.tensorboard_all_ranks) {
-    std::string config_text = "    ";
-    for (const char c : config_snapshot(cfg).dump(2))
-      config_text += c == '\n' ? "\n    " : std::string(1, c);
-    monitor = Monitor(cfg.monitor, comm.rank(), config_text);
-  }
+  MetricsWriter metrics = open_run_metrics(cfg, rank0);
+  Monitor monitor = open_run_monitor(cfg, comm.rank(), config_snapshot(cfg).dump(2));
 
   // ---- banner ----
   out.line("shardtrain {} | train {} ({} parameters) | strategy {} | {} × {} rank{}",
@@ -703,8 +383,9 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     out.line("warning: flops profiler: profile step {} was run before this resumed run; no profile",
              profile.profile_step);
   }
-  StepLog step_log(out, metrics, monitor, cfg, model_cfg, comm.world_size(), on_gpu,
-                   tokens_per_step, total_steps);
+  StepLog step_log(out, metrics, monitor, cfg,
+                   Throughput{"tokens", tokens_per_step, model_cfg.flops_per_token(T)},
+                   comm.world_size(), on_gpu, total_steps);
   // run.json: what this run is, for `shardtrain report` (train/report.h) and other readers of
   // metrics.jsonl: the configuration, the model's size and FLOPs, the ranks and the global batch.
   if (rank0) {

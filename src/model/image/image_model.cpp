@@ -87,6 +87,8 @@ ParamSource ImageModel::source_for(int layer, const LayerRange& r, Tensor params
   src.param = [this, layer, r, params, grads](const std::string& name) {
     for (const ParamTensor& t : r.tensors)
       if (t.name == name) {
+        // ZeRO-3 binds a sharded layer to empty tensors until it gathers its parameters.
+        if (params.empty()) return std::pair{Tensor(), Tensor()};
         const int64_t off = t.offset - r.offset;
         return std::pair{shaped(params.slice1d(off, t.numel), t.shape),
                          grads.empty() ? Tensor() : shaped(grads.slice1d(off, t.numel), t.shape)};

@@ -1,0 +1,40 @@
+// The training loop of image classifiers (model/image/image_zoo.h): Fashion-MNIST or an
+// ImageFolder directory → normalized, augmented micro-batches → TrainStep over any data-parallel
+// strategy (dp, zero1/2/3, offload) with AdamW → step log in images/s, and each epoch an
+// evaluation on the held-out set (loss, top-1, top-5, per-class accuracy, confusion matrix).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "io/config.h"
+
+namespace shardtrain {
+
+struct ImageEvaluation {
+  double loss = 0;  ///< mean cross-entropy (no label smoothing)
+  double top1 = 0;  ///< fraction of images whose largest logit is the label
+  double top5 = 0;  ///< fraction with the label among the 5 largest logits (all when K ≤ 5)
+  int64_t samples = 0;
+  std::vector<double> class_accuracy;  ///< [K] top-1 per true class (NaN: class absent)
+  std::vector<int64_t> confusion;      ///< [K × K] row = true class, column = predicted
+  double seconds = 0;
+};
+
+struct ImageTrainSummary {
+  int64_t steps = 0;
+  double first_loss = 0, last_loss = 0;
+  std::vector<double> losses;  ///< every step's loss
+  ImageEvaluation eval;        ///< the last evaluation
+  double seconds = 0;
+};
+
+/// Trains image model cfg.model (is_image_model) per `cfg` (validated) on this rank of `comm`.
+/// Prints progress on rank 0 and writes metrics.jsonl and run.json under cfg.output_dir. Throws
+/// Error subclasses on bad input (ConfigError for the pipeline strategy, an input too small for
+/// the network, or too few images for one global batch; DataError for missing data).
+ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm);
+
+}  // namespace shardtrain

@@ -1,0 +1,285 @@
+#include "train/train_common.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include "core/error.h"
+#include "core/strings.h"
+
+namespace shardtrain {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+double seconds_since(TrainClock::time_point t0) {
+  return std::chrono::duration<double>(TrainClock::now() - t0).count();
+}
+
+size_t peak_rss_bytes() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<size_t>(ru.ru_maxrss) * 1024;
+}
+
+int local_rank_of(const Communicator& comm) {
+  for (const char* var : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
+    if (const char* v = std::getenv(var)) return std::atoi(v);
+  }
+  return comm.rank();
+}
+
+/// `shardtrain launch` says so for its ranks in SHARDTRAIN_STDOUT_TTY (its own stdout decides):
+/// mpirun (Open MPI) gives each rank a pseudo-terminal as stdout even when mpirun's output goes
+/// to a file or pipe, so isatty() in a rank says nothing. Under a plain mpirun (no launcher):
+/// no bar.
+bool stdout_is_terminal() {
+  if (const char* v = std::getenv("SHARDTRAIN_STDOUT_TTY")) return std::string_view(v) == "1";
+  if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMIX_RANK") != nullptr)
+    return false;
+  return isatty(STDOUT_FILENO) != 0;
+}
+
+void Console::warn(const std::string& msg) {
+  if (!active_) return;
+  clear_bar();
+  fmt::print(stderr, "warning: {}\n", msg);
+}
+
+void Console::bar(int64_t done, int64_t total, double loss, double rate, const char* unit) {
+  if (!tty_) return;
+  constexpr int kWidth = 30;
+  const int fill = total > 0 ? static_cast<int>(kWidth * done / total) : 0;
+  fmt::print("\r[{}{}] {}/{} loss {:.4f} {:.0f} {}/s", std::string(static_cast<size_t>(fill), '#'),
+             std::string(static_cast<size_t>(kWidth - fill), '.'), done, total, loss, rate, unit);
+  std::fflush(stdout);
+  bar_shown_ = true;
+}
+
+void Console::clear_bar() {
+  if (bar_shown_) fmt::print("\r\033[K");
+  bar_shown_ = false;
+}
+
+StepLog::StepLog(Console& out, MetricsWriter& metrics, Monitor& monitor, const TrainConfig& cfg,
+                 Throughput throughput, int world_size, bool on_gpu, int64_t total_steps)
+    : out_(out),
+      metrics_(metrics),
+      monitor_(monitor),
+      cfg_(cfg),
+      throughput_(std::move(throughput)),
+      world_size_(world_size),
+      on_gpu_(on_gpu),
+      total_steps_(total_steps),
+      step_digits_(static_cast<int>(fmt::formatted_size("{}", total_steps))) {}
+
+void StepLog::add(const StepResult& r, double seconds, double lr, const TrainingProgress& progress,
+                  int64_t epoch, std::optional<double> loss_scale, double host_step_seconds) {
+  seconds_ += seconds;
+  host_step_ += host_step_seconds;
+  loss_ += r.loss;
+  ++steps_;
+  if (r.phases) phases_ += *r.phases;
+  const int64_t step = progress.step;
+  monitor_.scalar("train/loss", r.loss, step);
+  monitor_.scalar("train/lr", lr, step);
+  monitor_.scalar("train/grad_norm", r.grad_norm, step);
+  if (loss_scale) monitor_.scalar("train/loss_scale", *loss_scale, step);
+  if (step % cfg_.log_interval != 0 && step != total_steps_ && step != 1) return;
+  const double per_step = seconds_ / static_cast<double>(steps_);
+  const double rate = static_cast<double>(throughput_.per_step * steps_) / seconds_;
+  const std::string rate_key = throughput_.unit + "_per_s";
+  // MFU: the model's training FLOPs per unit (GPT-2: 6N + 12·L·d·T per token) at the measured
+  // rate, against the dense bf16 peak of the ranks' GPUs (--peak-tflops each).
+  const double mfu = throughput_.flops_per_unit * rate /
+                     (cfg_.peak_tflops * 1e12 * static_cast<double>(world_size_));
+  out_.line(
+      "epoch {} | step {:>{}}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} "
+      "{}/s{} | {:.3f} s/step",
+      epoch + 1, step, step_digits_, total_steps_, r.loss, lr, r.grad_norm, rate, throughput_.unit,
+      on_gpu_ ? fmt::format(" | MFU {:.1f}%", 100.0 * mfu) : std::string(), per_step);
+  json rec = {{"step", step},
+              {"epoch", epoch + 1},
+              {"loss", r.loss},
+              {"avg_loss", loss_ / static_cast<double>(steps_)},
+              {"lr", lr},
+              {"grad_norm", r.grad_norm},
+              {rate_key, rate},
+              {"step_time_s", per_step},
+              {throughput_.unit + "_seen", progress.tokens_seen}};
+  if (on_gpu_) rec["mfu"] = mfu;
+  if (loss_scale) rec["loss_scale"] = *loss_scale;
+  monitor_.scalar("train/" + rate_key, rate, step);
+  monitor_.scalar("train/step_time_s", per_step, step);
+  if (on_gpu_) monitor_.scalar("train/mfu", mfu, step);
+  // The CPU optimizer step (offload) runs beside the device: host time of the last completed
+  // one, averaged over the window.
+  if (host_step_ > 0) rec["cpu_step_ms"] = 1e3 * host_step_ / static_cast<double>(steps_);
+  if (r.phases) {
+    const PhaseTimes ms = phases_.scaled(1e3 / static_cast<double>(steps_));
+    out_.line(
+        "  device time per step: forward {:.2f} ms | backward {:.2f} ms | gradient "
+        "reduction wait {:.2f} ms | optimizer {:.2f} ms",
+        ms.forward, ms.backward, ms.reduce_wait, ms.optimizer);
+    rec["forward_ms"] = ms.forward;
+    rec["backward_ms"] = ms.backward;
+    rec["reduce_wait_ms"] = ms.reduce_wait;
+    rec["optimizer_ms"] = ms.optimizer;
+  }
+  metrics_.write(rec);
+  seconds_ = loss_ = host_step_ = 0;
+  steps_ = 0;
+  phases_ = PhaseTimes{};
+}
+
+nlohmann::json config_snapshot(const TrainConfig& c) {
+  const ZeroConfig& z = c.zero;
+  return {{"model", c.model},
+          {"strategy", to_string(c.strategy)},
+          {"plan",
+           {{"zero_stage", c.plan.zero_stage},
+            {"optimizer_offload", to_string(c.plan.optimizer_offload)},
+            {"optimizer_offload_ratio", c.plan.optimizer_offload_ratio},
+            {"param_offload", to_string(c.plan.param_offload)},
+            {"pipeline_stages", c.plan.pipeline_stages}}},
+          {"pipeline",
+           {{"stages", c.pipeline.stages},
+            {"schedule", to_string(c.pipeline.schedule)},
+            {"virtual_stages", c.pipeline.virtual_stages},
+            {"partition_method", c.pipeline.partition_method},
+            {"activation_checkpoint_interval", c.pipeline.activation_checkpoint_interval}}},
+          {"zero_optimization",
+           {{"stage", z.stage},
+            {"reduce_bucket_size", z.reduce_bucket_size},
+            {"allgather_bucket_size", z.allgather_bucket_size},
+            {"overlap_comm", z.overlap_comm},
+            {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
+            {"stage3_param_persistence_threshold", z.stage3_param_persistence_threshold},
+            {"stage3_max_live_parameters", z.stage3_max_live_parameters},
+            {"stage3_max_reuse_distance", z.stage3_max_reuse_distance},
+            {"stage3_gather_16bit_weights_on_model_save",
+             z.stage3_gather_16bit_weights_on_model_save}}},
+          {"device", c.device},
+          {"precision", to_string(c.precision)},
+          {"micro_batch_size", c.micro_batch_size},
+          {"gradient_accumulation_steps", c.gradient_accumulation_steps},
+          {"train_batch_size", c.train_batch_size},
+          {"world_size", c.world_size},
+          {"epochs", c.epochs},
+          {"max_steps", c.max_steps},
+          {"max_length", c.max_length},
+          {"num_samples", c.num_samples},
+          {"seed", c.seed},
+          {"dropout", c.dropout},
+          {"lr", c.lr},
+          {"betas", {c.beta1, c.beta2}},
+          {"eps", c.adam_eps},
+          {"weight_decay", c.weight_decay},
+          {"gradient_clipping", c.gradient_clipping},
+          {"warmup_steps", c.warmup_steps},
+          {"lr_schedule", to_string(c.lr_schedule)},
+          {"min_lr_ratio", c.min_lr_ratio},
+          {"dataset", c.dataset},
+          {"train_file", c.train_file},
+          {"valid_file", c.valid_file},
+          {"data_dir", c.data_dir},
+          {"eval_samples", c.eval_samples},
+          {"image_size", c.image_size},
+          {"label_smoothing", c.label_smoothing},
+          {"sync_batchnorm", c.sync_batchnorm},
+          {"monitor",
+           {{"tensorboard", c.monitor.tensorboard_dir},
+            {"tensorboard_all_ranks", c.monitor.tensorboard_all_ranks},
+            {"csv_monitor", c.monitor.csv_dir}}}};
+}
+
+MetricsWriter open_run_metrics(const TrainConfig& cfg, bool rank0) {
+  if (!rank0) return MetricsWriter();
+  const fs::path out_dir = cfg.output_dir;
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  check<ConfigError>(!ec, "cannot create --output-dir {}: {}", out_dir.string(), ec.message());
+  return MetricsWriter(out_dir / "metrics.jsonl");
+}
+
+Monitor open_run_monitor(const TrainConfig& cfg, int rank, const std::string& config_json) {
+  if (rank != 0 && !cfg.monitor.tensorboard_all_ranks) return Monitor();
+  std::string config_text = "    ";  // Markdown: indented = preformatted
+  for (const char c : config_json) config_text += c == '\n' ? "\n    " : std::string(1, c);
+  return Monitor(cfg.monitor, rank, config_text);
+}
+
+/// The epoch summary: a console line and a metrics.jsonl record with throughput, peak memory
+/// (the GPU's peak allocated bytes, or the process's peak resident set on CPU) of every rank, and
+/// the parameter bytes all-gathered per step. Collective (the ranks' peaks are gathered).
+void log_epoch(Console& out, MetricsWriter& metrics, Monitor& monitor, Backend& backend,
+               ScalarAllReduce& reduce, const EpochStats& e, const HostMemory& host) {
+  const bool on_gpu = backend.kind() == DeviceKind::kCUDA;
+  const size_t peak = on_gpu ? backend.peak_allocated_bytes() : peak_rss_bytes();
+  const double mine[] = {static_cast<double>(peak),
+                         static_cast<double>(on_gpu ? backend.peak_reserved_bytes() : peak)};
+  const std::vector<double> all = reduce.gather(mine);  // [rank][allocated, reserved]
+  std::vector<size_t> peaks;
+  std::string per_rank;
+  for (size_t r = 0; r < all.size() / 2; ++r) {
+    peaks.push_back(static_cast<size_t>(all[2 * r]));
+    per_rank += fmt::format("{}{}", r ? ", " : "", human_bytes(all[2 * r]));
+  }
+  std::string mem =
+      on_gpu ? fmt::format("peak memory {} allocated, {} reserved",
+                           human_bytes(static_cast<double>(peak)),
+                           human_bytes(static_cast<double>(backend.peak_reserved_bytes())))
+             : fmt::format("peak memory {}", human_bytes(static_cast<double>(peak)));
+  if (peaks.size() > 1) mem += fmt::format(" (rank 0; ranks: {})", per_rank);
+  const double gathered_per_step = e.gathered_bytes / static_cast<double>(e.steps);
+  if (gathered_per_step > 0)
+    mem += fmt::format(" | all-gathered {} per step", human_bytes(gathered_per_step));
+  if (host.pinned + host.pageable + host.nvme > 0)
+    mem += fmt::format(" | host {} pinned, {} pageable, NVMe {}",
+                       human_bytes(static_cast<double>(host.pinned)),
+                       human_bytes(static_cast<double>(host.pageable)),
+                       human_bytes(static_cast<double>(host.nvme)));
+  const double avg_loss = e.loss_sum / static_cast<double>(e.steps);
+  const double samples_per_s = e.samples / e.seconds;
+  const double tokens_per_s = e.samples * static_cast<double>(e.seq_len) / e.seconds;
+  // Language models: samples/s and tokens/s; image models (seq_len 0): images/s.
+  const std::string rate =
+      e.seq_len > 0 ? fmt::format("{:.1f} samples/s | {:.0f} tokens/s", samples_per_s, tokens_per_s)
+                    : fmt::format("{:.1f} images/s", samples_per_s);
+  out.line("epoch {}{} | {} steps | avg loss {:.4f} | {:.1f} s | {} | {}", e.epoch + 1,
+           e.complete ? "" : " (partial)", e.steps, avg_loss, e.seconds, rate, mem);
+  json rec = {{"epoch", e.epoch + 1}, {"epoch_complete", e.complete},
+              {"steps", e.steps},     {"avg_loss", avg_loss},
+              {"time_s", e.seconds},  {"samples_per_s", samples_per_s}};
+  if (e.seq_len > 0)
+    rec["tokens_per_s"] = tokens_per_s;
+  else
+    rec["images_per_s"] = samples_per_s;
+  rec.update(json{{"peak_memory_bytes", peak},
+                  {"device_allocated_bytes", backend.allocated_bytes()},
+                  {"device_reserved_bytes", backend.reserved_bytes()},
+                  {"device_peak_allocated_bytes", backend.peak_allocated_bytes()},
+                  {"device_peak_reserved_bytes", backend.peak_reserved_bytes()},
+                  {"peak_memory_bytes_per_rank", peaks},
+                  {"gathered_bytes_per_step", gathered_per_step},
+                  {"host_pinned_bytes", host.pinned},
+                  {"host_pageable_bytes", host.pageable},
+                  {"nvme_bytes", host.nvme},
+                  {"peak_rss_bytes", peak_rss_bytes()},
+                  {"skipped_steps", e.skipped_steps}});
+  metrics.write(rec);
+  monitor.scalar("train/epoch_avg_loss", avg_loss, e.step);
+  monitor.scalar("train/samples_per_s", e.samples / e.seconds, e.step);
+  if (on_gpu) {
+    monitor.scalar("memory/gpu_peak_bytes", static_cast<double>(backend.peak_allocated_bytes()),
+                   e.step);
+    monitor.scalar("memory/gpu_peak_reserved_bytes",
+                   static_cast<double>(backend.peak_reserved_bytes()), e.step);
+  }
+  monitor.scalar("memory/host_peak_bytes", static_cast<double>(peak_rss_bytes()), e.step);
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,146 @@
+// What the GPT-2 trainer (train/trainer.cpp) and the image trainer (train/image_trainer.cpp)
+// share: the rank-0 console, the step log and the epoch summary (console + metrics.jsonl +
+// monitors), the metrics writer and monitors of a run, and small helpers.
+#pragma once
+
+#include <fmt/core.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "backend/backend.h"
+#include "comm/communicator.h"
+#include "comm/scalar_all_reduce.h"
+#include "io/checkpoint.h"
+#include "io/config.h"
+#include "io/metrics.h"
+#include "io/monitor.h"
+#include "parallel/strategy.h"
+#include "train/train_step.h"
+
+namespace shardtrain {
+
+using TrainClock = std::chrono::steady_clock;
+
+double seconds_since(TrainClock::time_point t0);
+
+/// The process's peak resident set, bytes.
+size_t peak_rss_bytes();
+
+/// The GPU index of this rank: LOCAL_RANK as set by launchers (torchrun, shardtrain launch,
+/// SLURM, mpirun), else the rank.
+int local_rank_of(const Communicator& comm);
+
+/// Whether this process's stdout ends at a terminal, so that a progress bar may be redrawn there.
+bool stdout_is_terminal();
+
+/// Prints on rank 0 only; a progress bar (stdout a terminal) is erased before each line.
+class Console {
+ public:
+  explicit Console(bool active) : active_(active), tty_(active && stdout_is_terminal()) {}
+  template <typename... Args>
+  void line(fmt::format_string<Args...> f, Args&&... args) {
+    if (!active_) return;
+    clear_bar();
+    fmt::print("{}\n", fmt::format(f, std::forward<Args>(args)...));
+    std::fflush(stdout);
+  }
+  void warn(const std::string& msg);
+  /// `unit`: what `rate` counts per second ("tok", "img").
+  void bar(int64_t done, int64_t total, double loss, double rate, const char* unit = "tok");
+
+ private:
+  void clear_bar();
+  bool active_, tty_;
+  bool bar_shown_ = false;
+};
+
+/// What a run's throughput counts: tokens (language models) or images.
+struct Throughput {
+  std::string unit;           ///< "tokens" or "images": console "<unit>/s", metrics "<unit>_per_s"
+  int64_t per_step = 0;       ///< units per optimizer step (global)
+  double flops_per_unit = 0;  ///< training FLOPs per unit, for MFU
+};
+
+/// The step log: a console line and a metrics.jsonl record every `log_interval` steps (and at
+/// the first and last step), with the means over the steps since the previous line: time,
+/// throughput, MFU on GPUs and (wall_clock_breakdown) the device time of each phase. The monitors
+/// get every step's loss, lr, grad norm (and fp16 loss scale), and the window's throughput with
+/// each line.
+class StepLog {
+ public:
+  StepLog(Console& out, MetricsWriter& metrics, Monitor& monitor, const TrainConfig& cfg,
+          Throughput throughput, int world_size, bool on_gpu, int64_t total_steps);
+
+  /// Records step number `progress.step` (just taken, in `seconds`, at learning rate `lr`);
+  /// logs when it is due. `loss_scale`: the fp16 scale now (nullopt without fp16).
+  void add(const StepResult& r, double seconds, double lr, const TrainingProgress& progress,
+           int64_t epoch, std::optional<double> loss_scale, double host_step_seconds = 0);
+
+ private:
+  Console& out_;
+  MetricsWriter& metrics_;
+  Monitor& monitor_;
+  const TrainConfig& cfg_;
+  Throughput throughput_;
+  int world_size_;
+  bool on_gpu_;
+  int64_t total_steps_;
+  int step_digits_;
+  // Since the last log line:
+  double seconds_ = 0, loss_ = 0, host_step_ = 0;
+  int64_t steps_ = 0;
+  PhaseTimes phases_;
+};
+
+/// The steps of one epoch this run executed.
+struct EpochStats {
+  int64_t epoch = 0;      ///< 0-based
+  bool complete = false;  ///< the epoch's data was used up (not cut by --max-steps)
+  int64_t steps = 0;      ///< > 0
+  double loss_sum = 0;    ///< Σ step losses
+  double seconds = 0;
+  double samples = 0;         ///< global samples trained on
+  int64_t seq_len = 0;        ///< T (0: images; the summary gives images/s, not tokens/s)
+  int64_t skipped_steps = 0;  ///< fp16 overflows so far
+  double gathered_bytes = 0;  ///< Σ over the steps of the parameter bytes this rank all-gathered
+  int64_t step = 0;           ///< the optimizer step at the epoch's end (the monitors' step)
+};
+
+/// The epoch summary: a console line and a metrics.jsonl record with throughput, peak memory
+/// (the GPU's peak allocated bytes, or the process's peak resident set on CPU) of every rank, and
+/// the parameter bytes all-gathered per step. Collective (the ranks' peaks are gathered).
+void log_epoch(Console& out, MetricsWriter& metrics, Monitor& monitor, Backend& backend,
+               ScalarAllReduce& reduce, const EpochStats& e, const HostMemory& host);
+
+/// The run's configuration as JSON (run.json, the monitors' text, checkpoints).
+nlohmann::json config_snapshot(const TrainConfig& c);
+
+/// Rank 0: creates cfg.output_dir and opens its metrics.jsonl (other ranks: a closed writer).
+MetricsWriter open_run_metrics(const TrainConfig& cfg, bool rank0);
+
+/// TensorBoard / CSV scalars (rank 0; --tensorboard-all-ranks: every rank's own events), with
+/// `config_json` (the run's configuration) first, as text.
+Monitor open_run_monitor(const TrainConfig& cfg, int rank, const std::string& config_json);
+
+/// Points `comm`'s collectives at the backend's stream for its lifetime, and away from it after.
+class ComputeStreamScope {
+ public:
+  ComputeStreamScope(Communicator& comm, Backend& backend) : comm_(comm) {
+    comm_.set_compute_stream(backend.native_stream());
+  }
+  ~ComputeStreamScope() { comm_.set_compute_stream(nullptr); }
+  ComputeStreamScope(const ComputeStreamScope&) = delete;
+  ComputeStreamScope& operator=(const ComputeStreamScope&) = delete;
+
+ private:
+  Communicator& comm_;
+};
+
+}  // namespace shardtrain
