@@ -62,7 +62,9 @@ fs::path find_fashion_mnist_dir() {
   std::vector<fs::path> candidates;
   if (const char* env = std::getenv("SHARDTRAIN_DATA_DIR"); env && *env)
     candidates.push_back(fs::path(env) / "fashion-mnist");
-  if (const DataDirLookup found = find_data_dir(); !found.dir.empty())
+  if (const DataDirLookup found = find_data_dir();
+      !found.dir.empty() &&
+      (candidates.empty() || candidates.back() != found.dir / "fashion-mnist"))
     candidates.push_back(found.dir / "fashion-mnist");
   candidates.emplace_back("/usr/share/datasets/fashion-mnist");
   for (const fs::path& c : candidates)
