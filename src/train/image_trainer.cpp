@@ -285,69 +285,41 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
   };
 
   const auto t_train = TrainClock::now();
-  bool evaluated_at_end = false;
-  while (progress.step < total_steps) {
-    const int64_t epoch = progress.epoch;
-    const auto t_epoch = TrainClock::now();
-    backend->reset_peak_memory();
-    double epoch_loss = 0, epoch_gathered = 0;
-    int64_t epoch_steps = 0;
-    while (progress.step_in_epoch < steps_per_epoch && progress.step < total_steps) {
-      const auto t_step = TrainClock::now();
-      const MicroBatchSource batch = [&](int64_t k) {
-        const auto idx = sampler.micro_batch_indices(epoch, progress.step_in_epoch, k);
-        make_image_batch(data.train, transform, idx.data(), B, true, cfg.seed, epoch, images.data(),
-                         labels.data());
-        MicroBatch mb;
-        mb.images = images.data();
-        mb.targets = labels.data();
-        mb.batch = B;
-        mb.seq_len = 0;
-        return mb;
-      };
-      const double lr = learning_rate(progress.step, cfg.lr, warmup, total_steps, cfg.lr_schedule,
-                                      cfg.min_lr_ratio, cfg.warmup_min_ratio);
-      const StepResult r = train_step.run(progress.step, lr, batch);
-      const double dt = seconds_since(t_step);
-      ++progress.step;
-      ++progress.step_in_epoch;
-      progress.tokens_seen += images_per_step;  // images, for the step log's "images_seen"
-      if (summary.losses.empty()) summary.first_loss = r.loss;
-      summary.losses.push_back(r.loss);
-      summary.last_loss = r.loss;
-      epoch_loss += r.loss;
-      epoch_gathered += static_cast<double>(strategy->gathered_bytes_last_step());
-      ++epoch_steps;
-      out.bar(progress.step, total_steps, r.loss, static_cast<double>(images_per_step) / dt, "img");
-      step_log.add(r, dt, lr, progress, epoch,
-                   scaler.enabled() ? std::optional<double>(scaler.scale()) : std::nullopt,
-                   strategy->host_step_seconds());
-      evaluated_at_end = false;
-      if (cfg.eval_interval > 0 && progress.step % cfg.eval_interval == 0) {
-        evaluate_now(epoch);
-        evaluated_at_end = true;
-      }
-    }
-    const bool complete = progress.step_in_epoch >= steps_per_epoch;
-    if (epoch_steps > 0) {
-      log_epoch(out, metrics, monitor, *backend, rank_scalars,
-                {epoch, complete, epoch_steps, epoch_loss, seconds_since(t_epoch),
-                 static_cast<double>(epoch_steps * images_per_step), 0, scaler.skipped_steps(),
-                 epoch_gathered, progress.step},
-                strategy->host_memory());
-      if (cfg.eval_interval == 0 && !evaluated_at_end) {
-        evaluate_now(epoch);
-        evaluated_at_end = true;
-      }
-    }
-    if (complete) {
-      ++progress.epoch;
-      progress.step_in_epoch = 0;
-    }
-  }
-  if (!evaluated_at_end)
-    evaluate_now(progress.epoch > 0 && progress.step_in_epoch == 0 ? progress.epoch - 1
-                                                                   : progress.epoch);
+  EpochLoop loop{.cfg = cfg,
+                 .out = out,
+                 .metrics = metrics,
+                 .monitor = monitor,
+                 .backend = *backend,
+                 .reduce = rank_scalars,
+                 .strategy = *strategy,
+                 .scaler = scaler,
+                 .step_log = step_log,
+                 .steps_per_epoch = steps_per_epoch,
+                 .total_steps = total_steps,
+                 .warmup = warmup,
+                 .samples_per_step = images_per_step,
+                 .units_per_step = images_per_step,  // progress.tokens_seen counts images here
+                 .seq_len = 0,
+                 .bar_unit = "img"};
+  loop.step = [&](int64_t epoch, double lr) {
+    const MicroBatchSource batch = [&](int64_t k) {
+      const auto idx = sampler.micro_batch_indices(epoch, progress.step_in_epoch, k);
+      make_image_batch(data.train, transform, idx.data(), B, true, cfg.seed, epoch, images.data(),
+                       labels.data());
+      MicroBatch mb;
+      mb.images = images.data();
+      mb.targets = labels.data();
+      mb.batch = B;
+      mb.seq_len = 0;
+      return mb;
+    };
+    return train_step.run(progress.step, lr, batch);
+  };
+  loop.evaluate = evaluate_now;
+  LossHistory losses = run_epochs(loop, progress);
+  summary.first_loss = losses.first;
+  summary.last_loss = losses.last;
+  summary.losses = std::move(losses.all);
   summary.steps = progress.step;
   summary.seconds = seconds_since(t_train);
   out.line(

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/strings.h"
+#include "optim/adamw.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;
@@ -280,6 +281,67 @@ void log_epoch(Console& out, MetricsWriter& metrics, Monitor& monitor, Backend& 
                    static_cast<double>(backend.peak_reserved_bytes()), e.step);
   }
   monitor.scalar("memory/host_peak_bytes", static_cast<double>(peak_rss_bytes()), e.step);
+}
+
+LossHistory run_epochs(const EpochLoop& loop, TrainingProgress& progress) {
+  const TrainConfig& cfg = loop.cfg;
+  LossHistory losses;
+  bool evaluated_at_end = false;
+  while (progress.step < loop.total_steps) {
+    const int64_t epoch = progress.epoch;
+    const auto t_epoch = TrainClock::now();
+    loop.backend.reset_peak_memory();
+    double epoch_loss = 0, epoch_gathered = 0;
+    int64_t epoch_steps = 0;
+    while (progress.step_in_epoch < loop.steps_per_epoch && progress.step < loop.total_steps) {
+      const auto t_step = TrainClock::now();
+      const double lr = learning_rate(progress.step, cfg.lr, loop.warmup, loop.total_steps,
+                                      cfg.lr_schedule, cfg.min_lr_ratio, cfg.warmup_min_ratio);
+      const StepResult r = loop.step(epoch, lr);
+      const double dt = seconds_since(t_step);
+      ++progress.step;
+      ++progress.step_in_epoch;  // before any checkpoint: the data position of the next step
+      progress.tokens_seen += loop.units_per_step;
+      if (losses.all.empty()) losses.first = r.loss;
+      losses.all.push_back(r.loss);
+      losses.last = r.loss;
+      epoch_loss += r.loss;
+      epoch_gathered += static_cast<double>(loop.strategy.gathered_bytes_last_step());
+      ++epoch_steps;
+      loop.out.bar(progress.step, loop.total_steps, r.loss,
+                   static_cast<double>(loop.units_per_step) / dt, loop.bar_unit);
+      loop.step_log.add(
+          r, dt, lr, progress, epoch,
+          loop.scaler.enabled() ? std::optional<double>(loop.scaler.scale()) : std::nullopt,
+          loop.strategy.host_step_seconds());
+      evaluated_at_end = false;
+      if (cfg.eval_interval > 0 && progress.step % cfg.eval_interval == 0) {
+        loop.evaluate(epoch);
+        evaluated_at_end = true;
+      }
+      if (loop.after_step) loop.after_step();
+    }
+    const bool complete = progress.step_in_epoch >= loop.steps_per_epoch;
+    if (epoch_steps > 0) {
+      log_epoch(loop.out, loop.metrics, loop.monitor, loop.backend, loop.reduce,
+                {epoch, complete, epoch_steps, epoch_loss, seconds_since(t_epoch),
+                 static_cast<double>(epoch_steps * loop.samples_per_step), loop.seq_len,
+                 loop.scaler.skipped_steps(), epoch_gathered, progress.step},
+                loop.strategy.host_memory());
+      if (cfg.eval_interval == 0 && !evaluated_at_end) {
+        loop.evaluate(epoch);
+        evaluated_at_end = true;
+      }
+    }
+    if (complete) {
+      ++progress.epoch;
+      progress.step_in_epoch = 0;
+    }
+  }
+  if (!evaluated_at_end)
+    loop.evaluate(progress.epoch > 0 && progress.step_in_epoch == 0 ? progress.epoch - 1
+                                                                    : progress.epoch);
+  return losses;
 }
 
 }  // namespace shardtrain

@@ -9,10 +9,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "backend/backend.h"
 #include "comm/communicator.h"
@@ -21,6 +23,7 @@
 #include "io/config.h"
 #include "io/metrics.h"
 #include "io/monitor.h"
+#include "optim/loss_scaler.h"
 #include "parallel/strategy.h"
 #include "train/train_step.h"
 
@@ -118,6 +121,44 @@ struct EpochStats {
 /// the parameter bytes all-gathered per step. Collective (the ranks' peaks are gathered).
 void log_epoch(Console& out, MetricsWriter& metrics, Monitor& monitor, Backend& backend,
                ScalarAllReduce& reduce, const EpochStats& e, const HostMemory& host);
+
+/// The outer training loop both trainers run (GPT-2's and the image models'): epochs of optimizer
+/// steps from `progress` on (a resumed run continues mid-epoch), the learning-rate schedule, the
+/// progress bar and the step log, evaluation every cfg.eval_interval steps (0: at each epoch's
+/// end), the epoch summary, and a last evaluation when the last step had none. What differs
+/// between the trainers comes in as callbacks.
+struct EpochLoop {
+  const TrainConfig& cfg;
+  Console& out;
+  MetricsWriter& metrics;
+  Monitor& monitor;
+  Backend& backend;
+  ScalarAllReduce& reduce;  ///< for the epoch summary's per-rank peaks
+  Strategy& strategy;
+  const LossScaler& scaler;
+  StepLog& step_log;
+  int64_t steps_per_epoch = 0, total_steps = 0, warmup = 0;
+  int64_t samples_per_step = 0;  ///< global batch (samples)
+  int64_t units_per_step = 0;    ///< tokens (samples · T) or images per step: progress.tokens_seen
+  int64_t seq_len = 0;           ///< T, or 0 for images (the epoch summary's throughput)
+  const char* bar_unit = "tok";  ///< the progress bar's rate unit
+  /// Runs the optimizer step progress.step (0-based) of `epoch` at learning rate `lr`.
+  std::function<StepResult(int64_t epoch, double lr)> step = {};
+  /// Evaluates on the held-out data after the steps so far, reporting it under `epoch`.
+  std::function<void(int64_t epoch)> evaluate = {};
+  /// After each step and its evaluation (GPT-2: the checkpoint interval); may be empty.
+  std::function<void()> after_step = {};
+};
+
+/// Every step's loss run_epochs() ran, in order.
+struct LossHistory {
+  double first = 0, last = 0;
+  std::vector<double> all;
+};
+
+/// Runs `loop` until progress.step reaches loop.total_steps, advancing `progress` (step,
+/// step_in_epoch, epoch, tokens_seen) as it goes. Collective where its callbacks are.
+LossHistory run_epochs(const EpochLoop& loop, TrainingProgress& progress);
 
 /// The run's configuration as JSON (run.json, the monitors' text, checkpoints).
 nlohmann::json config_snapshot(const TrainConfig& c);

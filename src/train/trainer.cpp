@@ -402,132 +402,104 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     run["total_steps"] = total_steps;
     write_file_atomic(out_dir / "run.json", run.dump(2) + "\n");
   }
-  bool validated_at_end = false;
-  while (progress.step < total_steps) {
-    const int64_t epoch = progress.epoch;
-    const auto t_epoch = Clock::now();
-    backend->reset_peak_memory();
-    double epoch_loss = 0, epoch_gathered = 0;
-    int64_t epoch_steps = 0;
-    while (progress.step_in_epoch < steps_per_epoch && progress.step < total_steps) {
-      const auto t_step = Clock::now();
-      // This rank's micro-batch k of the step, from the sampler.
-      const MicroBatchSource batch = [&](int64_t k) {
-        const auto idx = sampler.micro_batch_indices(epoch, progress.step_in_epoch, k);
-        for (int64_t i = 0; i < B; ++i) {
-          train_data.sample(idx[static_cast<size_t>(i)], sample.data());
-          std::copy(sample.begin(), sample.end() - 1, tokens.begin() + i * T);
-          std::copy(sample.begin() + 1, sample.end(), targets.begin() + i * T);
-        }
-        return MicroBatch{tokens.data(), targets.data(), B, T};
-      };
-      const double lr = learning_rate(progress.step, cfg.lr, warmup, total_steps, cfg.lr_schedule,
-                                      cfg.min_lr_ratio, cfg.warmup_min_ratio);
-      // FLOPs profiler: this step with every layer timed and the phases marked.
-      const bool profile_now = profile_enabled && progress.step + 1 == profile.profile_step;
-      LayerHooks* const strategy_hooks = model.hooks();
-      std::unique_ptr<StreamClock> layer_clock, phase_clock;
-      std::unique_ptr<ProfilingHooks> profiling;
-      if (profile_now) {
-        layer_clock = backend->make_stream_clock();
-        profiling =
-            std::make_unique<ProfilingHooks>(strategy_hooks, *layer_clock, model.num_layers());
-        model.set_hooks(profiling.get());
-        if (train_step.clock() == nullptr) {
-          phase_clock = backend->make_stream_clock();
-          train_step.set_clock(phase_clock.get());
-        }
+  EpochLoop loop{.cfg = cfg,
+                 .out = out,
+                 .metrics = metrics,
+                 .monitor = monitor,
+                 .backend = *backend,
+                 .reduce = rank_scalars,
+                 .strategy = *strategy,
+                 .scaler = scaler,
+                 .step_log = step_log,
+                 .steps_per_epoch = steps_per_epoch,
+                 .total_steps = total_steps,
+                 .warmup = warmup,
+                 .samples_per_step = sampler.global_batch(),
+                 .units_per_step = tokens_per_step,
+                 .seq_len = T};
+  loop.step = [&](int64_t epoch, double lr) {
+    // This rank's micro-batch k of the step, from the sampler.
+    const MicroBatchSource batch = [&](int64_t k) {
+      const auto idx = sampler.micro_batch_indices(epoch, progress.step_in_epoch, k);
+      for (int64_t i = 0; i < B; ++i) {
+        train_data.sample(idx[static_cast<size_t>(i)], sample.data());
+        std::copy(sample.begin(), sample.end() - 1, tokens.begin() + i * T);
+        std::copy(sample.begin() + 1, sample.end(), targets.begin() + i * T);
       }
-      StepResult r =
-          pipeline ? pipeline->run_step(progress.step, lr, batch, scaler,
-                                        TrainStepOptions{accum, cfg.gradient_clipping, cfg.seed})
-                   : train_step.run(progress.step, lr, batch);
-      if (profile_now) {
-        model.set_hooks(strategy_hooks);
-        profiling->collect();
-        if (phase_clock) train_step.set_clock(nullptr);
-        FlopsProfileInput in;
-        in.model = model_cfg;
-        in.step = progress.step + 1;
-        in.tokens = B * T * accum;
-        in.seq_len = T;
-        in.micro_batch = B;
-        in.accumulation = accum;
-        in.layer_forward_s.assign(static_cast<size_t>(model_cfg.n_layer + 2), 0.0);
-        in.layer_backward_s = in.layer_forward_s;
-        for (int i = 0; i < model.num_layers(); ++i) {
-          const auto g = static_cast<size_t>(model.global_layer(i));
-          in.layer_forward_s[g] = profiling->forward_seconds()[static_cast<size_t>(i)];
-          in.layer_backward_s[g] = profiling->backward_seconds()[static_cast<size_t>(i)];
-        }
-        in.phases = r.phases.value_or(PhaseTimes{});
-        if (!cfg.wall_clock_breakdown) r.phases.reset();
-        in.on_gpu = on_gpu;
-        in.peak_tflops = cfg.peak_tflops;
-        in.options = profile;
-        const std::vector<std::string> lines = format_flops_profile(in);
-        if (rank0 && !profile.output_file.empty()) {
-          std::ofstream f(profile.output_file);
-          for (const std::string& l : lines) f << l << '\n';
-          if (!f) {
-            out.line("warning: flops profiler: cannot write '{}': {}", profile.output_file,
-                     std::strerror(errno));
-          } else {
-            out.line("flops profiler: step {} profile written to {}", in.step, profile.output_file);
-          }
+      return MicroBatch{tokens.data(), targets.data(), B, T};
+    };
+    // FLOPs profiler: this step with every layer timed and the phases marked.
+    const bool profile_now = profile_enabled && progress.step + 1 == profile.profile_step;
+    LayerHooks* const strategy_hooks = model.hooks();
+    std::unique_ptr<StreamClock> layer_clock, phase_clock;
+    std::unique_ptr<ProfilingHooks> profiling;
+    if (profile_now) {
+      layer_clock = backend->make_stream_clock();
+      profiling =
+          std::make_unique<ProfilingHooks>(strategy_hooks, *layer_clock, model.num_layers());
+      model.set_hooks(profiling.get());
+      if (train_step.clock() == nullptr) {
+        phase_clock = backend->make_stream_clock();
+        train_step.set_clock(phase_clock.get());
+      }
+    }
+    StepResult r =
+        pipeline ? pipeline->run_step(progress.step, lr, batch, scaler,
+                                      TrainStepOptions{accum, cfg.gradient_clipping, cfg.seed})
+                 : train_step.run(progress.step, lr, batch);
+    if (profile_now) {
+      model.set_hooks(strategy_hooks);
+      profiling->collect();
+      if (phase_clock) train_step.set_clock(nullptr);
+      FlopsProfileInput in;
+      in.model = model_cfg;
+      in.step = progress.step + 1;
+      in.tokens = B * T * accum;
+      in.seq_len = T;
+      in.micro_batch = B;
+      in.accumulation = accum;
+      in.layer_forward_s.assign(static_cast<size_t>(model_cfg.n_layer + 2), 0.0);
+      in.layer_backward_s = in.layer_forward_s;
+      for (int i = 0; i < model.num_layers(); ++i) {
+        const auto g = static_cast<size_t>(model.global_layer(i));
+        in.layer_forward_s[g] = profiling->forward_seconds()[static_cast<size_t>(i)];
+        in.layer_backward_s[g] = profiling->backward_seconds()[static_cast<size_t>(i)];
+      }
+      in.phases = r.phases.value_or(PhaseTimes{});
+      if (!cfg.wall_clock_breakdown) r.phases.reset();
+      in.on_gpu = on_gpu;
+      in.peak_tflops = cfg.peak_tflops;
+      in.options = profile;
+      const std::vector<std::string> lines = format_flops_profile(in);
+      if (rank0 && !profile.output_file.empty()) {
+        std::ofstream f(profile.output_file);
+        for (const std::string& l : lines) f << l << '\n';
+        if (!f) {
+          out.line("warning: flops profiler: cannot write '{}': {}", profile.output_file,
+                   std::strerror(errno));
         } else {
-          for (const std::string& l : lines) out.line("{}", l);
+          out.line("flops profiler: step {} profile written to {}", in.step, profile.output_file);
         }
-      }
-      if (r.skipped)
-        out.line(
-            "step {}: fp16 gradients overflowed at loss scale {:g}: step skipped, scale now {:g}",
-            progress.step + 1, r.loss_scale, scaler.scale());
-      const double dt = seconds_since(t_step);
-      ++progress.step;
-      ++progress.step_in_epoch;  // before any checkpoint: the data position of the next step
-      progress.tokens_seen += tokens_per_step;
-      if (summary.losses.empty()) summary.first_loss = r.loss;
-      summary.losses.push_back(r.loss);
-      summary.last_loss = r.loss;
-      epoch_loss += r.loss;
-      epoch_gathered += static_cast<double>(strategy->gathered_bytes_last_step());
-      ++epoch_steps;
-      out.bar(progress.step, total_steps, r.loss, static_cast<double>(tokens_per_step) / dt);
-      step_log.add(r, dt, lr, progress, epoch,
-                   scaler.enabled() ? std::optional<double>(scaler.scale()) : std::nullopt,
-                   strategy->host_step_seconds());
-      validated_at_end = false;
-      if (cfg.eval_interval > 0 && progress.step % cfg.eval_interval == 0) {
-        validate_now(epoch);
-        validated_at_end = true;
-      }
-      if (cfg.save_interval > 0 && progress.step % cfg.save_interval == 0 &&
-          progress.step < total_steps)
-        save();
-    }
-    // ---- epoch summary ----
-    const double epoch_time = seconds_since(t_epoch);
-    const bool complete = progress.step_in_epoch >= steps_per_epoch;
-    if (epoch_steps > 0) {
-      log_epoch(out, metrics, monitor, *backend, rank_scalars,
-                {epoch, complete, epoch_steps, epoch_loss, epoch_time,
-                 static_cast<double>(epoch_steps * sampler.global_batch()), T,
-                 scaler.skipped_steps(), epoch_gathered, progress.step},
-                strategy->host_memory());
-      if (cfg.eval_interval == 0 && !validated_at_end) {
-        validate_now(epoch);
-        validated_at_end = true;
+      } else {
+        for (const std::string& l : lines) out.line("{}", l);
       }
     }
-    if (complete) {
-      ++progress.epoch;
-      progress.step_in_epoch = 0;
-    }
-  }
-  if (!validated_at_end)
-    validate_now(progress.epoch > 0 && progress.step_in_epoch == 0 ? progress.epoch - 1
-                                                                   : progress.epoch);
+    if (r.skipped)
+      out.line(
+          "step {}: fp16 gradients overflowed at loss scale {:g}: step skipped, scale now {:g}",
+          progress.step + 1, r.loss_scale, scaler.scale());
+    return r;
+  };
+  loop.evaluate = validate_now;
+  loop.after_step = [&] {
+    if (cfg.save_interval > 0 && progress.step % cfg.save_interval == 0 &&
+        progress.step < total_steps)
+      save();
+  };
+  LossHistory losses = run_epochs(loop, progress);
+  summary.first_loss = losses.first;
+  summary.last_loss = losses.last;
+  summary.losses = std::move(losses.all);
   summary.seconds = seconds_since(t_train);
   if (pipeline)
     for (const std::string& l : pipeline->finish_trace()) out.line("{}", l);
