@@ -195,21 +195,27 @@ TEST_F(OpGradTest, PaddedRowsEqualUnpadded) {
   for (size_t i = 0; i < dw.size(); ++i) EXPECT_NEAR(dwp[i], dw[i], 1e-6f) << i;
 }
 
-TEST(ModelGradTest, WholeModelEveryParameterTensor) {
-  auto be = make_cpu_backend();
-  const GPT2Config c = tiny_config("gradcheck", 2, 29);
-  GPT2Model model(c, *be);
-  const int64_t n = model.layout().numel();
-  std::vector<float> params(static_cast<size_t>(n)), grads(static_cast<size_t>(n), 0.f);
+/// Parameters for a whole-model gradient check, bound by the caller: GPT-2's init at twice its
+/// scale, and the constant tensors (biases, LayerNorm) offset by 0.1·(i mod 3), so that every
+/// path carries a visible gradient.
+std::vector<float> gradcheck_parameters(const GPT2Model& model) {
+  std::vector<float> params(static_cast<size_t>(model.layout().numel()));
   model.init_parameters(params.data(), 7);
-  // Larger weights than GPT-2's init, so that every path carries a visible gradient.
   for (auto& p : params) p *= 2.0f;
   for (const ParamTensor* t : model.layout().tensors())
     if (t->init_std == 0.f)
       for (int64_t i = 0; i < t->numel; ++i)
         params[static_cast<size_t>(t->offset + i)] += 0.1f * static_cast<float>(i % 3);
-  model.bind(Tensor(params.data(), DType::kF32, DeviceKind::kCPU, {n}),
-             Tensor(grads.data(), DType::kF32, DeviceKind::kCPU, {n}));
+  return params;
+}
+
+TEST(ModelGradTest, WholeModelEveryParameterTensor) {
+  auto be = make_cpu_backend();
+  const GPT2Config c = tiny_config("gradcheck", 2, 29);
+  GPT2Model model(c, *be);
+  const int64_t n = model.layout().numel();
+  std::vector<float> params = gradcheck_parameters(model), grads(static_cast<size_t>(n), 0.f);
+  model.bind(T(params, {n}), T(grads, {n}));
   const int64_t B = 2, Tn = 6;
   std::vector<int32_t> tokens = {1, 5, 9, 2, 28, 3, 4, 4, 0, 17, 11, 6};
   std::vector<int32_t> targets = {5, 9, 2, 28, 3, 7, 4, 0, 17, 11, 6, 1};
@@ -350,15 +356,8 @@ TEST(ModelGradTest, WholeModelWithDropoutFixedMask) {
   c.embd_pdrop = c.attn_pdrop = c.resid_pdrop = 0.1f;
   GPT2Model model(c, *be);
   const int64_t n = model.layout().numel();
-  std::vector<float> params(static_cast<size_t>(n)), grads(static_cast<size_t>(n), 0.f);
-  model.init_parameters(params.data(), 7);
-  for (auto& p : params) p *= 2.0f;
-  for (const ParamTensor* t : model.layout().tensors())
-    if (t->init_std == 0.f)
-      for (int64_t i = 0; i < t->numel; ++i)
-        params[static_cast<size_t>(t->offset + i)] += 0.1f * static_cast<float>(i % 3);
-  model.bind(Tensor(params.data(), DType::kF32, DeviceKind::kCPU, {n}),
-             Tensor(grads.data(), DType::kF32, DeviceKind::kCPU, {n}));
+  std::vector<float> params = gradcheck_parameters(model), grads(static_cast<size_t>(n), 0.f);
+  model.bind(T(params, {n}), T(grads, {n}));
   const int64_t B = 2, Tn = 6;
   std::vector<int32_t> tokens = {1, 5, 9, 2, 28, 3, 4, 4, 0, 17, 11, 6};
   std::vector<int32_t> targets = {5, 9, 2, 28, 3, 7, 4, 0, 17, 11, 6, 1};
