@@ -42,8 +42,13 @@ if(SHARDTRAIN_HAVE_CUDA)
   find_library(SHARDTRAIN_NCCL NAMES nccl HINTS ${CUDAToolkit_LIBRARY_DIR} REQUIRED)
   find_path(SHARDTRAIN_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} REQUIRED)
   target_include_directories(shardtrain_cuda PUBLIC "${SHARDTRAIN_NCCL_INCLUDE}")
+  # cuDNN (convolution for the image models): part of the CUDA toolkit install here; on the GPU
+  # machines it also comes with PyTorch's nvidia-cudnn wheel.
+  find_library(SHARDTRAIN_CUDNN NAMES cudnn HINTS ${CUDAToolkit_LIBRARY_DIR} REQUIRED)
+  find_path(SHARDTRAIN_CUDNN_INCLUDE cudnn.h HINTS ${CUDAToolkit_INCLUDE_DIRS} REQUIRED)
+  target_include_directories(shardtrain_cuda PUBLIC "${SHARDTRAIN_CUDNN_INCLUDE}")
   target_link_libraries(shardtrain_cuda PUBLIC CUDA::cudart CUDA::cublasLt CUDA::cublas
-                                               ${SHARDTRAIN_NCCL} fmt::fmt
+                                               ${SHARDTRAIN_NCCL} ${SHARDTRAIN_CUDNN} fmt::fmt
                                                nlohmann_json::nlohmann_json)
   target_link_libraries(shardtrain_lib PUBLIC shardtrain_cuda)
   target_compile_definitions(shardtrain_lib PUBLIC SHARDTRAIN_WITH_CUDA=1)

@@ -43,6 +43,7 @@
 #include "backend/backend.h"
 #include "backend/cuda/cuda_common.h"
 #include "backend/cuda/cuda_host_transfer.h"
+#include "backend/cuda/cuda_image.h"
 #include "backend/cuda/cuda_ops.h"
 
 namespace shardtrain::cuda {
@@ -1333,6 +1334,16 @@ class CudaBackend final : public Backend {
     });
   }
 
+  /// Convolution, batch norm, pooling and LSTM (cuda_image.h); cuDNN is loaded on first use, so
+  /// GPT-2 runs never pay for it.
+  ImageOps* image_ops() override {
+    if (!image_ops_) {
+      activate();
+      image_ops_ = make_cuda_image_ops(ctx_, *this);
+    }
+    return image_ops_.get();
+  }
+
  private:
   void init() {
     ST_CUDA_CHECK(cudaSetDevice(device_));
@@ -1370,7 +1381,8 @@ class CudaBackend final : public Backend {
   void release() noexcept {
     (void)cudaSetDevice(device_);
     if (ctx_.stream) (void)cudaStreamSynchronize(ctx_.stream);
-    alloc_.reset();  // frees every block, the workspace and the scratch included
+    image_ops_.reset();  // its cuDNN handle uses the stream
+    alloc_.reset();      // frees every block, the workspace and the scratch included
     ctx_.workspace = nullptr;
     scratch_ = nullptr;
     scratch_bytes_ = 0;
@@ -1476,7 +1488,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CachingAllocator> alloc_;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
-  double* host_result_ = nullptr;  ///< pinned: the result of sum / sum_squares
+  double* host_result_ = nullptr;        ///< pinned: the result of sum / sum_squares
+  std::unique_ptr<ImageOps> image_ops_;  ///< made on first use
 };
 
 }  // namespace shardtrain::cuda

@@ -1,0 +1,279 @@
+// Batch normalization on the GPU (Ioffe & Szegedy, arXiv 1502.03167, Algorithms 1 and 2), NCHW,
+// split at its two reductions as ImageOps specifies so --sync-batchnorm can all-reduce the
+// per-channel sums in between. The activation that follows (ReLU, ReLU6, SiLU) is fused into the
+// normalizing pass, and its derivative into the backward passes (recomputed from the input, so
+// nothing but mean and invstd is saved).
+//
+// Reductions: grid (C channels × G groups of images); each block sums its channel's values over
+// its images in fp64 and writes a partial; a second kernel adds the G partials in a fixed order.
+// Deterministic, no atomics; fp64 because the variance is taken as E[x²] − E[x]² (see
+// backend/image_ops.h).
+#include <algorithm>
+
+#include "backend/cuda/cuda_image.h"
+
+namespace shardtrain::cuda {
+namespace {
+
+/// Image groups per channel: enough blocks to fill the GPU (4 per SM), at most one per image,
+/// at least ~1024 values per block.
+int64_t image_groups(const CudaContext& ctx, int64_t N, int64_t C, int64_t HW) {
+  const int64_t want = (4 * int64_t{ctx.sm_count} + C - 1) / C;
+  return std::max<int64_t>(1, std::min({N, want, std::max<int64_t>(1, N * HW / 1024)}));
+}
+
+/// Partial sums of channel blockIdx.x over images [n0, n1) of group blockIdx.y: part [G, 2, C]
+/// fp64 = (Σx, Σx²).
+template <typename T>
+__global__ void statistics_partial_kernel(double* part, const T* x, int64_t N, int64_t C,
+                                          int64_t HW) {
+  __shared__ double shared[32];
+  const int64_t c = blockIdx.x, G = gridDim.y, g = blockIdx.y;
+  const int64_t n0 = N * g / G, n1 = N * (g + 1) / G, m = (n1 - n0) * HW;
+  double s1 = 0.0, s2 = 0.0;
+  for (int64_t j = threadIdx.x; j < m; j += blockDim.x) {
+    const double v = to_float(x[((n0 + j / HW) * C + c) * HW + j % HW]);
+    s1 += v;
+    s2 += v * v;
+  }
+  s1 = block_sum(s1, shared);
+  s2 = block_sum(s2, shared);
+  if (threadIdx.x == 0) {
+    part[(g * 2 + 0) * C + c] = s1;
+    part[(g * 2 + 1) * C + c] = s2;
+  }
+}
+
+/// out [2, C] = Σ_g part [G, 2, C], in group order.
+__global__ void sum_partials_kernel(double* out, const double* part, int64_t G, int64_t C) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= 2 * C) return;
+  double acc = 0.0;
+  for (int64_t g = 0; g < G; ++g) acc += part[g * 2 * C + i];
+  out[i] = acc;
+}
+
+/// Per channel: mean, invstd and the running statistics (PyTorch's update, unbiased variance).
+__global__ void batch_moments_kernel(float* mean, float* invstd, float* running_mean,
+                                     float* running_var, const double* sums, int64_t C,
+                                     double count, float eps, float momentum) {
+  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (c >= C) return;
+  const double m = sums[c] / count;
+  const double var = fmax(sums[C + c] / count - m * m, 0.0);
+  mean[c] = static_cast<float>(m);
+  invstd[c] = static_cast<float>(1.0 / sqrt(var + eps));
+  if (running_mean)
+    running_mean[c] = static_cast<float>((1.0 - momentum) * running_mean[c] + momentum * m);
+  if (running_var)
+    running_var[c] = static_cast<float>((1.0 - momentum) * running_var[c] +
+                                        momentum * var * count / (count - 1.0));
+}
+
+/// out = act((x − mean)·invstd·γ + β); mean/invstd from the batch (fp32 [C]) or, with
+/// kEval, computed from the running statistics.
+template <typename T, Activation A, bool kEval>
+__global__ void normalize_kernel(T* out, const T* x, const T* gamma, const T* beta,
+                                 const float* mean, const float* var_or_invstd, float eps,
+                                 int64_t n, int64_t C, int64_t HW) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t c = (i / HW) % C;
+    const float is = kEval ? rsqrtf(var_or_invstd[c] + eps) : var_or_invstd[c];
+    const float pre = (to_float(x[i]) - mean[c]) * is * to_float(gamma[c]) + to_float(beta[c]);
+    out[i] = from_float<T>(act_forward<A>(pre));
+  }
+}
+
+/// Partial (Σdy, Σdy·x̂) of channel blockIdx.x over image group blockIdx.y, dy = dout·act'(pre).
+template <typename T, Activation A>
+__global__ void backward_partial_kernel(double* part, const T* dout, const T* x, const T* gamma,
+                                        const T* beta, const float* mean, const float* invstd,
+                                        int64_t N, int64_t C, int64_t HW) {
+  __shared__ double shared[32];
+  const int64_t c = blockIdx.x, G = gridDim.y, g = blockIdx.y;
+  const int64_t n0 = N * g / G, n1 = N * (g + 1) / G, m = (n1 - n0) * HW;
+  const float mu = mean[c], is = invstd[c], ga = to_float(gamma[c]), be = to_float(beta[c]);
+  double s1 = 0.0, s2 = 0.0;
+  for (int64_t j = threadIdx.x; j < m; j += blockDim.x) {
+    const int64_t i = ((n0 + j / HW) * C + c) * HW + j % HW;
+    const float xhat = (to_float(x[i]) - mu) * is;
+    const float d = to_float(dout[i]) * act_derivative<A>(xhat * ga + be);
+    s1 += d;
+    s2 += static_cast<double>(d) * xhat;
+  }
+  s1 = block_sum(s1, shared);
+  s2 = block_sum(s2, shared);
+  if (threadIdx.x == 0) {
+    part[(g * 2 + 0) * C + c] = s1;
+    part[(g * 2 + 1) * C + c] = s2;
+  }
+}
+
+/// dsums [2, C] = Σ_g part; dweight[c] += Σdy·x̂, dbias[c] += Σdy.
+template <typename T>
+__global__ void backward_finish_kernel(double* dsums, T* dweight, T* dbias, const double* part,
+                                       int64_t G, int64_t C) {
+  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (c >= C) return;
+  double s1 = 0.0, s2 = 0.0;
+  for (int64_t g = 0; g < G; ++g) {
+    s1 += part[g * 2 * C + c];
+    s2 += part[g * 2 * C + C + c];
+  }
+  dsums[c] = s1;
+  dsums[C + c] = s2;
+  dweight[c] = from_float<T>(to_float(dweight[c]) + static_cast<float>(s2));
+  dbias[c] = from_float<T>(to_float(dbias[c]) + static_cast<float>(s1));
+}
+
+/// dinp = γ·invstd·(dy − Σdy/count − x̂·Σdy·x̂/count) (dinp may alias dout).
+template <typename T, Activation A>
+__global__ void backward_input_kernel(T* dinp, const T* dout, const T* x, const T* gamma,
+                                      const T* beta, const float* mean, const float* invstd,
+                                      const double* dsums, double inv_count, int64_t n, int64_t C,
+                                      int64_t HW) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t c = (i / HW) % C;
+    const float is = invstd[c], ga = to_float(gamma[c]);
+    const float xhat = (to_float(x[i]) - mean[c]) * is;
+    const float d = to_float(dout[i]) * act_derivative<A>(xhat * ga + to_float(beta[c]));
+    const auto mean_dy = static_cast<float>(dsums[c] * inv_count);
+    const auto mean_dy_xhat = static_cast<float>(dsums[C + c] * inv_count);
+    dinp[i] = from_float<T>(ga * is * (d - mean_dy - xhat * mean_dy_xhat));
+  }
+}
+
+struct Dims {
+  int64_t N, C, HW;
+};
+
+Dims check_common(const char* op, const Tensor& inp, const Tensor& weight, const Tensor& bias) {
+  expect_nchw(op, "inp", inp, inp.dtype);
+  const Dims d{inp.dim(0), inp.dim(1), inp.dim(2) * inp.dim(3)};
+  expect_tensor(op, "weight", weight, inp.dtype, {d.C});
+  expect_tensor(op, "bias", bias, inp.dtype, {d.C});
+  return d;
+}
+
+}  // namespace
+
+void batchnorm_statistics(const CudaContext& ctx, Tensor sums, Tensor inp) {
+  const char* op = "cuda batchnorm_statistics";
+  expect_nchw(op, "inp", inp, inp.dtype);
+  const int64_t N = inp.dim(0), C = inp.dim(1), HW = inp.dim(2) * inp.dim(3);
+  expect_tensor(op, "sums", sums, DType::kF64, {2, C});
+  const int64_t G = image_groups(ctx, N, C, HW);
+  auto* part = static_cast<double*>(ctx.get_scratch(static_cast<size_t>(G * 2 * C) * 8));
+  dispatch_float(inp.dtype, [&]<typename T>() {
+    statistics_partial_kernel<T>
+        <<<dim3(static_cast<unsigned>(C), static_cast<unsigned>(G)), kImageBlock, 0, ctx.stream>>>(
+            part, inp.as<T>(), N, C, HW);
+  });
+  ST_CUDA_LAUNCH_CHECK();
+  sum_partials_kernel<<<ceil_div(2 * C, kImageBlock), kImageBlock, 0, ctx.stream>>>(
+      sums.as<double>(), part, G, C);
+  ST_CUDA_LAUNCH_CHECK();
+}
+
+void batchnorm_forward_train(const CudaContext& ctx, Tensor out, Tensor mean, Tensor invstd,
+                             Tensor running_mean, Tensor running_var, Tensor inp, Tensor weight,
+                             Tensor bias, Tensor sums, int64_t count, float eps, float momentum,
+                             Activation act) {
+  const char* op = "cuda batchnorm_forward_train";
+  const Dims d = check_common(op, inp, weight, bias);
+  expect_tensor(op, "out", out, inp.dtype, {d.N, d.C, inp.dim(2), inp.dim(3)});
+  expect_tensor(op, "mean", mean, DType::kF32, {d.C});
+  expect_tensor(op, "invstd", invstd, DType::kF32, {d.C});
+  expect_tensor_or_empty(op, "running_mean", running_mean, DType::kF32, {d.C});
+  expect_tensor_or_empty(op, "running_var", running_var, DType::kF32, {d.C});
+  expect_tensor(op, "sums", sums, DType::kF64, {2, d.C});
+  require(count > 1, op, ": count=", count,
+          " values per channel; training batch norm needs more than one");
+  batch_moments_kernel<<<ceil_div(d.C, kImageBlock), kImageBlock, 0, ctx.stream>>>(
+      mean.as<float>(), invstd.as<float>(),
+      running_mean.empty() ? nullptr : running_mean.as<float>(),
+      running_var.empty() ? nullptr : running_var.as<float>(), sums.as<double>(), d.C,
+      static_cast<double>(count), eps, momentum);
+  ST_CUDA_LAUNCH_CHECK();
+  const int64_t n = inp.numel();
+  dispatch_float(inp.dtype, [&]<typename T>() {
+    dispatch_activation(act, [&]<Activation A>() {
+      normalize_kernel<T, A, false><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
+          out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
+          invstd.as<float>(), eps, n, d.C, d.HW);
+    });
+  });
+  ST_CUDA_LAUNCH_CHECK();
+}
+
+void batchnorm_forward_eval(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight,
+                            Tensor bias, Tensor running_mean, Tensor running_var, float eps,
+                            Activation act) {
+  const char* op = "cuda batchnorm_forward_eval";
+  const Dims d = check_common(op, inp, weight, bias);
+  expect_tensor(op, "out", out, inp.dtype, {d.N, d.C, inp.dim(2), inp.dim(3)});
+  expect_tensor(op, "running_mean", running_mean, DType::kF32, {d.C});
+  expect_tensor(op, "running_var", running_var, DType::kF32, {d.C});
+  const int64_t n = inp.numel();
+  dispatch_float(inp.dtype, [&]<typename T>() {
+    dispatch_activation(act, [&]<Activation A>() {
+      normalize_kernel<T, A, true><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
+          out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), running_mean.as<float>(),
+          running_var.as<float>(), eps, n, d.C, d.HW);
+    });
+  });
+  ST_CUDA_LAUNCH_CHECK();
+}
+
+void batchnorm_backward_reduce(const CudaContext& ctx, Tensor dsums, Tensor dweight, Tensor dbias,
+                               Tensor dout, Tensor inp, Tensor weight, Tensor bias, Tensor mean,
+                               Tensor invstd, Activation act) {
+  const char* op = "cuda batchnorm_backward_reduce";
+  const Dims d = check_common(op, inp, weight, bias);
+  expect_tensor(op, "dout", dout, inp.dtype, {d.N, d.C, inp.dim(2), inp.dim(3)});
+  expect_tensor(op, "dsums", dsums, DType::kF64, {2, d.C});
+  expect_tensor(op, "dweight", dweight, inp.dtype, {d.C});
+  expect_tensor(op, "dbias", dbias, inp.dtype, {d.C});
+  expect_tensor(op, "mean", mean, DType::kF32, {d.C});
+  expect_tensor(op, "invstd", invstd, DType::kF32, {d.C});
+  const int64_t G = image_groups(ctx, d.N, d.C, d.HW);
+  auto* part = static_cast<double*>(ctx.get_scratch(static_cast<size_t>(G * 2 * d.C) * 8));
+  dispatch_float(inp.dtype, [&]<typename T>() {
+    dispatch_activation(act, [&]<Activation A>() {
+      backward_partial_kernel<T, A>
+          <<<dim3(static_cast<unsigned>(d.C), static_cast<unsigned>(G)), kImageBlock, 0,
+             ctx.stream>>>(part, dout.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(),
+                           mean.as<float>(), invstd.as<float>(), d.N, d.C, d.HW);
+    });
+    ST_CUDA_LAUNCH_CHECK();
+    backward_finish_kernel<T><<<ceil_div(d.C, kImageBlock), kImageBlock, 0, ctx.stream>>>(
+        dsums.as<double>(), dweight.as<T>(), dbias.as<T>(), part, G, d.C);
+  });
+  ST_CUDA_LAUNCH_CHECK();
+}
+
+void batchnorm_backward_input(const CudaContext& ctx, Tensor dinp, Tensor dout, Tensor inp,
+                              Tensor weight, Tensor bias, Tensor mean, Tensor invstd, Tensor dsums,
+                              int64_t count, Activation act) {
+  const char* op = "cuda batchnorm_backward_input";
+  const Dims d = check_common(op, inp, weight, bias);
+  expect_tensor(op, "dinp", dinp, inp.dtype, {d.N, d.C, inp.dim(2), inp.dim(3)});
+  expect_tensor(op, "dout", dout, inp.dtype, {d.N, d.C, inp.dim(2), inp.dim(3)});
+  expect_tensor(op, "mean", mean, DType::kF32, {d.C});
+  expect_tensor(op, "invstd", invstd, DType::kF32, {d.C});
+  expect_tensor(op, "dsums", dsums, DType::kF64, {2, d.C});
+  require(count > 0, op, ": count=", count, " values per channel");
+  const int64_t n = inp.numel();
+  dispatch_float(inp.dtype, [&]<typename T>() {
+    dispatch_activation(act, [&]<Activation A>() {
+      backward_input_kernel<T, A><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
+          dinp.as<T>(), dout.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
+          invstd.as<float>(), dsums.as<double>(), 1.0 / static_cast<double>(count), n, d.C, d.HW);
+    });
+  });
+  ST_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace shardtrain::cuda

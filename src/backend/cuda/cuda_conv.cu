@@ -1,0 +1,305 @@
+// Convolution on the GPU through cuDNN's convolution API (cudnnConvolutionForward,
+// cudnnConvolutionBackwardData, cudnnConvolutionBackwardFilter), NCHW tensors, grouped
+// convolutions through the group count; depthwise ones go to cuda_depthwise.cu's direct kernels.
+//
+// Algorithms: the first time a geometry is seen, cuDNN times its algorithms once
+// (cudnnFind*Algorithm, the equivalent of PyTorch's torch.backends.cudnn.benchmark = True) and the
+// fastest deterministic one whose workspace fits kMaxWorkspace is kept for that geometry; later
+// calls only enqueue. Deterministic algorithms keep the backend's promise of bit-identical
+// results run to run (cuda_backend.cu).
+//
+// Precision: bf16/fp16 tensors with fp32 accumulation on tensor cores (CUDNN_TENSOR_OP_MATH);
+// fp32 tensors with plain fp32 FMA (no TF32), so the fp32 backend matches the CPU reference.
+// Bias and activation run as one element-wise pass after the convolution.
+#include <cudnn.h>
+
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "backend/cuda/cuda_image.h"
+
+namespace shardtrain::cuda {
+namespace {
+
+constexpr size_t kMaxWorkspace = size_t{512} << 20;  // bytes
+
+void throw_cudnn_error(cudnnStatus_t st, const char* expr, const char* file, int line) {
+  throw RuntimeFailure(std::string("cuDNN call ") + expr + " failed: " + cudnnGetErrorString(st) +
+                       " (" + file + ":" + std::to_string(line) + ")");
+}
+
+#define ST_CUDNN_CHECK(expr)                                                                \
+  do {                                                                                      \
+    cudnnStatus_t st_s_ = (expr);                                                           \
+    if (st_s_ != CUDNN_STATUS_SUCCESS) throw_cudnn_error(st_s_, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+cudnnDataType_t cudnn_dtype(DType dt) {
+  switch (dt) {
+    case DType::kF32:
+      return CUDNN_DATA_FLOAT;
+    case DType::kBF16:
+      return CUDNN_DATA_BFLOAT16;
+    case DType::kF16:
+      return CUDNN_DATA_HALF;
+    default:
+      throw RuntimeFailure(std::string("cuda conv2d: dtype ") + dtype_name(dt) +
+                           " is not fp32, bf16 or fp16");
+  }
+}
+
+/// One geometry's descriptors and chosen algorithms (found on first use of each direction).
+struct ConvPlan {
+  cudnnTensorDescriptor_t x = nullptr, y = nullptr;
+  cudnnFilterDescriptor_t w = nullptr;
+  cudnnConvolutionDescriptor_t conv = nullptr;
+  bool have_fwd = false, have_bwd_data = false, have_bwd_filter = false;
+  cudnnConvolutionFwdAlgo_t fwd{};
+  cudnnConvolutionBwdDataAlgo_t bwd_data{};
+  cudnnConvolutionBwdFilterAlgo_t bwd_filter{};
+  size_t fwd_ws = 0, bwd_data_ws = 0, bwd_filter_ws = 0;
+  /// The math type each algorithm was timed with: set on `conv` before running it (cuDNN rejects
+  /// an algorithm run under another math type with CUDNN_STATUS_BAD_PARAM).
+  cudnnMathType_t fwd_math{}, bwd_data_math{}, bwd_filter_math{};
+
+  ConvPlan(const Conv2dShape& s, DType dt) {
+    const cudnnDataType_t t = cudnn_dtype(dt);
+    auto i = [](int64_t v) { return static_cast<int>(v); };
+    ST_CUDNN_CHECK(cudnnCreateTensorDescriptor(&x));
+    ST_CUDNN_CHECK(cudnnCreateTensorDescriptor(&y));
+    ST_CUDNN_CHECK(cudnnCreateFilterDescriptor(&w));
+    ST_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&conv));
+    ST_CUDNN_CHECK(
+        cudnnSetTensor4dDescriptor(x, CUDNN_TENSOR_NCHW, t, i(s.N), i(s.C), i(s.H), i(s.W)));
+    ST_CUDNN_CHECK(
+        cudnnSetTensor4dDescriptor(y, CUDNN_TENSOR_NCHW, t, i(s.N), i(s.K), i(s.P()), i(s.Q())));
+    ST_CUDNN_CHECK(cudnnSetFilter4dDescriptor(w, t, CUDNN_TENSOR_NCHW, i(s.K), i(s.C / s.groups),
+                                              i(s.R), i(s.S)));
+    ST_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(conv, i(s.pad_h), i(s.pad_w), i(s.stride_h),
+                                                   i(s.stride_w), 1, 1, CUDNN_CROSS_CORRELATION,
+                                                   CUDNN_DATA_FLOAT));
+    ST_CUDNN_CHECK(cudnnSetConvolutionGroupCount(conv, i(s.groups)));
+    ST_CUDNN_CHECK(cudnnSetConvolutionMathType(
+        conv, dt == DType::kF32 ? CUDNN_FMA_MATH : CUDNN_TENSOR_OP_MATH));
+  }
+  ~ConvPlan() {
+    if (conv) cudnnDestroyConvolutionDescriptor(conv);
+    if (w) cudnnDestroyFilterDescriptor(w);
+    if (y) cudnnDestroyTensorDescriptor(y);
+    if (x) cudnnDestroyTensorDescriptor(x);
+  }
+  ConvPlan(const ConvPlan&) = delete;
+  ConvPlan& operator=(const ConvPlan&) = delete;
+};
+
+/// Whether an algorithm computes the convolution exactly as a sum of products (GEMM-like or
+/// direct) rather than through a transform (FFT, Winograd) whose rounding is larger: fp32 runs
+/// (the testing mode, held to the CPU reference) take only those.
+bool exact_algo(cudnnConvolutionFwdAlgo_t a) {
+  return a == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM ||
+         a == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM ||
+         a == CUDNN_CONVOLUTION_FWD_ALGO_GEMM || a == CUDNN_CONVOLUTION_FWD_ALGO_DIRECT;
+}
+bool exact_algo(cudnnConvolutionBwdDataAlgo_t a) {
+  return a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_0 || a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_1;
+}
+bool exact_algo(cudnnConvolutionBwdFilterAlgo_t a) {
+  return a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 || a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1 ||
+         a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3;
+}
+
+/// The fastest result (cuDNN sorts by time) that ran, fits the workspace cap, is deterministic
+/// when asked and exact (exact_algo) in fp32; fp32 also refuses TF32 tensor-core math.
+template <typename Perf>
+const Perf* pick(const Perf* perf, int n, bool need_deterministic, DType dt) {
+  for (int k = 0; k < n; ++k) {
+    if (perf[k].status != CUDNN_STATUS_SUCCESS || perf[k].memory > kMaxWorkspace) continue;
+    if (need_deterministic && perf[k].determinism != CUDNN_DETERMINISTIC) continue;
+    if (dt == DType::kF32 && (!exact_algo(perf[k].algo) || perf[k].mathType != CUDNN_FMA_MATH))
+      continue;
+    return &perf[k];
+  }
+  return nullptr;
+}
+
+std::string geometry_str(const Conv2dShape& s, DType dt) {
+  auto v = [](int64_t x) { return std::to_string(x); };
+  return "input [" + v(s.N) + ", " + v(s.C) + ", " + v(s.H) + ", " + v(s.W) + "], weight [" +
+         v(s.K) + ", " + v(s.C / s.groups) + ", " + v(s.R) + ", " + v(s.S) + "], stride " +
+         v(s.stride_h) + "x" + v(s.stride_w) + ", pad " + v(s.pad_h) + "x" + v(s.pad_w) +
+         ", groups " + v(s.groups) + ", " + dtype_name(dt);
+}
+
+class CudnnConvRunner final : public ConvRunner {
+ public:
+  explicit CudnnConvRunner(const CudaContext& ctx) : ctx_(ctx) {
+    ST_CUDNN_CHECK(cudnnCreate(&handle_));
+    ST_CUDNN_CHECK(cudnnSetStream(handle_, ctx_.stream));
+  }
+  ~CudnnConvRunner() override {
+    plans_.clear();
+    if (handle_) cudnnDestroy(handle_);
+  }
+
+  void forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const Conv2dShape& s,
+               Activation act) override {
+    if (is_depthwise(s)) {
+      depthwise_forward(ctx_, out, inp, weight, s);
+      if (!bias.empty() || act != Activation::kNone)
+        bias_activation(ctx_, out, bias, s.K, s.P() * s.Q(), act);
+      return;
+    }
+    ConvPlan& p = plan(s, inp.dtype);
+    if (!p.have_fwd) {
+      cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
+      int n = 0;
+      ST_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithm(
+          handle_, p.x, p.w, p.conv, p.y, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf));
+      const auto* best = pick(perf, n, false, inp.dtype);
+      require(best != nullptr, "cuda conv2d_forward: cuDNN has no algorithm for ",
+              geometry_str(s, inp.dtype));
+      p.fwd = best->algo;
+      p.fwd_ws = best->memory;
+      p.fwd_math = best->mathType;
+      p.have_fwd = true;
+    }
+    const float one = 1.0f, zero = 0.0f;
+    ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.fwd_math));
+    ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, inp.data, p.w, weight.data, p.conv,
+                                           p.fwd, workspace(p.fwd_ws), p.fwd_ws, &zero, p.y,
+                                           out.data));
+    if (!bias.empty() || act != Activation::kNone)
+      bias_activation(ctx_, out, bias, s.K, s.P() * s.Q(), act);
+  }
+
+  void backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight,
+                const Conv2dShape& s) override {
+    if (!dbias.empty()) bias_gradient(ctx_, dbias, dout, s.N, s.K, s.P() * s.Q());
+    if (is_depthwise(s)) {
+      depthwise_backward(ctx_, dinp, dweight, dout, inp, weight, s);
+      return;
+    }
+    ConvPlan& p = plan(s, inp.dtype);
+    const float one = 1.0f, zero = 0.0f;
+    if (!p.have_bwd_filter) {
+      cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
+      int n = 0;
+      ST_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithm(
+          handle_, p.x, p.y, p.conv, p.w, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &n, perf));
+      const auto* best = pick(perf, n, true, inp.dtype);
+      require(best != nullptr,
+              "cuda conv2d_backward: cuDNN has no deterministic weight-gradient algorithm for ",
+              geometry_str(s, inp.dtype));
+      p.bwd_filter = best->algo;
+      p.bwd_filter_ws = best->memory;
+      p.bwd_filter_math = best->mathType;
+      p.have_bwd_filter = true;
+    }
+    // β = 1: weight gradients accumulate over micro-batches.
+    ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_filter_math));
+    ST_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle_, &one, p.x, inp.data, p.y, dout.data,
+                                                  p.conv, p.bwd_filter, workspace(p.bwd_filter_ws),
+                                                  p.bwd_filter_ws, &one, p.w, dweight.data));
+    if (dinp.empty()) return;
+    if (!p.have_bwd_data) {
+      cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
+      int n = 0;
+      ST_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithm(
+          handle_, p.w, p.y, p.conv, p.x, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &n, perf));
+      const auto* best = pick(perf, n, true, inp.dtype);
+      require(best != nullptr,
+              "cuda conv2d_backward: cuDNN has no deterministic input-gradient algorithm for ",
+              geometry_str(s, inp.dtype));
+      p.bwd_data = best->algo;
+      p.bwd_data_ws = best->memory;
+      p.bwd_data_math = best->mathType;
+      p.have_bwd_data = true;
+    }
+    ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_data_math));
+    ST_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, p.w, weight.data, p.y, dout.data,
+                                                p.conv, p.bwd_data, workspace(p.bwd_data_ws),
+                                                p.bwd_data_ws, &zero, p.x, dinp.data));
+  }
+
+ private:
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, int64_t, int64_t, int64_t, int>;
+
+  ConvPlan& plan(const Conv2dShape& s, DType dt) {
+    const Key key{s.N,
+                  s.C,
+                  s.H,
+                  s.W,
+                  s.K,
+                  s.R,
+                  s.S,
+                  s.stride_h,
+                  s.stride_w,
+                  s.pad_h,
+                  s.pad_w,
+                  s.groups,
+                  static_cast<int>(dt)};
+    auto it = plans_.find(key);
+    if (it == plans_.end()) it = plans_.emplace(key, std::make_unique<ConvPlan>(s, dt)).first;
+    return *it->second;
+  }
+  void* workspace(size_t bytes) { return bytes == 0 ? nullptr : ctx_.get_scratch(bytes); }
+
+  const CudaContext& ctx_;
+  cudnnHandle_t handle_ = nullptr;
+  std::map<Key, std::unique_ptr<ConvPlan>> plans_;
+};
+
+// ---- bias and activation epilogue, bias gradient ------------------------------------------------
+
+template <typename T, Activation A>
+__global__ void bias_activation_kernel(T* out, const T* bias, int64_t n, int64_t K, int64_t PQ) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    float v = to_float(out[i]);
+    if (bias) v += to_float(bias[(i / PQ) % K]);
+    out[i] = from_float<T>(act_forward<A>(v));
+  }
+}
+
+/// One block per output channel k: Σ over the N·PQ values of channel k, added to dbias[k].
+template <typename T>
+__global__ void bias_gradient_kernel(T* dbias, const T* dout, int64_t N, int64_t K, int64_t PQ) {
+  __shared__ float shared[32];
+  const int64_t k = blockIdx.x;
+  float acc = 0.0f;
+  for (int64_t j = threadIdx.x; j < N * PQ; j += blockDim.x)
+    acc += to_float(dout[((j / PQ) * K + k) * PQ + j % PQ]);
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) dbias[k] = from_float<T>(to_float(dbias[k]) + acc);
+}
+
+}  // namespace
+
+std::unique_ptr<ConvRunner> make_conv_runner(const CudaContext& ctx) {
+  return std::make_unique<CudnnConvRunner>(ctx);
+}
+
+void bias_activation(const CudaContext& ctx, Tensor out, Tensor bias, int64_t K, int64_t PQ,
+                     Activation act) {
+  const int64_t n = out.numel();
+  dispatch_float(out.dtype, [&]<typename T>() {
+    dispatch_activation(act, [&]<Activation A>() {
+      bias_activation_kernel<T, A><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
+          out.as<T>(), bias.empty() ? nullptr : bias.as<T>(), n, K, PQ);
+    });
+  });
+  ST_CUDA_LAUNCH_CHECK();
+}
+
+void bias_gradient(const CudaContext& ctx, Tensor dbias, Tensor dout, int64_t N, int64_t K,
+                   int64_t PQ) {
+  dispatch_float(dout.dtype, [&]<typename T>() {
+    bias_gradient_kernel<T><<<static_cast<unsigned>(K), kImageBlock, 0, ctx.stream>>>(
+        dbias.as<T>(), dout.as<T>(), N, K, PQ);
+  });
+  ST_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace shardtrain::cuda

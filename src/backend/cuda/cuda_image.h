@@ -1,0 +1,168 @@
+// What the CUDA image ops' files share: the activations as device functions, the argument checks,
+// and the launchers each file provides to the CudaImageOps class (cuda_image_ops.cu):
+//   cuda_conv.cu      — convolution through cuDNN (legacy convolution API, measured algorithms)
+//   cuda_batchnorm.cu — batch normalization, split at its reductions (fp64 per-channel sums)
+//   cuda_lstm.cu      — one LSTM layer over cuBLASLt GEMMs and fused gate kernels
+// Semantics are exactly those of the same-named ImageOps methods (backend/image_ops.h); every
+// launcher enqueues on ctx.stream and never synchronizes (except cuDNN's one-time algorithm
+// search for a new convolution shape). Activations and parameters share one floating dtype (the
+// backend's compute dtype: fp32, bf16 or fp16); arithmetic and accumulation are fp32 (fp64 for
+// batch norm's sums).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_common.h"
+#include "backend/image_ops.h"
+
+namespace shardtrain::cuda {
+
+// ---- activations (the CPU reference's definitions: backend/cpu/cpu_image_detail.h) -----------
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+template <Activation A>
+__device__ __forceinline__ float act_forward(float x) {
+  if constexpr (A == Activation::kRelu) return fmaxf(x, 0.0f);
+  if constexpr (A == Activation::kRelu6) return fminf(fmaxf(x, 0.0f), 6.0f);
+  if constexpr (A == Activation::kSilu) return x * sigmoidf(x);
+  if constexpr (A == Activation::kSigmoid) return sigmoidf(x);
+  return x;
+}
+
+/// act'(x) at the pre-activation x; ReLU's and ReLU6's kinks take 0, as PyTorch.
+template <Activation A>
+__device__ __forceinline__ float act_derivative(float x) {
+  if constexpr (A == Activation::kRelu) return x > 0.0f ? 1.0f : 0.0f;
+  if constexpr (A == Activation::kRelu6) return x > 0.0f && x < 6.0f ? 1.0f : 0.0f;
+  if constexpr (A == Activation::kSilu) {
+    const float s = sigmoidf(x);
+    return s * (1.0f + x * (1.0f - s));
+  }
+  if constexpr (A == Activation::kSigmoid) {
+    const float s = sigmoidf(x);
+    return s * (1.0f - s);
+  }
+  return 1.0f;
+}
+
+/// Calls f.template operator()<A>() with A = a (kernels take the activation as a template
+/// argument, so each is compiled without a branch per element).
+template <typename F>
+void dispatch_activation(Activation a, F&& f) {
+  switch (a) {
+    case Activation::kNone:
+      f.template operator()<Activation::kNone>();
+      return;
+    case Activation::kRelu:
+      f.template operator()<Activation::kRelu>();
+      return;
+    case Activation::kRelu6:
+      f.template operator()<Activation::kRelu6>();
+      return;
+    case Activation::kSilu:
+      f.template operator()<Activation::kSilu>();
+      return;
+    case Activation::kSigmoid:
+      f.template operator()<Activation::kSigmoid>();
+      return;
+  }
+}
+
+/// Σ of `v` over the block (blockDim.x a multiple of 32, ≤ 1024), returned to every thread.
+/// `shared` holds 32 values. Fixed order: deterministic.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* shared) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  __syncthreads();  // `shared` may still be read from a previous call
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < warps ? shared[lane] : T(0);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ---- argument checks (RuntimeFailure naming the op, the tensor and what was expected) ---------
+
+/// `t` is a CUDA tensor of dtype `dt` with exactly `dims`.
+void expect_tensor(const char* op, const char* name, const Tensor& t, DType dt,
+                   std::initializer_list<int64_t> dims);
+/// expect_tensor unless `t` is empty (optional operands).
+void expect_tensor_or_empty(const char* op, const char* name, const Tensor& t, DType dt,
+                            std::initializer_list<int64_t> dims);
+/// `t` is a 4-D CUDA tensor of dtype `dt` (NCHW); the shape is read from it.
+void expect_nchw(const char* op, const char* name, const Tensor& t, DType dt);
+
+/// Blocks of kImageBlock threads covering n items with grid-stride loops (≤ 32 per SM).
+constexpr unsigned kImageBlock = 256;
+unsigned grid_for(const CudaContext& ctx, int64_t n);
+
+// ---- cuda_conv.cu ---------------------------------------------------------------------------
+
+/// cuDNN handle, descriptors and the per-shape algorithm choice (see cuda_conv.cu).
+class ConvRunner {
+ public:
+  virtual ~ConvRunner() = default;
+  virtual void forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const Conv2dShape& s,
+                       Activation act) = 0;
+  virtual void backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                        Tensor weight, const Conv2dShape& s) = 0;
+};
+std::unique_ptr<ConvRunner> make_conv_runner(const CudaContext& ctx);
+
+/// out [N,K,PQ] = act(out + bias[K]) (bias may be null) in place.
+void bias_activation(const CudaContext& ctx, Tensor out, Tensor bias, int64_t K, int64_t PQ,
+                     Activation act);
+/// dbias [K] += Σ_{n,pq} dout [N,K,PQ].
+void bias_gradient(const CudaContext& ctx, Tensor dbias, Tensor dout, int64_t N, int64_t K,
+                   int64_t PQ);
+
+// ---- cuda_depthwise.cu --------------------------------------------------------------------------
+
+/// Whether `s` is a depthwise convolution (groups = C = K, window ≤ 7×7) that the direct kernels
+/// below take instead of cuDNN.
+bool is_depthwise(const Conv2dShape& s);
+/// out [N,C,P,Q] = depthwise conv(inp [N,C,H,W], weight [C,1,R,S]) (no bias, no activation).
+void depthwise_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight,
+                       const Conv2dShape& s);
+/// dweight += ∂L/∂weight; dinp (overwritten; may be empty) from dout.
+void depthwise_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor dout,
+                        Tensor inp, Tensor weight, const Conv2dShape& s);
+
+// ---- cuda_batchnorm.cu ------------------------------------------------------------------------
+
+void batchnorm_statistics(const CudaContext& ctx, Tensor sums, Tensor inp);
+void batchnorm_forward_train(const CudaContext& ctx, Tensor out, Tensor mean, Tensor invstd,
+                             Tensor running_mean, Tensor running_var, Tensor inp, Tensor weight,
+                             Tensor bias, Tensor sums, int64_t count, float eps, float momentum,
+                             Activation act);
+void batchnorm_forward_eval(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight,
+                            Tensor bias, Tensor running_mean, Tensor running_var, float eps,
+                            Activation act);
+void batchnorm_backward_reduce(const CudaContext& ctx, Tensor dsums, Tensor dweight, Tensor dbias,
+                               Tensor dout, Tensor inp, Tensor weight, Tensor bias, Tensor mean,
+                               Tensor invstd, Activation act);
+void batchnorm_backward_input(const CudaContext& ctx, Tensor dinp, Tensor dout, Tensor inp,
+                              Tensor weight, Tensor bias, Tensor mean, Tensor invstd, Tensor dsums,
+                              int64_t count, Activation act);
+
+// ---- cuda_lstm.cu -------------------------------------------------------------------------------
+
+/// One LSTM layer (ImageOps::lstm_forward/backward). `backend` provides the temporaries.
+void lstm_forward(const CudaContext& ctx, Backend& backend, Tensor out, Tensor saved, Tensor inp,
+                  Tensor weight_ih, Tensor weight_hh, Tensor bias_ih, Tensor bias_hh);
+void lstm_backward(const CudaContext& ctx, Backend& backend, Tensor dinp, Tensor dweight_ih,
+                   Tensor dweight_hh, Tensor dbias_ih, Tensor dbias_hh, Tensor dout, Tensor inp,
+                   Tensor out, Tensor saved, Tensor weight_ih, Tensor weight_hh);
+
+// ---- cuda_image_ops.cu --------------------------------------------------------------------------
+
+/// The CUDA backend's ImageOps over `ctx` (owned by `backend`, which outlives it).
+std::unique_ptr<ImageOps> make_cuda_image_ops(const CudaContext& ctx, Backend& backend);
+
+}  // namespace shardtrain::cuda
