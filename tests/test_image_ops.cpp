@@ -712,6 +712,23 @@ TEST_F(ImageOpsTest, ChannelScaleGradients) {
   EXPECT_EQ(dsc, dsc1);
 }
 
+TEST_F(ImageOpsTest, SwapMiddleAxesMovesEveryElementOnce) {
+  const int64_t A = 2, B = 3, C = 4, D = 5;
+  std::vector<float> x(static_cast<size_t>(A * B * C * D)), y(x.size(), -1.0f);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i);
+  ops->swap_middle_axes(T(y, {A, C, B, D}), T(x, {A, B, C, D}));
+  for (int64_t a = 0; a < A; ++a)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t d = 0; d < D; ++d)
+          ASSERT_EQ(y[static_cast<size_t>(((a * C + c) * B + b) * D + d)],
+                    x[static_cast<size_t>(((a * B + b) * C + c) * D + d)]);
+  // And back.
+  std::vector<float> z(x.size());
+  ops->swap_middle_axes(T(z, {A, B, C, D}), T(y, {A, C, B, D}));
+  EXPECT_EQ(z, x);
+}
+
 // ---- LSTM
 // ----------------------------------------------------------------------------------------------
 

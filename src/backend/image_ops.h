@@ -144,6 +144,13 @@ class ImageOps {
                              Tensor dbias_hh, Tensor dout, Tensor inp, Tensor out, Tensor saved,
                              Tensor weight_ih, Tensor weight_hh) = 0;
 
+  // ---- layout
+  // ------------------------------------------------------------------------------------
+  /// out [A, C, B, D] = inp [A, B, C, D] (the two middle axes swapped; out must not alias inp):
+  /// a feature map's rows as a sequence ([N, C, H, W] → [N, H, C, W]) and the LSTM's step-major
+  /// and batch-major orders.
+  virtual void swap_middle_axes(Tensor out, Tensor inp) = 0;
+
   // ---- classification loss ---------------------------------------------------------------------
   /// Softmax cross-entropy with label smoothing ε (Szegedy et al., arXiv 1512.00567, §7; as
   /// PyTorch's CrossEntropyLoss(label_smoothing=ε)): the target distribution is

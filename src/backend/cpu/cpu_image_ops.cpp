@@ -20,8 +20,8 @@ namespace {
 using cpu_image::act_derivative;
 using cpu_image::act_forward;
 using cpu_image::expect_f32;
-using cpu_image::expect_f64;
 using cpu_image::expect_f32_or_empty;
+using cpu_image::expect_f64;
 using cpu_image::expect_nchw;
 using cpu_image::sigmoid;
 using cpu_image::worth_parallel;
@@ -484,6 +484,23 @@ class CpuImageOps final : public ImageOps {
                   static_cast<int>(I), static_cast<int>(G), 1.0f, dG.data(), static_cast<int>(G),
                   weight_ih.f32(), static_cast<int>(I), 0.0f, dinp.f32(), static_cast<int>(I));
     }
+  }
+
+  // ---- layout -----------------------------------------------------------------------------------
+  void swap_middle_axes(Tensor out, Tensor inp) override {
+    const char* op = "swap_middle_axes";
+    expect_nchw(op, "inp", inp);
+    const int64_t A = inp.dim(0), B = inp.dim(1), C = inp.dim(2), D = inp.dim(3);
+    expect_f32(op, "out", out, {A, C, B, D});
+    check(out.data != inp.data, "{}: out must not alias inp", op);
+    const float* x = inp.f32();
+    float* y = out.f32();
+#pragma omp parallel for collapse(2) schedule(static) if (worth_parallel(A * B * C * D))
+    for (int64_t a = 0; a < A; ++a)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t c = 0; c < C; ++c)
+          std::memcpy(y + ((a * C + c) * B + b) * D, x + ((a * B + b) * C + c) * D,
+                      static_cast<size_t>(D) * sizeof(float));
   }
 
   // ---- classification loss --------------------------------------------------------------------

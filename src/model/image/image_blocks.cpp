@@ -208,36 +208,20 @@ class RowsToSequence final : public Module {
   void reserve(Backend& be, const ImageShape& in) override {
     activation(be, out_, output_shape(in));
   }
+  /// [N, C, H, W] → [N, H, C, W] (the output's shape names it [N, H, C·W, 1]).
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
     const ImageShape s = shape_of(in);
     Tensor out = activation(ctx.be, out_, output_shape(s));
-    permute(ctx.be, out, in, s, false);
+    ctx.ops.swap_middle_axes(reshaped(out, {s.N, s.H, s.C, s.W}), in);
     return out;
   }
   void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
                 const Tensor& din) override {
-    if (!din.empty()) permute(ctx.be, din, dout, shape_of(in), true);
+    const ImageShape s = shape_of(in);
+    if (!din.empty()) ctx.ops.swap_middle_axes(din, reshaped(dout, {s.N, s.H, s.C, s.W}));
   }
 
  private:
-  /// [N, C, H, W] → [N, H, C, W] (or back, `inverse`), one row of W elements per copy.
-  /// TODO: a device kernel; on a GPU these are N·C·H small copies.
-  static void permute(Backend& be, const Tensor& dst, const Tensor& src, const ImageShape& s,
-                      bool inverse) {
-    const size_t es = dtype_size(src.dtype), row = static_cast<size_t>(s.W) * es;
-    char* d = static_cast<char*>(dst.data);
-    const char* p = static_cast<const char*>(src.data);
-    for (int64_t n = 0; n < s.N; ++n)
-      for (int64_t c = 0; c < s.C; ++c)
-        for (int64_t h = 0; h < s.H; ++h) {
-          const auto image = static_cast<size_t>(((n * s.C + c) * s.H + h) * s.W) * es;
-          const auto seq = static_cast<size_t>(((n * s.H + h) * s.C + c) * s.W) * es;
-          if (inverse)
-            be.copy(d + image, p + seq, row);
-          else
-            be.copy(d + seq, p + image, row);
-        }
-  }
   FlatBuffer out_;
 };
 
@@ -284,11 +268,11 @@ class Lstm final : public Module {
     reserve(ctx.be, s);
     Tensor out = activation(ctx.be, out_, output_shape(s));
     ctx.ops.lstm_forward(seq(N, L), saved(N, L), reshaped(in, {N, L, I_}), wih_, whh_, bih_, bhh_);
-    // The last step's hidden state of each sample.
-    const size_t es = dtype_size(out.dtype), row = static_cast<size_t>(H_) * es;
-    for (int64_t n = 0; n < N; ++n)
-      ctx.be.copy(static_cast<char*>(out.data) + static_cast<size_t>(n) * row,
-                  static_cast<char*>(seq_.data()) + static_cast<size_t>(n * L + L - 1) * row, row);
+    // The last step's hidden state of each sample: step-major [L, N, H], then its last block.
+    grow(ctx.be, steps_, ctx.be.compute_dtype(), N * L * H_);
+    ctx.ops.swap_middle_axes(reshaped(steps_.view(), {1, L, N, H_}),
+                             reshaped(seq_.view(), {1, N, L, H_}));
+    ctx.be.copy(out.data, steps_.slice((L - 1) * N * H_, N * H_).data, out.bytes());
     return out;
   }
   void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
@@ -296,12 +280,13 @@ class Lstm final : public Module {
     const ImageShape s = shape_of(in);
     const int64_t N = s.N, L = s.C;
     grow(ctx.be, dseq_, ctx.be.compute_dtype(), N * L * H_);
+    grow(ctx.be, steps_, ctx.be.compute_dtype(), N * L * H_);
     Tensor dseq = reshaped(dseq_.view(), {N, L, H_});
-    ctx.be.fill_zero(dseq);
-    const size_t es = dtype_size(dseq.dtype), row = static_cast<size_t>(H_) * es;
-    for (int64_t n = 0; n < N; ++n)
-      ctx.be.copy(static_cast<char*>(dseq.data) + static_cast<size_t>(n * L + L - 1) * row,
-                  static_cast<const char*>(dout.data) + static_cast<size_t>(n) * row, row);
+    // Only the last step's output is used: its gradient, step-major, then batch-major.
+    Tensor steps = reshaped(steps_.view(), {1, L, N, H_});
+    ctx.be.fill_zero(steps);
+    ctx.be.copy(steps_.slice((L - 1) * N * H_, N * H_).data, dout.data, dout.bytes());
+    ctx.ops.swap_middle_axes(reshaped(dseq_.view(), {1, N, L, H_}), steps);
     ctx.ops.lstm_backward(din.empty() ? Tensor() : reshaped(din, {N, L, I_}), dwih_, dwhh_, dbih_,
                           dbhh_, dseq, reshaped(in, {N, L, I_}), seq(N, L), saved(N, L), wih_,
                           whh_);
@@ -313,7 +298,7 @@ class Lstm final : public Module {
   Tensor saved(int64_t N, int64_t L) const { return reshaped(saved_.view(), {L, N, 6 * H_}); }
   int64_t I_, H_;
   Tensor wih_, dwih_, whh_, dwhh_, bih_, dbih_, bhh_, dbhh_;
-  FlatBuffer out_, seq_, saved_, dseq_;
+  FlatBuffer out_, seq_, saved_, dseq_, steps_;
 };
 
 }  // namespace
