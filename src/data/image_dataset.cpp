@@ -211,6 +211,29 @@ void resize_images(ImageSet& set, int64_t height, int64_t width) {
   set.width = width;
 }
 
+ImageSet synthetic_images(int64_t count, int64_t channels, int64_t height, int64_t width,
+                          int64_t classes, uint64_t seed) {
+  check<ConfigError>(count > 0 && channels > 0 && height > 0 && width > 0 && classes > 0,
+                     "synthetic images: {} images of {}×{}×{} in {} classes is not a data set",
+                     count, channels, height, width, classes);
+  ImageSet set;
+  set.name = "synthetic";
+  set.channels = channels;
+  set.height = height;
+  set.width = width;
+  for (int64_t k = 0; k < classes; ++k) set.classes.push_back(fmt::format("class{}", k));
+  SplitMix64 rng{mix_seed(seed, 0x53594e54)};  // "SYNT"
+  set.labels.resize(static_cast<size_t>(count));
+  for (auto& l : set.labels) l = static_cast<int32_t>(rng.below(static_cast<uint64_t>(classes)));
+  set.pixels.resize(static_cast<size_t>(count * set.image_bytes()));
+  for (size_t i = 0; i < set.pixels.size(); i += 8) {
+    const uint64_t r = rng.next();
+    for (size_t b = 0; b < 8 && i + b < set.pixels.size(); ++b)
+      set.pixels[i + b] = static_cast<uint8_t>(r >> (8 * b));
+  }
+  return set;
+}
+
 ImageSet split_held_out(ImageSet& set, double fraction, uint64_t seed) {
   check<ConfigError>(fraction > 0 && fraction < 1,
                      "the held-out fraction must be in (0, 1), not {}", fraction);

@@ -48,6 +48,12 @@ ImageSet load_fashion_mnist(const std::filesystem::path& dir, bool train);
 ImageSet load_image_folder(const std::filesystem::path& root, int64_t height = 0,
                            int64_t width = 0);
 
+/// `count` random images (uniform bytes, seeded) of channels × height × width with random labels
+/// in [0, classes): the shape of a data set without its content, as torchvision's FakeData, for
+/// measuring speed. Deterministic in `seed`.
+ImageSet synthetic_images(int64_t count, int64_t channels, int64_t height, int64_t width,
+                          int64_t classes, uint64_t seed);
+
 /// Resizes every image to height × width with bilinear interpolation (half-pixel centres, as
 /// torch.nn.functional.interpolate(mode="bilinear", align_corners=False)). No-op when equal.
 void resize_images(ImageSet& set, int64_t height, int64_t width);

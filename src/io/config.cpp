@@ -1825,10 +1825,11 @@ void validate(TrainConfig& cfg, int64_t model_context) {
           "zero2, zero3 or offload",
           cfg.model));
     }
-    if (!cfg.dataset.empty() && cfg.dataset != "fashion-mnist") {
+    if (!cfg.dataset.empty() && cfg.dataset != "fashion-mnist" && cfg.dataset != "synthetic") {
       throw ConfigError(fmt::format(
           "--dataset '{}' is not an image data set: image model '{}' trains on --dataset "
-          "fashion-mnist or an ImageFolder directory (--data-dir DIR)",
+          "fashion-mnist, --dataset synthetic (random images, for speed measurements) or an "
+          "ImageFolder directory (--data-dir DIR)",
           cfg.dataset, cfg.model));
     }
     if (!cfg.train_file.empty() || !cfg.valid_file.empty()) {
@@ -1844,11 +1845,12 @@ void validate(TrainConfig& cfg, int64_t model_context) {
           cfg.model));
     }
   } else {
-    if (cfg.dataset == "fashion-mnist") {
-      throw ConfigError(fmt::format(
-          "--dataset fashion-mnist holds images, but model '{}' is a language model: train an "
-          "image model on it ({})",
-          cfg.model.empty() ? "of the checkpoint" : cfg.model, join(image_model_names(), ", ")));
+    if (cfg.dataset == "fashion-mnist" || cfg.dataset == "synthetic") {
+      throw ConfigError(
+          fmt::format("--dataset {} holds images, but model '{}' is a language model: train an "
+                      "image model on it ({})",
+                      cfg.dataset, cfg.model.empty() ? "of the checkpoint" : cfg.model,
+                      join(image_model_names(), ", ")));
     }
     if (cfg.image_size != 0 || cfg.label_smoothing != 0 || cfg.sync_batchnorm) {
       throw ConfigError(fmt::format(

@@ -46,6 +46,14 @@ ImageData load_image_data(const TrainConfig& cfg) {
     const fs::path dir = cfg.data_dir.empty() ? find_fashion_mnist_dir() : fs::path(cfg.data_dir);
     d.train = load_fashion_mnist(dir, true);
     d.held_out = load_fashion_mnist(dir, false);
+  } else if (cfg.dataset == "synthetic") {
+    // ImageNet-shaped random data for speed measurements (images are generated at their final
+    // size, so nothing is resized): 4,096 training and 512 held-out images unless limited.
+    const int64_t size = cfg.image_size > 0 ? cfg.image_size : 224;
+    d.train = synthetic_images(cfg.num_samples > 0 ? cfg.num_samples : 4096, 3, size, size, 1000,
+                               cfg.seed);
+    d.held_out = synthetic_images(cfg.eval_samples > 0 ? cfg.eval_samples : 512, 3, size, size,
+                                  1000, cfg.seed + 1);
   } else {
     d.train = load_image_folder(cfg.data_dir, cfg.image_size, cfg.image_size);
     d.held_out = split_held_out(d.train, 0.1, cfg.seed);
