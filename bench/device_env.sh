@@ -13,6 +13,11 @@ if [ ! -f /work/main/build/data/wikitext-2/wiki.train.tokens ]; then
 fi
 # The carried binary looks for its data next to itself (.device/data); point it at the copy above.
 export SHARDTRAIN_DATA_DIR=/work/main/build/data
+# Fashion-MNIST (Debian's dataset-fashion-mnist here) travels in .device/fashion-mnist when packed
+# with FASHION_MNIST=1 (bench/pack_device.sh).
+if [ -d .device/fashion-mnist ] && [ ! -e /work/main/build/data/fashion-mnist ]; then
+  ln -sfn "$PWD/.device/fashion-mnist" /work/main/build/data/fashion-mnist
+fi
 # bench/pack_device.sh packs .device/ into one archive when it would not fit the call uncompressed
 if [ -f .device/bundle.tar.xz ] && [ ! -e .device/shardtrain ]; then
   tar -C .device -xJf .device/bundle.tar.xz
@@ -46,3 +51,7 @@ st_link_missing() {
   return 0
 }
 [ -d .device ] && st_link_missing
+# libcudnn.so.9 loads its engine libraries (libcudnn_cnn.so.9, ...) by name from its own folder.
+if [ -e .device/libmissing/libcudnn.so.9 ]; then
+  export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$(dirname "$(readlink -f .device/libmissing/libcudnn.so.9)")"
+fi

@@ -10,15 +10,8 @@
 #   cpu     bench/pipeline_bubble_cpu.sh: 2 and 4 CPU stages (MPI ranks on this machine's cores),
 #           measured bubble against the simulator's prediction
 # Back in $OUT: summary.txt, logs.tgz.
-source bench/device_env.sh
-OUT=${OUT:-/tmp/out}
-SUM=$OUT/summary.txt
-ST=.device/shardtrain
-LOGS=/tmp/i12logs
-mkdir -p $LOGS
-say() { echo "$@" | tee -a $SUM; }
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; date -u
-  echo "cpu: $(nproc --all) cores, $(lscpu | sed -n 's/^Model name: *//p' | head -1)"; } | tee -a $SUM
+LOGS_NAME=i12logs
+source bench/device_run_common.sh
 for phase in "$@"; do
   case $phase in
     tests)

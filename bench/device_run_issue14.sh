@@ -17,15 +17,8 @@
 #   fixtures  tests/fixtures/make_image_fixtures.py: PyTorch/torchvision references for the image
 #             models (issue 15), into $OUT/fixtures
 # Back in $OUT: summary.txt, logs.tgz and the phases' files.
-source bench/device_env.sh
-OUT=${OUT:-/tmp/out}
-SUM=$OUT/summary.txt
-ST=$PWD/.device/shardtrain
-LOGS=/tmp/i14logs
-mkdir -p $LOGS
-say() { echo "$@" | tee -a $SUM; }
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; date -u
-  echo "cpu: $(nproc --all) cores, $(lscpu | sed -n 's/^Model name: *//p' | head -1)"; } | tee -a $SUM
+LOGS_NAME=i14logs
+source bench/device_run_common.sh
 for phase in "$@"; do
   case $phase in
     tests)

@@ -23,6 +23,7 @@
 # The device call sends at most 64 MiB (working tree + carried paths). If DEST would push the
 # total past it (LIMIT_MIB, default 64, minus the working tree, minus 1 MiB), everything is packed
 # into DEST/bundle.tar.xz instead, which device_env.sh unpacks there (OpenBLAS alone is ~36 MiB).
+# FASHION_MNIST=1 adds Debian's Fashion-MNIST files (see below).
 # COMPRESS=always|never|auto (default auto) overrides that choice. TESTS="test_a test_b" picks the
 # test programs (default: test_cuda_backend test_hf_parity test_nccl_comm test_zero_equivalence;
 # test_nccl_comm needs two GPUs, so TESTS="test_cuda_backend test_hf_parity test_zero_equivalence"
@@ -111,6 +112,14 @@ if [ "$COMPRESS" = always ] || { [ "$COMPRESS" = auto ] && [ "$size" -gt "$budge
   echo "bundle.tar.xz (unpacked into .device/ by bench/device_env.sh)" >> "$DEST/MANIFEST"
   size=$(du -sb "$DEST" | cut -f1)
   echo "pack_device: compressed into $DEST/bundle.tar.xz: $(( size >> 20 )) MiB"
+fi
+# FASHION_MNIST=1: Debian's Fashion-MNIST (~30 MiB of .gz IDX files, already compressed) travels
+# beside the bundle in DEST/fashion-mnist; device_env.sh links it into the data directory there.
+if [ "${FASHION_MNIST:-0}" = 1 ]; then
+  mkdir -p "$DEST/fashion-mnist"
+  cp /usr/share/datasets/fashion-mnist/*-ubyte.gz "$DEST/fashion-mnist/"
+  echo "fashion-mnist/ (from /usr/share/datasets/fashion-mnist)" >> "$DEST/MANIFEST"
+  size=$(du -sb "$DEST" | cut -f1)
 fi
 cat "$DEST/MANIFEST"
 if [ "$size" -gt "$budget" ]; then
