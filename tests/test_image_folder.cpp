@@ -211,8 +211,9 @@ TEST(ImageFolderTrain, BadInputIsExplained) {
                {"unknown image model 'efficientnet_b1'", "did you mean 'efficientnet_b0'?"});
 
   // 16×16 images through vgg11_bn's five 2×2 poolings: too small, with the size that fits.
-  expect_error("--model vgg11_bn --data-dir " + good.string(),
-               {"3×16×16", "too small", "--image-size"});
+  expect_error(
+      "--model vgg11_bn --data-dir " + good.string(),
+      {"3×16×16", "too small", "'vgg11_bn' takes images of 32×32 pixels or more: --image-size 32"});
   fs::remove_all(dir);
 }
 
