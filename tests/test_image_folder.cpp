@@ -190,6 +190,14 @@ TEST(ImageFolderTrain, BadInputIsExplained) {
   std::ofstream(good / "b" / "broken.png") << "this is not a PNG";
   expect_error("--model cnn --data-dir " + good.string(), {"broken.png", "remove or replace it"});
   fs::remove(good / "b" / "broken.png");
+  // Too few images for the 10% held out: how many make one.
+  const fs::path few = dir / "few";
+  for (const char* cls : {"a", "b"}) {
+    fs::create_directories(few / cls);
+    for (int i = 0; i < 4; ++i) write_png(few / cls / (std::to_string(i) + ".png"), smooth(i));
+  }
+  expect_error("--model cnn --data-dir " + few.string(),
+               {"8 for training and 0 held out", "at least one class needs 5 or more"});
   std::ofstream(good / "a" / "empty.jpg").flush();
   expect_error("--model cnn --data-dir " + good.string(), {"empty.jpg", "is empty"});
   fs::remove(good / "a" / "empty.jpg");
