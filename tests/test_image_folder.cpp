@@ -190,6 +190,13 @@ TEST(ImageFolderTrain, BadInputIsExplained) {
   std::ofstream(good / "b" / "broken.png") << "this is not a PNG";
   expect_error("--model cnn --data-dir " + good.string(), {"broken.png", "remove or replace it"});
   fs::remove(good / "b" / "broken.png");
+  // An image this user may not read (not testable as root, who reads any file).
+  write_png(good / "b" / "locked.png", smooth(9));
+  fs::permissions(good / "b" / "locked.png", fs::perms::none);
+  if (!std::ifstream(good / "b" / "locked.png").is_open())
+    expect_error("--model cnn --data-dir " + good.string(),
+                 {"cannot open image", "locked.png", "remove or replace it"});
+  fs::remove(good / "b" / "locked.png");
   // Too few images for the 10% held out: how many make one.
   const fs::path few = dir / "few";
   for (const char* cls : {"a", "b"}) {
