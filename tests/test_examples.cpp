@@ -193,6 +193,23 @@ TEST(ExampleScripts, LaunchDistributedFsdpStage2TwoRanks) {
   fs::remove_all(out);
 }
 
+// launch_distributed.sh cnn fsdp_stage3 1 32 1: ZeRO-3 with the parameters and the optimizer
+// offloaded to the host (the config's strategy, infinity).
+TEST(ExampleScripts, LaunchDistributedFsdpStage3OneRank) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << "Fashion-MNIST is not installed";
+  const fs::path out = test_support::make_temp_dir("examples_fsdp3");
+  const Result r =
+      run_in_source(std::string("env DEVICE=cpu OMP_NUM_THREADS=1 SHARDTRAIN=") +
+                    SHARDTRAIN_BINARY + " OUTPUT_DIR=" + out.string() +
+                    " bash examples/launch_distributed.sh cnn fsdp_stage3 1 32 1 --max-steps 3 "
+                    "--num-samples 256 --eval-samples 64 --log-interval 1 --no-save");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("examples/ds_config_fsdp_stage3.json"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("strategy infinity | cpu"), std::string::npos) << r.output;
+  EXPECT_EQ(step_records(out / "metrics.jsonl").size(), 3u) << r.output;
+  fs::remove_all(out);
+}
+
 // launch_multi_node.sh checks the hostfile against its arguments, and runs a one-host hostfile
 // (this machine, two CPU ranks through mpirun).
 TEST(ExampleScripts, LaunchMultiNodeHostfile) {
