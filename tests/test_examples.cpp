@@ -16,6 +16,7 @@
 #include "comm/launch.h"
 #include "core/strings.h"
 #include "data/image_dataset.h"
+#include "data/image_decode.h"
 #include "io/config.h"
 #include "test_support.h"
 
@@ -208,6 +209,34 @@ TEST(ExampleScripts, LaunchDistributedFsdpStage3OneRank) {
   EXPECT_NE(r.output.find("strategy infinity | cpu"), std::string::npos) << r.output;
   EXPECT_EQ(step_records(out / "metrics.jsonl").size(), 3u) << r.output;
   fs::remove_all(out);
+}
+
+// DATA_DIR: an ImageFolder (two classes of 16×16 PNGs) instead of Fashion-MNIST.
+TEST(ExampleScripts, LaunchDistributedOnAnImageFolder) {
+  const fs::path dir = test_support::make_temp_dir("examples_folder");
+  for (int c = 0; c < 2; ++c) {
+    const fs::path cls = dir / "data" / (c == 0 ? "circle" : "square");
+    fs::create_directories(cls);
+    for (int i = 0; i < 10; ++i) {
+      DecodedImage img{16, 16, 3, std::vector<uint8_t>(16 * 16 * 3)};
+      for (size_t p = 0; p < img.pixels.size(); ++p)
+        img.pixels[p] = static_cast<uint8_t>((p * (c + 1) + static_cast<size_t>(i) * 7) % 251);
+      write_png(cls / (std::to_string(i) + ".png"), img);
+    }
+  }
+  const Result r = run_in_source(
+      std::string("env DEVICE=cpu OMP_NUM_THREADS=1 SHARDTRAIN=") + SHARDTRAIN_BINARY +
+      " DATA_DIR=" + (dir / "data").string() + " OUTPUT_DIR=" + (dir / "out").string() +
+      " bash examples/launch_distributed.sh cnn zero2 1 4 1 --max-steps 2 --no-save");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("--data-dir " + (dir / "data").string()), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--strategy zero2"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("--deepspeed-config"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("18 training images 3×16×16, 2 classes, 2 held-out images"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("done | 2 steps"), std::string::npos) << r.output;
+  fs::remove_all(dir);
 }
 
 // launch_multi_node.sh checks the hostfile against its arguments, and runs a one-host hostfile
