@@ -259,10 +259,17 @@ ImageSet split_held_out(ImageSet& set, double fraction, uint64_t seed) {
     dst.pixels.insert(dst.pixels.end(), set.image(i), set.image(i) + ib);
     dst.labels.push_back(set.labels[static_cast<size_t>(i)]);
   }
+  // The smallest class that holds out one image (its count × fraction rounds to 1).
+  const auto per_class = static_cast<int64_t>(std::ceil(0.5 / fraction - 1e-9));
   check<ConfigError>(train.size() > 0 && out.size() > 0,
                      "a held-out fraction of {} of {}'s {} images leaves {} for training and {} "
-                     "held out; both need at least one",
-                     fraction, set.name, set.size(), train.size(), out.size());
+                     "held out; both need at least one: {}",
+                     fraction, set.name, set.size(), train.size(), out.size(),
+                     out.size() == 0
+                         ? fmt::format("add images (the split is per class, so at least one "
+                                       "class needs {} or more)",
+                                       per_class)
+                         : std::string("use a smaller held-out fraction, or add images"));
   set = std::move(train);
   return out;
 }

@@ -127,6 +127,32 @@ ImageEvaluation evaluate_images(ImageModel& model, const ImageSet& set,
   return ev;
 }
 
+/// The smallest N for which `spec`'s model takes N×N images (larger inputs fit when smaller ones
+/// do: the layers only shrink them), or 0 when none up to 4096 does. For the message of an input
+/// too small for the network; builds the model about 2·log2(N) times.
+int64_t smallest_input_size(ImageModelSpec spec, Backend& backend) {
+  auto fits = [&](int64_t n) {
+    spec.height = spec.width = n;
+    try {
+      make_image_model(spec, backend);
+      return true;
+    } catch (const ConfigError&) {
+      return false;
+    }
+  };
+  int64_t lo = 1, hi = std::max<int64_t>(2, std::max(spec.height, spec.width));
+  while (!fits(hi)) {  // lo: too small (or 1); hi: the candidate
+    lo = hi;
+    hi *= 2;
+    if (hi > 4096) return 0;
+  }
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? hi : lo) = mid;
+  }
+  return hi;
+}
+
 }  // namespace
 
 ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) {
@@ -165,9 +191,15 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
   try {
     model = make_image_model(spec, *backend);
   } catch (const ConfigError& e) {
-    throw ConfigError(fmt::format("--model {} on {} images of {}×{}×{}: {}", cfg.model,
-                                  data.train.name, spec.channels, spec.height, spec.width,
-                                  e.what()));
+    std::string fix;
+    if (std::string_view(e.what()).find("is too small") != std::string_view::npos) {
+      if (const int64_t n = smallest_input_size(spec, *backend); n > 0)
+        fix = fmt::format(" ('{}' takes images of {}×{} pixels or more: --image-size {})",
+                          cfg.model, n, n, n);
+    }
+    throw ConfigError(fmt::format("--model {} on {} images of {}×{}×{}: {}{}", cfg.model,
+                                  data.train.name, spec.channels, spec.height, spec.width, e.what(),
+                                  fix));
   }
   model->set_label_smoothing(static_cast<float>(cfg.label_smoothing));
   if (cfg.sync_batchnorm && comm.world_size() > 1)
