@@ -49,7 +49,16 @@ struct ShardedSaveOptions {
   /// Also write model.safetensors (bf16, Hugging Face names) and config.json into the checkpoint,
   /// streamed by rank 0 from the finished shards before the directory is published.
   bool consolidated_bf16_model = false;
+  /// This rank's model state buffers (Model::state_buffers(): batch norm's running statistics),
+  /// names and sizes, and `buffers` their values (Σ numel fp32, in that order). Written as a
+  /// fourth tensor "buffers" of the rank's shard file and listed in the manifest's "buffers";
+  /// empty (GPT-2): none. capture_model_buffers() fills both.
+  std::vector<ModelBuffer> buffer_tensors;
+  std::vector<float> buffers;
 };
+
+/// Fills options.buffer_tensors / options.buffers from `model`'s state buffers on this rank.
+void capture_model_buffers(Model& model, ShardedSaveOptions& options);
 
 /// The shard file of `rank` of `world` ranks: "rank-RRRRR-of-WWWWW.safetensors".
 std::string shard_file_name(int rank, int world);
@@ -82,6 +91,13 @@ void check_checkpoint_layout(const CheckpointInfo& info, const ParamLayout& layo
 void load_sharded_checkpoint(const CheckpointInfo& info, const ParamLayout& layout,
                              Strategy& strategy, Communicator& comm, bool with_optimizer = true,
                              int64_t chunk_elements = kCheckpointChunkElements);
+
+/// Restores `model`'s state buffers (batch norm's running statistics) from a format-2
+/// checkpoint: rank `rank`'s own values when the checkpoint has a shard of that rank (the same
+/// world size resumes every rank exactly), else rank 0's. Nothing to do when the model has no
+/// buffers. Throws CheckpointError when the checkpoint lacks them, lists other names or sizes
+/// (naming the first mismatch), or the shard file is missing, truncated or fails its checksum.
+void load_model_buffers(const CheckpointInfo& info, Model& model, int rank);
 
 /// Calls `fn(tensor, data)` for every tensor of `layout` in layout order with its fp32
 /// parameters in our layout (linear weights [out, in]), reading one tensor at a time from the
