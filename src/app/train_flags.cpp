@@ -439,6 +439,11 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  "initial weights: a shardtrain checkpoint or Hugging Face safetensors "
                  "(default: none, random initialisation)")
       ->type_name("PATH");
+  cmd.add_flag("--replace-head", cfg.replace_head,
+               "image models with --init-from FILE.safetensors: when the file's classifier head "
+               "has another class count than the data set (e.g. ImageNet's 1000), keep a freshly "
+               "initialized head and load the rest (fine-tuning); without it such a file is an "
+               "error");
   cmd.add_option("--deepspeed-config,--deepspeed_config", cfg.deepspeed_config,
                  "DeepSpeed JSON config (ds_config.json); flags given explicitly take "
                  "precedence over it (default: none)")
