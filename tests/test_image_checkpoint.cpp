@@ -161,6 +161,10 @@ TEST_P(ImageResume, ContinuesBitForBit) {
   EXPECT_EQ(gpt.status, 2) << gpt.output;
   EXPECT_CONTAINS(gpt.output, "holds image model 'cnn'");
   EXPECT_CONTAINS(gpt.output, "GPT-2 model 'gpt2-tiny'");
+  // ... and of the GPT-2 tools.
+  const Result exp = run("export " + b.string() + " --output " + (b / "hf").string());
+  EXPECT_EQ(exp.status, 2) << exp.output;
+  EXPECT_CONTAINS(exp.output, "works on GPT-2 checkpoints only");
   fs::remove_all(a);
   fs::remove_all(b);
 }

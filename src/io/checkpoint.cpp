@@ -84,6 +84,11 @@ std::string checkpoint_model_description(const CheckpointInfo& info) {
   return fmt::format("GPT-2 model '{}' ({})", info.model.name, info.model.shape_string());
 }
 
+void require_gpt2_checkpoint(const CheckpointInfo& info, const std::string& what) {
+  check<CheckpointError>(!info.image, "checkpoint {} holds {}: {} works on GPT-2 checkpoints only",
+                         info.dir.string(), checkpoint_model_description(info), what);
+}
+
 json manifest_progress_json(const TrainingProgress& p) {
   return {{"step", p.step},
           {"epoch", p.epoch},

@@ -78,6 +78,9 @@ nlohmann::json manifest_model_json(const CheckpointInfo& info);
 /// What the checkpoint holds, for error messages: "image model 'cnn' (10 classes, input
 /// 1×28×28)" or "GPT-2 model 'gpt2-tiny' (<shape>)".
 std::string checkpoint_model_description(const CheckpointInfo& info);
+/// Throws CheckpointError when `info` holds an image model: `what` ("shardtrain generate", ...)
+/// works on GPT-2 checkpoints only.
+void require_gpt2_checkpoint(const CheckpointInfo& info, const std::string& what);
 nlohmann::json manifest_progress_json(const TrainingProgress& progress);
 
 /// Creates (empty) `output_dir/.NAME.tmp.ID`, removing a stale one of the same name first.

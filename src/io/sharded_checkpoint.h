@@ -8,7 +8,10 @@
 //                                        of every rank, progress, AdamW step, loss scaler,
 //                                        run configuration, every file's bytes and FNV-1a 64
 //     rank-00000-of-00004.safetensors    three 1-D F32 tensors params, exp_avg, exp_avg_sq: the
-//     ...                                concatenation of that rank's Strategy::save_ranges()
+//     ...                                concatenation of that rank's Strategy::save_ranges();
+//                                        image models add "buffers", the rank's own batch-norm
+//                                        running statistics (Model::state_buffers(), listed in
+//                                        the manifest's "buffers")
 //     rank-00000.json ...                sidecar: the rank's ranges, file bytes and checksum
 //     model.safetensors, config.json     only with consolidated_bf16_model (DeepSpeed's
 //                                        stage3_gather_16bit_weights_on_model_save)

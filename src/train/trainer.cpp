@@ -105,7 +105,7 @@ namespace {
 
 /// Throws CheckpointError when `info` holds an image model, naming it and the GPT-2 model of the
 /// run.
-void require_gpt2_checkpoint(const CheckpointInfo& info, const GPT2Config& model) {
+void require_gpt2_run(const CheckpointInfo& info, const GPT2Config& model) {
   check<CheckpointError>(!info.image,
                          "checkpoint {} holds {} but this run trains GPT-2 model '{}' ({}): pass "
                          "--model {} to continue the image model, or a GPT-2 checkpoint",
@@ -172,7 +172,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   std::optional<CheckpointInfo> resume;
   if (!cfg.resume.empty()) {
     resume = read_checkpoint_info(cfg.resume);
-    require_gpt2_checkpoint(*resume, model_cfg);
+    require_gpt2_run(*resume, model_cfg);
     check<CheckpointError>(resume->model.same_shape(model_cfg),
                            "checkpoint {} holds model '{}' ({}) but this run asks for '{}' ({}): "
                            "leave --model out to resume with the checkpoint's shape",
@@ -232,7 +232,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
           load_hf_weights(p / "model.safetensors", model.layout(), init.data());
         else if (fs::is_directory(p)) {
           const CheckpointInfo from = read_checkpoint_info(p);
-          require_gpt2_checkpoint(from, model_cfg);
+          require_gpt2_run(from, model_cfg);
           init = load_checkpoint_params(from, model.layout());
         } else
           load_hf_weights(p, model.layout(), init.data());
