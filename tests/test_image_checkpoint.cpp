@@ -147,6 +147,14 @@ TEST_P(ImageResume, ContinuesBitForBit) {
   EXPECT_EQ(info.progress.step, 8);
   EXPECT_EQ(info.manifest.at("buffers").at("tensors").at(0).at("name"), "features.1.running_mean");
 
+  // Without --model, --resume takes the model from the checkpoint.
+  const Result again =
+      run("train --dataset fashion-mnist --device cpu --batch-size 32 --num-samples 128 --epochs 2 "
+          "--eval-samples 64 --no-save --resume " +
+          (a / "checkpoint-000006").string() + " --output-dir " + (b / "again").string());
+  EXPECT_EQ(again.status, 0) << again.output;
+  EXPECT_CONTAINS(again.output, "train cnn (");
+
   // A checkpoint of another model: both are named.
   const Result wrong = run(
       "train --model cnn_lstm --dataset fashion-mnist --device cpu --batch-size 32 --num-samples "
