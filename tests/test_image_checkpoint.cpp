@@ -170,7 +170,7 @@ TEST_P(ImageResume, ContinuesBitForBit) {
   EXPECT_CONTAINS(gpt.output, "holds image model 'cnn'");
   EXPECT_CONTAINS(gpt.output, "GPT-2 model 'gpt2-tiny'");
   // ... and of the GPT-2 tools.
-  const Result exp = run("export " + b.string() + " --output " + (b / "hf").string());
+  const Result exp = run("export --checkpoint " + b.string() + " --output " + (b / "hf").string());
   EXPECT_EQ(exp.status, 2) << exp.output;
   EXPECT_CONTAINS(exp.output, "works on GPT-2 checkpoints only");
   fs::remove_all(a);
