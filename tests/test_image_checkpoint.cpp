@@ -3,6 +3,7 @@
 // statistics), torchvision-named weights round-trip through safetensors, a 1000-class head is
 // replaced by a fresh one for a 10-class data set only when asked, and mismatches are clear
 // errors. The training runs skip when Fashion-MNIST is not installed.
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -360,4 +361,38 @@ TEST(ImageInitFrom, CommandLine) {
   EXPECT_EQ(lm.status, 2) << lm.output;
   EXPECT_CONTAINS(lm.output, "--replace-head keeps a fresh classifier head");
   fs::remove_all(dir);
+}
+
+// Two ranks (shardtrain launch, zero2, per-rank batch norm): each rank's own running statistics
+// are saved and restored, so the resumed pair ends bit for bit where the uninterrupted one does.
+TEST(ImageResumeTwoRanks, RestoresEachRanksStatistics) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << "Fashion-MNIST is not installed";
+  const fs::path a = test_support::make_temp_dir("image_resume2_a");
+  const fs::path b = test_support::make_temp_dir("image_resume2_b");
+  const std::string train =
+      "env OMP_NUM_THREADS=1 " + std::string(SHARDTRAIN_BINARY) +
+      " launch --nproc-per-node 2 -- train --model cnn --dataset fashion-mnist --device cpu "
+      "--batch-size 16 --num-samples 128 --eval-samples 32 --epochs 2 --lr 3e-3 --warmup-steps 2 "
+      "--log-interval 100 --seed 3 --strategy zero2";
+  const Result ra =
+      test_support::run_command(train + " --save-interval 3 --output-dir " + a.string() + " 2>&1");
+  ASSERT_EQ(ra.status, 0) << ra.output;
+  const Result rb =
+      test_support::run_command(train + " --resume " + (a / "checkpoint-000003").string() +
+                                " --output-dir " + b.string() + " 2>&1");
+  ASSERT_EQ(rb.status, 0) << rb.output;
+  std::vector<std::string> stats;
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string shard = fmt::format("rank-{:05d}-of-00002.safetensors", rank);
+    const fs::path fa = a / "checkpoint-000008" / shard, fb = b / "checkpoint-000008" / shard;
+    ASSERT_TRUE(fs::exists(fa) && fs::exists(fb)) << ra.output << rb.output;
+    for (const char* t : {"params", "exp_avg", "exp_avg_sq", "buffers"})
+      EXPECT_TRUE(tensor_bytes(fa, t) == tensor_bytes(fb, t))
+          << t << " of rank " << rank << " differs after resume";
+    stats.push_back(tensor_bytes(fa, "buffers"));
+  }
+  // The ranks saw different images: their statistics differ, so each needs its own back.
+  EXPECT_NE(stats[0], stats[1]);
+  fs::remove_all(a);
+  fs::remove_all(b);
 }
