@@ -156,6 +156,14 @@ TEST_P(ImageResume, ContinuesBitForBit) {
   EXPECT_EQ(again.status, 0) << again.output;
   EXPECT_CONTAINS(again.output, "train cnn (");
 
+  // --init-from a checkpoint: its weights and statistics, a fresh optimizer and step count.
+  const Result init =
+      run("train --model cnn --dataset fashion-mnist --device cpu --batch-size 32 --num-samples 64 "
+          "--eval-samples 32 --max-steps 1 --no-save --init-from " +
+          a.string() + " --output-dir " + (b / "init").string());
+  EXPECT_EQ(init.status, 0) << init.output;
+  EXPECT_CONTAINS(init.output, "initialized from checkpoint " + (a / "checkpoint-000008").string());
+
   // A checkpoint of another model: both are named.
   const Result wrong = run(
       "train --model cnn_lstm --dataset fashion-mnist --device cpu --batch-size 32 --num-samples "

@@ -203,7 +203,11 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
       init.assign(static_cast<size_t>(model->layout().numel()), 0.0f);
       model->init_parameters(init.data(), cfg.seed);
       if (!cfg.init_from.empty()) {
-        const fs::path p = cfg.init_from;
+        fs::path p = cfg.init_from;
+        // A directory holding model.safetensors but no manifest: the weights file in it.
+        if (fs::is_directory(p) && fs::exists(p / "model.safetensors") &&
+            !fs::exists(p / "manifest.json") && !fs::exists(p / "latest"))
+          p /= "model.safetensors";
         if (fs::is_directory(p)) {  // a shardtrain checkpoint (or an output directory)
           const CheckpointInfo from = read_checkpoint_info(p);
           require_same_model(from, "--init-from");
