@@ -59,6 +59,7 @@ void run_generate(const GenerateOptions& o) {
                      "--temperature {} must be ≥ 0 (0 = greedy)", o.temperature);
   check<ConfigError>(o.max_new_tokens >= 1, "--max-new-tokens {} must be ≥ 1", o.max_new_tokens);
   const CheckpointInfo info = read_checkpoint_info(o.checkpoint);
+  require_gpt2_checkpoint(info, "shardtrain generate");
   auto backend = make_backend(o.device, 0);
   GPT2Model model(info.model, *backend);
   const std::vector<float> weights = load_checkpoint_params(info, model.layout());

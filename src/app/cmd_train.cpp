@@ -12,6 +12,7 @@
 #include "comm/communicator.h"
 #include "comm/dist_env.h"
 #include "core/strings.h"
+#include "io/checkpoint.h"
 #include "model/gpt2_config.h"
 #include "model/image/image_zoo.h"
 #include "train/image_trainer.h"
@@ -93,7 +94,12 @@ void register_train_command(CLI::App& app) {
     with_rank_in_errors(env.rank, env.world_size, [&]() {
       std::vector<std::string> warnings;
       // --resume without --model: the checkpoint's own shape (a custom one needs no config.json).
-      if (!cfg->resume.empty() && cmd->count("--model") == 0) cfg->model.clear();
+      // An image checkpoint names its model (the data set still comes from the flags).
+      if (!cfg->resume.empty() && cmd->count("--model") == 0) {
+        cfg->model.clear();
+        const CheckpointInfo info = read_checkpoint_info(cfg->resume);
+        if (info.image) cfg->model = info.image->name;
+      }
       // The model's context bounds --max-length (image models: none); an unknown model name
       // fails here, clearly.
       check_model_name(cfg->model);

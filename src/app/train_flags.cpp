@@ -438,9 +438,15 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  "output directory (default: none)")
       ->type_name("PATH");
   cmd.add_option("--init-from", cfg.init_from,
-                 "initial weights: a shardtrain checkpoint or Hugging Face safetensors "
-                 "(default: none, random initialisation)")
+                 "initial weights: a shardtrain checkpoint, Hugging Face GPT-2 safetensors, or "
+                 "for image models a torchvision state dict as safetensors "
+                 "(tools/convert_torchvision.py) (default: none, random initialisation)")
       ->type_name("PATH");
+  cmd.add_flag("--replace-head", cfg.replace_head,
+               "image models with --init-from FILE.safetensors: when the file's classifier head "
+               "has another class count than the data set (e.g. ImageNet's 1000), keep a freshly "
+               "initialized head and load the rest (fine-tuning); without it such a file is an "
+               "error");
   cmd.add_option("--deepspeed-config,--deepspeed_config", cfg.deepspeed_config,
                  "DeepSpeed JSON config (ds_config.json); flags given explicitly take "
                  "precedence over it (default: none)")

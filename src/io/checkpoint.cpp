@@ -65,6 +65,30 @@ json manifest_model_json(const GPT2Config& c) {
   return j;
 }
 
+std::string ImageCheckpointModel::describe() const {
+  return fmt::format("image model '{}' ({} classes, input {}×{}×{})", name, num_classes, channels,
+                     height, width);
+}
+
+json manifest_model_json(const CheckpointInfo& info) {
+  if (!info.image) return manifest_model_json(info.model);
+  const ImageCheckpointModel& m = *info.image;
+  return {{"kind", "image"},
+          {"name", m.name},
+          {"num_classes", m.num_classes},
+          {"input_shape", {m.channels, m.height, m.width}}};
+}
+
+std::string checkpoint_model_description(const CheckpointInfo& info) {
+  if (info.image) return info.image->describe();
+  return fmt::format("GPT-2 model '{}' ({})", info.model.name, info.model.shape_string());
+}
+
+void require_gpt2_checkpoint(const CheckpointInfo& info, const std::string& what) {
+  check<CheckpointError>(!info.image, "checkpoint {} holds {}: {} works on GPT-2 checkpoints only",
+                         info.dir.string(), checkpoint_model_description(info), what);
+}
+
 json manifest_progress_json(const TrainingProgress& p) {
   return {{"step", p.step},
           {"epoch", p.epoch},
@@ -262,7 +286,7 @@ fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
                       state.exp_avg_sq.data(),
                       bytes}});
 
-  save_hf_config(tmp_dir, info.model);
+  if (!info.image) save_hf_config(tmp_dir, info.model);
   json files = json::object();
   for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
     files[f] = {{"bytes", fs::file_size(tmp_dir / f)}, {"fnv1a64", checksum_hex(tmp_dir / f)}};
@@ -270,7 +294,7 @@ fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
   json manifest = {
       {"format", kCheckpointFormat},
       {"version", 1},
-      {"model", manifest_model_json(info.model)},
+      {"model", manifest_model_json(info)},
       {"progress", manifest_progress_json(info.progress)},
       {"optimizer",
        {{"type", "AdamW"}, {"step", state.optimizer_steps}, {"flat_numel", layout.numel()}}},
@@ -314,15 +338,27 @@ CheckpointInfo read_checkpoint_info(const fs::path& path) {
                       "upgrade shardtrain to read it",
                       info.dir.string(), m.at("version").get<int>()));
     const json& mj = m.at("model");
-    info.model.name = mj.at("name");
-    info.model.n_layer = mj.at("n_layer");
-    info.model.n_head = mj.at("n_head");
-    info.model.n_embd = mj.at("n_embd");
-    info.model.vocab_size = mj.at("vocab_size");
-    info.model.n_positions = mj.at("n_positions");
-    info.model.embd_pdrop = mj.value("embd_pdrop", 0.0f);
-    info.model.attn_pdrop = mj.value("attn_pdrop", 0.0f);
-    info.model.resid_pdrop = mj.value("resid_pdrop", 0.0f);
+    if (mj.value("kind", "gpt2") == "image") {
+      ImageCheckpointModel im;
+      im.name = mj.at("name");
+      im.num_classes = mj.at("num_classes");
+      const json& in = mj.at("input_shape");
+      im.channels = in.at(0);
+      im.height = in.at(1);
+      im.width = in.at(2);
+      info.image = im;
+      info.model.name = im.name;
+    } else {
+      info.model.name = mj.at("name");
+      info.model.n_layer = mj.at("n_layer");
+      info.model.n_head = mj.at("n_head");
+      info.model.n_embd = mj.at("n_embd");
+      info.model.vocab_size = mj.at("vocab_size");
+      info.model.n_positions = mj.at("n_positions");
+      info.model.embd_pdrop = mj.value("embd_pdrop", 0.0f);
+      info.model.attn_pdrop = mj.value("attn_pdrop", 0.0f);
+      info.model.resid_pdrop = mj.value("resid_pdrop", 0.0f);
+    }
     const json& pj = m.at("progress");
     info.progress.step = pj.at("step");
     info.progress.epoch = pj.at("epoch");

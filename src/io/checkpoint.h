@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,8 +40,20 @@ struct TrainingProgress {
                       ///< function of (seed, epoch): see DistributedSampler)
 };
 
+/// What an image classifier's checkpoint was trained as (manifest "model" with "kind": "image").
+struct ImageCheckpointModel {
+  std::string name;         ///< "cnn", "mobilenet_v2", "ensemble:cnn,cnn_lstm", ...
+  int64_t num_classes = 0;  ///< K
+  int64_t channels = 0, height = 0, width = 0;  ///< input C×H×W (pixels)
+  bool operator==(const ImageCheckpointModel&) const = default;
+  /// "image model 'cnn' (10 classes, input 1×28×28)".
+  std::string describe() const;
+};
+
 struct CheckpointInfo {
-  GPT2Config model;
+  GPT2Config model;  ///< GPT-2 checkpoints (unset when `image` is)
+  /// Image-model checkpoints: the model; nullopt for GPT-2 (manifests without "kind").
+  std::optional<ImageCheckpointModel> image;
   TrainingProgress progress;
   nlohmann::json config;  ///< the run configuration, for reference and checks
   std::filesystem::path dir;
@@ -59,6 +72,15 @@ inline constexpr int kCheckpointVersion = 2;
 
 /// The manifest's "model" and "progress" objects (shared by both formats).
 nlohmann::json manifest_model_json(const GPT2Config& model);
+/// The manifest's "model" of `info`: GPT-2's shape, or for image models {"kind": "image", "name",
+/// "num_classes", "input_shape": [C, H, W]}.
+nlohmann::json manifest_model_json(const CheckpointInfo& info);
+/// What the checkpoint holds, for error messages: "image model 'cnn' (10 classes, input
+/// 1×28×28)" or "GPT-2 model 'gpt2-tiny' (<shape>)".
+std::string checkpoint_model_description(const CheckpointInfo& info);
+/// Throws CheckpointError when `info` holds an image model: `what` ("shardtrain generate", ...)
+/// works on GPT-2 checkpoints only.
+void require_gpt2_checkpoint(const CheckpointInfo& info, const std::string& what);
 nlohmann::json manifest_progress_json(const TrainingProgress& progress);
 
 /// Creates (empty) `output_dir/.NAME.tmp.ID`, removing a stale one of the same name first.

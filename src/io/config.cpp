@@ -2006,6 +2006,11 @@ void validate(TrainConfig& cfg, int64_t model_context) {
   if (cfg.output_dir.empty()) {
     throw ConfigError("--output-dir is empty: give a directory for checkpoints and logs");
   }
+  if (cfg.replace_head && (cfg.init_from.empty() || !image_model)) {
+    throw ConfigError(
+        "--replace-head keeps a fresh classifier head when an image model's --init-from weights "
+        "have another class count: give it with --init-from FILE.safetensors and an image model");
+  }
   if (!cfg.resume.empty() && !cfg.init_from.empty()) {
     throw ConfigError(fmt::format(
         "--resume '{}' and --init-from '{}' are both given: --resume restores weights, optimizer "

@@ -240,6 +240,10 @@ struct TrainConfig {
   int64_t save_interval = 0;  ///< steps between checkpoints; 0 = only at the end
   std::string resume;         ///< checkpoint directory (or an output dir: its latest)
   std::string init_from;      ///< initial weights (checkpoint or HF safetensors)
+  /// Image models with --init-from FILE.safetensors: when the file's classifier head has another
+  /// shape (class count) than the model's, keep the freshly initialized head (fine-tuning)
+  /// instead of failing (like transformers' ignore_mismatched_sizes=True).
+  bool replace_head = false;
 
   std::string deepspeed_config;  ///< path of the DeepSpeed JSON, if any
   double peak_tflops = 989.0;    ///< the GPU's dense bf16 peak (TFLOP/s) for MFU; H100/H200 SXM

@@ -12,6 +12,7 @@ namespace fs = std::filesystem;
 
 void export_hf_model(const CheckpointInfo& info, const fs::path& out_dir,
                      const fs::path& tokenizer_dir, HfDtype dtype) {
+  require_gpt2_checkpoint(info, "the Hugging Face GPT-2 export");
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (ec)

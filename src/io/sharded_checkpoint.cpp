@@ -273,6 +273,18 @@ fs::path save_sharded_checkpoint(const fs::path& output_dir, const std::string& 
   for (StateTensor q : kQuantities)
     entries.push_back(
         {tensor_name(q), "F32", {total}, nullptr, static_cast<size_t>(total) * sizeof(float), 0});
+  int64_t buffer_numel = 0;
+  for (const ModelBuffer& b : options.buffer_tensors) buffer_numel += b.numel;
+  check<RuntimeFailure>(buffer_numel == static_cast<int64_t>(options.buffers.size()),
+                        "checkpoint: {} buffer values for buffers of {} elements (a bug)",
+                        options.buffers.size(), buffer_numel);
+  if (buffer_numel > 0)
+    entries.push_back({"buffers",
+                       "F32",
+                       {buffer_numel},
+                       nullptr,
+                       static_cast<size_t>(buffer_numel) * sizeof(float),
+                       0});
   SafetensorsWriter writer(tmp_dir / file, entries,
                            {{"format", "shardtrain-shard"},
                             {"rank", std::to_string(rank)},
@@ -284,6 +296,8 @@ fs::path save_sharded_checkpoint(const fs::path& output_dir, const std::string& 
         strategy.read_state(q, offset, n, buf.data());
         writer.write(buf.data(), static_cast<size_t>(n) * sizeof(float));
       });
+  if (buffer_numel > 0)
+    writer.write(options.buffers.data(), options.buffers.size() * sizeof(float));
   const WrittenFile written = writer.finish();
   const json sidecar = {{"rank", rank},
                         {"world_size", world},
@@ -319,7 +333,7 @@ fs::path save_sharded_checkpoint(const fs::path& output_dir, const std::string& 
     json manifest = {
         {"format", kCheckpointFormat},
         {"version", kCheckpointVersion},
-        {"model", manifest_model_json(info.model)},
+        {"model", manifest_model_json(info)},
         {"layout", layout_json(layout)},
         {"world_size", world},
         {"strategy", strategy.name()},
@@ -330,6 +344,15 @@ fs::path save_sharded_checkpoint(const fs::path& output_dir, const std::string& 
         {"config", info.config},
         {"files", files}};
     if (!info.loss_scaler.is_null()) manifest["loss_scaler"] = info.loss_scaler;
+    if (buffer_numel > 0) {
+      json tensors = json::array();
+      int64_t offset = 0;
+      for (const ModelBuffer& b : options.buffer_tensors) {
+        tensors.push_back({{"name", b.name}, {"numel", b.numel}, {"offset", offset}});
+        offset += b.numel;
+      }
+      manifest["buffers"] = {{"numel", buffer_numel}, {"per_rank", true}, {"tensors", tensors}};
+    }
     if (options.consolidated_bf16_model) {
       CheckpointInfo shards = info;
       shards.dir = tmp_dir;
@@ -340,7 +363,7 @@ fs::path save_sharded_checkpoint(const fs::path& output_dir, const std::string& 
                             [&](const ParamTensor& t, const float* data) { model.write(t, data); });
       const WrittenFile m = model.finish();
       manifest["files"]["model.safetensors"] = {{"bytes", m.bytes}, {"fnv1a64", hex(m.fnv1a64)}};
-      save_hf_config(tmp_dir, info.model);
+      if (!info.image) save_hf_config(tmp_dir, info.model);
     }
     write_file_atomic(tmp_dir / "manifest.json", manifest.dump(2) + "\n");
     publish_checkpoint_dir(output_dir, tmp_dir, name);
@@ -368,6 +391,67 @@ void load_sharded_checkpoint(const CheckpointInfo& info, const ParamLayout& layo
       }
     });
   strategy.finish_load(with_optimizer ? info.optimizer_step : 0);
+}
+
+void capture_model_buffers(Model& model, ShardedSaveOptions& options) {
+  options.buffer_tensors = model.state_buffers();
+  int64_t n = 0;
+  for (const ModelBuffer& b : options.buffer_tensors) n += b.numel;
+  options.buffers.assign(static_cast<size_t>(n), 0.0f);
+  if (n > 0) model.read_state_buffers(options.buffers.data());
+}
+
+void load_model_buffers(const CheckpointInfo& info, Model& model, int rank) {
+  const std::vector<ModelBuffer> want = model.state_buffers();
+  int64_t n = 0;
+  for (const ModelBuffer& b : want) n += b.numel;
+  if (n == 0) return;
+  const std::string dir = info.dir.string();
+  check<CheckpointError>(info.version >= 2 && info.manifest.contains("buffers"),
+                         "checkpoint {} holds no state buffers (batch norm running statistics), "
+                         "but model '{}' has {} ({} first): it was not saved from this model",
+                         dir, model.name(), want.size(), want.front().name);
+  std::vector<float> values(static_cast<size_t>(n));
+  try {
+    const json& bj = info.manifest.at("buffers");
+    const json& tensors = bj.at("tensors");
+    for (size_t i = 0; i < std::max(want.size(), tensors.size()); ++i) {
+      check<CheckpointError>(
+          i < want.size() && i < tensors.size(),
+          "checkpoint {} has {} state buffers but model '{}' has {}; the first "
+          "unmatched is '{}'",
+          dir, tensors.size(), model.name(), want.size(),
+          i < want.size() ? want[i].name : tensors[i].at("name").get<std::string>());
+      const auto name = tensors[i].at("name").get<std::string>();
+      const auto numel = tensors[i].at("numel").get<int64_t>();
+      check<CheckpointError>(name == want[i].name && numel == want[i].numel,
+                             "checkpoint {}: state buffer #{} is '{}' ({} values) in the "
+                             "checkpoint but '{}' ({} values) in model '{}'",
+                             dir, i, name, numel, want[i].name, want[i].numel, model.name());
+    }
+    const int world = info.manifest.at("world_size").get<int>();
+    const int from = rank < world ? rank : 0;
+    const std::string file = shard_file_name(from, world);
+    const fs::path path = info.dir / file;
+    check<CheckpointError>(fs::exists(path),
+                           "checkpoint {} is incomplete: {} (written by rank {} of {}) is missing",
+                           dir, file, from, world);
+    const json& entry = info.manifest.at("files").at(file);
+    check<CheckpointError>(fs::file_size(path) == entry.at("bytes").get<uint64_t>(),
+                           "{} (written by rank {} of {}) is truncated or was replaced",
+                           path.string(), from, world);
+    check<CheckpointError>(hex(fnv1a64_file(path)) == entry.at("fnv1a64").get<std::string>(),
+                           "{} (written by rank {}) fails its checksum: the checkpoint is corrupt; "
+                           "resume from an earlier one",
+                           path.string(), from);
+    SafetensorsFile st(path);
+    check<CheckpointError>(st.contains("buffers") && st.entry("buffers").bytes == values.size() * 4,
+                           "{} holds no 'buffers' tensor of {} values", path.string(), n);
+    st.read("buffers", values.data());
+  } catch (const json::exception& e) {
+    throw CheckpointError(fmt::format("{}/manifest.json is corrupt: {}", dir, e.what()));
+  }
+  model.write_state_buffers(values.data());
 }
 
 void for_each_param_tensor(const CheckpointInfo& info, const ParamLayout& layout,

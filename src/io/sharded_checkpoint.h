@@ -8,7 +8,10 @@
 //                                        of every rank, progress, AdamW step, loss scaler,
 //                                        run configuration, every file's bytes and FNV-1a 64
 //     rank-00000-of-00004.safetensors    three 1-D F32 tensors params, exp_avg, exp_avg_sq: the
-//     ...                                concatenation of that rank's Strategy::save_ranges()
+//     ...                                concatenation of that rank's Strategy::save_ranges();
+//                                        image models add "buffers", the rank's own batch-norm
+//                                        running statistics (Model::state_buffers(), listed in
+//                                        the manifest's "buffers")
 //     rank-00000.json ...                sidecar: the rank's ranges, file bytes and checksum
 //     model.safetensors, config.json     only with consolidated_bf16_model (DeepSpeed's
 //                                        stage3_gather_16bit_weights_on_model_save)
@@ -49,7 +52,16 @@ struct ShardedSaveOptions {
   /// Also write model.safetensors (bf16, Hugging Face names) and config.json into the checkpoint,
   /// streamed by rank 0 from the finished shards before the directory is published.
   bool consolidated_bf16_model = false;
+  /// This rank's model state buffers (Model::state_buffers(): batch norm's running statistics),
+  /// names and sizes, and `buffers` their values (Σ numel fp32, in that order). Written as a
+  /// fourth tensor "buffers" of the rank's shard file and listed in the manifest's "buffers";
+  /// empty (GPT-2): none. capture_model_buffers() fills both.
+  std::vector<ModelBuffer> buffer_tensors;
+  std::vector<float> buffers;
 };
+
+/// Fills options.buffer_tensors / options.buffers from `model`'s state buffers on this rank.
+void capture_model_buffers(Model& model, ShardedSaveOptions& options);
 
 /// The shard file of `rank` of `world` ranks: "rank-RRRRR-of-WWWWW.safetensors".
 std::string shard_file_name(int rank, int world);
@@ -82,6 +94,13 @@ void check_checkpoint_layout(const CheckpointInfo& info, const ParamLayout& layo
 void load_sharded_checkpoint(const CheckpointInfo& info, const ParamLayout& layout,
                              Strategy& strategy, Communicator& comm, bool with_optimizer = true,
                              int64_t chunk_elements = kCheckpointChunkElements);
+
+/// Restores `model`'s state buffers (batch norm's running statistics) from a format-2
+/// checkpoint: rank `rank`'s own values when the checkpoint has a shard of that rank (the same
+/// world size resumes every rank exactly), else rank 0's. Nothing to do when the model has no
+/// buffers. Throws CheckpointError when the checkpoint lacks them, lists other names or sizes
+/// (naming the first mismatch), or the shard file is missing, truncated or fails its checksum.
+void load_model_buffers(const CheckpointInfo& info, Model& model, int rank);
 
 /// Calls `fn(tensor, data)` for every tensor of `layout` in layout order with its fp32
 /// parameters in our layout (linear weights [out, in]), reading one tensor at a time from the

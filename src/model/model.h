@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "memory/param_layout.h"
@@ -45,6 +46,13 @@ struct ModelInput {
   uint64_t dropout_seed = 0;
 };
 
+/// A model's non-trained fp32 state tensor (batch norm's running_mean / running_var), saved in
+/// checkpoints next to the parameters but kept by the model itself, not by the strategy.
+struct ModelBuffer {
+  std::string name;  ///< torchvision's state-dict name, e.g. "features.1.running_mean"
+  int64_t numel = 0;
+};
+
 class Model {
  public:
   virtual ~Model() = default;
@@ -64,6 +72,14 @@ class Model {
   /// The model's initialization into a host fp32 buffer of layout().numel() elements, each
   /// tensor from its own stream seeded by (seed, tensor name) so that sharding does not change it.
   virtual void init_parameters(float* host_params, uint64_t seed) const = 0;
+
+  /// The model's state buffers in order (none for GPT-2). Their values, concatenated, are what
+  /// read_state_buffers()/write_state_buffers() move: Σ numel fp32 values.
+  virtual std::vector<ModelBuffer> state_buffers() const { return {}; }
+  /// Copies this rank's buffers (Σ state_buffers() numel fp32, in order) to host memory `dst`.
+  virtual void read_state_buffers(float* /*dst*/) {}
+  /// Overwrites this rank's buffers from host memory `src` (layout as read_state_buffers).
+  virtual void write_state_buffers(const float* /*src*/) {}
 
   void set_hooks(LayerHooks* hooks) { hooks_ = hooks; }
   LayerHooks* hooks() const { return hooks_; }

@@ -6,12 +6,16 @@
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "core/error.h"
 #include "core/strings.h"
 #include "data/dataset.h"
 #include "data/image_dataset.h"
 #include "io/atomic_file.h"
+#include "io/checkpoint.h"
+#include "io/image_weights.h"
+#include "io/sharded_checkpoint.h"
 #include "model/image/image_zoo.h"
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
@@ -163,8 +167,6 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
                      "--strategy pipeline trains GPT-2 models only; image model '{}' trains with "
                      "dp, zero1, zero2, zero3 or offload",
                      cfg.model);
-  check<ConfigError>(cfg.resume.empty() && cfg.init_from.empty(),
-                     "--resume and --init-from are not supported for image models yet");
 
   // ---- data ----
   const auto t_data = TrainClock::now();
@@ -215,12 +217,81 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
       cfg.warmup_steps >= 0 ? cfg.warmup_steps : std::min<int64_t>(1000, total_steps / 10);
   const int64_t images_per_step = sampler.global_batch();
 
+  // ---- resume: the checkpoint must hold this very model (name, classes, input) ----
+  const ImageCheckpointModel identity{cfg.model, spec.num_classes, spec.channels, spec.height,
+                                      spec.width};
+  auto require_same_model = [&](const CheckpointInfo& info, const char* flag) {
+    check<CheckpointError>(info.image && *info.image == identity,
+                           "{} {}: the checkpoint holds {} but this run trains {}; pass the "
+                           "checkpoint's --model and data, or start without {}",
+                           flag, info.dir.string(), checkpoint_model_description(info),
+                           identity.describe(), flag);
+  };
+  std::optional<CheckpointInfo> resume;
+  if (!cfg.resume.empty()) {
+    resume = read_checkpoint_info(cfg.resume);
+    require_same_model(*resume, "--resume");
+  }
+
   // ---- parameters and strategy ----
   std::unique_ptr<Strategy> strategy = make_strategy(cfg, *backend, comm);
+  std::vector<std::string> init_notes;
   {
-    std::vector<float> init(static_cast<size_t>(model->layout().numel()), 0.0f);
-    model->init_parameters(init.data(), cfg.seed);
+    // Resuming loads each rank's own ranges of the checkpoint into zeroed buffers.
+    std::vector<float> init;
+    if (!resume) {
+      init.assign(static_cast<size_t>(model->layout().numel()), 0.0f);
+      model->init_parameters(init.data(), cfg.seed);
+      if (!cfg.init_from.empty()) {
+        fs::path p = cfg.init_from;
+        // A directory holding model.safetensors but no manifest: the weights file in it.
+        if (fs::is_directory(p) && fs::exists(p / "model.safetensors") &&
+            !fs::exists(p / "manifest.json") && !fs::exists(p / "latest"))
+          p /= "model.safetensors";
+        if (fs::is_directory(p)) {  // a shardtrain checkpoint (or an output directory)
+          const CheckpointInfo from = read_checkpoint_info(p);
+          require_same_model(from, "--init-from");
+          init = load_checkpoint_params(from, model->layout());
+          load_model_buffers(from, *model, 0);
+          init_notes.push_back(
+              fmt::format("initialized from checkpoint {} (weights and batch norm "
+                          "statistics; optimizer and step start afresh)",
+                          from.dir.string()));
+        } else {
+          int64_t nbuf = 0;
+          for (const ModelBuffer& b : model->state_buffers()) nbuf += b.numel;
+          std::vector<float> buffers(static_cast<size_t>(nbuf));
+          model->read_state_buffers(buffers.data());
+          const TorchvisionLoadReport r =
+              load_torchvision_weights(p, *model, init.data(), buffers.data(), cfg.replace_head);
+          model->write_state_buffers(buffers.data());
+          init_notes.push_back(fmt::format("initialized from {} ({} tensors{})", p.string(),
+                                           r.tensors_loaded,
+                                           r.ignored.empty() ? std::string()
+                                                             : fmt::format(", {} num_batches_"
+                                                                           "tracked ignored",
+                                                                           r.ignored.size())));
+          if (!r.fresh_head.empty())
+            init_notes.push_back(fmt::format(
+                "--replace-head: the file's classifier head ({} classes) does not fit the data "
+                "set's {} classes: {} keep their fresh initialization (fine-tuning)",
+                r.file_classes, spec.num_classes, join(r.fresh_head, ", ")));
+        }
+      }
+    }
     strategy->setup(*model, init);
+  }
+  TrainingProgress progress;
+  progress.seed = cfg.seed;
+  if (resume) {
+    load_sharded_checkpoint(*resume, model->layout(), *strategy, comm);
+    load_model_buffers(*resume, *model, comm.rank());
+    progress = resume->progress;
+    restore_loss_scaler(scaler, resume->loss_scaler);
+    check<CheckpointError>(progress.step <= total_steps,
+                           "checkpoint {} is at step {} but this run has only {} steps: raise "
+                           "--max-steps or --epochs to continue training",
+                           resume->dir.string(), progress.step, total_steps);
   }
   MetricsWriter metrics = open_run_metrics(cfg, rank0);
   const json snapshot = config_snapshot(cfg);
@@ -263,6 +334,10 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
       dtype_name(backend->compute_dtype()),
       human_bytes(static_cast<double>(strategy->model_state_bytes())),
       model->train_flops_per_sample(0) / 1e9, cfg.output_dir);
+  for (const std::string& note : init_notes) out.line("  {}", note);
+  if (resume)
+    out.line("  resumed from {} at step {} (epoch {}, step {} of the epoch)", resume->dir.string(),
+             progress.step, progress.epoch + 1, progress.step_in_epoch);
   if (rank0) {
     json run = snapshot;
     run["model_name"] = cfg.model;
@@ -291,8 +366,22 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
       static_cast<size_t>(data.train.image_bytes() / data.train.channels * transform.channels);
   std::vector<float> images(static_cast<size_t>(B) * img);
   std::vector<int32_t> labels(static_cast<size_t>(B));
-  TrainingProgress progress;
-  progress.seed = cfg.seed;
+  CheckpointInfo ck;
+  ck.image = identity;
+  ck.model.name = cfg.model;
+  ck.config = snapshot;
+  auto save = [&]() {
+    if (!cfg.save_checkpoints) return;
+    ck.progress = progress;
+    ck.loss_scaler = loss_scaler_json(scaler);
+    ShardedSaveOptions opts;
+    opts.consolidated_bf16_model = cfg.zero.stage3_gather_16bit_weights_on_model_save;
+    capture_model_buffers(*model, opts);
+    const fs::path dir =
+        save_sharded_checkpoint(cfg.output_dir, fmt::format("checkpoint-{:06d}", progress.step),
+                                model->layout(), *strategy, comm, ck, opts);
+    out.line("saved checkpoint {}", dir.string());
+  };
   auto evaluate_now = [&](int64_t epoch) {
     ImageEvaluation ev = evaluate_images(*model, data.held_out, transform,
                                          std::max<int64_t>(B, 256), comm, rank_scalars);
@@ -356,12 +445,18 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
     return train_step.run(progress.step, lr, batch);
   };
   loop.evaluate = evaluate_now;
+  loop.after_step = [&] {
+    if (cfg.save_interval > 0 && progress.step % cfg.save_interval == 0 &&
+        progress.step < total_steps)
+      save();
+  };
   LossHistory losses = run_epochs(loop, progress);
   summary.first_loss = losses.first;
   summary.last_loss = losses.last;
   summary.losses = std::move(losses.all);
   summary.steps = progress.step;
   summary.seconds = seconds_since(t_train);
+  if (!summary.losses.empty() || !resume) save();
   out.line(
       "done | {} steps | {:.1f} s | loss {:.4f} → {:.4f} | validation loss {:.4f} | top-1 "
       "{:.2f}% | top-5 {:.2f}%",
@@ -374,10 +469,6 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
                  {"val_loss", summary.eval.loss},
                  {"val_top1", summary.eval.top1},
                  {"val_top5", summary.eval.top5}});
-  if (rank0 && cfg.save_checkpoints)
-    out.line(
-        "  note: checkpoints of image models are not written yet (parameters and batch-norm "
-        "statistics)");
   return summary;
 }
 

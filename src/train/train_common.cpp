@@ -344,4 +344,23 @@ LossHistory run_epochs(const EpochLoop& loop, TrainingProgress& progress) {
   return losses;
 }
 
+nlohmann::json loss_scaler_json(const LossScaler& scaler) {
+  if (!scaler.enabled()) return nullptr;
+  const LossScaler::State st = scaler.state();
+  return {{"scale", st.scale},
+          {"hysteresis_left", st.hysteresis_left},
+          {"clean_steps", st.clean_steps},
+          {"skipped_steps", st.skipped_steps}};
+}
+
+void restore_loss_scaler(LossScaler& scaler, const nlohmann::json& j) {
+  if (!scaler.enabled() || !j.is_object()) return;
+  LossScaler::State st = scaler.state();
+  st.scale = j.value("scale", st.scale);
+  st.hysteresis_left = j.value("hysteresis_left", st.hysteresis_left);
+  st.clean_steps = j.value("clean_steps", st.clean_steps);
+  st.skipped_steps = j.value("skipped_steps", st.skipped_steps);
+  scaler.restore(st);
+}
+
 }  // namespace shardtrain

@@ -160,6 +160,13 @@ struct LossHistory {
 /// step_in_epoch, epoch, tokens_seen) as it goes. Collective where its callbacks are.
 LossHistory run_epochs(const EpochLoop& loop, TrainingProgress& progress);
 
+/// The fp16 loss scaler's state as a checkpoint records it (CheckpointInfo::loss_scaler):
+/// {"scale", "hysteresis_left", "clean_steps", "skipped_steps"}; null when `scaler` is disabled.
+nlohmann::json loss_scaler_json(const LossScaler& scaler);
+/// Continues `scaler` from a checkpoint's loss_scaler record (no-op when disabled or `j` is not
+/// an object).
+void restore_loss_scaler(LossScaler& scaler, const nlohmann::json& j);
+
 /// The run's configuration as JSON (run.json, the monitors' text, checkpoints).
 nlohmann::json config_snapshot(const TrainConfig& c);
 

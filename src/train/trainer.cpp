@@ -101,9 +101,31 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int local_rank,
   return make_cuda_backend(local_rank, dt);
 }
 
+namespace {
+
+/// Throws CheckpointError when `info` holds an image model, naming it and the GPT-2 model of the
+/// run.
+void require_gpt2_run(const CheckpointInfo& info, const GPT2Config& model) {
+  check<CheckpointError>(!info.image,
+                         "checkpoint {} holds {} but this run trains GPT-2 model '{}' ({}): pass "
+                         "--model {} to continue the image model, or a GPT-2 checkpoint",
+                         info.dir.string(), checkpoint_model_description(info), model.name,
+                         model.shape_string(), info.image ? info.image->name : "");
+}
+
+}  // namespace
+
 GPT2Config resolve_train_model(const TrainConfig& cfg) {
-  GPT2Config c = cfg.model.empty() && !cfg.resume.empty() ? read_checkpoint_info(cfg.resume).model
-                                                          : resolve_model(cfg.model);
+  GPT2Config c;
+  if (cfg.model.empty() && !cfg.resume.empty()) {
+    const CheckpointInfo info = read_checkpoint_info(cfg.resume);
+    check<CheckpointError>(
+        !info.image, "checkpoint {} holds {}: pass --model {} (and its data) to resume it",
+        info.dir.string(), checkpoint_model_description(info), info.image ? info.image->name : "");
+    c = info.model;
+  } else {
+    c = resolve_model(cfg.model);
+  }
   if (cfg.dropout >= 0) {  // --dropout overrides the model's three probabilities
     c.embd_pdrop = c.attn_pdrop = c.resid_pdrop = static_cast<float>(cfg.dropout);
     validate_dropout(c, "--dropout");
@@ -150,6 +172,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   std::optional<CheckpointInfo> resume;
   if (!cfg.resume.empty()) {
     resume = read_checkpoint_info(cfg.resume);
+    require_gpt2_run(*resume, model_cfg);
     check<CheckpointError>(resume->model.same_shape(model_cfg),
                            "checkpoint {} holds model '{}' ({}) but this run asks for '{}' ({}): "
                            "leave --model out to resume with the checkpoint's shape",
@@ -207,9 +230,11 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
         if (fs::is_directory(p) && fs::exists(p / "model.safetensors") &&
             !fs::exists(p / "manifest.json"))
           load_hf_weights(p / "model.safetensors", model.layout(), init.data());
-        else if (fs::is_directory(p))
-          init = load_checkpoint_params(read_checkpoint_info(p), model.layout());
-        else
+        else if (fs::is_directory(p)) {
+          const CheckpointInfo from = read_checkpoint_info(p);
+          require_gpt2_run(from, model_cfg);
+          init = load_checkpoint_params(from, model.layout());
+        } else
           load_hf_weights(p, model.layout(), init.data());
       } else {
         model.init_parameters(init.data(), cfg.seed);
@@ -221,15 +246,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     load_sharded_checkpoint(*resume, model.layout(), *strategy, comm);
     progress = resume->progress;
     // An fp16 run's loss-scale schedule continues where it stopped (other precisions have none).
-    if (scaler.enabled() && resume->loss_scaler.is_object()) {
-      const nlohmann::json& j = resume->loss_scaler;
-      LossScaler::State st = scaler.state();
-      st.scale = j.value("scale", st.scale);
-      st.hysteresis_left = j.value("hysteresis_left", st.hysteresis_left);
-      st.clean_steps = j.value("clean_steps", st.clean_steps);
-      st.skipped_steps = j.value("skipped_steps", st.skipped_steps);
-      scaler.restore(st);
-    }
+    restore_loss_scaler(scaler, resume->loss_scaler);
     check<CheckpointError>(progress.step <= total_steps,
                            "checkpoint {} is at step {} but this run has only {} steps: raise "
                            "--max-steps or --epochs to continue training",
@@ -321,13 +338,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   auto save = [&]() {
     if (!cfg.save_checkpoints) return;
     ck.progress = progress;
-    if (scaler.enabled()) {
-      const LossScaler::State st = scaler.state();
-      ck.loss_scaler = {{"scale", st.scale},
-                        {"hysteresis_left", st.hysteresis_left},
-                        {"clean_steps", st.clean_steps},
-                        {"skipped_steps", st.skipped_steps}};
-    }
+    ck.loss_scaler = loss_scaler_json(scaler);
     ShardedSaveOptions opts;
     opts.consolidated_bf16_model = cfg.zero.stage3_gather_16bit_weights_on_model_save;
     const fs::path dir =

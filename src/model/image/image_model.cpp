@@ -82,6 +82,31 @@ ImageModel::ImageModel(ImageModelSpec spec, std::vector<std::vector<ModulePtr>> 
 
 ImageModel::~ImageModel() = default;
 
+std::vector<std::string> ImageModel::head_parameter_names() const {
+  std::vector<std::string> names;
+  for (size_t m = 1; m < member_begin_.size(); ++m) {
+    const LayerRange& head = layout_.layers()[member_begin_[m] - 1];
+    for (const ParamTensor& t : head.tensors) names.push_back(t.name);
+  }
+  return names;
+}
+
+std::vector<ModelBuffer> ImageModel::state_buffers() const {
+  std::vector<ModelBuffer> out;
+  for (const BufferSpec& b : buffer_specs_) out.push_back({b.name, b.numel});
+  return out;
+}
+
+void ImageModel::read_state_buffers(float* dst) {
+  if (buffers_.numel() > 0)
+    backend_.copy_to_host(dst, buffers_.data(), static_cast<size_t>(buffers_.numel()) * 4);
+}
+
+void ImageModel::write_state_buffers(const float* src) {
+  if (buffers_.numel() > 0)
+    backend_.copy_from_host(buffers_.data(), src, static_cast<size_t>(buffers_.numel()) * 4);
+}
+
 ParamSource ImageModel::source_for(int layer, const LayerRange& r, Tensor params, Tensor grads) {
   ParamSource src;
   src.param = [this, layer, r, params, grads](const std::string& name) {

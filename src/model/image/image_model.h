@@ -63,6 +63,18 @@ class ImageModel final : public Model {
   /// Multiply-accumulates of one forward per image.
   int64_t macs_per_image() const;
 
+  /// The parameter names of the classifier head: the last layer of the model (of each member,
+  /// for an ensemble) — the Linear whose output is the K class logits (torchvision's
+  /// "classifier.1.weight"/".bias" for mobilenet_v2 and efficientnet_b0, "classifier.6.*" for
+  /// VGG, "classifier.*" for cnn and cnn_lstm, "members.<i>.classifier*" in an ensemble). These
+  /// are the tensors --init-from --replace-head keeps freshly initialized.
+  std::vector<std::string> head_parameter_names() const;
+
+  /// Batch norm's running statistics as Model state buffers (buffer_specs() order).
+  std::vector<ModelBuffer> state_buffers() const override;
+  void read_state_buffers(float* dst) override;
+  void write_state_buffers(const float* src) override;
+
   /// The fp32 buffers (batch norm's running statistics), in buffer_specs() order, on the device.
   const std::vector<BufferSpec>& buffer_specs() const { return buffer_specs_; }
   Tensor buffers() const { return buffers_.view(); }
