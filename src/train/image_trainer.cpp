@@ -20,6 +20,7 @@
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
 #include "parallel/strategy.h"
+#include "train/flops_profiler.h"
 #include "train/train_common.h"
 #include "train/train_step.h"
 #include "train/trainer.h"
@@ -155,6 +156,44 @@ int64_t smallest_input_size(ImageModelSpec spec, Backend& backend) {
     (fits(mid) ? hi : lo) = mid;
   }
   return hi;
+}
+
+/// The profiled step (--profile-step): runs it with device timers around every layer's forward
+/// and backward and the step's phases, then prints the layers that took longest (rank 0).
+StepResult profiled_image_step(ImageModel& model, TrainStep& train_step, Backend& backend,
+                               Console& out, int64_t step, double lr,
+                               const MicroBatchSource& batch) {
+  LayerHooks* const inner = model.hooks();
+  std::unique_ptr<StreamClock> layer_clock = backend.make_stream_clock();
+  std::unique_ptr<StreamClock> phase_clock = backend.make_stream_clock();
+  ProfilingHooks profiling(inner, *layer_clock, model.num_layers());
+  model.set_hooks(&profiling);
+  StreamClock* const step_clock = train_step.clock();
+  train_step.set_clock(phase_clock.get());
+  StepResult r = train_step.run(step, lr, batch);
+  model.set_hooks(inner);
+  train_step.set_clock(step_clock);
+  profiling.collect();
+  const PhaseTimes ph = PhaseTimes::from_marks(phase_clock->intervals());
+  const double total = ph.forward + ph.backward + ph.reduce_wait + ph.optimizer;
+  out.line("profile of step {}: forward {:.2f} ms | backward {:.2f} ms | gradient reduction wait "
+           "{:.2f} ms | optimizer {:.2f} ms | device total {:.2f} ms",
+           step + 1, 1e3 * ph.forward, 1e3 * ph.backward, 1e3 * ph.reduce_wait,
+           1e3 * ph.optimizer, 1e3 * total);
+  const auto& fwd = profiling.forward_seconds();
+  const auto& bwd = profiling.backward_seconds();
+  std::vector<size_t> order(fwd.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return fwd[a] + bwd[a] > fwd[b] + bwd[b]; });
+  out.line("  {:<28} {:>10} {:>10} {:>7}", "layer (slowest first)", "fwd ms", "bwd ms", "share");
+  const auto& layers = model.layout().layers();
+  for (size_t k = 0; k < std::min<size_t>(order.size(), 20); ++k) {
+    const size_t i = order[k];
+    out.line("  {:<28} {:>10.3f} {:>10.3f} {:>6.1f}%", layers[i].name, 1e3 * fwd[i],
+             1e3 * bwd[i], total > 0 ? 100.0 * (fwd[i] + bwd[i]) / total : 0.0);
+  }
+  return r;
 }
 
 }  // namespace
@@ -442,6 +481,8 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
       mb.seq_len = 0;
       return mb;
     };
+    if (cfg.flops_profiler.enabled && progress.step + 1 == cfg.flops_profiler.profile_step)
+      return profiled_image_step(*model, train_step, *backend, out, progress.step, lr, batch);
     return train_step.run(progress.step, lr, batch);
   };
   loop.evaluate = evaluate_now;

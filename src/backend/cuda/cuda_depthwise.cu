@@ -67,30 +67,36 @@ __global__ void depthwise_input_grad_kernel(T* dx, const T* dy, const T* w, Geom
 
 constexpr int kMaxTaps = 49;  // R·S up to 7×7
 
-/// part [G, C, R·S] fp32: channel blockIdx.x's products over image group blockIdx.y.
-template <typename T>
+/// part [G, C, R·S] fp32: channel blockIdx.x's products over image group blockIdx.y. kR, kS > 0
+/// fix the window at compile time so the R·S sums stay in registers (0: any window ≤ 7×7).
+template <typename T, int kR, int kS>
 __global__ void depthwise_weight_partial_kernel(float* part, const T* dy, const T* x, Geom g) {
+  constexpr int kTaps = kR > 0 ? kR * kS : kMaxTaps;
   __shared__ float shared[32];
+  const int R = kR > 0 ? kR : static_cast<int>(g.R), S = kS > 0 ? kS : static_cast<int>(g.S);
   const int64_t c = blockIdx.x, G = gridDim.y, grp = blockIdx.y;
   const int64_t n0 = g.N * grp / G, n1 = g.N * (grp + 1) / G, PQ = g.P * g.Q;
-  const int taps = static_cast<int>(g.R * g.S);
-  float acc[kMaxTaps];
-  for (int k = 0; k < taps; ++k) acc[k] = 0.0f;
+  float acc[kTaps];
+#pragma unroll
+  for (int k = 0; k < kTaps; ++k) acc[k] = 0.0f;
   for (int64_t j = threadIdx.x; j < (n1 - n0) * PQ; j += blockDim.x) {
     const int64_t n = n0 + j / PQ, pq = j % PQ, p = pq / g.Q, q = pq % g.Q;
     const float d = to_float(dy[(n * g.C + c) * PQ + pq]);
     const T* plane = x + (n * g.C + c) * g.H * g.W;
-    for (int64_t r = 0; r < g.R; ++r) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {  // R, S are constants when kR, kS are given: fully unrolled
       const int64_t ih = p * g.sh - g.ph + r;
-      if (ih < 0 || ih >= g.H) continue;
-      for (int64_t s = 0; s < g.S; ++s) {
+      const bool row_ok = ih >= 0 && ih < g.H;
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
         const int64_t iw = q * g.sw - g.pw + s;
-        if (iw >= 0 && iw < g.W) acc[r * g.S + s] += d * to_float(plane[ih * g.W + iw]);
+        if (row_ok && iw >= 0 && iw < g.W) acc[r * S + s] += d * to_float(plane[ih * g.W + iw]);
       }
     }
   }
+  const int taps = R * S;
   for (int k = 0; k < taps; ++k) {
-    const float v = block_sum(acc[k], shared);
+    const float v = block_sum(k < kTaps ? acc[k] : 0.0f, shared);
     if (threadIdx.x == 0) part[(grp * g.C + c) * taps + k] = v;
   }
 }
@@ -143,9 +149,16 @@ void depthwise_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Ten
                                               std::max<int64_t>(1, s.N * s.P() * s.Q() / 1024)}));
   auto* part = static_cast<float*>(ctx.get_scratch(static_cast<size_t>(G * s.C * taps) * 4));
   dispatch_float(inp.dtype, [&]<typename T>() {
-    depthwise_weight_partial_kernel<T>
-        <<<dim3(static_cast<unsigned>(s.C), static_cast<unsigned>(G)), kImageBlock, 0,
-           ctx.stream>>>(part, dout.as<T>(), inp.as<T>(), g);
+    const dim3 grid(static_cast<unsigned>(s.C), static_cast<unsigned>(G));
+    if (s.R == 3 && s.S == 3)
+      depthwise_weight_partial_kernel<T, 3, 3>
+          <<<grid, kImageBlock, 0, ctx.stream>>>(part, dout.as<T>(), inp.as<T>(), g);
+    else if (s.R == 5 && s.S == 5)
+      depthwise_weight_partial_kernel<T, 5, 5>
+          <<<grid, kImageBlock, 0, ctx.stream>>>(part, dout.as<T>(), inp.as<T>(), g);
+    else
+      depthwise_weight_partial_kernel<T, 0, 0>
+          <<<grid, kImageBlock, 0, ctx.stream>>>(part, dout.as<T>(), inp.as<T>(), g);
     ST_CUDA_LAUNCH_CHECK();
     depthwise_weight_finish_kernel<T>
         <<<ceil_div(static_cast<size_t>(s.C * taps), kImageBlock), kImageBlock, 0, ctx.stream>>>(
