@@ -165,7 +165,7 @@ StepResult profiled_image_step(ImageModel& model, TrainStep& train_step, Backend
                                const MicroBatchSource& batch) {
   LayerHooks* const inner = model.hooks();
   std::unique_ptr<StreamClock> layer_clock = backend.make_stream_clock();
-  std::unique_ptr<StreamClock> phase_clock = backend.make_stream_clock();
+  std::unique_ptr<StreamClock> phase_clock = backend.make_stream_clock();  // read by TrainStep
   ProfilingHooks profiling(inner, *layer_clock, model.num_layers());
   model.set_hooks(&profiling);
   StreamClock* const step_clock = train_step.clock();
@@ -174,7 +174,7 @@ StepResult profiled_image_step(ImageModel& model, TrainStep& train_step, Backend
   model.set_hooks(inner);
   train_step.set_clock(step_clock);
   profiling.collect();
-  const PhaseTimes ph = PhaseTimes::from_marks(phase_clock->intervals());
+  const PhaseTimes ph = r.phases ? *r.phases : PhaseTimes{};
   const double total = ph.forward + ph.backward + ph.reduce_wait + ph.optimizer;
   out.line("profile of step {}: forward {:.2f} ms | backward {:.2f} ms | gradient reduction wait "
            "{:.2f} ms | optimizer {:.2f} ms | device total {:.2f} ms",

@@ -22,7 +22,9 @@
 namespace shardtrain::cuda {
 namespace {
 
-constexpr size_t kMaxWorkspace = size_t{512} << 20;  // bytes
+/// The most workspace (bytes) an algorithm may take: it is held as long as the backend's scratch
+/// lives, so it counts against peak memory; faster algorithms that need more are passed over.
+constexpr size_t kMaxWorkspace = size_t{64} << 20;
 
 void throw_cudnn_error(cudnnStatus_t st, const char* expr, const char* file, int line) {
   throw RuntimeFailure(std::string("cuDNN call ") + expr + " failed: " + cudnnGetErrorString(st) +
