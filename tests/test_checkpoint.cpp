@@ -103,6 +103,7 @@ class FakeRank : public Strategy {
   }
   void finish_load(int64_t steps) override { loaded.optimizer_steps = steps; }
   int64_t optimizer_steps() const override { return source_->optimizer_steps; }
+  OptimizerKind optimizer_kind() const override { return source_->optimizer; }
 
   FullState loaded;
   int fail_after = -1;  ///< read_state throws after this many calls (≥ 0)
