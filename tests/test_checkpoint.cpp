@@ -103,6 +103,7 @@ class FakeRank : public Strategy {
   }
   void finish_load(int64_t steps) override { loaded.optimizer_steps = steps; }
   int64_t optimizer_steps() const override { return source_->optimizer_steps; }
+  OptimizerKind optimizer_kind() const override { return source_->optimizer; }
 
   FullState loaded;
   int fail_after = -1;  ///< read_state throws after this many calls (≥ 0)
@@ -185,8 +186,12 @@ struct Fixture {
 };
 
 std::unique_ptr<Strategy> real_strategy(StrategyKind kind, Backend& backend, Communicator& comm,
-                                        GPT2Model& model) {
+                                        GPT2Model& model,
+                                        OptimizerKind optimizer = OptimizerKind::kAdamW) {
   TrainConfig cfg;
+  cfg.optimizer = optimizer;
+  if (optimizer == OptimizerKind::kSGD) cfg.momentum = 0.9;
+  if (kind == StrategyKind::kOffload) cfg.zero.offload_optimizer_device = "cpu";
   cfg.strategy = kind;
   cfg.strategy_name = to_string(kind);
   cfg.zero.stage = zero_stage_of(kind);
@@ -410,6 +415,69 @@ TEST(ShardedCheckpoint, FormatOneCheckpointsStillLoad) {
   load_sharded_checkpoint(info, f.layout(), part, *comm, true, 300);
   EXPECT_TRUE(std::equal(f.state.exp_avg_sq.begin() + 100, f.state.exp_avg_sq.begin() + 2100,
                          part.loaded.exp_avg_sq.begin() + 100));
+  fs::remove_all(dir);
+}
+
+// SGD's state (params and the momentum buffer, no exp_avg_sq) round-trips through every
+// strategy's save and load, in both formats, and never crosses into AdamW (or back).
+TEST(ShardedCheckpoint, SgdStateRoundTripsAndIsNotLoadedIntoAdamW) {
+  const fs::path dir = temp_dir("sgd");
+  Fixture f;
+  FullState sgd = f.state;
+  sgd.optimizer = OptimizerKind::kSGD;
+  sgd.exp_avg_sq.clear();
+  auto comm = make_local_communicator();
+  for (StrategyKind kind : {StrategyKind::kDataParallel, StrategyKind::kZero1, StrategyKind::kZero2,
+                            StrategyKind::kZero3, StrategyKind::kOffload}) {
+    SCOPED_TRACE(to_string(kind));
+    auto saver = real_strategy(kind, *f.backend, *comm, f.model, OptimizerKind::kSGD);
+    EXPECT_EQ(saver->optimizer_kind(), OptimizerKind::kSGD);
+    saver->load_state(sgd);
+    expect_same_state(saver->gather_state(), sgd, "load_state/gather_state");
+    const std::string name = "sgd-" + to_string(kind);
+    const fs::path ck = save_sharded_checkpoint(dir, name, f.layout(), *saver, *comm, f.info, {});
+    const CheckpointInfo info = read_checkpoint_info(ck);
+    EXPECT_EQ(info.optimizer, OptimizerKind::kSGD);
+    EXPECT_EQ(info.manifest.at("optimizer").at("type"), "SGD");
+    SafetensorsFile shard(ck / shard_file_name(0, 1));
+    EXPECT_TRUE(shard.contains("exp_avg"));
+    EXPECT_FALSE(shard.contains("exp_avg_sq")) << "SGD wrote a second moment";
+    auto loader = real_strategy(kind, *f.backend, *comm, f.model, OptimizerKind::kSGD);
+    load_sharded_checkpoint(info, f.layout(), *loader, *comm);
+    expect_same_state(loader->gather_state(), sgd, "sharded save -> load");
+    const FullState full = load_full_state(info, f.layout(), true);
+    expect_same_state(full, sgd, "load_full_state");
+    EXPECT_EQ(full.optimizer, OptimizerKind::kSGD);
+    // SGD state into AdamW: refused, naming the fix.
+    auto adamw = real_strategy(kind, *f.backend, *comm, f.model);
+    EXPECT_NE(error_of([&] {
+                load_sharded_checkpoint(info, f.layout(), *adamw, *comm);
+              }).find("--optimizer sgd"),
+              std::string::npos);
+    // Weights only (--init-from) are fine across optimizers.
+    EXPECT_NO_THROW(load_sharded_checkpoint(info, f.layout(), *adamw, *comm, false));
+  }
+  // AdamW state into SGD: refused.
+  auto adamw_dp = real_strategy(StrategyKind::kDataParallel, *f.backend, *comm, f.model);
+  adamw_dp->load_state(f.state);
+  const fs::path ack =
+      save_sharded_checkpoint(dir, "adamw", f.layout(), *adamw_dp, *comm, f.info, {});
+  EXPECT_EQ(read_checkpoint_info(ack).optimizer, OptimizerKind::kAdamW);
+  auto sgd_dp =
+      real_strategy(StrategyKind::kDataParallel, *f.backend, *comm, f.model, OptimizerKind::kSGD);
+  EXPECT_NE(error_of([&] {
+              load_sharded_checkpoint(read_checkpoint_info(ack), f.layout(), *sgd_dp, *comm);
+            }).find("--optimizer adamw"),
+            std::string::npos);
+  EXPECT_THROW(sgd_dp->load_state(f.state), CheckpointError);
+  // Format 1 (save_checkpoint / load_checkpoint_state) keeps the type too.
+  save_checkpoint(dir / "v1", "old", f.layout(), sgd, f.info);
+  const CheckpointInfo v1 = read_checkpoint_info(dir / "v1");
+  EXPECT_EQ(v1.version, 1);
+  EXPECT_EQ(v1.optimizer, OptimizerKind::kSGD);
+  expect_same_state(load_checkpoint_state(v1, f.layout(), true), sgd, "format 1");
+  load_sharded_checkpoint(v1, f.layout(), *sgd_dp, *comm);
+  expect_same_state(sgd_dp->gather_state(), sgd, "format 1 -> dp");
   fs::remove_all(dir);
 }
 

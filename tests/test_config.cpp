@@ -1001,6 +1001,72 @@ TEST_F(ConfigTest, WarmupLrAndWarmupDecayLr) {
   EXPECT_NEAR(cfg.warmup_min_ratio, 0.1, 1e-12);
 }
 
+TEST_F(ConfigTest, SgdSectionIsRead) {
+  TrainConfig cfg = apply_json(R"({"optimizer": {"type": "SGD", "params": {"lr": 0.05,
+      "momentum": 0.9, "nesterov": true, "weight_decay": 4e-5}}})");
+  EXPECT_EQ(cfg.optimizer, OptimizerKind::kSGD);
+  EXPECT_DOUBLE_EQ(cfg.lr, 0.05);
+  EXPECT_DOUBLE_EQ(cfg.momentum, 0.9);
+  EXPECT_TRUE(cfg.nesterov);
+  EXPECT_DOUBLE_EQ(cfg.weight_decay, 4e-5);
+  EXPECT_TRUE(ignored_.empty());
+  // Omitted parameters take torch.optim.SGD's defaults (lr DeepSpeed's 1e-3).
+  cfg = apply_json(R"({"optimizer": {"type": "sgd"}})");
+  EXPECT_EQ(cfg.optimizer, OptimizerKind::kSGD);
+  EXPECT_DOUBLE_EQ(cfg.lr, 1e-3);
+  EXPECT_DOUBLE_EQ(cfg.momentum, 0.0);
+  EXPECT_FALSE(cfg.nesterov);
+  EXPECT_DOUBLE_EQ(cfg.weight_decay, 0.0);
+  // AdamW stays AdamW; an Adam key in an SGD section is named.
+  EXPECT_EQ(apply_json(R"({"optimizer": {"type": "AdamW"}})").optimizer, OptimizerKind::kAdamW);
+  std::string msg = config_error(
+      [&] { apply_json(R"({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}})"); });
+  EXPECT_CONTAINS(msg, "optimizer.params.betas");
+  msg = config_error(
+      [&] { apply_json(R"({"optimizer": {"type": "SGD", "params": {"dampening": 0.1}}})"); });
+  EXPECT_CONTAINS(msg, "dampening");
+  msg = config_error([&] { apply_json(R"({"optimizer": {"type": "Lion"}})"); });
+  EXPECT_CONTAINS(msg, "Adam/AdamW and SGD");
+}
+
+TEST_F(ConfigTest, SgdFlagsAndTheirErrors) {
+  TrainConfig cfg =
+      finalize({"--optimizer", "sgd", "--momentum", "0.9", "--nesterov", "--weight-decay", "0"});
+  EXPECT_EQ(cfg.optimizer, OptimizerKind::kSGD);
+  EXPECT_DOUBLE_EQ(cfg.momentum, 0.9);
+  EXPECT_TRUE(cfg.nesterov);
+  EXPECT_EQ(finalize({}).optimizer, OptimizerKind::kAdamW);
+  EXPECT_DOUBLE_EQ(finalize({"--optimizer", "sgd"}).momentum, 0.0);  // PyTorch's default
+  // Nesterov without momentum is an error, as in PyTorch.
+  std::string msg = config_error([&] { finalize({"--optimizer", "sgd", "--nesterov"}); });
+  EXPECT_CONTAINS(msg, "--nesterov needs a momentum > 0");
+  msg = config_error([&] {
+    TrainConfig c = valid_config();
+    c.deepspeed_config = write("ds2.json", R"({"optimizer": {"type": "SGD", "params":
+        {"nesterov": true}}})");
+    apply_deepspeed_config(c.deepspeed_config, c, {}, ignored_);
+    validate(c, 1024);
+  });
+  EXPECT_CONTAINS(msg, "--nesterov needs a momentum > 0");
+  // SGD's flags with AdamW are a mistake, not silently ignored.
+  msg = config_error([&] { finalize({"--momentum", "0.9"}); });
+  EXPECT_CONTAINS(msg, "--optimizer sgd");
+  // The flag beats the JSON, as every flag.
+  const std::string path = write("sgd.json", R"({"optimizer": {"type": "SGD", "params":
+      {"lr": 0.1, "momentum": 0.9}}})");
+  cfg = finalize({"--deepspeed_config", path, "--momentum", "0.5"});
+  EXPECT_EQ(cfg.optimizer, OptimizerKind::kSGD);
+  EXPECT_DOUBLE_EQ(cfg.momentum, 0.5);
+  EXPECT_DOUBLE_EQ(cfg.lr, 0.1);
+  // NVMe-offloaded optimizer state pages AdamW's m and v: SGD is refused with the fix.
+  msg = config_error([&] {
+    finalize({"--optimizer", "sgd", "--strategy", "infinity", "--nvme-path", dir_.string()});
+  });
+  EXPECT_CONTAINS(msg, "NVMe");
+  EXPECT_CONTAINS(msg, "--strategy offload");
+  EXPECT_THROW(finalize({"--optimizer", "lamb"}), std::exception);
+}
+
 TEST_F(ConfigTest, OmittedOptimizerParamsTakeDeepSpeedDefaults) {
   const TrainConfig cfg = apply_json(R"({"optimizer": {"type": "AdamW", "params": {"lr": 2e-4}}})");
   EXPECT_DOUBLE_EQ(cfg.lr, 2e-4);

@@ -829,6 +829,53 @@ TEST_F(CudaBackendTest, AdamWPropagatesNonFiniteGradients) {
   }
 }
 
+// ==== SGD ========================================================================================
+
+TEST_P(CudaOpTest, SgdMatchesCpu) {
+  const int64_t n = 10001;
+  for (const auto& [momentum, nesterov] :
+       std::vector<std::pair<float, bool>>{{0.9f, false}, {0.9f, true}, {0.0f, false}}) {
+    for (int64_t off : {int64_t{0}, int64_t{1}}) {
+      SCOPED_TRACE(testing::Message() << "momentum " << momentum << " nesterov " << nesterov
+                                      << (off ? " unaligned slices" : " aligned"));
+      Backend::SgdArgs a{};
+      a.lr = 0.05f;
+      a.momentum = momentum;
+      a.weight_decay = 0.01f;
+      a.grad_scale = 0.5f;
+      a.nesterov = nesterov;
+      const int64_t m = n - off;
+      auto sl = [&](const std::vector<float>& v) {
+        return std::vector<float>(v.begin() + off, v.end());
+      };
+      auto p = randu(static_cast<size_t>(n), 90, 1.0f);
+      // A stale buffer: step 1 must overwrite it with g (first_step), on both backends.
+      auto bb = std::vector<float>(static_cast<size_t>(n), 3.0f);
+      FlatBuffer gp = upload(*gpu, p, DType::kF32), gb = upload(*gpu, bb, DType::kF32),
+                 gout(*gpu, dt(), n);
+      std::vector<float> cp = sl(p), cb = sl(bb);
+      for (int t = 1; t <= 3; ++t) {
+        a.first_step = t == 1;
+        auto g = rounded(randu(static_cast<size_t>(n), 91 + static_cast<uint64_t>(t), 2.0f));
+        FlatBuffer gg = up(g);
+        auto gs = sl(g);
+        const bool buf = momentum != 0.0f;
+        cpu->sgd(host(cp, {m}), host(gs, {m}), buf ? host(cb, {m}) : Tensor(), Tensor(), a);
+        gpu->sgd(gp.slice(off, m), gg.slice(off, m), buf ? gb.slice(off, m) : Tensor(),
+                 gout.slice(off, m), a);
+      }
+      auto got_p = sl(download(*gpu, gp)), got_b = sl(download(*gpu, gb));
+      expect_close(got_p, cp, 1e-5, 1e-6, "sgd master");
+      expect_close(got_b, cb, 1e-5, 1e-6, "sgd momentum buffer");  // untouched when μ = 0
+      auto got_out = sl(down(gout));
+      for (size_t i = 0; i < got_out.size(); ++i) {
+        const float want = fp32() ? got_p[i] : round_bf16(got_p[i]);
+        ASSERT_EQ(got_out[i], want) << "params_out element " << i;
+      }
+    }
+  }
+}
+
 // ==== matmul (cuda_matmul.cu) ====================================================================
 // fp32 mode expects true fp32 GEMMs (no TF32): 1e-4 relative plus 1e-5·max absolute. bf16 mode:
 // bf16 inputs, fp32 accumulation, outputs rounded to bf16: 2e-2 relative plus 2e-3·max absolute.

@@ -66,6 +66,28 @@ TEST(Estimator, ModelStateFormulasForGpt2) {
   EXPECT_THROW(zero_model_state_bytes(StrategyKind::kZero1, kGpt2Params, 0), ConfigError);
 }
 
+// SGD keeps the fp32 master and the momentum buffer only: K = 8 in the same formulas, and no
+// NVMe (infinity) row, which SGD refuses.
+TEST(Estimator, SgdKeepsEightBytesOfOptimizerStatePerParameter) {
+  const double psi = static_cast<double>(kGpt2Params);
+  MemoryEstimateOptions o;
+  o.model = gpt2_preset("gpt2");
+  o.gpus = 4;
+  o.optimizer = OptimizerKind::kSGD;
+  const MemoryEstimate e = estimate_memory(o);
+  EXPECT_DOUBLE_EQ(states(e, StrategyKind::kDataParallel), 12 * psi);
+  EXPECT_DOUBLE_EQ(states(e, StrategyKind::kZero1), 4 * psi + 8 * psi / 4);
+  EXPECT_DOUBLE_EQ(states(e, StrategyKind::kZero2), 2 * psi + 10 * psi / 4);
+  EXPECT_DOUBLE_EQ(states(e, StrategyKind::kZero3), 12 * psi / 4);
+  for (const StrategyEstimate& s : e.strategies) {
+    EXPECT_NE(s.name, "infinity");
+    if (s.name == "offload") {
+      EXPECT_DOUBLE_EQ(s.host_pageable, 8 * psi / 4);
+    }
+  }
+  EXPECT_NE(format_memory_estimate(e, o).find("K = 8"), std::string::npos);
+}
+
 TEST(Estimator, ActivationsGrowLinearlyInMicroBatch) {
   const GPT2Config c = gpt2_preset("gpt2");
   for (bool ckpt : {false, true}) {

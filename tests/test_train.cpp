@@ -175,6 +175,70 @@ TEST(Train, ResumeContinuesTheSameTrajectoryBitForBit) {
   fs::remove_all(dir);
 }
 
+TEST(Train, SgdResumeContinuesTheSameTrajectoryBitForBit) {
+  const fs::path dir = temp_dir("resume_sgd");
+  TrainConfig c = tiny_config(dir);
+  c.optimizer = OptimizerKind::kSGD;
+  c.momentum = 0.9;
+  c.nesterov = true;
+  c.weight_decay = 1e-3;
+  c.lr = 0.05;
+  c.num_samples = 24;  // 3 optimizer steps per epoch: resume crosses epochs
+  c.max_steps = 8;
+  c.eval_interval = 1000;
+  auto comm = make_local_communicator();
+
+  TrainConfig straight = c;
+  straight.output_dir = (dir / "straight").string();
+  const TrainSummary a = train(straight, *comm);
+
+  TrainConfig first = c;
+  first.output_dir = (dir / "first").string();
+  first.save_interval = 4;
+  train(first, *comm);
+  const fs::path ck = fs::path(first.output_dir) / "checkpoint-000004";
+  ASSERT_TRUE(fs::exists(ck / "manifest.json"));
+  // The checkpoint says it holds SGD state, and holds no second moment.
+  const CheckpointInfo info = read_checkpoint_info(ck);
+  EXPECT_EQ(info.optimizer, OptimizerKind::kSGD);
+  EXPECT_EQ(info.manifest.at("optimizer").at("type"), "SGD");
+  auto be = make_cpu_backend();
+  GPT2Model model(gpt2_preset("gpt2-micro"), *be);
+  const FullState saved = load_full_state(info, model.layout(), true);
+  EXPECT_EQ(saved.optimizer, OptimizerKind::kSGD);
+  EXPECT_EQ(saved.exp_avg.size(), static_cast<size_t>(model.layout().numel()));
+  EXPECT_TRUE(saved.exp_avg_sq.empty());
+  EXPECT_EQ(saved.optimizer_steps, 4);
+  double buf_norm = 0;
+  for (float x : saved.exp_avg) buf_norm += static_cast<double>(x) * x;
+  EXPECT_GT(buf_norm, 0.0);  // the momentum buffer was saved, not zeros
+
+  TrainConfig second = c;
+  second.output_dir = (dir / "second").string();
+  second.resume = ck.string();
+  const TrainSummary b = train(second, *comm);
+  ASSERT_EQ(a.losses.size(), 8u);
+  ASSERT_EQ(b.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(a.losses[4 + i], b.losses[i]) << "step " << 5 + i;
+  // Final weights and momentum buffers are byte-identical.
+  const char* shard = "rank-00000-of-00001.safetensors";
+  EXPECT_EQ(read_file(fs::path(straight.output_dir) / "checkpoint-000008" / shard),
+            read_file(fs::path(second.output_dir) / "checkpoint-000008" / shard));
+
+  // SGD state cannot seed AdamW (nor the reverse): a clear CheckpointError.
+  TrainConfig wrong = tiny_config(dir);
+  wrong.output_dir = (dir / "wrong").string();
+  wrong.resume = ck.string();
+  wrong.max_steps = 6;
+  try {
+    train(wrong, *comm);
+    FAIL() << "SGD state resumed into AdamW";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("--optimizer sgd"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
 TEST(Checkpoint, CorruptionAndIncompleteSavesAreDetected) {
   const fs::path dir = temp_dir("corrupt");
   TrainConfig c = tiny_config(dir);

@@ -38,6 +38,10 @@ void register_estimate_command(CLI::App& app) {
       ->type_name("NAME|PATH");
   MemoryEstimateOptions& o = f->options;
   cmd->add_option("--gpus", o.gpus, "data-parallel GPUs N (default 1)");
+  cmd->add_option_function<std::string>(
+         "--optimizer", [&o](const std::string& s) { o.optimizer = parse_optimizer(s); },
+         "adamw (K = 12 bytes of optimizer state per parameter) or sgd (K = 8) (default adamw)")
+      ->type_name("NAME");
   cmd->add_option("--micro-batch", o.micro_batch,
                   fmt::format("sequences per GPU per micro-step (default {})", o.micro_batch));
   cmd->add_option("--max-length", o.max_length,

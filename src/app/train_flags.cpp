@@ -297,14 +297,30 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->check(number_in(0.0, false, 1.0, true));
 
   // ---- optimizer ----
-  cmd.add_option("--lr", cfg.lr, fmt::format("peak learning rate of AdamW (default: {})", cfg.lr))
+  cmd.add_option_function<std::string>(
+         "--optimizer", [&cfg](const std::string& s) { cfg.optimizer = parse_optimizer(s); },
+         fmt::format("adamw (AdamW) or sgd (torch.optim.SGD: --momentum, --nesterov, L2 weight "
+                     "decay) (default: {})",
+                     to_string(cfg.optimizer)))
+      ->type_name("NAME")
+      ->check(one_of({"adamw", "sgd"}));
+  cmd.add_option("--lr", cfg.lr,
+                 fmt::format("peak learning rate of the optimizer (default: {})", cfg.lr))
       ->type_name("LR")
       ->check(number_in(0.0, true, kInf, false));
-  cmd.add_option(
-         "--weight-decay", cfg.weight_decay,
-         fmt::format("AdamW decoupled weight decay; 0 = off (default: {})", cfg.weight_decay))
+  cmd.add_option("--weight-decay", cfg.weight_decay,
+                 fmt::format("weight decay of the 2-D weights: AdamW's decoupled decay, SGD's L2 "
+                             "term added to the gradient; 0 = off (default: {})",
+                             cfg.weight_decay))
       ->type_name("X")
       ->check(number_in(0.0, false, kInf, false));
+  cmd.add_option("--momentum", cfg.momentum,
+                 fmt::format("SGD momentum, in [0, 1); 0 = plain SGD (default: {}, as PyTorch)",
+                             cfg.momentum))
+      ->type_name("X")
+      ->check(number_in(0.0, false, 1.0, true));
+  cmd.add_flag("--nesterov", cfg.nesterov,
+               "SGD with Nesterov momentum (torch.optim.SGD nesterov=True); needs --momentum > 0");
   cmd.add_option("--adam-beta1", cfg.beta1,
                  fmt::format("AdamW beta1, in [0, 1) (default: {})", cfg.beta1))
       ->type_name("X")

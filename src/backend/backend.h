@@ -218,6 +218,25 @@ class Backend {
   virtual void adamw(Tensor master, Tensor grad, Tensor m, Tensor v, Tensor params_out,
                      const AdamWArgs& args) = 0;
 
+  /// SGD with momentum (and Nesterov momentum) on one contiguous range, exactly
+  /// torch.optim.SGD with dampening 0 (PyTorch docs, torch.optim.SGD; Nesterov momentum as
+  /// Sutskever et al., "On the importance of initialization and momentum in deep learning",
+  /// ICML 2013, in PyTorch's formulation):
+  ///   g = grad * grad_scale + weight_decay * p          (coupled L2, as PyTorch)
+  ///   buf = first_step ? g : momentum * buf + g          (when momentum != 0)
+  ///   d = nesterov ? g + momentum * buf : buf            (d = g when momentum == 0)
+  ///   p -= lr * d
+  /// master fp32 [n]; grad [n] in the grad dtype (fp32, bf16 or fp16); momentum_buf fp32 [n]
+  /// (the optimizer's exp_avg slot), ignored and may be empty when momentum == 0. When
+  /// `params_out` is non-empty, the updated master weights are also written to it in its dtype.
+  struct SgdArgs {
+    float lr, momentum, weight_decay, grad_scale;
+    bool nesterov;    ///< requires momentum > 0
+    bool first_step;  ///< the buffer is initialized to g instead of updated (PyTorch)
+  };
+  virtual void sgd(Tensor master, Tensor grad, Tensor momentum_buf, Tensor params_out,
+                   const SgdArgs& args) = 0;
+
   // ---- image models ------------------------------------------------------------------------
   /// The backend's convolution / batch norm / pooling / LSTM ops (backend/image_ops.h), or null
   /// where it has none yet.

@@ -268,23 +268,36 @@ fs::path publish_checkpoint_dir(const fs::path& output_dir, const fs::path& tmp_
   return final_dir;
 }
 
+const char* manifest_optimizer_type(OptimizerKind k) {
+  return k == OptimizerKind::kSGD ? "SGD" : "AdamW";
+}
+
+OptimizerKind parse_manifest_optimizer_type(const std::string& type, const fs::path& dir) {
+  for (OptimizerKind k : {OptimizerKind::kAdamW, OptimizerKind::kSGD})
+    if (type == manifest_optimizer_type(k)) return k;
+  throw CheckpointError(fmt::format(
+      "{}/manifest.json: optimizer.type \"{}\" is not one this build knows (AdamW, SGD): the "
+      "checkpoint was written by a newer shardtrain, or the manifest is corrupt",
+      dir.string(), type));
+}
+
 fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
                          const ParamLayout& layout, const FullState& state,
                          const CheckpointInfo& info) {
   const fs::path tmp_dir = create_checkpoint_tmp_dir(output_dir, name, std::to_string(::getpid()));
   save_hf_weights(tmp_dir / "model.safetensors", layout, state.params.data());
-  const size_t bytes = state.exp_avg.size() * sizeof(float);
-  write_safetensors(tmp_dir / "optimizer.safetensors",
-                    {{"exp_avg",
-                      "F32",
-                      {static_cast<int64_t>(state.exp_avg.size())},
-                      state.exp_avg.data(),
-                      bytes},
-                     {"exp_avg_sq",
-                      "F32",
-                      {static_cast<int64_t>(state.exp_avg_sq.size())},
-                      state.exp_avg_sq.data(),
-                      bytes}});
+  std::vector<SafetensorEntry> opt_entries = {{"exp_avg",
+                                               "F32",
+                                               {static_cast<int64_t>(state.exp_avg.size())},
+                                               state.exp_avg.data(),
+                                               state.exp_avg.size() * sizeof(float)}};
+  if (state.optimizer == OptimizerKind::kAdamW)  // SGD keeps no second moment
+    opt_entries.push_back({"exp_avg_sq",
+                           "F32",
+                           {static_cast<int64_t>(state.exp_avg_sq.size())},
+                           state.exp_avg_sq.data(),
+                           state.exp_avg_sq.size() * sizeof(float)});
+  write_safetensors(tmp_dir / "optimizer.safetensors", opt_entries);
 
   if (!info.image) save_hf_config(tmp_dir, info.model);
   json files = json::object();
@@ -297,7 +310,9 @@ fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
       {"model", manifest_model_json(info)},
       {"progress", manifest_progress_json(info.progress)},
       {"optimizer",
-       {{"type", "AdamW"}, {"step", state.optimizer_steps}, {"flat_numel", layout.numel()}}},
+       {{"type", manifest_optimizer_type(state.optimizer)},
+         {"step", state.optimizer_steps},
+         {"flat_numel", layout.numel()}}},
       {"config", info.config},
       {"files", files}};
   write_file_atomic(tmp_dir / "manifest.json", manifest.dump(2) + "\n");
@@ -368,6 +383,8 @@ CheckpointInfo read_checkpoint_info(const fs::path& path) {
     info.config = m.value("config", json::object());
     info.files = m.at("files");
     info.optimizer_step = m.at("optimizer").at("step");
+    info.optimizer = parse_manifest_optimizer_type(
+        m.at("optimizer").value("type", std::string("AdamW")), info.dir);
     info.loss_scaler = m.value("loss_scaler", json());
   } catch (const json::exception& e) {
     throw CheckpointError(
@@ -408,16 +425,19 @@ FullState load_checkpoint_state(const CheckpointInfo& info, const ParamLayout& l
   load_hf_weights(info.dir / "model.safetensors", layout, s.params.data());
   if (!with_optimizer) return s;
   SafetensorsFile opt(info.dir / "optimizer.safetensors");
+  const bool has_v = info.optimizer == OptimizerKind::kAdamW;  // SGD: exp_avg only
   for (const char* key : {"exp_avg", "exp_avg_sq"}) {
+    if (!has_v && std::string(key) == "exp_avg_sq") continue;
     const auto& e = opt.entry(key);
     if (e.bytes != n * sizeof(float))
       throw CheckpointError(fmt::format("{}: '{}' holds {} elements but the model's layout has {}",
                                         info.dir.string(), key, e.bytes / sizeof(float), n));
   }
+  s.optimizer = info.optimizer;
   s.exp_avg.resize(n);
-  s.exp_avg_sq.resize(n);
+  s.exp_avg_sq.resize(has_v ? n : 0);
   opt.read("exp_avg", s.exp_avg.data());
-  opt.read("exp_avg_sq", s.exp_avg_sq.data());
+  if (has_v) opt.read("exp_avg_sq", s.exp_avg_sq.data());
   s.optimizer_steps = info.optimizer_step;
   return s;
 }

@@ -8,7 +8,8 @@
 //                          run configuration, file sizes and FNV-1a checksums
 //     model.safetensors    fp32 weights with Hugging Face GPT2LMHeadModel names and layouts
 //                          (Conv1D weights [in, out]) — loadable by transformers as is
-//     optimizer.safetensors AdamW exp_avg / exp_avg_sq in the flat layout, fp32
+//     optimizer.safetensors AdamW exp_avg / exp_avg_sq in the flat layout, fp32 (SGD: exp_avg,
+//                           the momentum buffer, only; the manifest's optimizer.type says which)
 //   OUT/latest             name of the newest complete checkpoint
 //
 // A checkpoint is assembled in a temporary directory, every file fsync'ed, then renamed into
@@ -58,12 +59,21 @@ struct CheckpointInfo {
   nlohmann::json config;  ///< the run configuration, for reference and checks
   std::filesystem::path dir;
   nlohmann::json files;        ///< file name -> {bytes, fnv1a64} (read from the manifest)
-  int64_t optimizer_step = 0;  ///< AdamW's step count (bias correction)
+  int64_t optimizer_step = 0;  ///< the optimizer's step count (AdamW's bias correction)
+  /// Whose state the checkpoint holds: the manifest's optimizer.type, "AdamW" (also when absent:
+  /// checkpoints written before SGD existed) or "SGD".
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
   /// Dynamic loss scaling state (fp16) as written by the trainer; null when not used.
   nlohmann::json loss_scaler;
   int version = 0;          ///< format version (read from the manifest)
   nlohmann::json manifest;  ///< the whole manifest.json (read_checkpoint_info)
 };
+
+/// The manifest's optimizer.type for `k`: "AdamW" or "SGD".
+const char* manifest_optimizer_type(OptimizerKind k);
+/// The inverse of manifest_optimizer_type; throws CheckpointError naming `dir` for other names.
+OptimizerKind parse_manifest_optimizer_type(const std::string& type,
+                                            const std::filesystem::path& dir);
 
 /// manifest.json's "format" (both versions).
 inline constexpr const char* kCheckpointFormat = "shardtrain-checkpoint";

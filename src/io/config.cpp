@@ -251,6 +251,10 @@ const KeyList kOptimizerHonoured = {"type", "params"};
 const KeyList kOptimizerIgnored = {"legacy_fusion"};
 const KeyList kAdamHonoured = {"lr",      "betas",          "eps", "weight_decay", "adam_w_mode",
                                "amsgrad", "bias_correction"};
+// torch.optim.SGD's arguments (dampening must be 0, maximize false: the update shardtrain runs).
+const KeyList kSgdHonoured = {"lr",           "momentum",  "nesterov",
+                              "weight_decay", "dampening", "maximize"};
+const KeyList kSgdIgnored = {"foreach", "differentiable", "fused"};
 const KeyList kAdamIgnored = {"torch_adam",    "set_grad_none", "fp32_optimizer_states",
                               "max_grad_norm", "fused",         "foreach",
                               "capturable",    "differentiable"};
@@ -597,12 +601,16 @@ class DeepSpeedReader {
       type = *t;
     }
     const std::string lower_type = lowercase(type);
+    if (lower_type == "sgd") {
+      read_sgd(opt);
+      return;
+    }
     if (lower_type != "adam" && lower_type != "adamw") {
       static const KeyList kDeepSpeedOptimizers = {
-          "Adagrad", "Lamb",  "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam",
-          "MuAdamW", "MuSGD", "Lion",       "Muon",        "SGD"};
+          "Adagrad", "Lamb",    "OneBitAdam", "ZeroOneAdam", "OneBitLamb",
+          "MuAdam",  "MuAdamW", "MuSGD",      "Lion",        "Muon"};
       std::string hint;
-      if (auto best = closest_match(type, {"Adam", "AdamW"})) {
+      if (auto best = closest_match(type, {"Adam", "AdamW", "SGD"})) {
         hint = fmt::format(" (did you mean '{}'?)", *best);
       }
       const bool known =
@@ -610,7 +618,7 @@ class DeepSpeedReader {
                       [&](const std::string& n) { return lowercase(n) == lower_type; });
       fail(
           fmt::format("\"optimizer.type\": \"{}\" is {}{}: shardtrain implements Adam/AdamW "
-                      "only; set \"type\": \"AdamW\"",
+                      "and SGD only; set \"type\": \"AdamW\" or \"SGD\"",
                       type, known ? "not available in shardtrain" : "not a known optimizer", hint));
     }
     const json* params = find_object(opt, "params", "optimizer", "an object of Adam parameters");
@@ -618,6 +626,7 @@ class DeepSpeedReader {
     const json& p = params != nullptr ? *params : empty;
     const std::string prefix = "optimizer.params";
     check_keys(p, prefix, kAdamHonoured, kAdamIgnored);
+    assign("optimizer", "optimizer.type", true, cfg_.optimizer, OptimizerKind::kAdamW);
 
     // Parameters the section omits take DeepSpeed's (FusedAdam) defaults.
     auto lr = has(p, "lr") ? get_number(p, "lr", prefix, 0.0, true,
@@ -679,6 +688,48 @@ class DeepSpeedReader {
       fail(
           fmt::format("\"{}.bias_correction\": false is not available in shardtrain (Adam "
                       "always bias-corrects): remove it or set it to true",
+                      prefix));
+    }
+  }
+
+  /// optimizer {"type": "SGD", "params": {lr, momentum, nesterov, weight_decay}}: torch.optim.SGD
+  /// (parameters the section omits take PyTorch's defaults, lr DeepSpeed's 1e-3).
+  void read_sgd(const json& opt) {
+    const std::string prefix = "optimizer.params";
+    const json* params = find_object(opt, "params", "optimizer", "an object of SGD parameters");
+    const json empty = json::object();
+    const json& p = params != nullptr ? *params : empty;
+    check_keys(p, prefix, kSgdHonoured, kSgdIgnored);
+    assign("optimizer", "optimizer.type", true, cfg_.optimizer, OptimizerKind::kSGD);
+    auto lr = has(p, "lr") ? get_number(p, "lr", prefix, 0.0, true,
+                                        "a learning rate > 0 (e.g. 0.1) or \"auto\"")
+                           : std::optional<double>(1e-3);
+    if (lr) assign("lr", prefix + ".lr", has(p, "lr"), cfg_.lr, *lr);
+    auto momentum = has(p, "momentum") ? get_number(p, "momentum", prefix, 0.0, false,
+                                                    "a number in [0, 1) (e.g. 0.9) or \"auto\"")
+                                       : std::optional<double>(0.0);
+    if (momentum)
+      assign("momentum", prefix + ".momentum", has(p, "momentum"), cfg_.momentum, *momentum);
+    auto wd = has(p, "weight_decay") ? get_number(p, "weight_decay", prefix, 0.0, false,
+                                                  "a number >= 0 (0 = no weight decay) or \"auto\"")
+                                     : std::optional<double>(0.0);
+    if (wd)
+      assign("weight_decay", prefix + ".weight_decay", has(p, "weight_decay"), cfg_.weight_decay,
+             *wd);
+    const std::optional<bool> nesterov = get_bool(p, "nesterov", prefix);
+    assign("nesterov", prefix + ".nesterov", nesterov.has_value(), cfg_.nesterov,
+           nesterov.value_or(false));
+    if (const json* d = find(p, "dampening");
+        d != nullptr && !(d->is_number() && d->get<double>() == 0.0)) {
+      fail(
+          fmt::format("\"{}.dampening\": {} is not available in shardtrain (SGD runs with "
+                      "dampening 0): remove it or set it to 0",
+                      prefix, d->dump()));
+    }
+    if (auto mx = get_bool(p, "maximize", prefix); mx && *mx) {
+      fail(
+          fmt::format("\"{}.maximize\": true is not available in shardtrain: remove it or "
+                      "set it to false",
                       prefix));
     }
   }
@@ -1638,6 +1689,15 @@ Precision parse_precision(const std::string& name) {
   throw ConfigError(fmt::format("unknown precision '{}': use auto, fp32, bf16 or fp16", name));
 }
 
+std::string to_string(OptimizerKind k) { return k == OptimizerKind::kSGD ? "sgd" : "adamw"; }
+
+OptimizerKind parse_optimizer(const std::string& name) {
+  for (OptimizerKind k : {OptimizerKind::kAdamW, OptimizerKind::kSGD}) {
+    if (lowercase(name) == to_string(k)) return k;
+  }
+  throw ConfigError(fmt::format("unknown optimizer '{}': use adamw or sgd", name));
+}
+
 LrSchedule parse_lr_schedule(const std::string& name) {
   for (LrSchedule s : {LrSchedule::kConstant, LrSchedule::kLinear, LrSchedule::kCosine}) {
     if (lowercase(name) == to_string(s)) return s;
@@ -1921,6 +1981,27 @@ void validate(TrainConfig& cfg, int64_t model_context) {
     throw ConfigError(fmt::format(
         "--weight-decay {} is not valid: it must be a finite number >= 0 (0 turns it off)",
         cfg.weight_decay));
+  }
+  if (!(cfg.momentum >= 0.0 && cfg.momentum < 1.0)) {
+    throw ConfigError(fmt::format(
+        "--momentum {} is not valid: it must be in [0, 1) (typically 0.9; 0 = plain SGD)",
+        cfg.momentum));
+  }
+  if (cfg.optimizer == OptimizerKind::kAdamW && (cfg.momentum != 0.0 || cfg.nesterov)) {
+    throw ConfigError(
+        "--momentum and --nesterov are SGD's: add --optimizer sgd (or \"optimizer\": {\"type\": "
+        "\"SGD\"}), or remove them (AdamW's momentum is --adam-beta1)");
+  }
+  if (cfg.nesterov && cfg.momentum == 0.0) {
+    throw ConfigError(
+        "--nesterov needs a momentum > 0 (as torch.optim.SGD): add --momentum 0.9, or remove "
+        "--nesterov");
+  }
+  if (cfg.optimizer == OptimizerKind::kSGD && cfg.plan.optimizer_offload == OffloadDevice::kNvme) {
+    throw ConfigError(
+        "--optimizer sgd with the optimizer offloaded to NVMe (infinity, offload_optimizer.device "
+        "\"nvme\") is not available: the NVMe swap file pages AdamW's master, m and v together; "
+        "use --strategy offload (CPU) or zero3 with SGD, or --optimizer adamw with NVMe");
   }
   if (cfg.dropout != -1 && !(cfg.dropout >= 0.0 && cfg.dropout < 1.0)) {
     throw ConfigError(fmt::format(

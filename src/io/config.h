@@ -22,6 +22,10 @@ enum class StrategyKind { kDataParallel, kZero1, kZero2, kZero3, kOffload, kInfi
 
 enum class LrSchedule { kConstant, kLinear, kCosine };
 
+/// The optimizer: AdamW (Loshchilov & Hutter, arXiv 1711.05101) or torch.optim.SGD (momentum,
+/// Nesterov, coupled L2 weight decay).
+enum class OptimizerKind { kAdamW, kSGD };
+
 enum class Precision { kAuto, kFp32, kBf16, kFp16 };
 
 /// DeepSpeed fp16 section: dynamic loss scaling (DeepSpeed docs, "FP16 training options").
@@ -198,12 +202,17 @@ struct TrainConfig {
   /// (in [0, 1)); -1 keeps the model's own (0 in the presets, a config.json's values).
   double dropout = -1;
 
-  // ---- optimizer: AdamW (Loshchilov & Hutter, arXiv 1711.05101), PyTorch defaults ----
+  // ---- optimizer: AdamW (Loshchilov & Hutter, arXiv 1711.05101) or SGD (torch.optim.SGD),
+  // PyTorch defaults ----
+  OptimizerKind optimizer = OptimizerKind::kAdamW;  ///< --optimizer / optimizer.type
   double lr = 6e-4;
   double beta1 = 0.9;
   double beta2 = 0.999;
   double adam_eps = 1e-8;
+  /// AdamW: decoupled decay; SGD: coupled L2 added to the gradient (as torch.optim.SGD).
   double weight_decay = 0.01;
+  double momentum = 0.0;           ///< SGD momentum μ in [0, 1) (PyTorch's default 0: plain SGD)
+  bool nesterov = false;           ///< SGD Nesterov momentum; needs momentum > 0 (as PyTorch)
   double gradient_clipping = 1.0;  ///< max global L2 norm; 0 = off
 
   // ---- learning-rate schedule: linear warmup from 0, then decay to min_lr_ratio * lr ----
@@ -255,6 +264,8 @@ struct TrainConfig {
 /// Canonical name of a strategy ("dp", "zero1", ...).
 std::string to_string(StrategyKind s);
 std::string to_string(LrSchedule s);
+/// "adamw", "sgd".
+std::string to_string(OptimizerKind k);
 std::string to_string(Precision p);
 /// "none", "cpu", "nvme".
 std::string to_string(OffloadDevice d);
@@ -266,6 +277,9 @@ StrategyKind parse_strategy(const std::string& name);
 
 /// Parses auto|fp32|bf16|fp16. Throws ConfigError naming the valid values otherwise.
 Precision parse_precision(const std::string& name);
+
+/// Parses adamw|sgd (case-insensitive). Throws ConfigError naming the valid values otherwise.
+OptimizerKind parse_optimizer(const std::string& name);
 
 /// Parses constant|linear|cosine. Throws ConfigError naming the valid values otherwise.
 LrSchedule parse_lr_schedule(const std::string& name);

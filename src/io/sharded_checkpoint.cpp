@@ -21,6 +21,12 @@ namespace {
 constexpr StateTensor kQuantities[] = {StateTensor::kParams, StateTensor::kExpAvg,
                                        StateTensor::kExpAvgSq};
 
+/// The quantities a checkpoint of `kind` holds per element: SGD has no exp_avg_sq.
+std::vector<StateTensor> quantities_of(OptimizerKind kind) {
+  if (kind == OptimizerKind::kSGD) return {StateTensor::kParams, StateTensor::kExpAvg};
+  return {std::begin(kQuantities), std::end(kQuantities)};
+}
+
 const char* tensor_name(StateTensor q) {
   switch (q) {
     case StateTensor::kExpAvg:
@@ -269,8 +275,9 @@ fs::path save_sharded_checkpoint(const fs::path& output_dir, const std::string& 
     largest = std::max(largest, r.numel);
   }
   const std::string file = shard_file_name(rank, world);
+  const std::vector<StateTensor> quantities = quantities_of(strategy.optimizer_kind());
   std::vector<SafetensorEntry> entries;
-  for (StateTensor q : kQuantities)
+  for (StateTensor q : quantities)
     entries.push_back(
         {tensor_name(q), "F32", {total}, nullptr, static_cast<size_t>(total) * sizeof(float), 0});
   int64_t buffer_numel = 0;
@@ -290,7 +297,7 @@ fs::path save_sharded_checkpoint(const fs::path& output_dir, const std::string& 
                             {"rank", std::to_string(rank)},
                             {"world_size", std::to_string(world)}});
   std::vector<float> buf(static_cast<size_t>(std::min(largest, options.chunk_elements)));
-  for (StateTensor q : kQuantities)
+  for (StateTensor q : quantities)
     for (const FlatRange& r : ranges)
       for_each_chunk(r, options.chunk_elements, [&](int64_t offset, int64_t n) {
         strategy.read_state(q, offset, n, buf.data());
@@ -340,7 +347,9 @@ fs::path save_sharded_checkpoint(const fs::path& output_dir, const std::string& 
         {"ranks", ranks},
         {"progress", manifest_progress_json(info.progress)},
         {"optimizer",
-         {{"type", "AdamW"}, {"step", strategy.optimizer_steps()}, {"flat_numel", layout.numel()}}},
+         {{"type", manifest_optimizer_type(strategy.optimizer_kind())},
+           {"step", strategy.optimizer_steps()},
+           {"flat_numel", layout.numel()}}},
         {"config", info.config},
         {"files", files}};
     if (!info.loss_scaler.is_null()) manifest["loss_scaler"] = info.loss_scaler;
@@ -376,6 +385,8 @@ void load_sharded_checkpoint(const CheckpointInfo& info, const ParamLayout& layo
                              Strategy& strategy, Communicator& /*comm*/, bool with_optimizer,
                              int64_t chunk_elements) {
   ST_ASSERT(chunk_elements > 0);
+  if (with_optimizer) check_state_kind(info.optimizer, strategy.optimizer_kind());
+  const std::vector<StateTensor> quantities = quantities_of(info.optimizer);
   StateReader reader(info, layout, with_optimizer);
   const std::vector<FlatRange> ranges = strategy.load_ranges();
   reader.verify(ranges);
@@ -384,7 +395,7 @@ void load_sharded_checkpoint(const CheckpointInfo& info, const ParamLayout& layo
   std::vector<float> buf(static_cast<size_t>(std::min(largest, chunk_elements)));
   for (const FlatRange& r : ranges)
     for_each_chunk(r, chunk_elements, [&](int64_t offset, int64_t n) {
-      for (StateTensor q : kQuantities) {
+      for (StateTensor q : quantities) {
         if (!with_optimizer && q != StateTensor::kParams) continue;
         reader.read(q, offset, n, buf.data());
         strategy.write_state(q, offset, n, buf.data());
@@ -484,10 +495,12 @@ FullState load_full_state(const CheckpointInfo& info, const ParamLayout& layout,
   s.params.resize(n);
   reader.read(StateTensor::kParams, 0, layout.numel(), s.params.data());
   if (!with_optimizer) return s;
+  const bool has_v = info.optimizer == OptimizerKind::kAdamW;  // SGD: exp_avg only
+  s.optimizer = info.optimizer;
   s.exp_avg.resize(n);
-  s.exp_avg_sq.resize(n);
+  s.exp_avg_sq.resize(has_v ? n : 0);
   reader.read(StateTensor::kExpAvg, 0, layout.numel(), s.exp_avg.data());
-  reader.read(StateTensor::kExpAvgSq, 0, layout.numel(), s.exp_avg_sq.data());
+  if (has_v) reader.read(StateTensor::kExpAvgSq, 0, layout.numel(), s.exp_avg_sq.data());
   s.optimizer_steps = info.optimizer_step;
   return s;
 }

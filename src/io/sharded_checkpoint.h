@@ -5,13 +5,15 @@
 //   OUT/checkpoint-000300/
 //     manifest.json                      format 2: model shape, the layout (numel, every tensor's
 //                                        name/shape/offset), world size and strategy, the ranges
-//                                        of every rank, progress, AdamW step, loss scaler,
-//                                        run configuration, every file's bytes and FNV-1a 64
-//     rank-00000-of-00004.safetensors    three 1-D F32 tensors params, exp_avg, exp_avg_sq: the
-//     ...                                concatenation of that rank's Strategy::save_ranges();
-//                                        image models add "buffers", the rank's own batch-norm
-//                                        running statistics (Model::state_buffers(), listed in
-//                                        the manifest's "buffers")
+//                                        of every rank, progress, optimizer type (AdamW or SGD)
+//                                        and step, loss scaler, run configuration, every file's
+//                                        bytes and FNV-1a 64
+//     rank-00000-of-00004.safetensors    1-D F32 tensors params, exp_avg, exp_avg_sq (SGD: params
+//     ...                                and exp_avg, its momentum buffer): the concatenation of
+//                                        that rank's Strategy::save_ranges(); image models add
+//                                        "buffers", the rank's own batch-norm running statistics
+//                                        (Model::state_buffers(), listed in the manifest's
+//                                        "buffers")
 //     rank-00000.json ...                sidecar: the rank's ranges, file bytes and checksum
 //     model.safetensors, config.json     only with consolidated_bf16_model (DeepSpeed's
 //                                        stage3_gather_16bit_weights_on_model_save)

@@ -10,21 +10,22 @@
 
 namespace shardtrain {
 
-AdamW::AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_t numel,
-             AdamWHyper hyper)
-    : AdamW(backend, layout, offset, numel, hyper, Tensor(), Tensor()) {}
+Optimizer::Optimizer(Backend& backend, const ParamLayout& layout, int64_t offset, int64_t numel,
+                     OptimizerHyper hyper)
+    : Optimizer(backend, layout, offset, numel, hyper, Tensor(), Tensor()) {}
 
-AdamW::AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_t numel,
-             AdamWHyper hyper, Tensor exp_avg, Tensor exp_avg_sq)
+Optimizer::Optimizer(Backend& backend, const ParamLayout& layout, int64_t offset, int64_t numel,
+                     OptimizerHyper hyper, Tensor exp_avg, Tensor exp_avg_sq)
     : backend_(backend), offset_(offset), numel_(numel), hyper_(hyper) {
+  ST_ASSERT(!hyper_.nesterov || hyper_.momentum > 0.0);
   // A tensor with a shape but no data: the caller hands the state to each step_on_host.
   if (exp_avg.empty() && exp_avg.ndim == 0) {
     owned_m_ = FlatBuffer(backend, DType::kF32, numel);
-    owned_v_ = FlatBuffer(backend, DType::kF32, numel);
+    owned_v_ = FlatBuffer(backend, DType::kF32, hyper_.second_moment_numel(numel));
     exp_avg = owned_m_.view();
     exp_avg_sq = owned_v_.view();
   }
-  ST_ASSERT(exp_avg.numel() == numel && exp_avg_sq.numel() == numel &&
+  ST_ASSERT(exp_avg.numel() == numel && exp_avg_sq.numel() == hyper_.second_moment_numel(numel) &&
             exp_avg.dtype == DType::kF32 && exp_avg_sq.dtype == DType::kF32);
   m_ = exp_avg;
   v_ = exp_avg_sq;
@@ -50,7 +51,7 @@ AdamW::AdamW(Backend& backend, const ParamLayout& layout, int64_t offset, int64_
   push(pos, end, false);
 }
 
-Backend::AdamWArgs AdamW::next_args(double lr, double grad_scale) {
+Backend::AdamWArgs Optimizer::next_args(double lr, double grad_scale) {
   ++t_;
   Backend::AdamWArgs a{};
   a.lr = static_cast<float>(lr);
@@ -63,7 +64,29 @@ Backend::AdamWArgs AdamW::next_args(double lr, double grad_scale) {
   return a;
 }
 
-void AdamW::step(Tensor master, Tensor grads, Tensor params_out, double lr, double grad_scale) {
+Backend::SgdArgs Optimizer::sgd_args(double lr, double grad_scale) const {
+  Backend::SgdArgs a{};
+  a.lr = static_cast<float>(lr);
+  a.momentum = static_cast<float>(hyper_.momentum);
+  a.grad_scale = static_cast<float>(grad_scale);
+  a.nesterov = hyper_.nesterov;
+  a.first_step = t_ == 1;  // torch.optim.SGD: buf = g on the first step
+  return a;
+}
+
+void Optimizer::step(Tensor master, Tensor grads, Tensor params_out, double lr, double grad_scale) {
+  auto part = [&](const Tensor& t, const Segment& s) {
+    return t.empty() ? Tensor() : t.slice1d(s.begin, s.count);
+  };
+  if (hyper_.kind == OptimizerKind::kSGD) {
+    next_args(lr, grad_scale);  // counts the step
+    Backend::SgdArgs a = sgd_args(lr, grad_scale);
+    for (const Segment& s : segments_) {
+      a.weight_decay = s.decay ? static_cast<float>(hyper_.weight_decay) : 0.0f;
+      backend_.sgd(part(master, s), part(grads, s), part(m_, s), part(params_out, s), a);
+    }
+    return;
+  }
   Backend::AdamWArgs a = next_args(lr, grad_scale);
   for (const Segment& s : segments_) {
     a.weight_decay = s.decay ? static_cast<float>(hyper_.weight_decay) : 0.0f;
@@ -73,8 +96,8 @@ void AdamW::step(Tensor master, Tensor grads, Tensor params_out, double lr, doub
   }
 }
 
-void AdamW::step_on_host(Tensor master, Tensor grads, Tensor params_out, double lr,
-                         double grad_scale, Tensor exp_avg, Tensor exp_avg_sq) {
+void Optimizer::step_on_host(Tensor master, Tensor grads, Tensor params_out, double lr,
+                             double grad_scale, Tensor exp_avg, Tensor exp_avg_sq) {
   if (exp_avg.empty()) {
     exp_avg = m_;
     exp_avg_sq = v_;
@@ -82,6 +105,21 @@ void AdamW::step_on_host(Tensor master, Tensor grads, Tensor params_out, double 
   ST_ASSERT(master.device == DeviceKind::kCPU && grads.device == DeviceKind::kCPU &&
             exp_avg.device == DeviceKind::kCPU && master.numel() == numel_ &&
             grads.numel() == numel_ && exp_avg.numel() == numel_);
+  if (hyper_.kind == OptimizerKind::kSGD) {
+    next_args(lr, grad_scale);  // counts the step
+    Backend::SgdArgs a = sgd_args(lr, grad_scale);
+    for (const Segment& s : segments_) {
+      a.weight_decay = s.decay ? static_cast<float>(hyper_.weight_decay) : 0.0f;
+      const size_t gsz = dtype_size(grads.dtype);
+      void* out = params_out.empty() ? nullptr
+                                     : static_cast<char*>(params_out.data) +
+                                           s.begin * dtype_size(params_out.dtype);
+      cpu_sgd(master.f32() + s.begin, static_cast<const char*>(grads.data) + s.begin * gsz,
+              grads.dtype, exp_avg.f32() + s.begin, out,
+              params_out.empty() ? DType::kF32 : params_out.dtype, s.count, a);
+    }
+    return;
+  }
   static const CpuSimd simd = best_cpu_simd();
   Backend::AdamWArgs a = next_args(lr, grad_scale);
   for (const Segment& s : segments_) {

@@ -252,4 +252,30 @@ void cpu_adamw(float* master, const void* grad, DType grad_dtype, float* m, floa
   }
 }
 
+void cpu_sgd(float* master, const void* grad, DType grad_dtype, float* buf, void* params_out,
+             DType out_dtype, int64_t n, const Backend::SgdArgs& a) {
+  const auto ok = [](DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; };
+  ST_ASSERT(ok(grad_dtype) && ok(out_dtype));
+  const bool use_buf = a.momentum != 0.0f;
+  ST_ASSERT(!use_buf || buf != nullptr);
+  ST_ASSERT(!a.nesterov || use_buf);
+  constexpr int64_t kBlock = int64_t{1} << 16;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
+    for (int64_t i = begin; i < end; ++i) {
+      const float gi = load_scalar(grad, grad_dtype, i) * a.grad_scale + a.weight_decay * master[i];
+      float d = gi;
+      if (use_buf) {
+        const float bi = a.first_step ? gi : a.momentum * buf[i] + gi;
+        buf[i] = bi;
+        d = a.nesterov ? gi + a.momentum * bi : bi;
+      }
+      master[i] -= a.lr * d;
+      if (params_out) store_scalar(params_out, out_dtype, i, master[i]);
+    }
+  }
+}
+
 }  // namespace shardtrain

@@ -34,4 +34,16 @@ void cpu_adamw(float* master, const void* grad, DType grad_dtype, float* m, floa
                void* params_out, DType out_dtype, int64_t n, const Backend::AdamWArgs& args,
                CpuSimd simd);
 
+/// One SGD step (torch.optim.SGD, dampening 0; the formula of Backend::sgd) over `n` elements in
+/// host memory, for the offloaded optimizer: g = grad·grad_scale + wd·p; buf = first_step ? g :
+/// μ·buf + g; d = nesterov ? g + μ·buf : buf (d = g when μ = 0); p −= lr·d. master fp32 [n] and
+/// buf fp32 [n] (null when args.momentum == 0) updated in place; grad [n] of `grad_dtype` (kF32,
+/// kBF16 or kF16); params_out [n] of `out_dtype` receives the updated weights rounded to nearest
+/// even, or is null. Plain C++ left to the compiler's vectorizer (SGD reads/writes 3 streams and
+/// is bound by memory bandwidth); the same fp32 operations in the same order as the CPU backend,
+/// so results equal it up to fp32 rounding (the compiler may fuse multiply-adds). Threads:
+/// OpenMP's, on 64 Ki-element blocks (dynamic).
+void cpu_sgd(float* master, const void* grad, DType grad_dtype, float* buf, void* params_out,
+             DType out_dtype, int64_t n, const Backend::SgdArgs& args);
+
 }  // namespace shardtrain

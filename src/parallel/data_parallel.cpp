@@ -37,7 +37,7 @@ class DataParallel final : public Strategy {
       backend_.copy_from_host(master.data(), init.data(), init.size() * sizeof(float));
       if (dt != DType::kF32) backend_.convert(params_.view(), master_.view());
     }
-    optimizer_ = std::make_unique<AdamW>(backend_, layout, 0, n, opt_.adamw);
+    optimizer_ = std::make_unique<Optimizer>(backend_, layout, 0, n, opt_.optimizer);
     model.bind(params_.view(), grads_.view());
     model.set_hooks(this);
     // DeepSpeed's 5e8-element default would make every model below 500 M parameters a single
@@ -83,29 +83,34 @@ class DataParallel final : public Strategy {
     FullState s;
     const auto n = static_cast<size_t>(params_.numel());
     s.params.resize(n);
+    s.optimizer = optimizer_->kind();
+    const auto nv = static_cast<size_t>(optimizer_->exp_avg_sq().numel());  // 0 for SGD
     s.exp_avg.resize(n);
-    s.exp_avg_sq.resize(n);
+    s.exp_avg_sq.resize(nv);
     const FlatBuffer& master = master_.numel() ? master_ : params_;
     backend_.copy_to_host(s.params.data(), master.data(), n * sizeof(float));
     backend_.copy_to_host(s.exp_avg.data(), optimizer_->exp_avg().data, n * sizeof(float));
-    backend_.copy_to_host(s.exp_avg_sq.data(), optimizer_->exp_avg_sq().data, n * sizeof(float));
+    if (nv) backend_.copy_to_host(s.exp_avg_sq.data(), optimizer_->exp_avg_sq().data, nv * 4);
     s.optimizer_steps = optimizer_->step_count();
     return s;
   }
 
   void load_state(const FullState& s) override {
     const auto n = static_cast<size_t>(params_.numel());
-    ST_ASSERT(s.params.size() == n && s.exp_avg.size() == n && s.exp_avg_sq.size() == n);
+    const auto nv = static_cast<size_t>(optimizer_->exp_avg_sq().numel());  // 0 for SGD
+    check_state_kind(s.optimizer, optimizer_->kind());
+    ST_ASSERT(s.params.size() == n && s.exp_avg.size() == n && s.exp_avg_sq.size() == nv);
     FlatBuffer& master = master_.numel() ? master_ : params_;
     backend_.copy_from_host(master.data(), s.params.data(), n * sizeof(float));
     if (master_.numel()) backend_.convert(params_.view(), master_.view());
     backend_.copy_from_host(optimizer_->exp_avg().data, s.exp_avg.data(), n * sizeof(float));
-    backend_.copy_from_host(optimizer_->exp_avg_sq().data, s.exp_avg_sq.data(), n * sizeof(float));
+    if (nv) backend_.copy_from_host(optimizer_->exp_avg_sq().data, s.exp_avg_sq.data(), nv * 4);
     optimizer_->set_step_count(s.optimizer_steps);
   }
 
   size_t model_state_bytes() const override {
-    return params_.bytes() + grads_.bytes() + master_.bytes() + 2 * params_.numel() * sizeof(float);
+    return params_.bytes() + grads_.bytes() + master_.bytes() + optimizer_->exp_avg().bytes() +
+           optimizer_->exp_avg_sq().bytes();
   }
 
   std::vector<FlatRange> save_ranges() const override {
@@ -126,6 +131,7 @@ class DataParallel final : public Strategy {
     optimizer_->set_step_count(optimizer_steps);
   }
   int64_t optimizer_steps() const override { return optimizer_->step_count(); }
+  OptimizerKind optimizer_kind() const override { return opt_.optimizer.kind; }
 
  private:
   /// The fp32 buffer of quantity `q` [numel].
@@ -134,6 +140,8 @@ class DataParallel final : public Strategy {
       case StateTensor::kExpAvg:
         return optimizer_->exp_avg();
       case StateTensor::kExpAvgSq:
+        check<RuntimeFailure>(optimizer_->kind() == OptimizerKind::kAdamW,
+                              "dp: SGD keeps no exp_avg_sq (a bug: its caller asked for it)");
         return optimizer_->exp_avg_sq();
       case StateTensor::kParams:
         break;
@@ -151,7 +159,7 @@ class DataParallel final : public Strategy {
   Communicator& comm_;
   Model* model_ = nullptr;
   FlatBuffer params_, grads_, master_;
-  std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<Optimizer> optimizer_;
   // Buckets of whole layers up to zero.reduce_bucket_size elements (parallel/buckets.h).
   std::vector<GradBucket> buckets_;
   BucketReadiness readiness_;

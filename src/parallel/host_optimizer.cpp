@@ -13,14 +13,19 @@
 namespace shardtrain {
 
 HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
-                             std::vector<FlatRange> ranges, AdamWHyper hyper, DType grad_dtype,
+                             std::vector<FlatRange> ranges, OptimizerHyper hyper, DType grad_dtype,
                              DType param_dtype, bool delayed_update, const SwapOptions* swap)
     : backend_(backend),
       ranges_(std::move(ranges)),
       grad_dtype_(grad_dtype),
       param_dtype_(param_dtype),
-      delayed_(delayed_update) {
+      delayed_(delayed_update),
+      kind_(hyper.kind) {
   ST_ASSERT(dtype_size(grad_dtype) == dtype_size(param_dtype));  // results overwrite gradients
+  // The swap file pages master, m and v of AdamW together (strategy.cpp refuses SGD with NVMe).
+  check<ConfigError>(!swap || hyper.kind == OptimizerKind::kAdamW,
+                     "--optimizer sgd with the optimizer offloaded to NVMe (infinity) is not "
+                     "available: use --strategy offload (CPU) with SGD, or --optimizer adamw");
   int64_t total = 0;
   for (const FlatRange& r : ranges_) {
     host_offset_.push_back(total);
@@ -43,7 +48,10 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
     slots_.resize(3);
     for (Slot& sl : slots_) sl.buf = AlignedHostBuffer(largest);
   } else {
-    for (AlignedHostBuffer& b : state_) b = AlignedHostBuffer(total * 4);  // zeroed
+    // master, m and v (SGD: no v), zeroed.
+    state_[0] = AlignedHostBuffer(total * 4);
+    state_[1] = AlignedHostBuffer(total * 4);
+    state_[2] = AlignedHostBuffer(hyper.second_moment_numel(total) * 4);
   }
   total_ = total;
   grads_[0] = PinnedBuffer(backend, grad_dtype, total);
@@ -52,11 +60,14 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
     const FlatRange& r = ranges_[i];
     // On NVMe the moments are handed to each step from a staging slot.
     const Tensor none(nullptr, DType::kF32, DeviceKind::kCPU, {r.numel});
+    const Tensor v = hyper.kind == OptimizerKind::kSGD
+                         ? Tensor(nullptr, DType::kF32, DeviceKind::kCPU, {0})
+                     : swap_ ? none
+                             : state_slice(2, host_offset_[i], r.numel);
     adam_.push_back(r.numel == 0 ? nullptr
-                                 : std::make_unique<AdamW>(
+                                 : std::make_unique<Optimizer>(
                                        backend, layout, r.offset, r.numel, hyper,
-                                       swap_ ? none : state_slice(1, host_offset_[i], r.numel),
-                                       swap_ ? none : state_slice(2, host_offset_[i], r.numel)));
+                                       swap_ ? none : state_slice(1, host_offset_[i], r.numel), v));
   }
   to_host_ = backend.make_copy_stream();
   to_device_ = backend.make_copy_stream();
@@ -320,6 +331,7 @@ Tensor HostOptimizer::state_slice(int k, int64_t offset, int64_t numel) {
 
 void HostOptimizer::read_state(StateTensor q, size_t i, int64_t offset, int64_t numel, float* dst) {
   ST_ASSERT(offset >= 0 && offset + numel <= ranges_[i].numel);
+  ST_ASSERT(q != StateTensor::kExpAvgSq || kind_ == OptimizerKind::kAdamW);  // SGD: no v
   const int k = quantity(q);
   if (!swap_) {
     std::memcpy(dst, state_slice(k, host_offset_[i] + offset, numel).data,
@@ -335,6 +347,7 @@ void HostOptimizer::read_state(StateTensor q, size_t i, int64_t offset, int64_t 
 void HostOptimizer::write_state(StateTensor q, size_t i, int64_t offset, int64_t numel,
                                 const float* src) {
   ST_ASSERT(offset >= 0 && offset + numel <= ranges_[i].numel);
+  ST_ASSERT(q != StateTensor::kExpAvgSq || kind_ == OptimizerKind::kAdamW);  // SGD: no v
   const int k = quantity(q);
   if (!swap_) {
     std::memcpy(state_slice(k, host_offset_[i] + offset, numel).data, src,

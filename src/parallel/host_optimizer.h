@@ -61,14 +61,14 @@ struct SwapOptions {
 class HostOptimizer {
  public:
   /// Host state for `ranges` (flat-layout element ranges, one per strategy part, any may be
-  /// empty) with AdamW `hyper` (weight decay masked by `layout`). Gradients arrive in
-  /// `grad_dtype`; parameters return in `param_dtype` (the compute dtype). Throws RuntimeFailure
-  /// when the host memory cannot be had (see Backend::allocate_pinned).
-  /// With `swap` set, the fp32 master weights, m and v live in a swap file instead (read ahead of
-  /// each range's CPU step, written behind it, three staging slots in host memory); ConfigError
-  /// when swap->dir is missing, unwritable or too small.
+  /// empty) with the optimizer of `hyper` (AdamW or SGD; weight decay masked by `layout`).
+  /// Gradients arrive in `grad_dtype`; parameters return in `param_dtype` (the compute dtype).
+  /// Throws RuntimeFailure when the host memory cannot be had (see Backend::allocate_pinned). With
+  /// `swap` set, the fp32 master weights, m and v live in a swap file instead (read ahead of each
+  /// range's CPU step, written behind it, three staging slots in host memory); ConfigError when
+  /// swap->dir is missing, unwritable or too small.
   HostOptimizer(Backend& backend, const ParamLayout& layout, std::vector<FlatRange> ranges,
-                AdamWHyper hyper, DType grad_dtype, DType param_dtype, bool delayed_update,
+                OptimizerHyper hyper, DType grad_dtype, DType param_dtype, bool delayed_update,
                 const SwapOptions* swap = nullptr);
   ~HostOptimizer();
   HostOptimizer(const HostOptimizer&) = delete;
@@ -134,12 +134,13 @@ class HostOptimizer {
   bool delayed_;
   /// fp32 master weights, m and v [total_] (state_[quantity(q)]), unless on NVMe.
   AlignedHostBuffer state_[3];
-  int64_t total_ = 0;  ///< Σ numel of the ranges
+  OptimizerKind kind_;  ///< AdamW or SGD (no v: state_[2] is empty)
+  int64_t total_ = 0;   ///< Σ numel of the ranges
   static int quantity(StateTensor q);
   /// Elements [offset, offset + numel) of state_[k] as a host tensor.
   Tensor state_slice(int k, int64_t offset, int64_t numel);
-  PinnedBuffer grads_[2];                     ///< grad dtype [Σ numel]; [1] only in delayed mode
-  std::vector<std::unique_ptr<AdamW>> adam_;  ///< per range (null for empty ranges)
+  PinnedBuffer grads_[2];  ///< grad dtype [Σ numel]; [1] only in delayed mode
+  std::vector<std::unique_ptr<Optimizer>> adam_;  ///< per range (null for empty ranges)
 
   // NVMe: range i's [master | m | v] at file offset region_[i], each quantity qbytes_[i] long
   // (4096-aligned); used by the worker thread only, except in read_state / write_state.

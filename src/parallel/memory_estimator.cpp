@@ -37,18 +37,22 @@ std::string describe_unavailable(StrategyKind s) {
 
 }  // namespace
 
-double zero_model_state_bytes(StrategyKind s, int64_t psi, int gpus) {
+int optimizer_state_bytes_per_parameter(OptimizerKind k) {
+  return k == OptimizerKind::kSGD ? 8 : 12;
+}
+
+double zero_model_state_bytes(StrategyKind s, int64_t psi, int gpus, int k_bytes) {
   check<ConfigError>(gpus >= 1, "--gpus {} is not valid: use 1 or more", gpus);
-  const double P = static_cast<double>(psi), N = gpus;
+  const double P = static_cast<double>(psi), N = gpus, K = k_bytes;
   switch (s) {
     case StrategyKind::kDataParallel:
-      return 16 * P;  // 2Ψ bf16 params + 2Ψ bf16 grads + 12Ψ fp32 master/m/v
+      return (4 + K) * P;  // 2Ψ bf16 params + 2Ψ bf16 grads + KΨ fp32 master/m/v
     case StrategyKind::kZero1:
-      return 4 * P + 12 * P / N;  // P_os
+      return 4 * P + K * P / N;  // P_os
     case StrategyKind::kZero2:
-      return 2 * P + 14 * P / N;  // P_os+g
+      return 2 * P + (2 + K) * P / N;  // P_os+g
     case StrategyKind::kZero3:
-      return 16 * P / N;  // P_os+g+p
+      return (4 + K) * P / N;  // P_os+g+p
     default:
       throw ConfigError(
           fmt::format("no memory model for strategy '{}' in this release", to_string(s)));
@@ -141,15 +145,17 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
   e.parameters = o.model.num_parameters();
   e.activations =
       estimate_activations(o.model, o.micro_batch, o.max_length, o.activation_checkpointing);
-  const std::pair<StrategyKind, const char*> available[] = {{StrategyKind::kDataParallel, "16Ψ"},
-                                                            {StrategyKind::kZero1, "4Ψ + 12Ψ/N"},
-                                                            {StrategyKind::kZero2, "2Ψ + 14Ψ/N"},
-                                                            {StrategyKind::kZero3, "16Ψ/N"}};
+  const int K = optimizer_state_bytes_per_parameter(o.optimizer);
+  const std::pair<StrategyKind, std::string> available[] = {
+      {StrategyKind::kDataParallel, fmt::format("{}Ψ", 4 + K)},
+      {StrategyKind::kZero1, fmt::format("4Ψ + {}Ψ/N", K)},
+      {StrategyKind::kZero2, fmt::format("2Ψ + {}Ψ/N", 2 + K)},
+      {StrategyKind::kZero3, fmt::format("{}Ψ/N", 4 + K)}};
   for (const auto& [kind, formula] : available) {
     StrategyEstimate s;
     s.strategy = kind;
     s.formula = formula;
-    s.model_states = zero_model_state_bytes(kind, e.parameters, o.gpus);
+    s.model_states = zero_model_state_bytes(kind, e.parameters, o.gpus, K);
     s.activations = e.activations.total();
     // Several GPUs of one node: the communicator's copy-engine staging (comm/communicator.h).
     s.buffers = gradient_bucket_bytes(kind, o.model, o.gpus, bucket_elements(o)) +
@@ -160,7 +166,7 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
                 (o.gpus > 1 ? static_cast<double>(kPeerStagingBytes) : 0.0);
     e.strategies.push_back(s);
   }
-  // Offloaded plans: r of the fp32 state (12 bytes per element) and its step on the host; the
+  // Offloaded plans: r of the fp32 state (K bytes per element) and its step on the host; the
   // gradients of those elements staged in pinned memory (bf16, twice with the delayed update).
   const double psi = static_cast<double>(e.parameters), n = o.gpus, r = o.offload_ratio;
   const double shard = psi / n, staging = (o.delayed_update ? 2.0 : 1.0) * kBf16 * r * shard;
@@ -172,19 +178,24 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
   struct Offloaded {
     const char* name;
     StrategyKind kind;
-    const char* formula;
+    std::string formula;
     bool stage3, nvme;
   };
-  for (const Offloaded& p :
-       {Offloaded{"offload", StrategyKind::kOffload, "2Ψ + 2Ψ/N + (1-r)·12Ψ/N", false, false},
-        Offloaded{"zero3-offload", StrategyKind::kInfinity, "2Ψ/N + (1-r)·12Ψ/N", true, false},
-        Offloaded{"infinity", StrategyKind::kInfinity, "2Ψ/N + (1-r)·12Ψ/N", true, true}}) {
+  std::vector<Offloaded> offloaded = {
+      {"offload", StrategyKind::kOffload, fmt::format("2Ψ + 2Ψ/N + (1-r)·{}Ψ/N", K), false, false},
+      {"zero3-offload", StrategyKind::kInfinity, fmt::format("2Ψ/N + (1-r)·{}Ψ/N", K), true,
+       false}};
+  // The NVMe swap file pages AdamW's master, m and v: SGD is refused there (no row).
+  if (o.optimizer == OptimizerKind::kAdamW)
+    offloaded.push_back(
+        {"infinity", StrategyKind::kInfinity, fmt::format("2Ψ/N + (1-r)·{}Ψ/N", K), true, true});
+  for (const Offloaded& p : offloaded) {
     StrategyEstimate s;
     s.strategy = p.kind;
     s.name = p.name;
     s.offloaded = true;
     s.formula = p.formula;
-    s.model_states = (p.stage3 ? 0.0 : kBf16 * psi) + kBf16 * shard + (1 - r) * 12.0 * shard;
+    s.model_states = (p.stage3 ? 0.0 : kBf16 * psi) + kBf16 * shard + (1 - r) * K * shard;
     s.activations = e.activations.total();
     s.buffers =
         fixed +
@@ -192,7 +203,7 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
              ? zero3_transient_bytes(o.model, o.gpus, o.zero3, o.persistence_threshold, true)
              : gradient_bucket_bytes(StrategyKind::kZero2, o.model, o.gpus, bucket_elements(o)));
     s.host_pinned = staging + (p.stage3 ? kBf16 * shard : 0.0);
-    s.host_pageable = p.nvme ? 3.0 * 12.0 * r * largest_unit : 12.0 * r * shard;
+    s.host_pageable = p.nvme ? 3.0 * 12.0 * r * largest_unit : K * r * shard;
     s.nvme = p.nvme ? 12.0 * r * shard : 0.0;
     e.strategies.push_back(s);
   }
@@ -229,10 +240,14 @@ std::string format_memory_estimate(const MemoryEstimate& e, const MemoryEstimate
                          gib(s.host_pageable), gib(s.nvme));
   const ActivationEstimate& a = e.activations;
   out += fmt::format(
-      "\nmodel states: ZeRO paper (arXiv 1910.02054) §5 for mixed-precision AdamW: bf16 "
-      "parameters and\n  gradients (2 + 2 bytes per parameter), fp32 master weights, m and v "
-      "(K = 12 bytes); zero1 partitions\n  the optimizer state over the N GPUs, zero2 the "
-      "gradients too,\n  zero3 the parameters too\n");
+      "\nmodel states: ZeRO paper (arXiv 1910.02054) §5 for mixed-precision {}: bf16 "
+      "parameters and\n  gradients (2 + 2 bytes per parameter), {} (K = {} bytes); zero1 "
+      "partitions\n  the optimizer state over the N GPUs, zero2 the gradients too,\n  zero3 the "
+      "parameters too\n",
+      o.optimizer == OptimizerKind::kSGD ? "SGD" : "AdamW",
+      o.optimizer == OptimizerKind::kSGD ? "fp32 master weights and momentum buffer"
+                                         : "fp32 master weights, m and v",
+      optimizer_state_bytes_per_parameter(o.optimizer));
   out += fmt::format(
       "activations (as GPT2Model allocates them on the CUDA backend, bf16): blocks {} ({}),\n  "
       "residual stream {}, head {} (logits [B·T, V padded to 64]), backward scratch {}, "

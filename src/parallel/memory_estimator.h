@@ -5,7 +5,8 @@
 //  * model states: parameters, gradients and AdamW state by the formulas of the ZeRO paper
 //    (Rajbhandari et al., arXiv 1910.02054, §3.1 and §5, Figure 1) for mixed-precision AdamW
 //    (bf16 parameters and gradients, fp32 master weights, m and v: K = 12) with Ψ parameters
-//    over N GPUs: dp 16Ψ, zero1 4Ψ + 12Ψ/N, zero2 2Ψ + 14Ψ/N, zero3 16Ψ/N;
+//    over N GPUs: dp 16Ψ, zero1 4Ψ + 12Ψ/N, zero2 2Ψ + 14Ψ/N, zero3 16Ψ/N; with SGD
+//    (fp32 master weights and the momentum buffer, no second moment) K = 8 in the same formulas;
 //  * activations: exactly what GPT2Model allocates on the CUDA backend (bf16, fused attention
 //    saving log-sum-exp [B, NH, T] in fp32) for a micro-batch of B sequences of T tokens;
 //  * buffers: the strategy's gradient bucket buffers (zero2), zero3's gathered layers and
@@ -45,7 +46,13 @@ struct MemoryEstimateOptions {
   int64_t persistence_threshold = 100'000;  ///< stage3_param_persistence_threshold
   double offload_ratio = 1.0;               ///< offload_optimizer.ratio of the offloaded rows
   bool delayed_update = false;              ///< offload: two pinned gradient buffers instead of one
+  /// AdamW: K = 12 bytes of optimizer state per parameter (fp32 master, m, v); SGD: K = 8
+  /// (fp32 master, momentum buffer).
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
 };
+
+/// The ZeRO paper's K (bytes of fp32 optimizer state per parameter) of `k`: 12 or 8.
+int optimizer_state_bytes_per_parameter(OptimizerKind k);
 
 /// Activation memory (bytes) of one micro-batch, by part.
 struct ActivationEstimate {
@@ -83,9 +90,9 @@ struct MemoryEstimate {
 };
 
 /// Model-state bytes per GPU of strategy `s` (dp, zero1, zero2 or zero3) for `psi` parameters
-/// over `gpus` GPUs, by the ZeRO paper's formulas (§5, K = 12). Throws ConfigError for other
-/// strategies and gpus < 1.
-double zero_model_state_bytes(StrategyKind s, int64_t psi, int gpus);
+/// over `gpus` GPUs, by the ZeRO paper's formulas (§5, K = 12 for AdamW, `k_bytes` in general).
+/// Throws ConfigError for other strategies and gpus < 1.
+double zero_model_state_bytes(StrategyKind s, int64_t psi, int gpus, int k_bytes = 12);
 
 /// How a backend lays out the activations estimate_activations() counts. The defaults are the
 /// CUDA backend's in bf16; cpu() is the CPU backend's (fp32), which the tests measure against.

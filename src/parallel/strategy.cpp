@@ -13,7 +13,10 @@ StrategyOptions strategy_options(const TrainConfig& cfg) {
   StrategyOptions o;
   o.plan =
       plan_of(cfg);  // the same as the cfg.plan validate() derives, also for configs it never saw
-  o.adamw = AdamWHyper{cfg.beta1, cfg.beta2, cfg.adam_eps, cfg.weight_decay};
+  o.optimizer = OptimizerHyper{cfg.beta1, cfg.beta2, cfg.adam_eps, cfg.weight_decay};
+  o.optimizer.kind = cfg.optimizer;
+  o.optimizer.momentum = cfg.momentum;
+  o.optimizer.nesterov = cfg.nesterov;
   o.reduce_bucket_size = cfg.zero.reduce_bucket_size;
   o.reduce_bucket_size_set = cfg.zero.reduce_bucket_size_set;
   o.allgather_bucket_size = cfg.zero.allgather_bucket_size;
@@ -43,6 +46,12 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend&
                      "offload_optimizer.ratio {} is not valid: use a fraction in [0, 1] of the "
                      "optimizer state to offload (1 = all)",
                      plan.optimizer_offload_ratio);
+  check<ConfigError>(
+      options.optimizer.kind != OptimizerKind::kSGD ||
+          plan.optimizer_offload != OffloadDevice::kNvme,
+      "--optimizer sgd with the optimizer offloaded to NVMe (infinity) is not available: the swap "
+      "file pages AdamW's master, m and v together; use --strategy offload (CPU) or zero3 with "
+      "SGD, or --optimizer adamw with NVMe");
   check<ConfigError>(plan.pipeline_stages == 1,
                      "pipeline parallelism is not available yet in this release: use --strategy "
                      "dp, zero1, zero2 or zero3");
@@ -63,6 +72,15 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend&
 std::unique_ptr<Strategy> make_strategy(const TrainConfig& cfg, Backend& backend,
                                         Communicator& comm) {
   return make_strategy(strategy_options(cfg), backend, comm);
+}
+
+void check_state_kind(OptimizerKind saved, OptimizerKind configured) {
+  check<CheckpointError>(
+      saved == configured,
+      "the checkpoint holds {} optimizer state but this run uses --optimizer {}: its state cannot "
+      "be resumed into another optimizer; resume with --optimizer {}, or start from its weights "
+      "only (--init-from, without the optimizer state)",
+      to_string(saved), to_string(configured), to_string(saved));
 }
 
 std::vector<FlatRange> even_split(int64_t numel, int world, int rank) {

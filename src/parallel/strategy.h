@@ -25,11 +25,12 @@ namespace shardtrain {
 
 class PipelineParallel;  // parallel/pipeline/pipeline_parallel.h
 
-/// What a strategy is told (not the whole TrainConfig): its plan, the optimizer's
-/// hyper-parameters and the communication settings of DeepSpeed's zero_optimization section.
+/// What a strategy is told (not the whole TrainConfig): its plan, the optimizer (AdamW or SGD)
+/// and its hyper-parameters, and the communication settings of DeepSpeed's zero_optimization
+/// section.
 struct StrategyOptions {
   ParallelPlan plan;
-  AdamWHyper adamw;
+  OptimizerHyper optimizer;
   /// Gradient bucket (elements); unless `reduce_bucket_size_set`, strategies that overlap
   /// reductions with backward pick kOverlapBucketElements where that is faster (buckets.h).
   int64_t reduce_bucket_size = 500'000'000;
@@ -71,9 +72,10 @@ struct FlatRange {
 /// Host copies of the full training state, in the flat layout (numel = layout.numel()).
 struct FullState {
   std::vector<float> params;      ///< fp32 master weights
-  std::vector<float> exp_avg;     ///< AdamW m
-  std::vector<float> exp_avg_sq;  ///< AdamW v
+  std::vector<float> exp_avg;     ///< AdamW m, or SGD's momentum buffer
+  std::vector<float> exp_avg_sq;  ///< AdamW v; empty for SGD
   int64_t optimizer_steps = 0;
+  OptimizerKind optimizer = OptimizerKind::kAdamW;  ///< whose state exp_avg/exp_avg_sq hold
 };
 
 class Strategy : public LayerHooks {
@@ -95,8 +97,8 @@ class Strategy : public LayerHooks {
   virtual void finish_gradients() = 0;
   /// Global L2 norm of the gradients as they stand (after finish_gradients), times `scale`.
   virtual double grad_norm(double scale) = 0;
-  /// AdamW on this rank's part with gradients multiplied by `grad_scale`, then makes the
-  /// updated parameters visible to the model on every rank.
+  /// The optimizer (AdamW or SGD) on this rank's part with gradients multiplied by `grad_scale`,
+  /// then makes the updated parameters visible to the model on every rank.
   virtual void step(double lr, double grad_scale) = 0;
 
   /// Collects the full state on every rank (collective: every rank must call it).
@@ -125,8 +127,11 @@ class Strategy : public LayerHooks {
   /// After every write_state of a load: makes the parameters visible to the model (compute-dtype
   /// copies, all-gathers) and sets AdamW's step count. Collective.
   virtual void finish_load(int64_t optimizer_steps) = 0;
-  /// AdamW steps taken (bias correction), as saved in checkpoints.
+  /// Optimizer steps taken (AdamW's bias correction, SGD's first step), as saved in checkpoints.
   virtual int64_t optimizer_steps() const = 0;
+  /// The optimizer this strategy steps with (AdamW: exp_avg and exp_avg_sq; SGD: exp_avg only,
+  /// kExpAvgSq must not be read or written).
+  virtual OptimizerKind optimizer_kind() const = 0;
 
   /// Bytes of parameters all-gathered by this rank during the last optimizer step (ZeRO-3's
   /// per-layer gathers and every strategy's after-step all-gathers); 0 for dp.
@@ -152,6 +157,10 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend&
 /// make_strategy(strategy_options(cfg), ...).
 std::unique_ptr<Strategy> make_strategy(const TrainConfig& cfg, Backend& backend,
                                         Communicator& comm);
+
+/// Throws CheckpointError when optimizer state saved by `saved` is loaded into a run of
+/// `configured` (AdamW's m/v cannot seed SGD's momentum buffer, nor the reverse).
+void check_state_kind(OptimizerKind saved, OptimizerKind configured);
 
 /// [0, numel) split into `world` contiguous pieces of equal size (the first numel % world one
 /// element longer): piece `rank` (empty when numel < world). What replicated strategies save.

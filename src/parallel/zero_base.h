@@ -55,10 +55,11 @@ class ZeroStrategy : public Strategy {
     allocate_params();
     split_optimizer();
     if (dtype_ != DType::kF32) master_ = FlatBuffer(backend_, DType::kF32, device_state_numel_);
-    // AdamW m and v of every owned slice in two buffers laid out like the slices (one device
-    // allocation each rather than two per slice).
+    // AdamW m and v (SGD: the momentum buffer only) of every owned slice in buffers laid out
+    // like the slices (one device allocation each rather than one per slice).
+    const bool has_v = opt_.optimizer.kind == OptimizerKind::kAdamW;
     exp_avg_ = FlatBuffer(backend_, DType::kF32, device_state_numel_);
-    exp_avg_sq_ = FlatBuffer(backend_, DType::kF32, device_state_numel_);
+    exp_avg_sq_ = FlatBuffer(backend_, DType::kF32, has_v ? device_state_numel_ : 0);
     optimizers_.clear();
     optimizers_.resize(parts_.size());
     std::vector<FlatRange> host_ranges;
@@ -66,15 +67,17 @@ class ZeroStrategy : public Strategy {
       const BucketPartition& p = parts_[i];
       const int64_t g = on_device_[i], off = device_offset_[i];
       if (g > 0)
-        optimizers_[i] = std::make_unique<AdamW>(backend_, layout, p.owned_offset, g, opt_.adamw,
-                                                 exp_avg_.slice(off, g), exp_avg_sq_.slice(off, g));
+        optimizers_[i] = std::make_unique<Optimizer>(
+            backend_, layout, p.owned_offset, g, opt_.optimizer, exp_avg_.slice(off, g),
+            has_v ? exp_avg_sq_.slice(off, g) : Tensor(nullptr, DType::kF32, backend_.kind(), {0}));
       host_ranges.push_back({p.owned_offset + g, p.owned_numel - g});
     }
     host_.reset();
     if (opt_.plan.optimizer_offload != OffloadDevice::kNone) {
       SwapOptions swap{opt_.nvme_path, rank_, opt_.aio};
       host_ = std::make_unique<HostOptimizer>(
-          backend_, layout, std::move(host_ranges), opt_.adamw, dtype_, dtype_, opt_.delayed_update,
+          backend_, layout, std::move(host_ranges), opt_.optimizer, dtype_, dtype_,
+          opt_.delayed_update,
           opt_.plan.optimizer_offload == OffloadDevice::kNvme ? &swap : nullptr);
     }
     sent_.assign(parts_.size(), false);
@@ -145,13 +148,15 @@ class ZeroStrategy : public Strategy {
     const auto n = static_cast<size_t>(model_->layout().numel());
     FullState s;
     s.params.resize(n);
+    const bool has_v = opt_.optimizer.kind == OptimizerKind::kAdamW;
+    s.optimizer = opt_.optimizer.kind;
     s.exp_avg.resize(n);
-    s.exp_avg_sq.resize(n);
+    s.exp_avg_sq.resize(has_v ? n : 0);  // SGD keeps no second moment
     s.optimizer_steps = steps_;
     FlatBuffer stage(backend_, DType::kF32, max_padded_);
     for (size_t i = 0; i < parts_.size(); ++i) {
       const BucketPartition& p = parts_[i];
-      AdamW* opt = optimizers_[i].get();
+      Optimizer* opt = optimizers_[i].get();
       const std::pair<Tensor, std::vector<float>*> quantities[] = {
           {opt ? master(i) : Tensor(), &s.params},
           {opt ? opt->exp_avg() : Tensor(), &s.exp_avg},
@@ -159,6 +164,7 @@ class ZeroStrategy : public Strategy {
       const StateTensor qs[] = {StateTensor::kParams, StateTensor::kExpAvg, StateTensor::kExpAvgSq};
       int k = 0;
       for (const auto& [src, dst] : quantities) {
+        if (qs[k] == StateTensor::kExpAvgSq && !has_v) break;
         Tensor own = stage.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
         backend_.fill_zero(own);
         if (opt) backend_.copy(own.data, src.data, src.bytes());
@@ -179,8 +185,11 @@ class ZeroStrategy : public Strategy {
 
   void load_state(const FullState& s) override {
     const auto n = static_cast<size_t>(model_->layout().numel());
-    ST_ASSERT(s.params.size() == n && s.exp_avg.size() == n && s.exp_avg_sq.size() == n);
-    write_full(s.params.data(), s.exp_avg.data(), s.exp_avg_sq.data(), s.optimizer_steps);
+    check_state_kind(s.optimizer, opt_.optimizer.kind);
+    const size_t nv = opt_.optimizer.kind == OptimizerKind::kAdamW ? n : 0;
+    ST_ASSERT(s.params.size() == n && s.exp_avg.size() == n && s.exp_avg_sq.size() == nv);
+    write_full(s.params.data(), s.exp_avg.data(), nv ? s.exp_avg_sq.data() : nullptr,
+               s.optimizer_steps);
   }
 
   std::vector<FlatRange> save_ranges() const final {
@@ -237,6 +246,7 @@ class ZeroStrategy : public Strategy {
     steps_ = optimizer_steps;
   }
   int64_t optimizer_steps() const final { return steps_; }
+  OptimizerKind optimizer_kind() const final { return opt_.optimizer.kind; }
   int64_t gathered_bytes_last_step() const override { return gathered_bytes_; }
 
   /// Device bytes of parameters, gradients and the optimizer state stepped on the device.
@@ -452,6 +462,9 @@ class ZeroStrategy : public Strategy {
     for (size_t i = 0; i < parts_.size(); ++i) {
       const BucketPartition& p = parts_[i];
       if (offset < p.owned_offset || offset + numel > p.owned_offset + on_device_[i]) continue;
+      check<RuntimeFailure>(
+          q != StateTensor::kExpAvgSq || optimizers_[i]->kind() == OptimizerKind::kAdamW,
+          "{}: SGD keeps no exp_avg_sq (a bug: its caller asked for it)", name());
       const Tensor whole = q == StateTensor::kParams   ? master(i)
                            : q == StateTensor::kExpAvg ? optimizers_[i]->exp_avg()
                                                        : optimizers_[i]->exp_avg_sq();
@@ -483,16 +496,16 @@ class ZeroStrategy : public Strategy {
   FlatBuffer params_;           ///< stages 1/2: [padded_numel_] compute dtype, every parameter
   int64_t gathered_bytes_ = 0;  ///< parameter bytes all-gathered since zero_grad()
   FlatBuffer master_;  ///< [device_state_numel_] fp32 master weights; empty for fp32 compute
-  FlatBuffer exp_avg_, exp_avg_sq_;     ///< [device_state_numel_] fp32 AdamW m and v, like master_
+  FlatBuffer exp_avg_, exp_avg_sq_;     ///< fp32 AdamW m, v (SGD: momentum, none), like master_
   std::vector<int64_t> on_device_;      ///< per part: owned elements stepped on the device
   std::vector<int64_t> device_offset_;  ///< per part: its start in master_ / exp_avg_
   int64_t device_state_numel_ = 0;
-  std::vector<size_t> forward_order_;               ///< parts by first layer
-  std::unique_ptr<HostOptimizer> host_;             ///< offload: the host-stepped elements
-  std::vector<bool> pending_;                       ///< offload: part updated, not yet published
-  std::vector<bool> sent_;                          ///< offload: part's gradient handed to the host
-  std::vector<std::unique_ptr<AdamW>> optimizers_;  ///< per part; null where nothing is owned
-  std::unique_ptr<ScalarAllReduce> norm_reduce_;    ///< for sum_over_ranks
+  std::vector<size_t> forward_order_;    ///< parts by first layer
+  std::unique_ptr<HostOptimizer> host_;  ///< offload: the host-stepped elements
+  std::vector<bool> pending_;            ///< offload: part updated, not yet published
+  std::vector<bool> sent_;               ///< offload: part's gradient handed to the host
+  std::vector<std::unique_ptr<Optimizer>> optimizers_;  ///< per part; null where nothing is owned
+  std::unique_ptr<ScalarAllReduce> norm_reduce_;        ///< for sum_over_ranks
   int64_t steps_ = 0;
   // params_ and gradient_buffers() for the copy-engine collectives. It outlives the subclasses'
   // gradient buffers by the rest of the destructor chain, which is harmless: nothing allocates

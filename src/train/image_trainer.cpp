@@ -361,13 +361,12 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
       cfg.sync_batchnorm && comm.world_size() > 1 ? "synchronized over the ranks"
                                                   : "each rank's micro-batch");
   out.line(
-      "  steps: {} ({} per epoch{}), warmup {}, {} schedule, AdamW lr {:g} betas ({:g}, {:g}) wd "
-      "{:g}, clip {:g}, label smoothing {:g}",
+      "  steps: {} ({} per epoch{}), warmup {}, {} schedule, {}, clip {:g}, label smoothing {:g}",
       total_steps, steps_per_epoch,
       cfg.max_steps > 0 ? fmt::format(", --max-steps {}", cfg.max_steps)
                         : fmt::format(", {} epochs", cfg.epochs),
-      warmup, to_string(cfg.lr_schedule), cfg.lr, cfg.beta1, cfg.beta2, cfg.weight_decay,
-      cfg.gradient_clipping, cfg.label_smoothing);
+      warmup, to_string(cfg.lr_schedule), describe_optimizer(cfg), cfg.gradient_clipping,
+      cfg.label_smoothing);
   out.line(
       "  precision: {} | model states {} per rank | {:.3f} GFLOPs per training image | output: {}",
       dtype_name(backend->compute_dtype()),

@@ -64,6 +64,7 @@ RunRecord read_run(const fs::path& dir) {
       r.max_length = j.value("max_length", int64_t{0});
       r.parameters = j.value("parameters", int64_t{0});
       r.on_gpu = j.value("on_gpu", false);
+      if (j.value("optimizer", std::string("adamw")) == "sgd") r.optimizer = OptimizerKind::kSGD;
       if (r.on_gpu)
         r.device = "cuda";
       else if (r.device == "auto")
@@ -140,6 +141,7 @@ std::optional<MemoryBreakdown> estimate_for(const RunRecord& run) {
   o.gpus = std::max(1, run.world_size);
   o.micro_batch = run.micro_batch;
   o.max_length = run.max_length;
+  o.optimizer = run.optimizer;
   const MemoryEstimate e = estimate_memory(o);
   const std::string want = kind == StrategyKind::kOffload    ? "offload"
                            : kind == StrategyKind::kInfinity ? "infinity"
@@ -148,7 +150,7 @@ std::optional<MemoryBreakdown> estimate_for(const RunRecord& run) {
     if (!s.available || (want.empty() ? (s.strategy != kind || !s.name.empty()) : s.name != want))
       continue;
     // The model states split as the ZeRO paper counts them (bf16 parameters and gradients,
-    // 12 bytes of fp32 optimizer state per parameter), each replicated or divided over N.
+    // K bytes of fp32 optimizer state per parameter), each replicated or divided over N.
     const double psi = static_cast<double>(e.parameters), n = o.gpus;
     MemoryBreakdown b;
     switch (kind) {

@@ -19,13 +19,15 @@
 #include <string>
 #include <vector>
 
+#include "io/config.h"
+
 namespace shardtrain {
 
 /// The estimator's GPU memory per rank for one run, split by what it holds (bytes).
 struct MemoryBreakdown {
   double parameters = 0;  ///< bf16 parameters resident on the GPU
   double gradients = 0;   ///< bf16 gradients
-  double optimizer = 0;   ///< fp32 master weights, AdamW m and v left on the GPU
+  double optimizer = 0;   ///< fp32 master weights, AdamW m and v (SGD: momentum) on the GPU
   double activations = 0;
   double buffers = 0;  ///< gradient buckets, zero3's gathered layers, workspaces, CUDA context
   double total() const { return parameters + gradients + optimizer + activations + buffers; }
@@ -43,6 +45,7 @@ struct RunRecord {
   int world_size = 1;
   int64_t micro_batch = 0, global_batch = 0, max_length = 0, parameters = 0;
   bool on_gpu = false;
+  OptimizerKind optimizer = OptimizerKind::kAdamW;  ///< run.json's "optimizer" (absent: AdamW)
 
   // From metrics.jsonl: the last epoch record (time, throughput), every epoch (peaks), the "done"
   // record (final loss) and the last validation.

@@ -136,6 +136,14 @@ void StepLog::add(const StepResult& r, double seconds, double lr, const Training
   phases_ = PhaseTimes{};
 }
 
+std::string describe_optimizer(const TrainConfig& c) {
+  if (c.optimizer == OptimizerKind::kSGD)
+    return fmt::format("SGD lr {:g} momentum {:g}{} wd {:g} (L2)", c.lr, c.momentum,
+                       c.nesterov ? " nesterov" : "", c.weight_decay);
+  return fmt::format("AdamW lr {:g} betas ({:g}, {:g}) wd {:g}", c.lr, c.beta1, c.beta2,
+                     c.weight_decay);
+}
+
 nlohmann::json config_snapshot(const TrainConfig& c) {
   const ZeroConfig& z = c.zero;
   return {{"model", c.model},
@@ -175,6 +183,9 @@ nlohmann::json config_snapshot(const TrainConfig& c) {
           {"num_samples", c.num_samples},
           {"seed", c.seed},
           {"dropout", c.dropout},
+          {"optimizer", to_string(c.optimizer)},
+          {"momentum", c.momentum},
+          {"nesterov", c.nesterov},
           {"lr", c.lr},
           {"betas", {c.beta1, c.beta2}},
           {"eps", c.adam_eps},

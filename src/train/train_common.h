@@ -170,6 +170,10 @@ void restore_loss_scaler(LossScaler& scaler, const nlohmann::json& j);
 /// The run's configuration as JSON (run.json, the monitors' text, checkpoints).
 nlohmann::json config_snapshot(const TrainConfig& c);
 
+/// The optimizer and its hyper-parameters for the start-up banner, e.g. "AdamW lr 0.0006 betas
+/// (0.9, 0.999) wd 0.01" or "SGD lr 0.1 momentum 0.9 nesterov wd 5e-05 (L2)".
+std::string describe_optimizer(const TrainConfig& c);
+
 /// Rank 0: creates cfg.output_dir and opens its metrics.jsonl (other ranks: a closed writer).
 MetricsWriter open_run_metrics(const TrainConfig& cfg, bool rank0);
 

@@ -178,6 +178,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                            "leave --model out to resume with the checkpoint's shape",
                            resume->dir.string(), resume->model.name, resume->model.shape_string(),
                            model_cfg.name, model_cfg.shape_string());
+    check_state_kind(resume->optimizer, cfg.optimizer);  // AdamW m/v cannot seed SGD's buffer
   }
 
   // ---- data ----
@@ -275,20 +276,17 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
       "  data: {} — {} training samples ({} tokens), {} validation samples; loaded in {:.1f} s",
       files.name, with_commas(train_data.size()), with_commas(train_data.num_tokens()),
       valid_data ? with_commas(valid_data->size()) : std::string("no"), data_seconds);
-  out.line(
-      "  steps: {} ({} per epoch{}), warmup {}, {} schedule, AdamW lr {:g} betas ({:g}, {:g}) wd "
-      "{:g}, clip {:g}",
-      total_steps, steps_per_epoch,
-      cfg.max_steps > 0 ? fmt::format(", --max-steps {}", cfg.max_steps)
-                        : fmt::format(", {} epochs", cfg.epochs),
-      warmup, to_string(cfg.lr_schedule), cfg.lr, cfg.beta1, cfg.beta2, cfg.weight_decay,
-      cfg.gradient_clipping);
+  out.line("  steps: {} ({} per epoch{}), warmup {}, {} schedule, {}, clip {:g}", total_steps,
+           steps_per_epoch,
+           cfg.max_steps > 0 ? fmt::format(", --max-steps {}", cfg.max_steps)
+                             : fmt::format(", {} epochs", cfg.epochs),
+           warmup, to_string(cfg.lr_schedule), describe_optimizer(cfg), cfg.gradient_clipping);
   out.line(
       "  precision: {}{} | model states {} per rank | activation checkpointing {} | "
       "output: {}",
       dtype_name(backend->compute_dtype()),
       on_gpu && backend->compute_dtype() != DType::kF32
-          ? " compute, fp32 master weights and AdamW state"
+          ? " compute, fp32 master weights and optimizer state"
           : "",
       human_bytes(static_cast<double>(strategy->model_state_bytes())),
       cfg.activation_checkpointing ? "on" : "off", out_dir.string());

@@ -543,7 +543,7 @@ TEST_F(ZeroEquivalence, ResumeAcrossOffloadSettings) {
 TEST_F(ZeroEquivalence, DelayedUpdateFollowsItsRecurrence) {
   const Reference& ref = reference();
   st::StrategyOptions o = offload_options(2, st::OffloadDevice::kCpu, st::OffloadDevice::kNone, 1);
-  o.adamw.weight_decay = 0;
+  o.optimizer.weight_decay = 0;
   o.delayed_update = true;
   Trainee run(o, *comm, ref.init);
   run.train(0, kSteps);
@@ -552,7 +552,7 @@ TEST_F(ZeroEquivalence, DelayedUpdateFollowsItsRecurrence) {
   // The recurrence, on one rank.
   st::StrategyOptions d =
       st::strategy_options(config(st::StrategyKind::kDataParallel, 500'000'000));
-  d.adamw.weight_decay = 0;
+  d.optimizer.weight_decay = 0;
   auto local = st::make_local_communicator();
   Trainee dp(d, *local, ref.init);
   std::vector<st::FullState> w;  // w[k] = state after k updates

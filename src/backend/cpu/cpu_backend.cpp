@@ -640,6 +640,30 @@ class CpuBackend final : public Backend {
     if (!params_out.empty() && params_out.data != master.data) convert(params_out, master);
   }
 
+  void sgd(Tensor master, Tensor grad, Tensor momentum_buf, Tensor params_out,
+           const SgdArgs& a) override {
+    const int64_t n = master.numel();
+    ST_ASSERT(grad.numel() == n && grad.dtype == DType::kF32);
+    const bool use_buf = a.momentum != 0.0f;
+    ST_ASSERT(!use_buf || momentum_buf.numel() == n);
+    ST_ASSERT(!a.nesterov || use_buf);
+    float* p = master.f32();
+    const float* g = grad.f32();
+    float* buf = use_buf ? momentum_buf.f32() : nullptr;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const float gi = g[i] * a.grad_scale + a.weight_decay * p[i];
+      float d = gi;
+      if (use_buf) {
+        const float b = a.first_step ? gi : a.momentum * buf[i] + gi;
+        buf[i] = b;
+        d = a.nesterov ? gi + a.momentum * b : b;
+      }
+      p[i] -= a.lr * d;
+    }
+    if (!params_out.empty() && params_out.data != master.data) convert(params_out, master);
+  }
+
  private:
   size_t allocated_ = 0;
   size_t peak_ = 0;

@@ -618,6 +618,37 @@ __global__ void adamw_kernel(float* p, const TG* grad, float* m, float* v, TO* o
   if (out != nullptr) store_chunk<K>(out + base, pv, cnt);
 }
 
+/// SGD with momentum / Nesterov, torch.optim.SGD with dampening 0, exactly the formula of
+/// Backend::sgd:
+///   g = grad·grad_scale + wd·p; buf ← first_step ? g : μ·buf + g (when μ != 0);
+///   d = nesterov ? g + μ·buf : buf (d = g when μ = 0); p ← p − lr·d; out = (TO) p when
+///   out != nullptr.
+/// master p [n] fp32; grad [n] in TG; buf [n] fp32, or null when μ = 0; out [n] in TO or null.
+template <int K, typename TG, typename TO>
+__global__ void sgd_kernel(float* p, const TG* grad, float* buf, TO* out, int64_t n,
+                           Backend::SgdArgs a) {
+  const int64_t base = global_index() * K;
+  if (base >= n) return;
+  const int cnt = chunk_count<K>(n, base);
+  float pv[K], gv[K], bv[K];
+  load_chunk<K>(pv, p + base, cnt);
+  load_chunk<K>(gv, grad + base, cnt);
+  if (buf != nullptr && !a.first_step) load_chunk<K>(bv, buf + base, cnt);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const float g = gv[k] * a.grad_scale + a.weight_decay * pv[k];
+    float d = g;
+    if (buf != nullptr) {
+      bv[k] = a.first_step ? g : a.momentum * bv[k] + g;
+      d = a.nesterov ? g + a.momentum * bv[k] : bv[k];
+    }
+    pv[k] -= a.lr * d;
+  }
+  if (buf != nullptr) store_chunk<K>(buf + base, bv, cnt);
+  store_chunk<K>(p + base, pv, cnt);
+  if (out != nullptr) store_chunk<K>(out + base, pv, cnt);
+}
+
 // ==== host helpers =============================================================================
 
 /// printf-style formatting into a std::string.
@@ -1342,6 +1373,41 @@ class CudaBackend final : public Backend {
       image_ops_ = make_cuda_image_ops(ctx_, *this);
     }
     return image_ops_.get();
+  }
+
+  void sgd(Tensor master, Tensor grad, Tensor momentum_buf, Tensor params_out,
+           const SgdArgs& args) override {
+    const char* op = "sgd";
+    require_dtype(op, "master", master, DType::kF32);
+    require_float(op, "grad", grad);
+    const int64_t n = master.numel();
+    const bool use_buf = args.momentum != 0.0f;
+    ST_ASSERT(grad.numel() == n && (!args.nesterov || use_buf));
+    if (use_buf) {
+      require_dtype(op, "momentum_buf", momentum_buf, DType::kF32);
+      ST_ASSERT(momentum_buf.numel() == n);
+    }
+    // params_out aliasing the master (fp32 parameters) is the master itself: nothing to write.
+    const bool has_out = !params_out.empty() && params_out.data != master.data;
+    if (has_out) {
+      require_float(op, "params_out", params_out);
+      ST_ASSERT(params_out.numel() == n);
+    }
+    if (n == 0) return;
+    activate();
+    const DType out_dtype = has_out ? params_out.dtype : DType::kF32;
+    const bool vec = all_aligned(master.data, grad.data, use_buf ? momentum_buf.data : nullptr,
+                                 has_out ? params_out.data : nullptr);
+    dispatch_float(grad.dtype, [&]<typename TG>() {
+      dispatch_float(out_dtype, [&]<typename TO>() {
+        dispatch_vec(vec, [&]<int K>() {
+          sgd_kernel<K, TG, TO><<<blocks_for((n + K - 1) / K), kBlock, 0, ctx_.stream>>>(
+              master.as<float>(), grad.as<TG>(), use_buf ? momentum_buf.as<float>() : nullptr,
+              has_out ? params_out.as<TO>() : nullptr, n, args);
+          ST_CUDA_LAUNCH_CHECK();
+        });
+      });
+    });
   }
 
  private:

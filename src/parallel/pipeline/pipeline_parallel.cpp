@@ -416,6 +416,7 @@ void PipelineParallel::finish_load(int64_t optimizer_steps) {
 }
 
 int64_t PipelineParallel::optimizer_steps() const { return inner_->optimizer_steps(); }
+OptimizerKind PipelineParallel::optimizer_kind() const { return inner_->optimizer_kind(); }
 
 int64_t PipelineParallel::gathered_bytes_last_step() const {
   return inner_->gathered_bytes_last_step();

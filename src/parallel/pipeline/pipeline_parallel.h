@@ -108,6 +108,7 @@ class PipelineParallel final : public Strategy {
   void write_state(StateTensor q, int64_t offset, int64_t numel, const float* host) override;
   void finish_load(int64_t optimizer_steps) override;
   int64_t optimizer_steps() const override;
+  OptimizerKind optimizer_kind() const override;
   int64_t gathered_bytes_last_step() const override;
 
  private:
