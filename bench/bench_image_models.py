@@ -223,7 +223,8 @@ def torch_accuracy(name, data, epochs, lr, wd, seed):
             ox = torch.randint(0, 2 * pad + 1, (B,), device="cuda")
             rows = (oy[:, None] + torch.arange(S, device="cuda"))[:, None, :, None]
             cols = (ox[:, None] + torch.arange(S, device="cuda"))[:, None, None, :]
-            x = x[torch.arange(B, device="cuda")[:, None, None, None], 0:1, rows, cols]
+            zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device="cuda")
+            x = x[torch.arange(B, device="cuda")[:, None, None, None], zero, rows, cols]
             x = ((x - mean) / std).contiguous(memory_format=torch.channels_last)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
