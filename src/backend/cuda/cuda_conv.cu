@@ -16,6 +16,7 @@
 #include <cudnn.h>
 
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -66,20 +67,21 @@ struct ConvPlan {
   /// The math type each algorithm was timed with: set on `conv` before running it (cuDNN rejects
   /// an algorithm run under another math type with CUDNN_STATUS_BAD_PARAM).
   cudnnMathType_t fwd_math{}, bwd_data_math{}, bwd_filter_math{};
+  bool nhwc = false;  ///< descriptors in channels-last layout (see channels_last())
 
-  ConvPlan(const Conv2dShape& s, DType dt) {
+  ConvPlan(const Conv2dShape& s, DType dt, bool channels_last) : nhwc(channels_last) {
     const cudnnDataType_t t = cudnn_dtype(dt);
+    const cudnnTensorFormat_t f = nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
     auto i = [](int64_t v) { return static_cast<int>(v); };
     ST_CUDNN_CHECK(cudnnCreateTensorDescriptor(&x));
     ST_CUDNN_CHECK(cudnnCreateTensorDescriptor(&y));
     ST_CUDNN_CHECK(cudnnCreateFilterDescriptor(&w));
     ST_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&conv));
     ST_CUDNN_CHECK(
-        cudnnSetTensor4dDescriptor(x, CUDNN_TENSOR_NCHW, t, i(s.N), i(s.C), i(s.H), i(s.W)));
+        cudnnSetTensor4dDescriptor(x, f, t, i(s.N), i(s.C), i(s.H), i(s.W)));
+    ST_CUDNN_CHECK(cudnnSetTensor4dDescriptor(y, f, t, i(s.N), i(s.K), i(s.P()), i(s.Q())));
     ST_CUDNN_CHECK(
-        cudnnSetTensor4dDescriptor(y, CUDNN_TENSOR_NCHW, t, i(s.N), i(s.K), i(s.P()), i(s.Q())));
-    ST_CUDNN_CHECK(cudnnSetFilter4dDescriptor(w, t, CUDNN_TENSOR_NCHW, i(s.K), i(s.C / s.groups),
-                                              i(s.R), i(s.S)));
+        cudnnSetFilter4dDescriptor(w, t, f, i(s.K), i(s.C / s.groups), i(s.R), i(s.S)));
     ST_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(conv, i(s.pad_h), i(s.pad_w), i(s.stride_h),
                                                    i(s.stride_w), 1, 1, CUDNN_CROSS_CORRELATION,
                                                    CUDNN_DATA_FLOAT));
@@ -135,9 +137,15 @@ std::string geometry_str(const Conv2dShape& s, DType dt) {
          ", groups " + v(s.groups) + ", " + dtype_name(dt);
 }
 
+/// Whether a convolution runs channels-last: bf16/fp16 without groups. cuDNN's tensor-core
+/// kernels work in NHWC; given NCHW tensors they ran several times slower than the transposes to
+/// and from NHWC cost (H100, 2026-11-24), so the runner transposes around them. fp32 (the testing
+/// mode) stays NCHW.
+bool channels_last(const Conv2dShape& s, DType dt) { return dt != DType::kF32 && s.groups == 1; }
+
 class CudnnConvRunner final : public ConvRunner {
  public:
-  explicit CudnnConvRunner(const CudaContext& ctx) : ctx_(ctx) {
+  CudnnConvRunner(const CudaContext& ctx, Backend& backend) : ctx_(ctx), backend_(backend) {
     ST_CUDNN_CHECK(cudnnCreate(&handle_));
     ST_CUDNN_CHECK(cudnnSetStream(handle_, ctx_.stream));
   }
@@ -170,9 +178,21 @@ class CudnnConvRunner final : public ConvRunner {
     }
     const float one = 1.0f, zero = 0.0f;
     ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.fwd_math));
-    ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, inp.data, p.w, weight.data, p.conv,
-                                           p.fwd, workspace(p.fwd_ws), p.fwd_ws, &zero, p.y,
-                                           out.data));
+    if (p.nhwc) {
+      const DType dt = inp.dtype;
+      Temp x(backend_, dt, {s.N, s.H, s.W, s.C}), w(backend_, dt, {s.K, s.R, s.S, s.C}),
+          y(backend_, dt, {s.N, s.P(), s.Q(), s.K});
+      batched_transpose(ctx_, *x, inp, s.N, s.C, s.H * s.W);
+      batched_transpose(ctx_, *w, weight, s.K, s.C, s.R * s.S);
+      ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, (*x).data, p.w, (*w).data,
+                                             p.conv, p.fwd, workspace(p.fwd_ws), p.fwd_ws, &zero,
+                                             p.y, (*y).data));
+      batched_transpose(ctx_, out, *y, s.N, s.P() * s.Q(), s.K);
+    } else {
+      ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, inp.data, p.w, weight.data,
+                                             p.conv, p.fwd, workspace(p.fwd_ws), p.fwd_ws, &zero,
+                                             p.y, out.data));
+    }
     if (!bias.empty() || act != Activation::kNone)
       bias_activation(ctx_, out, bias, s.K, s.P() * s.Q(), act);
   }
@@ -199,11 +219,23 @@ class CudnnConvRunner final : public ConvRunner {
       p.bwd_filter_math = best->mathType;
       p.have_bwd_filter = true;
     }
+    // The operands in the plan's layout: channels-last copies, or the tensors themselves.
+    const DType dt = inp.dtype;
+    std::optional<Temp> x, dy, w, dw, dx;
+    auto nhwc = [&](std::optional<Temp>& t, const Tensor& src, int64_t B, int64_t C, int64_t HW) {
+      t.emplace(backend_, dt, std::initializer_list<int64_t>{B, HW, C});
+      batched_transpose(ctx_, **t, src, B, C, HW);
+      return **t;
+    };
+    const Tensor xo = p.nhwc ? nhwc(x, inp, s.N, s.C, s.H * s.W) : inp;
+    const Tensor dyo = p.nhwc ? nhwc(dy, dout, s.N, s.K, s.P() * s.Q()) : dout;
+    const Tensor dwo = p.nhwc ? nhwc(dw, dweight, s.K, s.C, s.R * s.S) : dweight;
     // β = 1: weight gradients accumulate over micro-batches.
     ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_filter_math));
-    ST_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle_, &one, p.x, inp.data, p.y, dout.data,
+    ST_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle_, &one, p.x, xo.data, p.y, dyo.data,
                                                   p.conv, p.bwd_filter, workspace(p.bwd_filter_ws),
-                                                  p.bwd_filter_ws, &one, p.w, dweight.data));
+                                                  p.bwd_filter_ws, &one, p.w, dwo.data));
+    if (p.nhwc) batched_transpose(ctx_, dweight, dwo, s.K, s.R * s.S, s.C);
     if (dinp.empty()) return;
     if (!p.have_bwd_data) {
       cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
@@ -218,10 +250,14 @@ class CudnnConvRunner final : public ConvRunner {
       p.bwd_data_math = best->mathType;
       p.have_bwd_data = true;
     }
+    const Tensor wo = p.nhwc ? nhwc(w, weight, s.K, s.C, s.R * s.S) : weight;
+    if (p.nhwc) dx.emplace(backend_, dt, std::initializer_list<int64_t>{s.N, s.H * s.W, s.C});
+    const Tensor dxo = p.nhwc ? **dx : dinp;
     ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_data_math));
-    ST_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, p.w, weight.data, p.y, dout.data,
+    ST_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, p.w, wo.data, p.y, dyo.data,
                                                 p.conv, p.bwd_data, workspace(p.bwd_data_ws),
-                                                p.bwd_data_ws, &zero, p.x, dinp.data));
+                                                p.bwd_data_ws, &zero, p.x, dxo.data));
+    if (p.nhwc) batched_transpose(ctx_, dinp, dxo, s.N, s.H * s.W, s.C);
   }
 
  private:
@@ -243,12 +279,14 @@ class CudnnConvRunner final : public ConvRunner {
                   s.groups,
                   static_cast<int>(dt)};
     auto it = plans_.find(key);
-    if (it == plans_.end()) it = plans_.emplace(key, std::make_unique<ConvPlan>(s, dt)).first;
+    if (it == plans_.end())
+      it = plans_.emplace(key, std::make_unique<ConvPlan>(s, dt, channels_last(s, dt))).first;
     return *it->second;
   }
   void* workspace(size_t bytes) { return bytes == 0 ? nullptr : ctx_.get_scratch(bytes); }
 
   const CudaContext& ctx_;
+  Backend& backend_;
   cudnnHandle_t handle_ = nullptr;
   std::map<Key, std::unique_ptr<ConvPlan>> plans_;
 };
@@ -277,10 +315,40 @@ __global__ void bias_gradient_kernel(T* dbias, const T* dout, int64_t N, int64_t
   if (threadIdx.x == 0) dbias[k] = from_float<T>(to_float(dbias[k]) + acc);
 }
 
+/// dst [b, y, x] = src [b, x, y] for matrix b = blockIdx.z: 32×32 tiles through shared memory
+/// (padded against bank conflicts), so reads and writes are both coalesced.
+template <typename T>
+__global__ void transpose_kernel(T* dst, const T* src, int64_t X, int64_t Y) {
+  __shared__ T tile[32][33];
+  const int64_t b = blockIdx.z, x0 = blockIdx.y * 32, y0 = blockIdx.x * 32;
+  const T* s = src + b * X * Y;
+  T* d = dst + b * X * Y;
+  for (int k = threadIdx.y; k < 32; k += blockDim.y) {
+    const int64_t x = x0 + k, y = y0 + threadIdx.x;
+    if (x < X && y < Y) tile[k][threadIdx.x] = s[x * Y + y];
+  }
+  __syncthreads();
+  for (int k = threadIdx.y; k < 32; k += blockDim.y) {
+    const int64_t y = y0 + k, x = x0 + threadIdx.x;
+    if (x < X && y < Y) d[y * X + x] = tile[threadIdx.x][k];
+  }
+}
+
 }  // namespace
 
-std::unique_ptr<ConvRunner> make_conv_runner(const CudaContext& ctx) {
-  return std::make_unique<CudnnConvRunner>(ctx);
+std::unique_ptr<ConvRunner> make_conv_runner(const CudaContext& ctx, Backend& backend) {
+  return std::make_unique<CudnnConvRunner>(ctx, backend);
+}
+
+void batched_transpose(const CudaContext& ctx, Tensor dst, Tensor src, int64_t B, int64_t X,
+                       int64_t Y) {
+  const dim3 block(32, 8);
+  const dim3 grid(ceil_div(static_cast<size_t>(Y), 32), ceil_div(static_cast<size_t>(X), 32),
+                  static_cast<unsigned>(B));
+  dispatch_float(src.dtype, [&]<typename T>() {
+    transpose_kernel<T><<<grid, block, 0, ctx.stream>>>(dst.as<T>(), src.as<T>(), X, Y);
+  });
+  ST_CUDA_LAUNCH_CHECK();
 }
 
 void bias_activation(const CudaContext& ctx, Tensor out, Tensor bias, int64_t K, int64_t PQ,

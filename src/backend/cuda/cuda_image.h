@@ -87,6 +87,24 @@ __device__ __forceinline__ T block_sum(T v, T* shared) {
   return v;
 }
 
+/// Device memory from the backend's caching allocator for the duration of one op (stream-ordered:
+/// freeing it right after enqueueing the kernels that use it is safe).
+class Temp {
+ public:
+  Temp(Backend& be, DType dt, std::initializer_list<int64_t> dims)
+      : be_(be), t_(nullptr, dt, DeviceKind::kCUDA, dims) {
+    t_.data = be_.allocate(t_.bytes());
+  }
+  ~Temp() { be_.deallocate(t_.data); }
+  Temp(const Temp&) = delete;
+  Temp& operator=(const Temp&) = delete;
+  const Tensor& operator*() const { return t_; }
+
+ private:
+  Backend& be_;
+  Tensor t_;
+};
+
 // ---- argument checks (RuntimeFailure naming the op, the tensor and what was expected) ---------
 
 /// `t` is a CUDA tensor of dtype `dt` with exactly `dims`.
@@ -113,7 +131,13 @@ class ConvRunner {
   virtual void backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                         Tensor weight, const Conv2dShape& s) = 0;
 };
-std::unique_ptr<ConvRunner> make_conv_runner(const CudaContext& ctx);
+/// `backend` provides the temporaries of the channels-last path.
+std::unique_ptr<ConvRunner> make_conv_runner(const CudaContext& ctx, Backend& backend);
+
+/// dst [B, Y, X] = src [B, X, Y] for each of B matrices (a tiled transpose): NCHW ↔ NHWC with
+/// X = C, Y = H·W (or back with X, Y swapped), and KCRS ↔ KRSC weights.
+void batched_transpose(const CudaContext& ctx, Tensor dst, Tensor src, int64_t B, int64_t X,
+                       int64_t Y);
 
 /// out [N,K,PQ] = act(out + bias[K]) (bias may be null) in place.
 void bias_activation(const CudaContext& ctx, Tensor out, Tensor bias, int64_t K, int64_t PQ,

@@ -309,7 +309,7 @@ __global__ void classification_loss_kernel(float* losses, T* logits, const int32
 class CudaImageOps final : public ImageOps {
  public:
   CudaImageOps(const CudaContext& ctx, Backend& backend)
-      : ctx_(ctx), backend_(backend), conv_(make_conv_runner(ctx)) {}
+      : ctx_(ctx), backend_(backend), conv_(make_conv_runner(ctx, backend)) {}
 
   void conv2d_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const Conv2dShape& s,
                       Activation act) override {

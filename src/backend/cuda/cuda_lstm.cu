@@ -12,24 +12,6 @@
 namespace shardtrain::cuda {
 namespace {
 
-/// Device memory from the backend's caching allocator for the duration of one op (stream-ordered:
-/// freeing it right after enqueueing the kernels that use it is safe).
-class Temp {
- public:
-  Temp(Backend& be, DType dt, std::initializer_list<int64_t> dims)
-      : be_(be), t_(nullptr, dt, DeviceKind::kCUDA, dims) {
-    t_.data = be_.allocate(t_.bytes());
-  }
-  ~Temp() { be_.deallocate(t_.data); }
-  Temp(const Temp&) = delete;
-  Temp& operator=(const Temp&) = delete;
-  const Tensor& operator*() const { return t_; }
-
- private:
-  Backend& be_;
-  Tensor t_;
-};
-
 Tensor rows(const Tensor& t, int64_t first, int64_t count, int64_t width) {
   return Tensor(
       static_cast<char*>(t.data) + static_cast<size_t>(first * width) * dtype_size(t.dtype),
