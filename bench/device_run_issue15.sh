@@ -7,6 +7,7 @@
 #             .device/test_image_models (the models on CUDA fp32 against the PyTorch fixtures)
 #   smoke     one epoch of cnn and mobilenet_v2 on Fashion-MNIST on the GPU
 #   profile   the FLOPs profiler's per-layer table (mobilenet_v2, vgg11_bn at 32×32, batch 256)
+#   ops       .device/bench_image_ops: device time of each image op on MobileNetV2/VGG layer shapes
 #   speed     bench/bench_image_models.py: images/s and peak memory, shardtrain vs PyTorch eager
 #             and torch.compile (torchvision models, bf16 autocast, channels_last)
 #   accuracy  bench/bench_image_models.py --accuracy: the same recipe in both, test top-1
@@ -18,7 +19,7 @@ source bench/device_run_common.sh
 for phase in "$@"; do
   case $phase in
     tests)
-      for t in test_cuda_image_ops test_image_models; do
+      for t in ${TEST_PROGRAMS:-test_cuda_image_ops test_image_models}; do
         timeout 300 .device/$t > $LOGS/$t.log 2>&1
         say "$t exit $?: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' $LOGS/$t.log | tr '\n' ' ')"
         grep -E "FAILED|Failure|error" $LOGS/$t.log | head -30 | tee -a $SUM
@@ -51,6 +52,9 @@ for phase in "$@"; do
           > $OUT/api_$m.csv 2>&1
         say "nsys $m: top kernels"; head -25 $OUT/kern_$m.csv | cut -c1-220 | tee -a $SUM
       done ;;
+    ops)
+      timeout 120 .device/bench_image_ops ${OPS_REPS:-20} > $OUT/ops.log 2>&1
+      say "bench_image_ops exit $?"; cat $OUT/ops.log | tee -a $SUM ;;
     speed)
       timeout 580 python3 bench/bench_image_models.py --shardtrain $ST --out $OUT/speed.json \
         --workdir /tmp/bim ${SPEED_ARGS:-} > $OUT/speed.log 2>&1
