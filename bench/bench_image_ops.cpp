@@ -66,8 +66,18 @@ struct Bench {
 
 Conv2dShape conv(int64_t N, int64_t C, int64_t H, int64_t K, int64_t R, int64_t stride,
                  int64_t groups) {
-  return {.N = N, .C = C, .H = H, .W = H, .K = K, .R = R, .S = R, .stride_h = stride,
-          .stride_w = stride, .pad_h = R / 2, .pad_w = R / 2, .groups = groups};
+  return {.N = N,
+          .C = C,
+          .H = H,
+          .W = H,
+          .K = K,
+          .R = R,
+          .S = R,
+          .stride_h = stride,
+          .stride_w = stride,
+          .pad_h = R / 2,
+          .pad_w = R / 2,
+          .groups = groups};
 }
 
 }  // namespace

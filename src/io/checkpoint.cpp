@@ -304,17 +304,16 @@ fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
   for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
     files[f] = {{"bytes", fs::file_size(tmp_dir / f)}, {"fnv1a64", checksum_hex(tmp_dir / f)}};
   }
-  json manifest = {
-      {"format", kCheckpointFormat},
-      {"version", 1},
-      {"model", manifest_model_json(info)},
-      {"progress", manifest_progress_json(info.progress)},
-      {"optimizer",
-       {{"type", manifest_optimizer_type(state.optimizer)},
-         {"step", state.optimizer_steps},
-         {"flat_numel", layout.numel()}}},
-      {"config", info.config},
-      {"files", files}};
+  json manifest = {{"format", kCheckpointFormat},
+                   {"version", 1},
+                   {"model", manifest_model_json(info)},
+                   {"progress", manifest_progress_json(info.progress)},
+                   {"optimizer",
+                    {{"type", manifest_optimizer_type(state.optimizer)},
+                     {"step", state.optimizer_steps},
+                     {"flat_numel", layout.numel()}}},
+                   {"config", info.config},
+                   {"files", files}};
   write_file_atomic(tmp_dir / "manifest.json", manifest.dump(2) + "\n");
   return publish_checkpoint_dir(output_dir, tmp_dir, name);
 }

@@ -337,21 +337,20 @@ fs::path save_sharded_checkpoint(const fs::path& output_dir, const std::string& 
       files[sidecar_name(r)] = {
           {"bytes", fs::file_size(side)}, {"fnv1a64", hex(fnv1a64_file(side))}, {"rank", r}};
     }
-    json manifest = {
-        {"format", kCheckpointFormat},
-        {"version", kCheckpointVersion},
-        {"model", manifest_model_json(info)},
-        {"layout", layout_json(layout)},
-        {"world_size", world},
-        {"strategy", strategy.name()},
-        {"ranks", ranks},
-        {"progress", manifest_progress_json(info.progress)},
-        {"optimizer",
-         {{"type", manifest_optimizer_type(strategy.optimizer_kind())},
-           {"step", strategy.optimizer_steps()},
-           {"flat_numel", layout.numel()}}},
-        {"config", info.config},
-        {"files", files}};
+    json manifest = {{"format", kCheckpointFormat},
+                     {"version", kCheckpointVersion},
+                     {"model", manifest_model_json(info)},
+                     {"layout", layout_json(layout)},
+                     {"world_size", world},
+                     {"strategy", strategy.name()},
+                     {"ranks", ranks},
+                     {"progress", manifest_progress_json(info.progress)},
+                     {"optimizer",
+                      {{"type", manifest_optimizer_type(strategy.optimizer_kind())},
+                       {"step", strategy.optimizer_steps()},
+                       {"flat_numel", layout.numel()}}},
+                     {"config", info.config},
+                     {"files", files}};
     if (!info.loss_scaler.is_null()) manifest["loss_scaler"] = info.loss_scaler;
     if (buffer_numel > 0) {
       json tensors = json::array();

@@ -176,10 +176,11 @@ StepResult profiled_image_step(ImageModel& model, TrainStep& train_step, Backend
   profiling.collect();
   const PhaseTimes ph = r.phases ? *r.phases : PhaseTimes{};
   const double total = ph.forward + ph.backward + ph.reduce_wait + ph.optimizer;
-  out.line("profile of step {}: forward {:.2f} ms | backward {:.2f} ms | gradient reduction wait "
-           "{:.2f} ms | optimizer {:.2f} ms | device total {:.2f} ms",
-           step + 1, 1e3 * ph.forward, 1e3 * ph.backward, 1e3 * ph.reduce_wait,
-           1e3 * ph.optimizer, 1e3 * total);
+  out.line(
+      "profile of step {}: forward {:.2f} ms | backward {:.2f} ms | gradient reduction wait "
+      "{:.2f} ms | optimizer {:.2f} ms | device total {:.2f} ms",
+      step + 1, 1e3 * ph.forward, 1e3 * ph.backward, 1e3 * ph.reduce_wait, 1e3 * ph.optimizer,
+      1e3 * total);
   const auto& fwd = profiling.forward_seconds();
   const auto& bwd = profiling.backward_seconds();
   std::vector<size_t> order(fwd.size());
@@ -190,8 +191,8 @@ StepResult profiled_image_step(ImageModel& model, TrainStep& train_step, Backend
   const auto& layers = model.layout().layers();
   for (size_t k = 0; k < std::min<size_t>(order.size(), 20); ++k) {
     const size_t i = order[k];
-    out.line("  {:<28} {:>10.3f} {:>10.3f} {:>6.1f}%", layers[i].name, 1e3 * fwd[i],
-             1e3 * bwd[i], total > 0 ? 100.0 * (fwd[i] + bwd[i]) / total : 0.0);
+    out.line("  {:<28} {:>10.3f} {:>10.3f} {:>6.1f}%", layers[i].name, 1e3 * fwd[i], 1e3 * bwd[i],
+             total > 0 ? 100.0 * (fwd[i] + bwd[i]) / total : 0.0);
   }
   return r;
 }

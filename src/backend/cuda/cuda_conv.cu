@@ -77,11 +77,9 @@ struct ConvPlan {
     ST_CUDNN_CHECK(cudnnCreateTensorDescriptor(&y));
     ST_CUDNN_CHECK(cudnnCreateFilterDescriptor(&w));
     ST_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&conv));
-    ST_CUDNN_CHECK(
-        cudnnSetTensor4dDescriptor(x, f, t, i(s.N), i(s.C), i(s.H), i(s.W)));
+    ST_CUDNN_CHECK(cudnnSetTensor4dDescriptor(x, f, t, i(s.N), i(s.C), i(s.H), i(s.W)));
     ST_CUDNN_CHECK(cudnnSetTensor4dDescriptor(y, f, t, i(s.N), i(s.K), i(s.P()), i(s.Q())));
-    ST_CUDNN_CHECK(
-        cudnnSetFilter4dDescriptor(w, t, f, i(s.K), i(s.C / s.groups), i(s.R), i(s.S)));
+    ST_CUDNN_CHECK(cudnnSetFilter4dDescriptor(w, t, f, i(s.K), i(s.C / s.groups), i(s.R), i(s.S)));
     ST_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(conv, i(s.pad_h), i(s.pad_w), i(s.stride_h),
                                                    i(s.stride_w), 1, 1, CUDNN_CROSS_CORRELATION,
                                                    CUDNN_DATA_FLOAT));
@@ -184,14 +182,14 @@ class CudnnConvRunner final : public ConvRunner {
           y(backend_, dt, {s.N, s.P(), s.Q(), s.K});
       batched_transpose(ctx_, *x, inp, s.N, s.C, s.H * s.W);
       batched_transpose(ctx_, *w, weight, s.K, s.C, s.R * s.S);
-      ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, (*x).data, p.w, (*w).data,
-                                             p.conv, p.fwd, workspace(p.fwd_ws), p.fwd_ws, &zero,
-                                             p.y, (*y).data));
+      ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, (*x).data, p.w, (*w).data, p.conv,
+                                             p.fwd, workspace(p.fwd_ws), p.fwd_ws, &zero, p.y,
+                                             (*y).data));
       batched_transpose(ctx_, out, *y, s.N, s.P() * s.Q(), s.K);
     } else {
-      ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, inp.data, p.w, weight.data,
-                                             p.conv, p.fwd, workspace(p.fwd_ws), p.fwd_ws, &zero,
-                                             p.y, out.data));
+      ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, inp.data, p.w, weight.data, p.conv,
+                                             p.fwd, workspace(p.fwd_ws), p.fwd_ws, &zero, p.y,
+                                             out.data));
     }
     if (!bias.empty() || act != Activation::kNone)
       bias_activation(ctx_, out, bias, s.K, s.P() * s.Q(), act);
@@ -254,9 +252,9 @@ class CudnnConvRunner final : public ConvRunner {
     if (p.nhwc) dx.emplace(backend_, dt, std::initializer_list<int64_t>{s.N, s.H * s.W, s.C});
     const Tensor dxo = p.nhwc ? **dx : dinp;
     ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_data_math));
-    ST_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, p.w, wo.data, p.y, dyo.data,
-                                                p.conv, p.bwd_data, workspace(p.bwd_data_ws),
-                                                p.bwd_data_ws, &zero, p.x, dxo.data));
+    ST_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, p.w, wo.data, p.y, dyo.data, p.conv,
+                                                p.bwd_data, workspace(p.bwd_data_ws), p.bwd_data_ws,
+                                                &zero, p.x, dxo.data));
     if (p.nhwc) batched_transpose(ctx_, dinp, dxo, s.N, s.H * s.W, s.C);
   }
 
