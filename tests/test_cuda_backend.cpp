@@ -29,6 +29,7 @@
 
 #include "backend/backend.h"
 #include "core/error.h"
+#include "core/half.h"
 #include "core/rng.h"
 #include "memory/flat_buffer.h"
 #include "model/gpt2.h"
@@ -56,16 +57,7 @@ std::vector<int32_t> randi(size_t n, uint64_t seed, int32_t bound) {
 }
 
 /// fp32 -> bf16 -> fp32 with round-to-nearest-even (NaN kept NaN): the reference for convert().
-float round_bf16(float x) {
-  if (std::isnan(x)) return x;
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  b += 0x7FFFu + ((b >> 16) & 1u);
-  b &= 0xFFFF0000u;
-  float y;
-  std::memcpy(&y, &b, 4);
-  return y;
-}
+float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 
 Tensor host(std::vector<float>& v, std::initializer_list<int64_t> dims) {
   return Tensor(v.data(), DType::kF32, DeviceKind::kCPU, dims);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/half.h"
 #include "core/rng.h"
 #include "memory/flat_buffer.h"
 
@@ -26,16 +27,8 @@ using namespace shardtrain;
 
 namespace {
 
-float round_bf16(float x) {
-  if (std::isnan(x)) return x;
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  b += 0x7FFFu + ((b >> 16) & 1u);
-  b &= 0xFFFF0000u;
-  float y;
-  std::memcpy(&y, &b, 4);
-  return y;
-}
+/// fp32 -> bf16 -> fp32 with round-to-nearest-even (NaN kept NaN): the reference for convert().
+float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 
 /// One op's operands on both backends: `in` uploads host values (rounded to the GPU dtype first),
 /// `host`/`dev` give the CPU and GPU tensors, `cpu_out`/`gpu_out` read results back as fp32.

@@ -59,14 +59,19 @@ struct ConvPlan {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
   cudnnConvolutionDescriptor_t conv = nullptr;
-  bool have_fwd = false, have_bwd_data = false, have_bwd_filter = false;
-  cudnnConvolutionFwdAlgo_t fwd{};
-  cudnnConvolutionBwdDataAlgo_t bwd_data{};
-  cudnnConvolutionBwdFilterAlgo_t bwd_filter{};
-  size_t fwd_ws = 0, bwd_data_ws = 0, bwd_filter_ws = 0;
-  /// The math type each algorithm was timed with: set on `conv` before running it (cuDNN rejects
-  /// an algorithm run under another math type with CUDNN_STATUS_BAD_PARAM).
-  cudnnMathType_t fwd_math{}, bwd_data_math{}, bwd_filter_math{};
+  /// The algorithm chosen for one direction, its workspace (bytes) and the math type it was timed
+  /// with: set on `conv` before running it (cuDNN rejects an algorithm run under another math
+  /// type with CUDNN_STATUS_BAD_PARAM).
+  template <typename A>
+  struct Choice {
+    bool found = false;
+    A algo{};
+    size_t ws = 0;
+    cudnnMathType_t math{};
+  };
+  Choice<cudnnConvolutionFwdAlgo_t> fwd;
+  Choice<cudnnConvolutionBwdDataAlgo_t> bwd_data;
+  Choice<cudnnConvolutionBwdFilterAlgo_t> bwd_filter;
   bool nhwc = false;  ///< descriptors in channels-last layout (see channels_last())
 
   ConvPlan(const Conv2dShape& s, DType dt, bool channels_last) : nhwc(channels_last) {
@@ -141,6 +146,23 @@ std::string geometry_str(const Conv2dShape& s, DType dt) {
 /// mode) stays NCHW.
 bool channels_last(const Conv2dShape& s, DType dt) { return dt != DType::kF32 && s.groups == 1; }
 
+/// Times one direction's algorithms once (`find(count, &n, perf)`: a cudnnFind*Algorithm call)
+/// and keeps pick()'s choice in `c`; throws naming `what` and the geometry when none qualifies.
+template <typename Perf, int kCount, typename Choice, typename Find>
+void choose(Choice& c, Find&& find, bool deterministic, DType dt, const char* what,
+            const Conv2dShape& s) {
+  if (c.found) return;
+  Perf perf[kCount];
+  int n = 0;
+  ST_CUDNN_CHECK(find(kCount, &n, perf));
+  const Perf* best = pick(perf, n, deterministic, dt);
+  require(best != nullptr, "cuda ", what, ": cuDNN has no algorithm for ", geometry_str(s, dt));
+  c.algo = best->algo;
+  c.ws = best->memory;
+  c.math = best->mathType;
+  c.found = true;
+}
+
 class CudnnConvRunner final : public ConvRunner {
  public:
   CudnnConvRunner(const CudaContext& ctx, Backend& backend) : ctx_(ctx), backend_(backend) {
@@ -161,21 +183,14 @@ class CudnnConvRunner final : public ConvRunner {
       return;
     }
     ConvPlan& p = plan(s, inp.dtype);
-    if (!p.have_fwd) {
-      cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
-      int n = 0;
-      ST_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithm(
-          handle_, p.x, p.w, p.conv, p.y, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf));
-      const auto* best = pick(perf, n, false, inp.dtype);
-      require(best != nullptr, "cuda conv2d_forward: cuDNN has no algorithm for ",
-              geometry_str(s, inp.dtype));
-      p.fwd = best->algo;
-      p.fwd_ws = best->memory;
-      p.fwd_math = best->mathType;
-      p.have_fwd = true;
-    }
+    choose<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT>(
+        p.fwd,
+        [&](int k, int* n, cudnnConvolutionFwdAlgoPerf_t* perf) {
+          return cudnnFindConvolutionForwardAlgorithm(handle_, p.x, p.w, p.conv, p.y, k, n, perf);
+        },
+        false, inp.dtype, "conv2d_forward", s);
     const float one = 1.0f, zero = 0.0f;
-    ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.fwd_math));
+    ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.fwd.math));
     if (p.nhwc) {
       const DType dt = inp.dtype;
       Temp x(backend_, dt, {s.N, s.H, s.W, s.C}), w(backend_, dt, {s.K, s.R, s.S, s.C}),
@@ -183,12 +198,12 @@ class CudnnConvRunner final : public ConvRunner {
       batched_transpose(ctx_, *x, inp, s.N, s.C, s.H * s.W);
       batched_transpose(ctx_, *w, weight, s.K, s.C, s.R * s.S);
       ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, (*x).data, p.w, (*w).data, p.conv,
-                                             p.fwd, workspace(p.fwd_ws), p.fwd_ws, &zero, p.y,
+                                             p.fwd.algo, workspace(p.fwd.ws), p.fwd.ws, &zero, p.y,
                                              (*y).data));
       batched_transpose(ctx_, out, *y, s.N, s.P() * s.Q(), s.K);
     } else {
       ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, inp.data, p.w, weight.data, p.conv,
-                                             p.fwd, workspace(p.fwd_ws), p.fwd_ws, &zero, p.y,
+                                             p.fwd.algo, workspace(p.fwd.ws), p.fwd.ws, &zero, p.y,
                                              out.data));
     }
     if (!bias.empty() || act != Activation::kNone)
@@ -204,19 +219,14 @@ class CudnnConvRunner final : public ConvRunner {
     }
     ConvPlan& p = plan(s, inp.dtype);
     const float one = 1.0f, zero = 0.0f;
-    if (!p.have_bwd_filter) {
-      cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
-      int n = 0;
-      ST_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithm(
-          handle_, p.x, p.y, p.conv, p.w, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &n, perf));
-      const auto* best = pick(perf, n, inp.dtype == DType::kF32, inp.dtype);
-      require(best != nullptr, "cuda conv2d_backward: cuDNN has no weight-gradient algorithm for ",
-              geometry_str(s, inp.dtype));
-      p.bwd_filter = best->algo;
-      p.bwd_filter_ws = best->memory;
-      p.bwd_filter_math = best->mathType;
-      p.have_bwd_filter = true;
-    }
+    const bool deterministic = inp.dtype == DType::kF32;
+    choose<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>(
+        p.bwd_filter,
+        [&](int k, int* n, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
+          return cudnnFindConvolutionBackwardFilterAlgorithm(handle_, p.x, p.y, p.conv, p.w, k, n,
+                                                             perf);
+        },
+        deterministic, inp.dtype, "conv2d_backward (weight gradient)", s);
     // The operands in the plan's layout: channels-last copies, or the tensors themselves.
     const DType dt = inp.dtype;
     std::optional<Temp> x, dy, w, dw, dx;
@@ -229,32 +239,26 @@ class CudnnConvRunner final : public ConvRunner {
     const Tensor dyo = p.nhwc ? nhwc(dy, dout, s.N, s.K, s.P() * s.Q()) : dout;
     const Tensor dwo = p.nhwc ? nhwc(dw, dweight, s.K, s.C, s.R * s.S) : dweight;
     // β = 1: weight gradients accumulate over micro-batches.
-    ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_filter_math));
-    ST_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle_, &one, p.x, xo.data, p.y, dyo.data,
-                                                  p.conv, p.bwd_filter, workspace(p.bwd_filter_ws),
-                                                  p.bwd_filter_ws, &one, p.w, dwo.data));
+    ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_filter.math));
+    ST_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
+        handle_, &one, p.x, xo.data, p.y, dyo.data, p.conv, p.bwd_filter.algo,
+        workspace(p.bwd_filter.ws), p.bwd_filter.ws, &one, p.w, dwo.data));
     if (p.nhwc) batched_transpose(ctx_, dweight, dwo, s.K, s.R * s.S, s.C);
     if (dinp.empty()) return;
-    if (!p.have_bwd_data) {
-      cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
-      int n = 0;
-      ST_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithm(
-          handle_, p.w, p.y, p.conv, p.x, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &n, perf));
-      const auto* best = pick(perf, n, inp.dtype == DType::kF32, inp.dtype);
-      require(best != nullptr, "cuda conv2d_backward: cuDNN has no input-gradient algorithm for ",
-              geometry_str(s, inp.dtype));
-      p.bwd_data = best->algo;
-      p.bwd_data_ws = best->memory;
-      p.bwd_data_math = best->mathType;
-      p.have_bwd_data = true;
-    }
+    choose<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT>(
+        p.bwd_data,
+        [&](int k, int* n, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
+          return cudnnFindConvolutionBackwardDataAlgorithm(handle_, p.w, p.y, p.conv, p.x, k, n,
+                                                           perf);
+        },
+        deterministic, inp.dtype, "conv2d_backward (input gradient)", s);
     const Tensor wo = p.nhwc ? nhwc(w, weight, s.K, s.C, s.R * s.S) : weight;
     if (p.nhwc) dx.emplace(backend_, dt, std::initializer_list<int64_t>{s.N, s.H * s.W, s.C});
     const Tensor dxo = p.nhwc ? **dx : dinp;
-    ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_data_math));
+    ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_data.math));
     ST_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, p.w, wo.data, p.y, dyo.data, p.conv,
-                                                p.bwd_data, workspace(p.bwd_data_ws), p.bwd_data_ws,
-                                                &zero, p.x, dxo.data));
+                                                p.bwd_data.algo, workspace(p.bwd_data.ws),
+                                                p.bwd_data.ws, &zero, p.x, dxo.data));
     if (p.nhwc) batched_transpose(ctx_, dinp, dxo, s.N, s.H * s.W, s.C);
   }
 
