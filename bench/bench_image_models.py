@@ -92,6 +92,17 @@ def steady_rate(recs, warm, log_every, unit="images_per_s"):
     return num / den if den else float("nan")
 
 
+def run_train(cmd, out_dir):
+    """Runs a `shardtrain train` command: (its metrics.jsonl records, wall seconds), or (the end
+    of its output, wall seconds) when it failed."""
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        return (proc.stdout + proc.stderr)[-2000:], wall
+    return [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl"))], wall
+
+
 def run_shardtrain(binary, name, size, steps, warm, workdir, extra=()):
     B = BATCH[size]
     out_dir = os.path.join(workdir, f"st_{name}_{size}")
@@ -104,12 +115,9 @@ def run_shardtrain(binary, name, size, steps, warm, workdir, extra=()):
         cmd += ["--dataset", "fashion-mnist"]
     else:
         cmd += ["--dataset", "synthetic", "--num-samples", str(steps * B)]
-    t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.time() - t0
-    if proc.returncode != 0:
-        return {"error": (proc.stdout + proc.stderr)[-2000:]}
-    recs = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl"))]
+    recs, wall = run_train(cmd, out_dir)
+    if isinstance(recs, str):
+        return {"error": recs}
     epoch = [r for r in recs if "device_peak_allocated_bytes" in r][-1]
     return {"images_per_s": steady_rate(recs, warm, log_every),
             "peak_allocated": epoch["device_peak_allocated_bytes"],
@@ -251,12 +259,9 @@ def shardtrain_accuracy(binary, name, epochs, lr, wd, seed, workdir):
            "--device", "cuda", "--batch-size", "256", "--epochs", str(epochs), "--lr", str(lr),
            "--weight-decay", str(wd), "--seed", str(seed), "--log-interval", "50", "--no-save",
            "--output-dir", out_dir]
-    t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.time() - t0
-    if proc.returncode != 0:
-        return {"error": (proc.stdout + proc.stderr)[-2000:]}
-    recs = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl"))]
+    recs, wall = run_train(cmd, out_dir)
+    if isinstance(recs, str):
+        return {"error": recs}
     evals = [r for r in recs if "val_top1" in r]
     return {"top1": evals[-1]["val_top1"], "top1_by_epoch": [r["val_top1"] for r in evals],
             "wall_s": wall}
