@@ -324,14 +324,8 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
   TrainingProgress progress;
   progress.seed = cfg.seed;
   if (resume) {
-    load_sharded_checkpoint(*resume, model->layout(), *strategy, comm);
+    progress = resume_from(*resume, model->layout(), *strategy, comm, scaler, total_steps);
     load_model_buffers(*resume, *model, comm.rank());
-    progress = resume->progress;
-    restore_loss_scaler(scaler, resume->loss_scaler);
-    check<CheckpointError>(progress.step <= total_steps,
-                           "checkpoint {} is at step {} but this run has only {} steps: raise "
-                           "--max-steps or --epochs to continue training",
-                           resume->dir.string(), progress.step, total_steps);
   }
   MetricsWriter metrics = open_run_metrics(cfg, rank0);
   const json snapshot = config_snapshot(cfg);

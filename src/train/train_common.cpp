@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/strings.h"
+#include "io/sharded_checkpoint.h"
 #include "optim/adamw.h"
 
 namespace shardtrain {
@@ -362,6 +363,19 @@ nlohmann::json loss_scaler_json(const LossScaler& scaler) {
           {"hysteresis_left", st.hysteresis_left},
           {"clean_steps", st.clean_steps},
           {"skipped_steps", st.skipped_steps}};
+}
+
+TrainingProgress resume_from(const CheckpointInfo& ck, const ParamLayout& layout,
+                             Strategy& strategy, Communicator& comm, LossScaler& scaler,
+                             int64_t total_steps) {
+  load_sharded_checkpoint(ck, layout, strategy, comm);
+  // An fp16 run's loss-scale schedule continues where it stopped (other precisions have none).
+  restore_loss_scaler(scaler, ck.loss_scaler);
+  check<CheckpointError>(ck.progress.step <= total_steps,
+                         "checkpoint {} is at step {} but this run has only {} steps: raise "
+                         "--max-steps or --epochs to continue training",
+                         ck.dir.string(), ck.progress.step, total_steps);
+  return ck.progress;
 }
 
 void restore_loss_scaler(LossScaler& scaler, const nlohmann::json& j) {

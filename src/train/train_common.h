@@ -167,6 +167,14 @@ nlohmann::json loss_scaler_json(const LossScaler& scaler);
 /// an object).
 void restore_loss_scaler(LossScaler& scaler, const nlohmann::json& j);
 
+/// Loads sharded checkpoint `ck` into `strategy` (the parameters and optimizer state of
+/// `layout`), continues `scaler` from it and returns its progress. Collective. Throws
+/// CheckpointError when the checkpoint is past the run's `total_steps` (naming --max-steps and
+/// --epochs) or does not fit (load_sharded_checkpoint's errors).
+TrainingProgress resume_from(const CheckpointInfo& ck, const ParamLayout& layout,
+                             Strategy& strategy, Communicator& comm, LossScaler& scaler,
+                             int64_t total_steps);
+
 /// The run's configuration as JSON (run.json, the monitors' text, checkpoints).
 nlohmann::json config_snapshot(const TrainConfig& c);
 

@@ -243,16 +243,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     }
     strategy->setup(model, init);
   }
-  if (resume) {
-    load_sharded_checkpoint(*resume, model.layout(), *strategy, comm);
-    progress = resume->progress;
-    // An fp16 run's loss-scale schedule continues where it stopped (other precisions have none).
-    restore_loss_scaler(scaler, resume->loss_scaler);
-    check<CheckpointError>(progress.step <= total_steps,
-                           "checkpoint {} is at step {} but this run has only {} steps: raise "
-                           "--max-steps or --epochs to continue training",
-                           resume->dir.string(), progress.step, total_steps);
-  }
+  if (resume) progress = resume_from(*resume, model.layout(), *strategy, comm, scaler, total_steps);
 
   const fs::path out_dir = cfg.output_dir;
   MetricsWriter metrics = open_run_metrics(cfg, rank0);
