@@ -8,19 +8,11 @@
 // its images in fp64 and writes a partial; a second kernel adds the G partials in a fixed order.
 // Deterministic, no atomics; fp64 because the variance is taken as E[x²] − E[x]² (see
 // backend/image_ops.h).
-#include <algorithm>
 
 #include "backend/cuda/cuda_image.h"
 
 namespace shardtrain::cuda {
 namespace {
-
-/// Image groups per channel: enough blocks to fill the GPU (4 per SM), at most one per image,
-/// at least ~1024 values per block.
-int64_t image_groups(const CudaContext& ctx, int64_t N, int64_t C, int64_t HW) {
-  const int64_t want = (4 * int64_t{ctx.sm_count} + C - 1) / C;
-  return std::max<int64_t>(1, std::min({N, want, std::max<int64_t>(1, N * HW / 1024)}));
-}
 
 /// Partial sums of channel blockIdx.x over images [n0, n1) of group blockIdx.y: part [G, 2, C]
 /// fp64 = (Σx, Σx²).

@@ -8,7 +8,6 @@
 //                 in registers, the block reduces them, a second kernel adds the groups' partials
 //                 in order (deterministic) to the accumulated gradient
 // fp32 accumulation for every dtype.
-#include <algorithm>
 
 #include "backend/cuda/cuda_image.h"
 
@@ -144,9 +143,7 @@ void depthwise_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Ten
                         Tensor inp, Tensor weight, const Conv2dShape& s) {
   const Geom g = geom(s);
   const int64_t taps = s.R * s.S;
-  const int64_t G =
-      std::max<int64_t>(1, std::min<int64_t>({s.N, (4 * int64_t{ctx.sm_count} + s.C - 1) / s.C,
-                                              std::max<int64_t>(1, s.N * s.P() * s.Q() / 1024)}));
+  const int64_t G = image_groups(ctx, s.N, s.C, s.P() * s.Q());
   auto* part = static_cast<float*>(ctx.get_scratch(static_cast<size_t>(G * s.C * taps) * 4));
   dispatch_float(inp.dtype, [&]<typename T>() {
     const dim3 grid(static_cast<unsigned>(s.C), static_cast<unsigned>(G));

@@ -119,6 +119,10 @@ void expect_nchw(const char* op, const char* name, const Tensor& t, DType dt);
 /// Blocks of kImageBlock threads covering n items with grid-stride loops (≤ 32 per SM).
 constexpr unsigned kImageBlock = 256;
 unsigned grid_for(const CudaContext& ctx, int64_t n);
+/// How many groups of images the per-channel reductions (batch norm's sums, the depthwise weight
+/// gradient) split N images of HW values into: enough blocks of (channel, group) to fill the GPU
+/// (4 per SM), at most one group per image, at least ~1024 values per block.
+int64_t image_groups(const CudaContext& ctx, int64_t N, int64_t C, int64_t HW);
 
 // ---- cuda_conv.cu ---------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@
 // (backend/cpu/cpu_image_ops.cpp, cpu_conv.cpp) up to fp32 summation order; pooling backward
 // gathers (each input element sums the windows that chose it) instead of scattering, so no
 // kernel needs atomics and results are deterministic.
+#include <algorithm>
 #include <cfloat>
 #include <string>
 
@@ -56,6 +57,11 @@ void expect_nchw(const char* op, const char* name, const Tensor& t, DType dt) {
 unsigned grid_for(const CudaContext& ctx, int64_t n) {
   const int64_t blocks = (n + kImageBlock - 1) / kImageBlock;
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(blocks, 32 * ctx.sm_count)));
+}
+
+int64_t image_groups(const CudaContext& ctx, int64_t N, int64_t C, int64_t HW) {
+  const int64_t want = (4 * int64_t{ctx.sm_count} + C - 1) / C;
+  return std::max<int64_t>(1, std::min({N, want, std::max<int64_t>(1, N * HW / 1024)}));
 }
 
 namespace {
