@@ -15,9 +15,7 @@ source bench/device_run_common.sh
 for phase in "$@"; do
   case $phase in
     tests)
-      timeout 300 .device/test_cuda_backend > $LOGS/test_cuda_backend.log 2>&1
-      say "test_cuda_backend exit $?: $(grep -E '^\[  (PASSED|FAILED) ' $LOGS/test_cuda_backend.log | tr '\n' ' ')"
-      grep -E "FAILED|SplitBackward" $LOGS/test_cuda_backend.log | tee -a $SUM ;;
+      run_gtest test_cuda_backend "FAILED|SplitBackward" ;;
     gpu)
       for s in dp gpipe 1f1b zb-h1 2bw interleaved-1f1b; do
         args=(--strategy pipeline --pipeline-stages 1 --pipeline-schedule $s)

@@ -22,9 +22,7 @@ source bench/device_run_common.sh
 for phase in "$@"; do
   case $phase in
     tests)
-      timeout 300 .device/test_cuda_backend > $LOGS/test_cuda_backend.log 2>&1
-      say "test_cuda_backend exit $?: $(grep -E '^\[  (PASSED|FAILED) ' $LOGS/test_cuda_backend.log | tr '\n' ' ')"
-      grep -E "FAILED" $LOGS/test_cuda_backend.log | tee -a $SUM ;;
+      run_gtest test_cuda_backend ;;
     profile)
       for mb in 4 16; do
         timeout 200 $ST train --model gpt2-medium --dataset wikitext-2 --batch-size $mb \

@@ -20,9 +20,7 @@ for phase in "$@"; do
   case $phase in
     tests)
       for t in ${TEST_PROGRAMS:-test_cuda_image_ops test_image_models}; do
-        timeout 300 .device/$t > $LOGS/$t.log 2>&1
-        say "$t exit $?: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' $LOGS/$t.log | tr '\n' ' ')"
-        grep -E "FAILED|Failure|error" $LOGS/$t.log | head -30 | tee -a $SUM
+        run_gtest $t "FAILED|Failure|error"
       done ;;
     smoke)
       for m in cnn mobilenet_v2; do
