@@ -342,6 +342,23 @@ TEST(LaunchFailure, HangingRankIsNamedUnderTheLauncher) {
   fs::remove_all(dir);
 }
 
+TEST(LaunchFailure, RankHangingInAPipelineTransferIsNamed) {
+  const fs::path dir = temp_dir("hang_p2p");
+  // Rank 1 (the last stage) hangs before its third send/recv: rank 0 waits for an activation
+  // gradient that never comes, and its timeout names rank 1.
+  const Result r = run("launch --nproc-per-node 2 --comm-timeout 3 -- " + train_args(dir) +
+                           " --strategy pipeline --pipeline-stages 2 "
+                           "--gradient-accumulation-steps 4",
+                       "SHARDTRAIN_TEST_HANG_RANK=1 SHARDTRAIN_TEST_FAULT_P2P=3");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("from rank 1 did not complete within 3 s: rank 1 has not joined it"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("error: the job failed"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
+  fs::remove_all(dir);
+}
+
 TEST(LaunchFailure, HangingRankIsNamedUnderMpirun) {
   const fs::path dir = temp_dir("hang_mpirun");
   const Result r =

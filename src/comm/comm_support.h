@@ -74,7 +74,9 @@ inline std::string rank_list(const std::vector<int>& ranks) {
 /// collective number $SHARDTRAIN_TEST_FAULT_OP (1-based, default 1) on any communicator, the rank
 /// whose world rank is $SHARDTRAIN_TEST_HANG_RANK sleeps $SHARDTRAIN_TEST_HANG_SECONDS (default
 /// 3600) without communicating, $SHARDTRAIN_TEST_EXIT_RANK exits with status 3, and
-/// $SHARDTRAIN_TEST_KILL_RANK kills itself with SIGKILL. Unset variables inject nothing.
+/// $SHARDTRAIN_TEST_KILL_RANK kills itself with SIGKILL. With $SHARDTRAIN_TEST_FAULT_P2P = N set,
+/// the fault comes before the rank's N-th point-to-point operation (send or recv, 1-based: a
+/// pipeline transfer) instead of a collective. Unset variables inject nothing.
 class FaultInjection {
  public:
   /// Reads the variables for the process of world rank `world_rank`.
@@ -85,6 +87,7 @@ class FaultInjection {
       return v && *v ? std::atoll(v) : fallback;
     };
     f.op_ = num("SHARDTRAIN_TEST_FAULT_OP", 1);
+    f.p2p_op_ = num("SHARDTRAIN_TEST_FAULT_P2P", 0);
     f.hang_s_ = static_cast<double>(num("SHARDTRAIN_TEST_HANG_SECONDS", 3600));
     if (num("SHARDTRAIN_TEST_HANG_RANK", -1) == world_rank) f.kind_ = kHang;
     if (num("SHARDTRAIN_TEST_EXIT_RANK", -1) == world_rank) f.kind_ = kExit;
@@ -93,7 +96,17 @@ class FaultInjection {
   }
   /// Called before collective number `seq` (1-based) named `op` is issued.
   void before_collective(int64_t seq, const char* op) const {
-    if (kind_ == kNone || seq != op_) return;
+    if (p2p_op_ == 0 && seq == op_) inject(seq, op);
+  }
+  /// Called before point-to-point operation number `seq` (1-based, sends and receives counted
+  /// together) named `op` ("send", "recv") is issued.
+  void before_p2p(int64_t seq, const char* op) const {
+    if (p2p_op_ > 0 && seq == p2p_op_) inject(seq, op);
+  }
+
+ private:
+  void inject(int64_t seq, const char* op) const {
+    if (kind_ == kNone) return;
     if (kind_ == kHang) {
       std::this_thread::sleep_for(std::chrono::duration<double>(hang_s_));
     } else if (kind_ == kExit) {
@@ -106,10 +119,10 @@ class FaultInjection {
     }
   }
 
- private:
   enum Kind { kNone, kHang, kExit, kKill };
   Kind kind_ = kNone;
   long long op_ = 1;
+  long long p2p_op_ = 0;  ///< > 0: fault before this point-to-point operation instead
   double hang_s_ = 3600;
 };
 

@@ -591,6 +591,7 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<Work> send(Tensor t, int peer) override {
     check_cpu(t, "send");
     check_peer(peer, "send");
+    st_->fault.before_p2p(st_->p2p + 1, "send");
     auto w = std::make_unique<MpiWork>(
         st_, OpInfo{fmt::format("send #{} to rank {}", ++st_->p2p, peer), false, peer, 0});
     mpi_check(MPI_Isend(t.data, count_of(t, "send"), mpi_type(t.dtype), peer, kP2PTag, st_->comm,
@@ -602,6 +603,7 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<Work> recv(Tensor t, int peer) override {
     check_cpu(t, "recv");
     check_peer(peer, "recv");
+    st_->fault.before_p2p(st_->p2p + 1, "recv");
     auto w = std::make_unique<MpiWork>(
         st_, OpInfo{fmt::format("recv #{} from rank {}", ++st_->p2p, peer), false, peer, 0});
     mpi_check(MPI_Irecv(t.data, count_of(t, "recv"), mpi_type(t.dtype), peer, kP2PTag, st_->comm,

@@ -293,6 +293,7 @@ class NcclState {
       fault_.before_collective(p->seq, op);
       p->name = fmt::format("{} #{}", op, p->seq);
     } else {
+      fault_.before_p2p(p2p_ + 1, op);
       p->name = fmt::format("{} #{} {} rank {}", op, ++p2p_,
                             std::string(op) == "send" ? "to" : "from", peer);
       p->peer = peer < 0 ? -1 : world_ranks_[static_cast<size_t>(peer)];
