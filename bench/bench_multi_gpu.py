@@ -28,7 +28,9 @@ import subprocess
 import sys
 import time
 
-PAIRS = [("dp", "ddp"), ("zero1", "zero"), ("zero2", "fsdp2")]
+PAIRS = [("dp", "ddp"), ("zero1", "zero"), ("zero2", "fsdp2"), ("zero3", "fsdp2-reshard")]
+# PyTorch sides that are torch_dist_worker.py strategies with extra flags
+TORCH_FLAGS = {"fsdp2-reshard": ["fsdp2", "--reshard-after-forward"]}
 # model: (optimizer steps, untimed warmup steps); warmup must be a multiple of LOG_INTERVAL
 PLAN = {"gpt2-medium": (40, 10), "gpt2-xl": (15, 5)}
 SMOKE_PLAN = (15, 5)
@@ -156,7 +158,8 @@ def run_shardtrain(a, strategy, model, gpus, steps, warmup, port, timeout, env):
 def run_torch(a, strategy, model, gpus, steps, warmup, timeout, env):
     name = f"{model}_{strategy}_{gpus}gpu"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={gpus}", WORKER, "--strategy", strategy, "--model", model,
+           f"--nproc-per-node={gpus}", WORKER, "--strategy",
+           *TORCH_FLAGS.get(strategy, [strategy]), "--model", model,
            "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(steps),
            "--warmup", str(warmup), "--device", a.device, "--comm-timeout", str(COMM_TIMEOUT)]
     t0 = time.time()
@@ -173,6 +176,8 @@ def run_torch(a, strategy, model, gpus, steps, warmup, timeout, env):
 
 
 def progress(r):
+    if r.get("skipped"):
+        return "not run (" + r["skipped"] + ")"
     if "per_gpu" not in r:
         return "error: " + r["error"]
     return f"{r['per_gpu']:.0f} tok/s/GPU, {human(r.get('peak_allocated'))} (job {r['wall_s']:.0f} s)"
@@ -232,7 +237,7 @@ def print_table(res):
     for r in rows:
         for side in ("ours", "theirs"):
             e = r[side]
-            if "error" in e:
+            if "error" in e and not e.get("skipped"):
                 tail = [l for l in e.get("log_tail", "").replace("\r", "\n").splitlines() if l.strip()]
                 print(f"\nerror: {label(r, side)}: {e['error']}"
                       + (f" ({e['log']})" if "log" in e else ""))
@@ -259,8 +264,9 @@ def print_table(res):
         sc_o = ratio(so, per_gpu(base, "ours")) if base else "-"
         sc_t = ratio(st, per_gpu(base, "theirs")) if base else "-"
         est = r.get("estimate", {}).get("total")
+        t_cell = "not run" if t.get("skipped") else f"{st:.0f}" if st else "error"
         print(f"{r['model']:12} {r['shardtrain'] + '/' + r['torch']:18} {r['gpus']:4} | "
-              f"{f'{so:.0f}' if so else 'error':>10} {f'{st:.0f}' if st else 'error':>10} "
+              f"{f'{so:.0f}' if so else 'error':>10} {t_cell:>10} "
               f"{ratio(so, st):>6} | {sc_o:>7} {sc_t:>7} | "
               f"{human(o.get('peak_allocated')) if so else '-':>10} "
               f"{human(t.get('peak_allocated')) if st else '-':>10} {human(est):>10}")
@@ -278,7 +284,11 @@ def main():
     ap.add_argument("--shardtrain", default="./build/shardtrain")
     ap.add_argument("--gpus", type=int, default=2, help="N: every cell runs on 1 and on N GPUs")
     ap.add_argument("--models", default=None, help="default gpt2-medium,gpt2-xl (smoke: gpt2-micro)")
-    ap.add_argument("--pairs", default="dp,zero1,zero2", help="shardtrain strategies to run")
+    ap.add_argument("--pairs", default="dp,zero1,zero2",
+                    help="shardtrain strategies to run (dp, zero1, zero2, zero3)")
+    ap.add_argument("--torch-gpus", default="all",
+                    help="GPU counts the PyTorch side runs on: all, none, or a list such as 2 "
+                         "(our 1-GPU cells give shardtrain's scaling either way)")
     ap.add_argument("--batch", type=int, default=None, help="micro-batch per GPU (default 4, smoke 2)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 512, smoke 64)")
     ap.add_argument("--steps", type=int, default=None, help="override the per-model step count")
@@ -321,6 +331,9 @@ def main():
                        "steps": steps, "warmup": warmup,
                        "estimate": est.get(ours) or {"error": est.get("error", "no row for " + ours)}}
                 for side in ("ours", "theirs"):
+                    if side == "theirs" and not torch_runs(a.torch_gpus, g):
+                        row[side] = {"skipped": "--torch-gpus " + a.torch_gpus}
+                        continue
                     left = a.budget - (time.time() - start)
                     if left < 15:
                         row[side] = {"error": "skipped: --budget spent"}
@@ -354,6 +367,13 @@ def main():
     print_table(res)
     print(f"\n{len(res['rows'])} cells in {res['wall_s']:.0f} s; JSON: {a.out}; logs: {a.workdir}")
     return 1 if any("error" in r[s] for r in res["rows"] for s in ("ours", "theirs")) else 0
+
+
+def torch_runs(spec, gpus):
+    """Whether --torch-gpus SPEC (all, none, or a comma list of GPU counts) includes `gpus`."""
+    if spec in ("all", "none"):
+        return spec == "all"
+    return str(gpus) in spec.split(",")
 
 
 if __name__ == "__main__":
