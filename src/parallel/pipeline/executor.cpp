@@ -157,6 +157,7 @@ void PipelineExecutor::receive(int peer, const Key& k) {
                           rank_, peer);
   auto node = pending_recv_.extract(k);
   node.mapped()->wait();
+  if (sync_receives_) backend_.synchronize();
   if (post_ahead_) post_next(peer, act);
 }
 
@@ -183,6 +184,7 @@ double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches,
 
   const int last_v = P_ * V_ - 1;
   const bool on_device = backend_.kind() != DeviceKind::kCPU;
+  sync_receives_ = trace && on_device;
   // MPI (CPU): every neighbour's first message is awaited from the start (post_ahead_).
   const int prev = (rank_ + P_ - 1) % P_, next = (rank_ + 1) % P_;
   if (post_ahead_)

@@ -141,6 +141,10 @@ class PipelineExecutor : public LayerHooks {
   Tensor dwte_;           ///< last stage: the head's wte gradient (sent)
   FlatBuffer tied_grad_;  ///< first stage: the received wte gradient
   bool add_tied_ = false;
+  /// Tracing on a GPU: the host waits for each received message before the next action starts,
+  /// so that a receive's wait is timed as the receive's and not inside the next compute pass
+  /// (a GPU receive otherwise only makes the compute stream wait).
+  bool sync_receives_ = false;
 
   int M_ = 0;
   std::vector<PipelineAction> actions_;  ///< this rank's, with transfers, for M_ micro-batches
