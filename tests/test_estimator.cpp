@@ -221,11 +221,11 @@ TEST(Estimator, Zero3TransientBuffers) {
   EXPECT_GT(kept, released);
   // Released at once and not prefetched: at most the head's embedding (tied) and one block are
   // gathered, plus the embedding's gradient buffer (held through backward), the current block's
-  // and two reductions in flight.
+  // and two reductions in flight; the arena holding them adds the largest layer, the embedding.
   const double wte = 2.0 * static_cast<double>(c.vocab_size + c.n_positions) * c.n_embd;
   const double block = 2.0 * (12.0 * c.n_embd * c.n_embd + 13.0 * c.n_embd);
-  EXPECT_LE(released, 2 * wte + 4 * block + 1e6);
-  EXPECT_GE(released, 2 * wte + block);
+  EXPECT_LE(released, 3 * wte + 4 * block + 1e6);
+  EXPECT_GE(released, 3 * wte + block);
 }
 
 }  // namespace

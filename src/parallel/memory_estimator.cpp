@@ -10,6 +10,7 @@
 #include "core/strings.h"
 #include "model/gpt2.h"
 #include "parallel/buckets.h"
+#include "parallel/device_arena.h"
 #include "parallel/zero3.h"
 
 namespace shardtrain {
@@ -120,8 +121,13 @@ double zero3_transient_bytes(const GPT2Config& model, int gpus, const Zero3Limit
     resident.push_back((gpus == 1 && !params_offloaded) || params < persistence_threshold);
   }
   const Zero3Schedule schedule(layout, padded, resident, limits);
-  return kBf16 * static_cast<double>(
-                     simulate_zero3_pass(layout, schedule, gpus, kZero3ReductionsInFlight).total);
+  const int64_t peak = simulate_zero3_pass(layout, schedule, gpus, kZero3ReductionsInFlight).total;
+  if (gpus == 1 || peak == 0) return kBf16 * static_cast<double>(peak);
+  // Several ranks: one arena holds them, the peak plus the largest layer (zero3.cpp,
+  // parallel/device_arena.h), rounded as it rounds.
+  const int64_t largest = *std::max_element(padded.begin(), padded.end());
+  const int64_t align = DeviceArena::kAlign;
+  return kBf16 * static_cast<double>((peak + largest + align - 1) / align * align);
 }
 
 /// The reduce_bucket_size the ZeRO strategies use: the given one, else kOverlapBucketElements on
@@ -262,7 +268,8 @@ std::string format_memory_estimate(const MemoryEstimate& e, const MemoryEstimate
       "workspace {},\n  and for zero2 the gradient bucket buffers (reduce_bucket_size {} "
       "elements): the embedding's\n  bucket plus one or two transient buckets; for zero3 the "
       "layers gathered at the peak and their\n  gradient buffers, replaying its schedule "
-      "(prefetch {} elements, max live {}, reuse distance {},\n  persistence threshold {}); "
+      "(prefetch {} elements, max live {}, reuse distance {},\n  persistence threshold {}), in "
+      "one arena that holds that peak plus the largest layer; "
       "on several GPUs the copy-engine collectives' staging {}\n",
       gib(kCudaContextBytes), gib(kCublasWorkspaceBytes), with_commas(bucket_elements(o)),
       with_commas(o.zero3.prefetch_bucket_size), with_commas(o.zero3.max_live_parameters),

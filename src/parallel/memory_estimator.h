@@ -120,7 +120,8 @@ double gradient_bucket_bytes(StrategyKind s, const GPT2Config& model, int gpus,
 
 /// zero3's transient buffers at their peak (bytes, bf16): the layers gathered at once and the
 /// per-layer gradient buffers, from a replay of the strategy's schedule (parallel/zero3_schedule.h)
-/// over `gpus` ranks. 0 on one GPU (every layer is resident there).
+/// over `gpus` ranks; on several ranks the arena that holds them, which adds the largest layer
+/// (parallel/device_arena.h). 0 on one GPU (every layer is resident there).
 double zero3_transient_bytes(const GPT2Config& model, int gpus, const Zero3Limits& limits,
                              int64_t persistence_threshold, bool params_offloaded = false);
 

@@ -40,6 +40,7 @@
 #include <deque>
 
 #include "memory/host_buffer.h"
+#include "parallel/device_arena.h"
 #include "parallel/zero3_schedule.h"
 #include "parallel/zero_base.h"
 
@@ -163,8 +164,24 @@ class Zero3 final : public ZeroStrategy {
     if (copies_ && last_copy_) copies_->host_wait(last_copy_);
   }
 
-  void allocate_gradients() override { grad_shard_ = FlatBuffer(backend_, dtype_, shard_numel_); }
-  std::vector<Tensor> gradient_buffers() const override { return {}; }
+  void allocate_gradients() override {
+    grad_shard_ = FlatBuffer(backend_, dtype_, shard_numel_);
+    // Gathered units and full gradient buffers come from one arena the communicator registers
+    // (gradient_buffers()), so that their collectives take the copy engines (device_arena.h). Its
+    // size: the schedule's peak of both together, which the memory estimator replays too, plus
+    // the largest unit against fragmentation; a piece that still finds no room is allocated on
+    // its own (and its collective goes through NCCL).
+    arena_ = DeviceArena();
+    if (world_ > 1) {
+      const Zero3PassPeak peak =
+          simulate_zero3_pass(model_->layout(), schedule_, world_, kZero3ReductionsInFlight);
+      if (peak.total > 0) arena_ = DeviceArena(backend_, dtype_, peak.total + max_padded_);
+    }
+  }
+  std::vector<Tensor> gradient_buffers() const override {
+    if (arena_.capacity() == 0) return {};
+    return {arena_.view()};
+  }
   Tensor grad_shard(size_t i) const override {
     return grad_shard_.slice(parts_[i].shard_offset, parts_[i].owned_numel);
   }
@@ -186,9 +203,9 @@ class Zero3 final : public ZeroStrategy {
   struct Unit {
     bool resident = false;  ///< full parameters always present (persistent, or one rank)
     int64_t offset = 0;     ///< in resident_ (padded unit) or sharded_ (this rank's slice)
-    FlatBuffer gathered;    ///< partitioned unit: its full parameters [padded] while gathered
+    ArenaBuffer gathered;   ///< partitioned unit: its full parameters [padded] while gathered
     std::unique_ptr<Work> gathering;  ///< the all-gather into `gathered`, until waited for
-    FlatBuffer grad;                  ///< several ranks: the full gradient [padded] in backward
+    ArenaBuffer grad;                 ///< several ranks: the full gradient [padded] in backward
     bool grad_live = false;           ///< `grads` holds this backward's gradient buffer
     bool reducing = false;            ///< `grad` is being reduce-scattered
     Tensor params, grads;             ///< what the layer is bound to now (may be empty)
@@ -248,11 +265,12 @@ class Zero3 final : public ZeroStrategy {
     if (x.resident || x.gathered.numel() > 0) return;
     ensure_published(static_cast<size_t>(part_of(layer)));
     const BucketPartition& p = partition(layer);
-    x.gathered = FlatBuffer(backend_, dtype_, p.padded);
+    x.gathered = ArenaBuffer(backend_, &arena_, dtype_, p.padded);  // fully overwritten below
     const Tensor own = own_params(static_cast<size_t>(part_of(layer)));
     if (params_offloaded()) {
-      // The slice comes from host memory on the copy stream (after the buffer's zero-fill on the
-      // compute stream), then the all-gather runs in place.
+      // The slice comes from host memory on the copy stream (ordered after the compute stream's
+      // work so far, which may still read the piece's previous user), then the all-gather runs in
+      // place.
       Tensor slot = x.gathered.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
       copies_->after_compute();
       copies_->to_device(slot.data, own.data, own.bytes());
@@ -275,7 +293,7 @@ class Zero3 final : public ZeroStrategy {
       x.gathering.reset();
     }
     live_numel_ -= x.gathered.numel();
-    x.gathered = FlatBuffer();
+    x.gathered = ArenaBuffer();
     x.params = Tensor();
   }
 
@@ -292,7 +310,8 @@ class Zero3 final : public ZeroStrategy {
     if (world_ == 1) return;  // bound to the shard once and for all
     // The previous micro-step's reduction of this unit must have left its buffer.
     while (x.reducing) complete_reduction();
-    x.grad = FlatBuffer(backend_, dtype_, partition(layer).padded);  // zeroed
+    x.grad = ArenaBuffer(backend_, &arena_, dtype_, partition(layer).padded);
+    if (x.grad.in_arena()) backend_.fill_zero(x.grad.view());  // backward accumulates into it
     grad_numel_ += x.grad.numel();
     note_peak();
     x.grads = x.grad.view();
@@ -322,7 +341,7 @@ class Zero3 final : public ZeroStrategy {
     backend_.add(dst, dst, r.own);
     Unit& x = unit(r.layer);
     grad_numel_ -= x.grad.numel();
-    x.grad = FlatBuffer();
+    x.grad = ArenaBuffer();
     x.grads = Tensor();
     x.reducing = false;
     reductions_.pop_front();
@@ -337,7 +356,8 @@ class Zero3 final : public ZeroStrategy {
     while (!reductions_.empty()) complete_reduction();
   }
 
-  std::vector<Unit> units_;             ///< per layer
+  DeviceArena arena_;                   ///< gathered units and gradient buffers (several ranks)
+  std::vector<Unit> units_;             ///< per layer; declared after arena_, freed before it
   FlatBuffer resident_;                 ///< resident units, full [padded] each, compute dtype
   FlatBuffer sharded_;                  ///< partitioned units, this rank's slice [shard] each
   PinnedBuffer host_shards_;            ///< offload_param: sharded_ in pinned host memory instead
