@@ -223,6 +223,7 @@ def main():
             "micro_batches": a.micro_batches, "micro_batch": a.micro_batch, "seq": a.seq,
             "tokens_per_s": tok, "per_gpu": tok / P, "world": P,
             "params_per_rank": [int(e[2]) for e in every], "params": int(sum(e[2] for e in every)),
+            "untied_head_params": VOCAB * SHAPES[a.model][2],
             "peak_allocated_per_stage": [int(e[0]) for e in every],
             "peak_reserved_per_stage": [int(e[1]) for e in every],
             "peak_allocated": int(max(e[0] for e in every)),
