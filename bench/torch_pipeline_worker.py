@@ -23,8 +23,10 @@ fused AdamW lr 1e-4, random tokens):
   default) divides them by M, so the gradient is that of the mean over the step's tokens.
 - Each step: schedule.step(inputs on the first stage's rank, target on the last's),
   gradient clipping to a global L2 norm of 1.0 (one all-reduce of the stages' squared norms),
-  optimizer.step(), zero_grad. Activations cross stages in fp32 (the residual stream under
-  autocast stays fp32, as in DDP + autocast).
+  optimizer.step(), zero_grad. step(return_outputs=False) where torch has it (2.11 and 2.15
+  do): the last stage does not concatenate the micro-batches' logits into an unused output.
+  Activations cross stages in fp32 (the residual stream under autocast stays fp32, as in DDP +
+  autocast).
 
 The step's batch is M × --micro-batch sequences of --seq tokens. The first --warmup steps are not
 timed; the timed steps run between torch.cuda.synchronize + barrier. Rank 0 prints one line
@@ -169,6 +171,10 @@ def main():
         kw["scale_grads"] = True  # the default where it exists: gradient of the mean over M
     sched = cls(stages[0] if V == 1 else stages, a.micro_batches, **kw)
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    # the last stage would otherwise concatenate the M micro-batches' logits (M × batch × seq ×
+    # vocab fp32) into one output tensor every step, which this benchmark does not use
+    step_kw = ({"return_outputs": False}
+               if "return_outputs" in inspect.signature(sched.step).parameters else {})
 
     has_first, has_last = 0 in chunk_ids, n_chunks - 1 in chunk_ids
     g = torch.Generator(device="cpu").manual_seed(1234)  # the same tokens on every rank
@@ -193,6 +199,7 @@ def main():
         args = (x,) if has_first else ()
         losses = [] if has_last else None
         kwargs = {"target": y, "losses": losses} if has_last else {}
+        kwargs.update(step_kw)
         sched.step(*args, **kwargs)
         if not a.no_clip:
             clip_grad_norm_across_stages(params, 1.0)
