@@ -48,8 +48,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_multi_gpu import (RESULT_TAG, bench_env, human, job_error, parse_metrics,  # noqa: E402
-                             prepare_paths, result_header, run_job)
+from bench_multi_gpu import (bench_env, human, prepare_paths, result_header,  # noqa: E402
+                             run_tagged_job, run_train_job)
 
 # shardtrain schedule -> (its extra flags, the matching torch_pipeline_worker schedule or None)
 PAIRS = [("gpipe", [], "gpipe"), ("1f1b", [], "1f1b"),
@@ -59,7 +59,7 @@ PAIRS = [("gpipe", [], "gpipe"), ("1f1b", [], "1f1b"),
 PLAN = {"gpt2-xl": (6, 2)}
 DEFAULT_PLAN = (6, 2)
 SMOKE_PLAN = (4, 1)
-CELL_TIMEOUT = {"gpt2-xl": 150}  # seconds per job; others: --cell-timeout
+CELL_TIMEOUT = {"gpt2-xl": 150}  # seconds per job unless --cell-timeout; others 90
 COMM_TIMEOUT = 60  # seconds a collective may hang before a job fails by itself
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "torch_pipeline_worker.py")
@@ -104,15 +104,12 @@ def run_shardtrain(a, schedule, extra, M, steps, warmup, port, timeout, env):
            "--gradient-accumulation-steps", str(M), "--max-steps", str(steps),
            "--log-interval", "1", "--warmup-steps", "1", "--eval-samples", str(a.batch),
            "--no-save", "--output-dir", out] + ([] if a.no_trace else ["--trace", trace])
-    t0 = time.time()
-    log = os.path.join(a.workdir, name + ".log")
-    rc, text = run_job(cmd, timeout, log, env)
-    done = os.path.exists(metrics) and any('"event":"done"' in l.replace(" ", "") for l in open(metrics))
-    if not done:  # the run did not finish training
-        return job_error(rc, text, timeout, log)
-    r = parse_metrics(metrics, warmup, a.smoke)
-    r.update(per_gpu=r["tokens_per_s"] / STAGES, wall_s=time.time() - t0, log=log,
-             peak_allocated_per_stage=per_rank_peaks(metrics), **parse_bubble(text))
+    r, text = run_train_job(cmd, metrics, warmup, a.smoke, timeout,
+                            os.path.join(a.workdir, name + ".log"), env)
+    if "tokens_per_s" not in r:
+        return r
+    r.update(per_gpu=r["tokens_per_s"] / STAGES, peak_allocated_per_stage=per_rank_peaks(metrics),
+             **parse_bubble(text))
     m = PARAMS_RE.search(text)
     r["params"] = int(m.group(1).replace(",", "")) if m else None
     svgs = {}
@@ -123,10 +120,8 @@ def run_shardtrain(a, schedule, extra, M, steps, warmup, port, timeout, env):
             shutil.copyfile(path, dst)
             svgs[kind] = dst
     r["svg"] = svgs
-    if rc != 0:  # finished and measured, then failed on the way out: keep the numbers
-        r["warning"] = job_error(rc, text, timeout, log)["error"] + " after training finished"
-    elif not a.no_trace and "measured_bubble" not in r:
-        r["warning"] = "no 'measured bubble' line in the log"
+    if not a.no_trace and "measured_bubble" not in r:
+        r["warning"] = "; ".join(filter(None, (r.get("warning"), "no 'measured bubble' line in the log")))
     return r
 
 
@@ -137,17 +132,7 @@ def run_torch(a, schedule, M, steps, warmup, timeout, env):
            "--micro-batch", str(a.batch), "--seq", str(a.seq), "--micro-batches", str(M),
            "--steps", str(steps), "--warmup", str(warmup), "--device", a.device,
            "--comm-timeout", str(COMM_TIMEOUT)]
-    t0 = time.time()
-    log = os.path.join(a.workdir, name + ".log")
-    rc, text = run_job(cmd, timeout, log, env)
-    lines = [l[len(RESULT_TAG):] for l in text.splitlines() if l.startswith(RESULT_TAG)]
-    if not lines:
-        return job_error(rc, text, timeout, log)
-    r = json.loads(lines[-1])
-    r.update(wall_s=time.time() - t0, log=log)
-    if rc != 0:  # measured, then failed in teardown (seen with gloo): keep the numbers
-        r["warning"] = job_error(rc, text, timeout, log)["error"] + " after the result line"
-    return r
+    return run_tagged_job(cmd, timeout, os.path.join(a.workdir, name + ".log"), env)
 
 
 def progress(r):
@@ -232,7 +217,8 @@ def main():
                     help="shardtrain --partition-method for gpipe/1f1b/zb-h1/2bw (PyTorch: uniform)")
     ap.add_argument("--no-trace", action="store_true",
                     help="run shardtrain without --trace: no GPU synchronization per pass, no bubble")
-    ap.add_argument("--cell-timeout", type=float, default=90, help="seconds per job (gpt2-xl: 150)")
+    ap.add_argument("--cell-timeout", type=float, default=None,
+                    help="seconds per job (default 150 for gpt2-xl, else 90)")
     ap.add_argument("--budget", type=float, default=480,
                     help="seconds for the whole bench: later jobs are skipped, the table printed")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke test: --device cpu, gloo, tiny model")
@@ -263,7 +249,7 @@ def main():
     env = bench_env(a.smoke)
     if a.smoke:  # Open MPI's single-copy path, as bench/pipeline_bubble_cpu.sh (docs/PIPELINE.md)
         env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "cma")
-    limit = CELL_TIMEOUT.get(a.model, a.cell_timeout)
+    limit = a.cell_timeout or CELL_TIMEOUT.get(a.model, 90)
 
     res = result_header(a, model=a.model, batch=a.batch, seq=a.seq, stages=STAGES, steps=steps,
                         warmup=warmup, micro_batches=Ms, partition=a.partition,
