@@ -195,7 +195,8 @@ def main():
             sync()
             dist.barrier()
             t0 = time.perf_counter()
-        x, y = data[s, :, :-1], data[s, :, 1:]
+        # contiguous: torch 2.11 checks the micro-batches' strides against shape inference's
+        x, y = data[s, :, :-1].contiguous(), data[s, :, 1:].contiguous()
         args = (x,) if has_first else ()
         losses = [] if has_last else None
         kwargs = {"target": y, "losses": losses} if has_last else {}
