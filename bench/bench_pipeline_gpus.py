@@ -7,9 +7,14 @@ its simulator's prediction for the measured op times of each stage.
 Usage (GPU machine with 2 GPUs; 18 short jobs, bounded by --budget seconds in all):
     python3 bench/bench_pipeline_gpus.py --shardtrain .device/shardtrain \
         --out $OUT/bench_pipeline_gpus.json --workdir $OUT/bench_pipeline_gpus --svg-dir $OUT/svg
-CPU smoke test of the scripts themselves (gpt2-tiny, M = 4, 2 × 64 tokens; shardtrain --device cpu
-via mpirun, torch with gloo; run it with a Python that has torch and transformers):
+CPU smoke test of the scripts themselves (gpt2-tiny, the smallest preset whose 4 blocks cut into
+2 stages × 2 chunks; M = 4, 2 × 64 tokens, 4 steps; shardtrain --device cpu via mpirun, torch with
+gloo; about 2 minutes on 2 cores; run it with a Python that has torch and transformers, and set
+SHARDTRAIN_DATA_DIR when the binary is not in its build tree):
     PY_WITH_TORCH bench/bench_pipeline_gpus.py --smoke --shardtrain build-cpu/shardtrain
+Sizing: gpt2-xl, 6 steps (2 untimed) per job; a job is mostly start-up (process launch, CUDA and
+NCCL init, building the model), so 18 jobs take about 6–9 minutes: --budget (default 480 s)
+skips what is left, the larger M first; --micro-batches 8 halves the run.
 
 Pairs (shardtrain --pipeline-schedule ↔ bench/torch_pipeline_worker.py --schedule):
 gpipe ↔ gpipe (ScheduleGPipe), 1f1b ↔ 1f1b (Schedule1F1B), interleaved-1f1b with
