@@ -130,6 +130,38 @@ def parse_metrics(path, warmup, smoke):
             "first_loss": losses[0], "last_loss": losses[-1]}
 
 
+def run_train_job(cmd, metrics, warmup, smoke, timeout, log, env):
+    """Runs a `shardtrain ... train` job writing `metrics` (metrics.jsonl); returns (its
+    parse_metrics result with wall_s and log, or a job_error when training did not finish, and the
+    job's output). A job that finished training and then failed keeps its numbers, with a warning."""
+    t0 = time.time()
+    rc, text = run_job(cmd, timeout, log, env)
+    done = os.path.exists(metrics) and any('"event":"done"' in l.replace(" ", "") for l in open(metrics))
+    if not done:  # the run did not finish training
+        return job_error(rc, text, timeout, log), text
+    r = parse_metrics(metrics, warmup, smoke)
+    r.update(wall_s=time.time() - t0, log=log)
+    if rc != 0:  # finished and measured, then failed on the way out: keep the numbers
+        r["warning"] = job_error(rc, text, timeout, log)["error"] + " after training finished"
+    return r, text
+
+
+def run_tagged_job(cmd, timeout, log, env):
+    """Runs a job that prints its result as one "BENCH_RESULT {json}" line (the PyTorch workers);
+    returns that dict with wall_s and log, or a job_error. A job that printed its result and then
+    failed (seen with gloo in teardown) keeps its numbers, with a warning."""
+    t0 = time.time()
+    rc, text = run_job(cmd, timeout, log, env)
+    lines = [l[len(RESULT_TAG):] for l in text.splitlines() if l.startswith(RESULT_TAG)]
+    if not lines:
+        return job_error(rc, text, timeout, log)
+    r = json.loads(lines[-1])
+    r.update(wall_s=time.time() - t0, log=log)
+    if rc != 0:
+        r["warning"] = job_error(rc, text, timeout, log)["error"] + " after the result line"
+    return r
+
+
 def run_shardtrain(a, strategy, model, gpus, steps, warmup, port, timeout, env):
     name = f"{model}_{strategy}_{gpus}gpu"
     out = os.path.join(a.workdir, name)
@@ -142,16 +174,10 @@ def run_shardtrain(a, strategy, model, gpus, steps, warmup, port, timeout, env):
            "--strategy", strategy, "--batch-size", str(a.batch), "--max-length", str(a.seq),
            "--max-steps", str(steps), "--log-interval", str(LOG_INTERVAL), "--warmup-steps", "5",
            "--eval-samples", str(a.batch), "--no-save", "--output-dir", out]
-    t0 = time.time()
-    log = os.path.join(a.workdir, name + ".log")
-    rc, text = run_job(cmd, timeout, log, env)
-    done = os.path.exists(metrics) and any('"event":"done"' in l.replace(" ", "") for l in open(metrics))
-    if not done:  # the run did not finish training
-        return job_error(rc, text, timeout, log)
-    r = parse_metrics(metrics, warmup, a.smoke)
-    r.update(per_gpu=r["tokens_per_s"] / gpus, wall_s=time.time() - t0, log=log)
-    if rc != 0:  # finished and measured, then failed on the way out: keep the numbers
-        r["warning"] = job_error(rc, text, timeout, log)["error"] + " after training finished"
+    r, _ = run_train_job(cmd, metrics, warmup, a.smoke, timeout,
+                         os.path.join(a.workdir, name + ".log"), env)
+    if "tokens_per_s" in r:
+        r["per_gpu"] = r["tokens_per_s"] / gpus
     return r
 
 
@@ -162,17 +188,7 @@ def run_torch(a, strategy, model, gpus, steps, warmup, timeout, env):
            *TORCH_FLAGS.get(strategy, [strategy]), "--model", model,
            "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(steps),
            "--warmup", str(warmup), "--device", a.device, "--comm-timeout", str(COMM_TIMEOUT)]
-    t0 = time.time()
-    log = os.path.join(a.workdir, name + ".log")
-    rc, text = run_job(cmd, timeout, log, env)
-    lines = [l[len(RESULT_TAG):] for l in text.splitlines() if l.startswith(RESULT_TAG)]
-    if not lines:
-        return job_error(rc, text, timeout, log)
-    r = json.loads(lines[-1])
-    r.update(wall_s=time.time() - t0, log=log)
-    if rc != 0:  # measured, then failed in teardown (seen with gloo): keep the numbers
-        r["warning"] = job_error(rc, text, timeout, log)["error"] + " after the result line"
-    return r
+    return run_tagged_job(cmd, timeout, os.path.join(a.workdir, name + ".log"), env)
 
 
 def progress(r):
