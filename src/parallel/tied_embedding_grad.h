@@ -33,6 +33,10 @@
 
 namespace shardtrain {
 
+/// The exchange of one strategy (dp's, data_parallel.cpp). The strategy all-reduces the slice
+/// [offset(), offset() + numel()) of its gradient buffer from the reader layer's after_backward()
+/// while active(), leaves those elements out of the bucket that holds the embedding, and calls
+/// finish() after waiting for that all-reduce.
 class TiedEmbeddingGrad {
  public:
   TiedEmbeddingGrad() = default;
