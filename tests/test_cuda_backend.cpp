@@ -514,6 +514,15 @@ TEST_P(CudaOpTest, EmbeddingForwardBackwardRepeatedTokensDeterministic) {
         EXPECT_TRUE(bit_equal(got_wpe, first_wpe)) << "dwpe differs between two identical runs";
       }
     }
+    // Either part alone (an empty gradient skips the other): the same kernels, the same bits
+    // (the tied-embedding hand-off runs wpe's part alone and wte's on every rank's rows).
+    FlatBuffer gdwte = up(dwte0), gdwpe = up(dwpe0);
+    gpu->embedding_backward(dev(gdwte, {V, C}), Tensor(), dev(gdout, {B, Tn, C}),
+                            dev(gtok, {B, Tn}));
+    gpu->embedding_backward(Tensor(), dev(gdwpe, {maxT, C}), dev(gdout, {B, Tn, C}),
+                            dev(gtok, {B, Tn}));
+    EXPECT_TRUE(bit_equal(down(gdwte), first_wte)) << "dwte alone";
+    EXPECT_TRUE(bit_equal(down(gdwpe), first_wpe)) << "dwpe alone";
   }
 }
 

@@ -333,7 +333,9 @@ TEST(LaunchFailure, HangingRankIsNamedUnderTheLauncher) {
   const Result r = run("launch --nproc-per-node 2 --comm-timeout 3 -- " + train_args(dir),
                        "SHARDTRAIN_TEST_HANG_RANK=1");
   EXPECT_NE(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("error: rank 0: all_reduce #1 did not complete within 3 s: rank 1 has "
+  // dp's first collective: the tied-embedding exchange checks that every rank hands over as many
+  // embedding rows (parallel/tied_embedding_grad.h).
+  EXPECT_NE(r.output.find("error: rank 0: all_gather #1 did not complete within 3 s: rank 1 has "
                           "not joined it (it is stuck or dead)"),
             std::string::npos)
       << r.output;

@@ -122,6 +122,8 @@ class Backend {
                                  const Dropout& dropout = {}) = 0;
   /// dwte [V,C] += scatter of dout by token; dwpe [maxT,C] += Σ_b dout[b,t,:]. With an active
   /// `dropout` (the forward's), dout is multiplied by the regenerated mask/(1-p) as it is read.
+  /// Either of dwte and dwpe may be empty to skip its part (the tied-embedding hand-off,
+  /// LayerHooks::take_tied_embedding_grad: wpe's part locally, wte's over all ranks' rows).
   virtual void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,
                                   const Dropout& dropout = {}) = 0;
 

@@ -184,21 +184,33 @@ void GPT2Model::backward_layers(int s, int first, int last, BackwardPass pass) {
   ST_ASSERT(0 <= first && first < last && last <= num_layers());
   Tensor dresid = activation_grad(s);
   const bool hooks = hooks_ && pass != BackwardPass::kInput;
+  // The LM head is tied to wte: the hooks may take over the embedding's part of wte's gradient
+  // (LayerHooks::take_tied_embedding_grad) when this backward runs both.
+  const bool hand_off = hooks && pass == BackwardPass::kFull && first == 0 &&
+                        last == num_layers() && has_embedding() && has_head() &&
+                        hooks_->take_tied_embedding_grad(sl.ctx.B * sl.ctx.T);
   for (int i = last - 1; i >= first; --i) {
     if (hooks) hooks_->before_backward(i);
     Layer& l = *layers_[static_cast<size_t>(i)];
     l.use_slot(s);
     const Tensor in = i == 0 && has_embedding() ? Tensor() : activation(s, i);
-    switch (pass) {
-      case BackwardPass::kFull:
-        l.backward(backend_, sl.ctx, in, dresid);
-        break;
-      case BackwardPass::kInput:
-        l.backward_input(backend_, sl.ctx, in, dresid);
-        break;
-      case BackwardPass::kWeight:
-        l.backward_weight(backend_, sl.ctx, in, dresid);
-        break;
+    if (hand_off && i == 0) {  // wpe's gradient here, wte's rows to the hooks
+      embedding_backward_positions(backend_, l, sl.ctx, dresid);
+      const int64_t rows = sl.ctx.B * sl.ctx.T;
+      hooks_->tied_embedding_grad(dresid.reshape({rows, config_.n_embd}),
+                                  sl.ctx.tokens.reshape({rows}));
+    } else {
+      switch (pass) {
+        case BackwardPass::kFull:
+          l.backward(backend_, sl.ctx, in, dresid);
+          break;
+        case BackwardPass::kInput:
+          l.backward_input(backend_, sl.ctx, in, dresid);
+          break;
+        case BackwardPass::kWeight:
+          l.backward_weight(backend_, sl.ctx, in, dresid);
+          break;
+      }
     }
     if (hooks) hooks_->after_backward(i);
     if (hooks_) hooks_->between_layers();

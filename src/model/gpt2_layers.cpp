@@ -123,6 +123,12 @@ class EmbeddingLayer final : public Layer {
     backward(be, ctx, in, dresid);
   }
   TiedEmbedding views() const { return {&wte_, &dwte_}; }
+  /// The backward's position part alone (embedding_backward_positions in gpt2_layers.h).
+  void backward_positions(Backend& be, StepContext& ctx, Tensor dresid) {
+    const Dropout drop = ctx.dropout(ctx.embd_pdrop, kEmbeddingDropoutSite);
+    if (drop.active()) be.dropout_backward(dresid, dresid, drop);
+    be.embedding_backward(Tensor(), dwpe_, dresid, ctx.tokens);
+  }
 
  private:
   GPT2Config c_;
@@ -133,6 +139,10 @@ class EmbeddingLayer final : public Layer {
 
 TiedEmbedding embedding_views(const Layer& embedding) {
   return static_cast<const EmbeddingLayer&>(embedding).views();
+}
+
+void embedding_backward_positions(Backend& be, Layer& embedding, StepContext& ctx, Tensor dresid) {
+  static_cast<EmbeddingLayer&>(embedding).backward_positions(be, ctx, dresid);
 }
 
 // ---- transformer block ---------------------------------------------------------------------

@@ -57,6 +57,12 @@ LayerFactory make_layer_factory(const GPT2Config& config, TiedEmbedding tied, bo
 /// Pointers to the embedding layer's wte and dwte views (stable while the layer lives).
 TiedEmbedding embedding_views(const Layer& embedding);
 
+/// The embedding's backward without its token part, for the tied-embedding hand-off
+/// (LayerHooks::take_tied_embedding_grad): multiplies `dresid` [B,T,C] in place by the forward's
+/// dropout mask/(1-p) (when dropout is on), so that it holds ∂L/∂(wte[tokens] + wpe), and
+/// accumulates wpe's gradient from it; wte's gradient is not touched.
+void embedding_backward_positions(Backend& be, Layer& embedding, StepContext& ctx, Tensor dresid);
+
 /// Host copy of the logits row `row` (V floats) of the head's last forward in its current slot.
 std::vector<float> head_logits_row(Backend& be, Layer& head, int64_t row);
 

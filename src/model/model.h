@@ -29,6 +29,29 @@ class LayerHooks {
   /// its transfers in flight (MPI moves a large message only while its sender is inside an MPI
   /// call, so a stage computing for long would otherwise hold its neighbour's data back).
   virtual void between_layers() {}
+
+  // ---- tied-embedding gradient hand-off ------------------------------------------------------
+  // A model whose last layer reads its first layer's token embedding (GPT-2's LM head is tied to
+  // wte [V, C]) writes that gradient twice in backward: the head first, the embedding last. So a
+  // strategy that reduces gradients during backward could only reduce wte after the whole
+  // backward. Instead it may reduce wte as soon as the head's after_backward() ran, and take the
+  // embedding's contribution as the rows it would scatter (B·T·C, far fewer than V·C): it
+  // all-gathers every rank's rows and token ids and scatter-adds them into the reduced gradient
+  // (parallel/tied_embedding_grad.h).
+
+  /// Asked by such a model before a full backward over all its layers (the head's backward not
+  /// started yet), `rows` = B·T tokens of the micro-batch. True: the hooks take over the
+  /// embedding's contribution to the tied gradient in this backward — the model's embedding then
+  /// leaves wte's gradient alone (it may be under reduction) and calls tied_embedding_grad()
+  /// once instead. False (the default): the embedding scatters into wte's gradient as usual.
+  virtual bool take_tied_embedding_grad(int64_t /*rows*/) { return false; }
+  /// The embedding's contribution to the tied gradient, after take_tied_embedding_grad()
+  /// returned true: dwte[tokens[r], :] += dx[r, :] for every row r is what is owed.
+  /// dx [rows, C] in the compute dtype: ∂L/∂(wte[tokens] + wpe) with the embedding dropout's
+  /// mask already applied; tokens [rows] int32; both on the device. Called from the embedding's
+  /// backward, before after_backward(0); both tensors stay valid and untouched until the
+  /// strategy's finish_gradients() (the next forward overwrites them).
+  virtual void tied_embedding_grad(Tensor /*dx*/, Tensor /*tokens*/) {}
 };
 
 /// One micro-batch in host memory. Language models read `tokens` [batch · seq_len] and

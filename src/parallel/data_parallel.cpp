@@ -2,7 +2,8 @@
 // in mixed precision, ZeRO paper §5); gradients are all-reduced in buckets of whole layers,
 // launched from the backward hook of the last micro-step as soon as a bucket's layers are done,
 // so communication overlaps the rest of backward (Li et al., "PyTorch Distributed", VLDB 2020,
-// §3.2.3).
+// §3.2.3). GPT-2's tied wte is reduced early, after the LM head's backward, and the embedding's
+// part of its gradient exchanged as rows (parallel/tied_embedding_grad.h).
 #include "parallel/data_parallel.h"
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include "core/error.h"
 #include "parallel/buckets.h"
 #include "parallel/registered_buffers.h"
+#include "parallel/tied_embedding_grad.h"
 
 namespace shardtrain {
 namespace {
@@ -46,6 +48,7 @@ class DataParallel final : public Strategy {
     buckets_ = build_grad_buckets(
         layout, opt_.reduce_bucket_size_set ? opt_.reduce_bucket_size : kOverlapBucketElements);
     readiness_ = BucketReadiness(buckets_, model.num_layers());
+    tied_ = TiedEmbeddingGrad(backend_, comm_, layout, opt_.overlap_comm);
     registered_ = RegisteredBuffers(comm_, backend_, {grads_.view()});
   }
 
@@ -58,15 +61,22 @@ class DataParallel final : public Strategy {
 
   void after_backward(int layer) override {
     if (!last_micro_ || comm_.world_size() == 1 || !opt_.overlap_comm) return;
+    // The tied wte, complete but for the embedding's rows: reduced on its own from here.
+    if (tied_.active() && layer == tied_.reader_layer())
+      pending_.push_back(comm_.all_reduce(tied_grad(), ReduceOp::kSum));
     const int b = readiness_.layer_done(layer);
     if (b >= 0) reduce(static_cast<size_t>(b));
   }
+
+  bool take_tied_embedding_grad(int64_t rows) override { return last_micro_ && tied_.take(rows); }
+  void tied_embedding_grad(Tensor dx, Tensor tokens) override { tied_.gather(dx, tokens); }
 
   void finish_gradients() override {
     if (!opt_.overlap_comm && comm_.world_size() > 1)
       for (size_t b = 0; b < buckets_.size(); ++b) reduce(b);
     for (auto& w : pending_) w->wait();
     pending_.clear();
+    if (tied_.active()) tied_.finish(tied_grad());
   }
 
   double grad_norm(double scale) override {
@@ -149,10 +159,20 @@ class DataParallel final : public Strategy {
     return master_.numel() ? master_.view() : params_.view();
   }
 
+  /// All-reduces bucket `b`; while the tied exchange is active, without wte (reduced already).
   void reduce(size_t b) {
     const GradBucket& bk = buckets_[b];
-    pending_.push_back(comm_.all_reduce(grads_.slice(bk.offset, bk.numel), ReduceOp::kSum));
+    int64_t offset = bk.offset, numel = bk.numel;
+    if (tied_.active() && bk.contains(tied_.source_layer())) {
+      ST_ASSERT(offset == tied_.offset());  // the embedding is the bucket's first layer
+      offset += tied_.numel();
+      numel -= tied_.numel();
+    }
+    if (numel > 0)
+      pending_.push_back(comm_.all_reduce(grads_.slice(offset, numel), ReduceOp::kSum));
   }
+  /// wte's gradient [V·C] in grads_.
+  Tensor tied_grad() const { return grads_.slice(tied_.offset(), tied_.numel()); }
 
   StrategyOptions opt_;
   Backend& backend_;
@@ -163,6 +183,7 @@ class DataParallel final : public Strategy {
   // Buckets of whole layers up to zero.reduce_bucket_size elements (parallel/buckets.h).
   std::vector<GradBucket> buckets_;
   BucketReadiness readiness_;
+  TiedEmbeddingGrad tied_;  ///< the early wte reduction and the embedding's rows
   std::vector<std::unique_ptr<Work>> pending_;
   bool last_micro_ = true;
   RegisteredBuffers registered_;  ///< grads_ for the copy-engine all-reduce; destroyed first

@@ -79,6 +79,14 @@ void ProfilingHooks::between_layers() {
   if (inner_) inner_->between_layers();
 }
 
+bool ProfilingHooks::take_tied_embedding_grad(int64_t rows) {
+  return inner_ && inner_->take_tied_embedding_grad(rows);
+}
+
+void ProfilingHooks::tied_embedding_grad(Tensor dx, Tensor tokens) {
+  if (inner_) inner_->tied_embedding_grad(dx, tokens);
+}
+
 void ProfilingHooks::collect() {
   const std::vector<double> t = clock_.intervals();
   ST_ASSERT(t.size() + 1 == 2 * spans_.size() || (t.empty() && spans_.empty()));

@@ -64,6 +64,8 @@ class ProfilingHooks final : public LayerHooks {
   void before_backward(int layer) override;
   void after_backward(int layer) override;
   void between_layers() override;
+  bool take_tied_embedding_grad(int64_t rows) override;
+  void tied_embedding_grad(Tensor dx, Tensor tokens) override;
   /// Reads the clock (waits for its marks): the seconds of each local layer's forward and
   /// backward, summed over the micro-batches.
   void collect();

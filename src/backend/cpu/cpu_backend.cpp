@@ -215,19 +215,21 @@ class CpuBackend final : public Backend {
       apply_dropout_parallel(masked.data(), d, dropout, dout.numel());
       d = masked.data();
     }
-    float* dte = dwte.f32();
-    float* dpe = dwpe.f32();
+    float* dte = dwte.empty() ? nullptr : dwte.f32();  // either part may be skipped
+    float* dpe = dwpe.empty() ? nullptr : dwpe.f32();
     // Each thread owns a slice of channels, so rows sharing a token never race and the order of
     // summation is fixed.
     for_channel_slices(C, [&](int64_t c0, int64_t c1) {
       for (int64_t b = 0; b < B; ++b) {
         for (int64_t t = 0; t < T; ++t) {
           const float* g = d + (b * T + t) * C;
-          float* e = dte + static_cast<int64_t>(tok[b * T + t]) * C;
-          float* p = dpe + t * C;
-          for (int64_t c = c0; c < c1; ++c) {
-            e[c] += g[c];
-            p[c] += g[c];
+          if (dte) {
+            float* e = dte + static_cast<int64_t>(tok[b * T + t]) * C;
+            for (int64_t c = c0; c < c1; ++c) e[c] += g[c];
+          }
+          if (dpe) {
+            float* p = dpe + t * C;
+            for (int64_t c = c0; c < c1; ++c) p[c] += g[c];
           }
         }
       }

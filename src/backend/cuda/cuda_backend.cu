@@ -1077,51 +1077,66 @@ class CudaBackend final : public Backend {
   void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,
                           const Dropout& dropout) override {
     const char* op = "embedding_backward";
-    const int64_t B = dout.dim(0), Tn = dout.dim(1), C = dout.dim(2), N = B * Tn, V = dwte.dim(0);
+    const int64_t B = dout.dim(0), Tn = dout.dim(1), C = dout.dim(2), N = B * Tn;
     require_dtype(op, "tokens", tokens, DType::kI32);
     require_float(op, "dout", dout);
-    require_dtype(op, "dwte", dwte, dout.dtype);
-    require_dtype(op, "dwpe", dwpe, dout.dtype);
-    ST_ASSERT(tokens.numel() == N && dwte.dim(1) == C && dwpe.dim(1) == C && Tn <= dwpe.dim(0));
+    // Either part may be skipped (empty dwte or dwpe).
+    if (!dwte.empty()) {
+      require_dtype(op, "dwte", dwte, dout.dtype);
+      ST_ASSERT(tokens.numel() == N && dwte.dim(1) == C);
+    }
+    if (!dwpe.empty()) {
+      require_dtype(op, "dwpe", dwpe, dout.dtype);
+      ST_ASSERT(dwpe.dim(1) == C && Tn <= dwpe.dim(0));
+    }
     if (N >= (int64_t{1} << 31))
       throw RuntimeFailure(
           strf("cuda %s: %lld rows exceed the int32 sort", op, static_cast<long long>(N)));
     if (N == 0) return;
     activate();
-    const auto n = static_cast<int32_t>(N);
+    const uint32_t thresh = dropout.threshold();
+    const float keep_scale = dropout.scale();
 
-    // Scratch: sorted keys, row indices in and out, then cub's temporary storage.
-    size_t temp_bytes = 0;
-    ST_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-        nullptr, temp_bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
-        static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), n, 0, 32,
-        ctx_.stream));
-    const size_t ints = (static_cast<size_t>(N) * sizeof(int32_t) + 255) / 256 * 256;
-    char* scratch = static_cast<char*>(ctx_.get_scratch(3 * ints + temp_bytes));
-    auto* keys_out = reinterpret_cast<int32_t*>(scratch);
-    auto* rows_in = reinterpret_cast<int32_t*>(scratch + ints);
-    auto* rows_out = reinterpret_cast<int32_t*>(scratch + 2 * ints);
-    void* temp = scratch + 3 * ints;
+    if (!dwte.empty()) {
+      const int64_t V = dwte.dim(0);
+      const auto n = static_cast<int32_t>(N);
+      // Scratch: sorted keys, row indices in and out, then cub's temporary storage.
+      size_t temp_bytes = 0;
+      ST_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+          nullptr, temp_bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+          static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), n, 0, 32,
+          ctx_.stream));
+      const size_t ints = (static_cast<size_t>(N) * sizeof(int32_t) + 255) / 256 * 256;
+      char* scratch = static_cast<char*>(ctx_.get_scratch(3 * ints + temp_bytes));
+      auto* keys_out = reinterpret_cast<int32_t*>(scratch);
+      auto* rows_in = reinterpret_cast<int32_t*>(scratch + ints);
+      auto* rows_out = reinterpret_cast<int32_t*>(scratch + 2 * ints);
+      void* temp = scratch + 3 * ints;
 
-    iota_kernel<<<blocks_for(N), kBlock, 0, ctx_.stream>>>(rows_in, n);
-    ST_CUDA_LAUNCH_CHECK();
-    // LSD radix sort is stable: rows of one token stay in increasing order.
-    ST_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, tokens.as<const int32_t>(),
-                                                  keys_out, rows_in, rows_out, n, 0, 32,
-                                                  ctx_.stream));
-    dispatch_float(dout.dtype, [&]<typename T>() {
-      const dim3 grid(static_cast<unsigned>(N), ceil_div(static_cast<size_t>(C), kBlock));
-      const uint32_t thresh = dropout.threshold();
-      const float keep_scale = dropout.scale();
-      dispatch_dropout(dropout, [&]<bool kDrop>() {
-        embedding_dwte_kernel<T, kDrop><<<grid, kBlock, 0, ctx_.stream>>>(
-            dwte.as<T>(), dout.as<T>(), keys_out, rows_out, n, C, V, dropout, thresh, keep_scale);
-        ST_CUDA_LAUNCH_CHECK();
-        embedding_dwpe_kernel<T, kDrop><<<blocks_for(Tn * C), kBlock, 0, ctx_.stream>>>(
-            dwpe.as<T>(), dout.as<T>(), B, Tn, C, dropout, thresh, keep_scale);
-        ST_CUDA_LAUNCH_CHECK();
+      iota_kernel<<<blocks_for(N), kBlock, 0, ctx_.stream>>>(rows_in, n);
+      ST_CUDA_LAUNCH_CHECK();
+      // LSD radix sort is stable: rows of one token stay in increasing order.
+      ST_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, tokens.as<const int32_t>(),
+                                                    keys_out, rows_in, rows_out, n, 0, 32,
+                                                    ctx_.stream));
+      dispatch_float(dout.dtype, [&]<typename T>() {
+        const dim3 grid(static_cast<unsigned>(N), ceil_div(static_cast<size_t>(C), kBlock));
+        dispatch_dropout(dropout, [&]<bool kDrop>() {
+          embedding_dwte_kernel<T, kDrop><<<grid, kBlock, 0, ctx_.stream>>>(
+              dwte.as<T>(), dout.as<T>(), keys_out, rows_out, n, C, V, dropout, thresh, keep_scale);
+          ST_CUDA_LAUNCH_CHECK();
+        });
       });
-    });
+    }
+    if (!dwpe.empty()) {
+      dispatch_float(dout.dtype, [&]<typename T>() {
+        dispatch_dropout(dropout, [&]<bool kDrop>() {
+          embedding_dwpe_kernel<T, kDrop><<<blocks_for(Tn * C), kBlock, 0, ctx_.stream>>>(
+              dwpe.as<T>(), dout.as<T>(), B, Tn, C, dropout, thresh, keep_scale);
+          ST_CUDA_LAUNCH_CHECK();
+        });
+      });
+    }
   }
 
   // ---- layernorm ---------------------------------------------------------------------------
