@@ -94,6 +94,11 @@ TEST(ArenaBuffer, GivesBackAndFallsBackWhenFull) {
     EXPECT_TRUE(w.in_arena());
   }
   EXPECT_EQ(arena.in_use(), 0);
+  const ArenaBuffer empty(*be, &arena, DType::kF32, 0);  // a layer without parameters
+  EXPECT_EQ(empty.numel(), 0);
+  EXPECT_EQ(empty.view().numel(), 0);
+  EXPECT_FALSE(empty.in_arena());
+  EXPECT_EQ(arena.in_use(), 0);
   ArenaBuffer none(*be, nullptr, DType::kF32, 8);  // no arena: a buffer of its own
   EXPECT_FALSE(none.in_arena());
   EXPECT_EQ(none.numel(), 8);

@@ -111,12 +111,13 @@ class DeviceArena {
 
 /// A buffer of `numel` elements: a piece of `arena` when it has room (contents left as they were),
 /// else a FlatBuffer of its own (zero-filled). Gives the piece back when destroyed or reassigned;
-/// move-only. An empty ArenaBuffer holds nothing.
+/// move-only. An empty ArenaBuffer (default, or of 0 elements: a layer without parameters, whose
+/// view is [0] like an empty FlatBuffer's) holds nothing.
 class ArenaBuffer {
  public:
   ArenaBuffer() = default;
   ArenaBuffer(Backend& backend, DeviceArena* arena, DType dtype, int64_t numel) {
-    if (arena != nullptr && arena->capacity() > 0) {
+    if (numel > 0 && arena != nullptr && arena->capacity() > 0) {
       view_ = arena->take(numel);
       if (view_.data != nullptr) arena_ = arena;
     }
