@@ -9,9 +9,12 @@
 #             how much all-gather time the compute stream waited for (bench/comm_trace_summary.py)
 #   dp        dp on 1 and 2 GPUs, gpt2-medium and gpt2-xl at micro-batch 4: the per-GPU scaling,
 #             then a traced 2-GPU gpt2-medium run (what of the reductions is exposed)
-#   breakdown  --wall-clock-breakdown of zero3 and dp, gpt2-xl mb 4, on 1 and 2 GPUs; zero3 on 2
-#             with NCCL's collectives instead of the copy-engine ones, and with GEMMs leaving 16 SMs
+#   breakdown  --wall-clock-breakdown of zero3 and dp, gpt2-xl mb 4, on BD_GPUS (default 1 and 2)
+#             GPUs; unless BD_VARIANTS=0, zero3 on 2 with NCCL's collectives instead of the
+#             copy-engine ones, and with GEMMs leaving 16 SMs
+#   (zero3trace models: TRACE_MODELS, default "gpt2-medium gpt2-xl")
 #   pipesmoke  2-GPU pipeline runs (1f1b, zb-h1; gpt2-xl, M = 8), traced: they run, and the bubble
+#   cudatest  .device/test_cuda_backend (one GPU's ops)
 #   nccltest  tests/mpi/test_nccl_comm on 2 GPUs (the copy-engine collectives against NCCL)
 #   faults    a rank hung or killed inside a zero3 all-gather (collective FAULT_OP) and inside a
 #             pipeline transfer (send/recv FAULT_P2P): the other rank stops within the 10 s
@@ -42,7 +45,7 @@ for phase in "$@"; do
         say "zero3 bench mb $b exit $?"; tail -n 12 $LOGS/zero3_mb$b.log | tee -a $SUM
       done ;;
     zero3trace)
-      for m in gpt2-medium gpt2-xl; do
+      for m in ${TRACE_MODELS:-gpt2-medium gpt2-xl}; do
         st_run z3trace_$m 2 zero3 $m 4 20 SHARDTRAIN_COMM_TRACE=$LOGS/z3trace_$m
         python3 bench/comm_trace_summary.py $LOGS/z3trace_$m.rank*.json | tee -a $SUM
       done ;;
@@ -57,14 +60,19 @@ for phase in "$@"; do
       # (collectives that take SMs from the GEMMs; the copy-engine collectives vs NCCL's kernels)
       ST_EXTRA="--wall-clock-breakdown"
       for s in zero3 dp; do
-        st_run bd_${s}_1 1 $s gpt2-xl 4 30
-        st_run bd_${s}_2 2 $s gpt2-xl 4 30
-        for n in 1 2; do say "bd_${s}_$n: $(grep 'device time per step' $LOGS/bd_${s}_$n.log | tail -1)"; done
+        for n in ${BD_GPUS:-1 2}; do
+          st_run bd_${s}_$n $n $s gpt2-xl 4 30
+          say "bd_${s}_$n: $(grep 'device time per step' $LOGS/bd_${s}_$n.log | tail -1)"
+        done
       done
-      st_run bd_zero3_2_nccl 2 zero3 gpt2-xl 4 30 SHARDTRAIN_PEER_COLLECTIVES=0
-      st_run bd_zero3_2_margin16 2 zero3 gpt2-xl 4 30 SHARDTRAIN_GEMM_SM_MARGIN=16
-      for v in nccl margin16; do say "bd_zero3_2_$v: $(grep 'device time per step' $LOGS/bd_zero3_2_$v.log | tail -1)"; done
+      if [ "${BD_VARIANTS:-1}" = 1 ]; then
+        st_run bd_zero3_2_nccl 2 zero3 gpt2-xl 4 30 SHARDTRAIN_PEER_COLLECTIVES=0
+        st_run bd_zero3_2_margin16 2 zero3 gpt2-xl 4 30 SHARDTRAIN_GEMM_SM_MARGIN=16
+        for v in nccl margin16; do say "bd_zero3_2_$v: $(grep 'device time per step' $LOGS/bd_zero3_2_$v.log | tail -1)"; done
+      fi
       ST_EXTRA="" ;;
+    cudatest)
+      run_gtest test_cuda_backend ;;
     pipesmoke)  # one 2-GPU pipeline run of each kind, traced: does it run, and its bubble
       for s in 1f1b zb-h1; do
         ST_EXTRA="--pipeline-stages 2 --pipeline-schedule $s --gradient-accumulation-steps 8 --trace $LOGS/ps_$s/trace" \
