@@ -41,8 +41,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_multi_gpu import (RESULT_TAG, WORKER, bench_env, human, job_error,  # noqa: E402
-                             parse_estimate, prepare_paths, parse_metrics, result_header, run_job)
+from bench_multi_gpu import (WORKER, bench_env, human, job_error,  # noqa: E402
+                             parse_estimate, prepare_paths, parse_metrics, result_header, run_job,
+                             run_tagged_job)
 
 LOG_INTERVAL = 5
 # name: (model, micro-batch, sequence, steps, untimed warmup steps); warmup a multiple of
@@ -136,19 +137,13 @@ def run_fsdp2(a, case, timeout, env, port):
     # one process, world size 1, env:// rendezvous on localhost
     env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    log = os.path.join(a.workdir, name + ".log")
-    t0 = time.time()
-    rc, text = run_job(cmd, timeout, log, env)
-    lines = [l[len(RESULT_TAG):] for l in text.splitlines() if l.startswith(RESULT_TAG)]
-    if not lines:
-        return job_error(rc, text, timeout, log)
-    r = json.loads(lines[-1])
-    r.update(wall_s=time.time() - t0, log=log, epoch_time_s=r.get("total_s"))
+    r = run_tagged_job(cmd, timeout, os.path.join(a.workdir, name + ".log"), env)
+    if "error" in r:
+        return r
+    r["epoch_time_s"] = r.get("total_s")
     ours = a.params.get(case)
     if ours and r.get("params") and r["params"] != ours:
         r["warning"] = f"shape mismatch: PyTorch model has {r['params']:,} parameters, shardtrain {ours:,}"
-    if rc != 0:
-        r["warning"] = job_error(rc, text, timeout, log)["error"] + " after the result line"
     return r
 
 
