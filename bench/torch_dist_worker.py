@@ -50,6 +50,30 @@ VOCAB, CONTEXT = 50257, 1024
 RESULT_TAG = "BENCH_RESULT "
 
 
+class StepClock:
+    """Step indices 0..steps-1 with the time of those from `warmup` on: iterating synchronizes the
+    device (`sync`) and all ranks (a barrier) before step `warmup` and after the last step.
+    Afterwards `timed_s` is the seconds of the timed steps and `total_s` of all of them."""
+
+    def __init__(self, steps, warmup, sync):
+        self.steps, self.warmup, self.sync = steps, warmup, sync
+        self.timed_s = self.total_s = None
+
+    def __iter__(self):
+        self.sync()
+        t_all = t0 = time.perf_counter()
+        for s in range(self.steps):
+            if s == self.warmup:
+                self.sync()
+                dist.barrier()
+                t0 = time.perf_counter()
+            yield s
+        self.sync()
+        dist.barrier()
+        t_end = time.perf_counter()
+        self.timed_s, self.total_s = t_end - t0, t_end - t_all
+
+
 def build_model(model_name, device, shape=None):
     from transformers import GPT2Config, GPT2LMHeadModel
     L, H, C = shape or SHAPES[model_name]
@@ -172,15 +196,9 @@ def main():
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     first_loss = last_loss = None
-    t0 = None
     opt_s = 0.0  # host time of opt.step() over the timed steps
-    sync()
-    t_all = time.perf_counter()
-    for s in range(a.steps):
-        if s == a.warmup:
-            sync()
-            dist.barrier()
-            t0 = time.perf_counter()
+    clock = StepClock(a.steps, a.warmup, sync)
+    for s in clock:
         x, y = data[s, :, :-1], data[s, :, 1:]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = train_model(input_ids=x).logits
@@ -205,10 +223,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         if s == 0:
             first_loss = loss.item()
-    sync()
-    dist.barrier()
-    t_end = time.perf_counter()
-    dt = t_end - t0
+    dt = clock.timed_s
     last_loss = loss.item()
 
     if cuda:
@@ -227,7 +242,7 @@ def main():
             "peak_allocated": int(peak[0].item()), "peak_reserved": int(peak[1].item()),
             "peak_allocated_rank0": int(mem[0]), "peak_reserved_rank0": int(mem[1]),
             "peak_kind": "device" if cuda else "cpu_rss",
-            "timed_steps": a.steps - a.warmup, "timed_s": dt, "total_s": t_end - t_all,
+            "timed_steps": a.steps - a.warmup, "timed_s": dt, "total_s": clock.total_s,
             "adamw": adamw, "reshard_after_forward": a.reshard_after_forward,
             "cpu_offload": a.cpu_offload, "host_peak_rss_bytes": host_rss,
             "opt_step_ms": 1e3 * opt_s / (a.steps - a.warmup),

@@ -43,7 +43,6 @@ import json
 import os
 import resource
 import sys
-import time
 from datetime import timedelta
 
 import torch
@@ -51,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_dist_worker import RESULT_TAG, SHAPES, VOCAB, build_model  # noqa: E402
+from torch_dist_worker import RESULT_TAG, SHAPES, VOCAB, StepClock, build_model  # noqa: E402
 
 # schedule -> (torch.distributed.pipelining class name, virtual stages per rank)
 SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
@@ -187,14 +186,9 @@ def main():
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    last_loss, t0 = float("nan"), None
-    sync()
-    t_all = time.perf_counter()
-    for s in range(a.steps):
-        if s == a.warmup:
-            sync()
-            dist.barrier()
-            t0 = time.perf_counter()
+    last_loss = float("nan")
+    clock = StepClock(a.steps, a.warmup, sync)
+    for s in clock:
         # contiguous: torch 2.11 checks the micro-batches' strides against shape inference's
         x, y = data[s, :, :-1].contiguous(), data[s, :, 1:].contiguous()
         args = (x,) if has_first else ()
@@ -208,10 +202,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         if has_last and s == a.steps - 1:
             last_loss = torch.stack([l.detach().float() for l in losses]).mean().item()
-    sync()
-    dist.barrier()
-    t_end = time.perf_counter()
-    dt = t_end - t0
+    dt = clock.timed_s
 
     if cuda:
         mem = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
@@ -239,7 +230,7 @@ def main():
             "last_loss": next(e[3] for e in every if e[3] == e[3]),  # the last stage's rank
             "grad_clip": None if a.no_clip else 1.0, "lm_head_tied": False,
             "timed_steps": timed, "timed_s": dt, "step_time_s": dt / timed,
-            "total_s": t_end - t_all,
+            "total_s": clock.total_s,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}), flush=True)
     dist.destroy_process_group()
