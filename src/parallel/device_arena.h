@@ -30,11 +30,14 @@ class DeviceArena {
  public:
   static constexpr int64_t kAlign = 256;  ///< elements: 512 bytes in bf16, 1 KiB in fp32
 
+  /// `n` elements rounded up to kAlign: what a piece, or the arena, of `n` elements takes.
+  static int64_t rounded(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
   DeviceArena() = default;
   /// One allocation of `capacity` elements (rounded up to kAlign) of `dtype` on `backend`.
   /// Throws RuntimeFailure when the backend is out of memory.
   DeviceArena(Backend& backend, DType dtype, int64_t capacity)
-      : buffer_(backend, dtype, round_up(capacity)), capacity_(round_up(capacity)) {
+      : buffer_(backend, dtype, rounded(capacity)), capacity_(rounded(capacity)) {
     if (capacity_ > 0) free_[0] = capacity_;
   }
 
@@ -43,7 +46,7 @@ class DeviceArena {
   /// sequence of take()/give() calls yields the same offsets on every rank.
   Tensor take(int64_t numel) {
     ST_ASSERT(numel > 0);
-    const int64_t want = round_up(numel);
+    const int64_t want = rounded(numel);
     for (auto it = free_.begin(); it != free_.end(); ++it) {
       if (it->second < want) continue;
       const int64_t offset = it->first, left = it->second - want;
@@ -94,7 +97,6 @@ class DeviceArena {
   int64_t in_use() const { return in_use_; }  ///< elements given out, alignment included
 
  private:
-  static int64_t round_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
   int64_t offset_of(const Tensor& t) const {
     ST_ASSERT(owns(t));
     return static_cast<int64_t>(static_cast<const char*>(t.data) -

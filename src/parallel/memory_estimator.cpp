@@ -121,13 +121,13 @@ double zero3_transient_bytes(const GPT2Config& model, int gpus, const Zero3Limit
     resident.push_back((gpus == 1 && !params_offloaded) || params < persistence_threshold);
   }
   const Zero3Schedule schedule(layout, padded, resident, limits);
-  const int64_t peak = simulate_zero3_pass(layout, schedule, gpus, kZero3ReductionsInFlight).total;
-  if (gpus == 1 || peak == 0) return kBf16 * static_cast<double>(peak);
-  // Several ranks: one arena holds them, the peak plus the largest layer (zero3.cpp,
-  // parallel/device_arena.h), rounded as it rounds.
-  const int64_t largest = *std::max_element(padded.begin(), padded.end());
-  const int64_t align = DeviceArena::kAlign;
-  return kBf16 * static_cast<double>((peak + largest + align - 1) / align * align);
+  // One rank gathers only offloaded parameters, into buffers of their own; several ranks carve
+  // everything from one arena (zero3.cpp, parallel/device_arena.h).
+  if (gpus == 1)
+    return kBf16 * static_cast<double>(
+                       simulate_zero3_pass(layout, schedule, gpus, kZero3ReductionsInFlight).total);
+  return kBf16 * static_cast<double>(DeviceArena::rounded(
+                     zero3_arena_elements(layout, schedule, gpus, kZero3ReductionsInFlight)));
 }
 
 /// The reduce_bucket_size the ZeRO strategies use: the given one, else kOverlapBucketElements on

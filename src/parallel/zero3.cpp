@@ -173,9 +173,9 @@ class Zero3 final : public ZeroStrategy {
     // its own (and its collective goes through NCCL).
     arena_ = DeviceArena();
     if (world_ > 1) {
-      const Zero3PassPeak peak =
-          simulate_zero3_pass(model_->layout(), schedule_, world_, kZero3ReductionsInFlight);
-      if (peak.total > 0) arena_ = DeviceArena(backend_, dtype_, peak.total + max_padded_);
+      const int64_t n =
+          zero3_arena_elements(model_->layout(), schedule_, world_, kZero3ReductionsInFlight);
+      if (n > 0) arena_ = DeviceArena(backend_, dtype_, n);
     }
   }
   std::vector<Tensor> gradient_buffers() const override {

@@ -170,4 +170,16 @@ inline Zero3PassPeak simulate_zero3_pass(const ParamLayout& layout, const Zero3S
   return peak;
 }
 
+/// Elements of the arena Zero3 carves its gathered units and gradient buffers from on several
+/// ranks (parallel/device_arena.h, before the arena's rounding): the replay's peak of both
+/// together plus the largest unit, slack against fragmentation; 0 when nothing is ever gathered.
+inline int64_t zero3_arena_elements(const ParamLayout& layout, const Zero3Schedule& s, int world,
+                                    size_t reductions_in_flight) {
+  const int64_t peak = simulate_zero3_pass(layout, s, world, reductions_in_flight).total;
+  if (peak == 0) return 0;
+  int64_t largest = 0;
+  for (int u = 0; u < layout.num_layers(); ++u) largest = std::max(largest, s.padded_of(u));
+  return peak + largest;
+}
+
 }  // namespace shardtrain
