@@ -60,10 +60,8 @@ from bench_multi_gpu import (bench_env, human, prepare_paths, result_header,  # 
 PAIRS = [("gpipe", [], "gpipe"), ("1f1b", [], "1f1b"),
          ("interleaved-1f1b", ["--virtual-stages", "2"], "interleaved-1f1b"),
          ("zb-h1", [], "zb"), ("2bw", [], None)]
-# model: (optimizer steps, untimed warmup steps)
-PLAN = {"gpt2-xl": (6, 2)}
-DEFAULT_PLAN = (6, 2)
-SMOKE_PLAN = (4, 1)
+# (optimizer steps, untimed warmup steps) of each job, on GPUs and in the smoke test
+PLAN, SMOKE_PLAN = (6, 2), (4, 1)
 CELL_TIMEOUT = {"gpt2-xl": 150}  # seconds per job unless --cell-timeout; others 90
 COMM_TIMEOUT = 60  # seconds a collective may hang before a job fails by itself
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -235,7 +233,7 @@ def main():
     a.model = a.model or ("gpt2-tiny" if a.smoke else "gpt2-xl")
     a.batch = a.batch or (2 if a.smoke else 4)
     a.seq = a.seq or (64 if a.smoke else 512)
-    steps, warmup = SMOKE_PLAN if a.smoke else PLAN.get(a.model, DEFAULT_PLAN)
+    steps, warmup = SMOKE_PLAN if a.smoke else PLAN
     steps, warmup = a.steps or steps, a.warmup if a.warmup is not None else warmup
     if not 0 <= warmup < steps:
         ap.error("need 0 <= --warmup < --steps")
