@@ -81,6 +81,9 @@ class Backend {
   /// Allocates `bytes` of device memory (64-byte aligned, zero-filled). Throws RuntimeFailure
   /// naming the request and what is held when out of memory.
   virtual void* allocate(size_t bytes) = 0;
+  /// As allocate() without the zero fill, for temporaries an op overwrites before reading
+  /// (saves a memset per call on backends that fill; the default fills anyway).
+  virtual void* allocate_uninitialized(size_t bytes) { return allocate(bytes); }
   virtual void deallocate(void* ptr) noexcept = 0;
   /// Copies between host and this device (or within it); blocking.
   virtual void copy_to_host(void* dst_host, const void* src_device, size_t bytes) = 0;

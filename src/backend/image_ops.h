@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/philox.h"
 #include "core/tensor.h"
 
 namespace shardtrain {
@@ -129,6 +130,12 @@ class ImageOps {
   /// dinp (overwrites) = dout · scale; dscale [N,C] (overwrites) = Σ_{H,W} dout · inp.
   virtual void channel_scale_backward(Tensor dinp, Tensor dscale, Tensor dout, Tensor inp,
                                       Tensor scale) = 0;
+
+  /// Stochastic depth's per-sample scale (Huang et al., arXiv 1603.09382, §3; torchvision's
+  /// StochasticDepth, mode "row"): scale [N, C] (compute dtype) = drop.factor(n) for every c —
+  /// sample n is kept when Philox draw n of `drop` passes (probability 1 − p) and then scaled by
+  /// 1/(1 − p), else 0. Generated where it is used (no host transfer), the same on every backend.
+  virtual void sample_scale(Tensor scale, const Dropout& drop) = 0;
 
   // ---- LSTM (Hochreiter & Schmidhuber 1997; gates as PyTorch nn.LSTM: i, f, g, o) --------------
   // One layer, unidirectional, zero initial state, over inp [N, L, I] (batch-first, L steps):

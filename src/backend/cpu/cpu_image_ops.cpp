@@ -357,6 +357,14 @@ class CpuImageOps final : public ImageOps {
     }
   }
 
+  void sample_scale(Tensor scale, const Dropout& drop) override {
+    expect_f32("sample_scale", "scale", scale, {scale.dim(0), scale.dim(1)});
+    const int64_t N = scale.dim(0), C = scale.dim(1);
+    float* sc = scale.f32();
+    for (int64_t n = 0; n < N; ++n)
+      std::fill(sc + n * C, sc + (n + 1) * C, drop.factor(static_cast<uint64_t>(n)));
+  }
+
   // ---- LSTM -------------------------------------------------------------------------------------
   void lstm_forward(Tensor out, Tensor saved, Tensor inp, Tensor weight_ih, Tensor weight_hh,
                     Tensor bias_ih, Tensor bias_hh) override {

@@ -731,7 +731,8 @@ bool use_flash_attention(DType compute_dtype) {
 /// 2 MiB at and above); freed blocks go to a free list ordered by size, and a request takes the
 /// smallest cached block that fits and is at most twice the rounded request. Blocks are never
 /// split or merged. When cudaMalloc fails, every cached block is released (after synchronizing
-/// the stream) and the request retried once. Memory is handed out zero-filled (stream-ordered).
+/// the stream) and the request retried once. Memory is handed out zero-filled (stream-ordered)
+/// unless the caller asks for it uninitialized.
 class CachingAllocator {
  public:
   static constexpr size_t kSmallGranularity = 512;
@@ -743,7 +744,7 @@ class CachingAllocator {
   CachingAllocator& operator=(const CachingAllocator&) = delete;
   ~CachingAllocator() { release_everything(); }
 
-  void* allocate(size_t bytes) {
+  void* allocate(size_t bytes, bool zero_fill = true) {
     std::lock_guard<std::mutex> lock(mu_);
     const size_t want = round_size(bytes);
     if (want == 0) throw_oom(bytes, cudaErrorMemoryAllocation);  // overflowed: absurd request
@@ -773,7 +774,7 @@ class CachingAllocator {
     live_.emplace(p, got);
     allocated_ += got;
     peak_allocated_ = std::max(peak_allocated_, allocated_);
-    const cudaError_t err = cudaMemsetAsync(p, 0, want, stream_);
+    const cudaError_t err = zero_fill ? cudaMemsetAsync(p, 0, want, stream_) : cudaSuccess;
     if (err != cudaSuccess) {
       live_.erase(p);
       allocated_ -= got;
@@ -963,6 +964,10 @@ class CudaBackend final : public Backend {
   void* allocate(size_t bytes) override {
     activate();
     return alloc_->allocate(bytes);
+  }
+  void* allocate_uninitialized(size_t bytes) override {
+    activate();
+    return alloc_->allocate(bytes, /*zero_fill=*/false);
   }
   void deallocate(void* ptr) noexcept override {
     if (ptr == nullptr) return;

@@ -146,14 +146,34 @@ std::string geometry_str(const Conv2dShape& s, DType dt) {
 /// mode) stays NCHW.
 bool channels_last(const Conv2dShape& s, DType dt) { return dt != DType::kF32 && s.groups == 1; }
 
+/// Whether `s` is a pointwise convolution (1×1, stride 1, no padding, no groups) in bf16/fp16 with
+/// channel counts that keep GEMM rows 16-byte aligned: it runs as one GEMM over the pixels in
+/// channels-last order, out [N·H·W, K] = x [N·H·W, C] · weight [K, C]ᵀ (the backend's cuBLASLt
+/// matmul), instead of through cuDNN. MobileNetV2's and EfficientNet's expand and project layers
+/// are such convolutions; cuDNN's legacy API chose non-tensor-core kernels for them whose
+/// backward took 1–1.7 ms per call at batch 256 (32×32) and 64 (224×224) — 80% of MobileNetV2's
+/// step (H100, cuDNN 9.19, 2026-11-24; bench/kernel_trace.cpp).
+bool pointwise_gemm(const Conv2dShape& s, DType dt) {
+  return dt != DType::kF32 && s.groups == 1 && s.R == 1 && s.S == 1 && s.stride_h == 1 &&
+         s.stride_w == 1 && s.pad_h == 0 && s.pad_w == 0 && s.C % 8 == 0 && s.K % 8 == 0;
+}
+
 /// Times one direction's algorithms once (`find(count, &n, perf)`: a cudnnFind*Algorithm call)
 /// and keeps pick()'s choice in `c`; throws naming `what` and the geometry when none qualifies.
 template <typename Perf, int kCount, typename Choice, typename Find>
-void choose(Choice& c, Find&& find, bool deterministic, DType dt, const char* what,
-            const Conv2dShape& s) {
+void choose(Choice& c, cudnnConvolutionDescriptor_t conv, Find&& find, bool deterministic,
+            DType dt, const char* what, const Conv2dShape& s) {
   if (c.found) return;
+  // The search runs under the descriptor's math type, which the last run direction left at its
+  // own choice; tensor-core math admits every algorithm (each result names the math it used).
+  ST_CUDNN_CHECK(cudnnSetConvolutionMathType(
+      conv, dt == DType::kF32 ? CUDNN_FMA_MATH : CUDNN_TENSOR_OP_MATH));
   Perf perf[kCount];
   int n = 0;
+  // Twice: with CUDA's lazy module loading (the default) the first search's timings include
+  // loading each candidate's kernels, which made cuDNN keep its legacy non-tensor-core kernels
+  // (already loaded by an earlier search) for 3×3 weight gradients at 1.2 ms a call.
+  ST_CUDNN_CHECK(find(kCount, &n, perf));
   ST_CUDNN_CHECK(find(kCount, &n, perf));
   const Perf* best = pick(perf, n, deterministic, dt);
   require(best != nullptr, "cuda ", what, ": cuDNN has no algorithm for ", geometry_str(s, dt));
@@ -182,9 +202,15 @@ class CudnnConvRunner final : public ConvRunner {
         bias_activation(ctx_, out, bias, s.K, s.P() * s.Q(), act);
       return;
     }
+    if (pointwise_gemm(s, inp.dtype)) {
+      pointwise_forward(out, inp, weight, s);
+      if (!bias.empty() || act != Activation::kNone)
+        bias_activation(ctx_, out, bias, s.K, s.P() * s.Q(), act);
+      return;
+    }
     ConvPlan& p = plan(s, inp.dtype);
     choose<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT>(
-        p.fwd,
+        p.fwd, p.conv,
         [&](int k, int* n, cudnnConvolutionFwdAlgoPerf_t* perf) {
           return cudnnFindConvolutionForwardAlgorithm(handle_, p.x, p.w, p.conv, p.y, k, n, perf);
         },
@@ -217,11 +243,15 @@ class CudnnConvRunner final : public ConvRunner {
       depthwise_backward(ctx_, dinp, dweight, dout, inp, weight, s);
       return;
     }
+    if (pointwise_gemm(s, inp.dtype)) {
+      pointwise_backward(dinp, dweight, dout, inp, weight, s);
+      return;
+    }
     ConvPlan& p = plan(s, inp.dtype);
     const float one = 1.0f, zero = 0.0f;
     const bool deterministic = inp.dtype == DType::kF32;
     choose<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>(
-        p.bwd_filter,
+        p.bwd_filter, p.conv,
         [&](int k, int* n, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
           return cudnnFindConvolutionBackwardFilterAlgorithm(handle_, p.x, p.y, p.conv, p.w, k, n,
                                                              perf);
@@ -246,7 +276,7 @@ class CudnnConvRunner final : public ConvRunner {
     if (p.nhwc) batched_transpose(ctx_, dweight, dwo, s.K, s.R * s.S, s.C);
     if (dinp.empty()) return;
     choose<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT>(
-        p.bwd_data,
+        p.bwd_data, p.conv,
         [&](int k, int* n, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
           return cudnnFindConvolutionBackwardDataAlgorithm(handle_, p.w, p.y, p.conv, p.x, k, n,
                                                            perf);
@@ -263,6 +293,44 @@ class CudnnConvRunner final : public ConvRunner {
   }
 
  private:
+  /// pointwise_gemm()'s forward: channels-last copies of the input and output around one GEMM
+  /// (none when H·W = 1, where NCHW and NHWC coincide).
+  void pointwise_forward(Tensor out, Tensor inp, Tensor weight, const Conv2dShape& s) {
+    const DType dt = inp.dtype;
+    const int64_t HW = s.H * s.W, M = s.N * HW;
+    const Tensor w = weight.reshape({s.K, s.C});
+    if (HW == 1) {
+      backend_.matmul_forward(out.reshape({M, s.K}), inp.reshape({M, s.C}), w, {});
+      return;
+    }
+    Temp x(backend_, dt, {M, s.C}), y(backend_, dt, {M, s.K});
+    batched_transpose(ctx_, *x, inp, s.N, s.C, HW);
+    backend_.matmul_forward(*y, *x, w, {});
+    batched_transpose(ctx_, out, *y, s.N, HW, s.K);
+  }
+  /// pointwise_gemm()'s backward: dinp = dout · weight, dweight += doutᵀ · inp over the pixels.
+  void pointwise_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
+                          const Conv2dShape& s) {
+    const DType dt = inp.dtype;
+    const int64_t HW = s.H * s.W, M = s.N * HW;
+    const Tensor w = weight.reshape({s.K, s.C}), dw = dweight.reshape({s.K, s.C});
+    if (HW == 1) {
+      backend_.matmul_backward(dinp.empty() ? Tensor() : dinp.reshape({M, s.C}), dw, {},
+                               dout.reshape({M, s.K}), inp.reshape({M, s.C}), w);
+      return;
+    }
+    Temp x(backend_, dt, {M, s.C}), dy(backend_, dt, {M, s.K});
+    batched_transpose(ctx_, *x, inp, s.N, s.C, HW);
+    batched_transpose(ctx_, *dy, dout, s.N, s.K, HW);
+    if (dinp.empty()) {
+      backend_.matmul_backward({}, dw, {}, *dy, *x, w);
+      return;
+    }
+    Temp dx(backend_, dt, {M, s.C});
+    backend_.matmul_backward(*dx, dw, {}, *dy, *x, w);
+    batched_transpose(ctx_, dinp, *dx, s.N, HW, s.C);
+  }
+
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                          int64_t, int64_t, int64_t, int64_t, int>;
 
@@ -305,16 +373,32 @@ __global__ void bias_activation_kernel(T* out, const T* bias, int64_t n, int64_t
   }
 }
 
-/// One block per output channel k: Σ over the N·PQ values of channel k, added to dbias[k].
+/// Block (k, group): Σ over the group's images of channel k's PQ values into part [G, K] fp32
+/// (grid K × G, image_groups(): one block per channel left most SMs idle on VGG's 64-channel
+/// layers at 224×224 — 17 ms of its step).
 template <typename T>
-__global__ void bias_gradient_kernel(T* dbias, const T* dout, int64_t N, int64_t K, int64_t PQ) {
+__global__ void bias_gradient_partial_kernel(float* part, const T* dout, int64_t N, int64_t K,
+                                             int64_t PQ) {
   __shared__ float shared[32];
-  const int64_t k = blockIdx.x;
+  const int64_t k = blockIdx.x, G = gridDim.y, grp = blockIdx.y;
+  const int64_t n0 = N * grp / G, n1 = N * (grp + 1) / G;
   float acc = 0.0f;
-  for (int64_t j = threadIdx.x; j < N * PQ; j += blockDim.x)
-    acc += to_float(dout[((j / PQ) * K + k) * PQ + j % PQ]);
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* plane = dout + (n * K + k) * PQ;
+    for (int64_t j = threadIdx.x; j < PQ; j += blockDim.x) acc += to_float(plane[j]);
+  }
   acc = block_sum(acc, shared);
-  if (threadIdx.x == 0) dbias[k] = from_float<T>(to_float(dbias[k]) + acc);
+  if (threadIdx.x == 0) part[grp * K + k] = acc;
+}
+
+/// dbias [K] += Σ_groups part [G, K], in group order (deterministic).
+template <typename T>
+__global__ void bias_gradient_finish_kernel(T* dbias, const float* part, int64_t G, int64_t K) {
+  const int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (k >= K) return;
+  float acc = 0.0f;
+  for (int64_t g = 0; g < G; ++g) acc += part[g * K + k];
+  dbias[k] = from_float<T>(to_float(dbias[k]) + acc);
 }
 
 /// dst [b, y, x] = src [b, x, y] for matrix b = blockIdx.z: 32×32 tiles through shared memory
@@ -367,9 +451,16 @@ void bias_activation(const CudaContext& ctx, Tensor out, Tensor bias, int64_t K,
 
 void bias_gradient(const CudaContext& ctx, Tensor dbias, Tensor dout, int64_t N, int64_t K,
                    int64_t PQ) {
+  const int64_t G = image_groups(ctx, N, K, PQ);
+  auto* part = static_cast<float*>(ctx.get_scratch(static_cast<size_t>(G * K) * sizeof(float)));
   dispatch_float(dout.dtype, [&]<typename T>() {
-    bias_gradient_kernel<T><<<static_cast<unsigned>(K), kImageBlock, 0, ctx.stream>>>(
-        dbias.as<T>(), dout.as<T>(), N, K, PQ);
+    bias_gradient_partial_kernel<T>
+        <<<dim3(static_cast<unsigned>(K), static_cast<unsigned>(G)), kImageBlock, 0, ctx.stream>>>(
+            part, dout.as<T>(), N, K, PQ);
+    ST_CUDA_LAUNCH_CHECK();
+    bias_gradient_finish_kernel<T>
+        <<<ceil_div(static_cast<size_t>(K), kImageBlock), kImageBlock, 0, ctx.stream>>>(
+            dbias.as<T>(), part, G, K);
   });
   ST_CUDA_LAUNCH_CHECK();
 }

@@ -1,5 +1,5 @@
 // Depthwise convolution (groups = C = K: MobileNetV2's and EfficientNet's 3×3 and 5×5 spatial
-// filters) as direct kernels, NCHW. cuDNN's legacy API runs a grouped convolution with one group
+// filters) as direct kernels, NCHW, with 32-bit index arithmetic where the tensor allows. cuDNN's legacy API runs a grouped convolution with one group
 // per channel far below memory speed; these kernels are memory-bound loops:
 //   forward       one thread per output element, the R×S window from the input plane
 //   input grad    one thread per input element, gathering the outputs whose window covers it
@@ -18,21 +18,40 @@ struct Geom {
   int64_t N, C, H, W, P, Q, R, S, sh, sw, ph, pw;
 };
 
-template <typename T, int kR, int kS>
-__global__ void depthwise_forward_kernel(T* out, const T* x, const T* w, Geom g, int64_t n) {
-  const int R = kR > 0 ? kR : static_cast<int>(g.R), S = kS > 0 ? kS : static_cast<int>(g.S);
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t q = i % g.Q, p = (i / g.Q) % g.P, nc = i / (g.P * g.Q), c = nc % g.C;
+/// The kernels' index type: 32-bit integer division is several times cheaper than 64-bit, and
+/// index arithmetic dominated these memory-bound loops; tensors of 2^31 elements or more take the
+/// 64-bit instantiation.
+template <typename I>
+struct G {
+  I C, H, W, P, Q, sh, sw, ph, pw;
+  explicit G(const Geom& g)
+      : C(static_cast<I>(g.C)),
+        H(static_cast<I>(g.H)),
+        W(static_cast<I>(g.W)),
+        P(static_cast<I>(g.P)),
+        Q(static_cast<I>(g.Q)),
+        sh(static_cast<I>(g.sh)),
+        sw(static_cast<I>(g.sw)),
+        ph(static_cast<I>(g.ph)),
+        pw(static_cast<I>(g.pw)) {}
+};
+
+template <typename T, int kR, int kS, typename I>
+__global__ void depthwise_forward_kernel(T* out, const T* x, const T* w, G<I> g, int R, int S,
+                                         I n) {
+  if constexpr (kR > 0) R = kR, S = kS;
+  for (I i = blockIdx.x * I(blockDim.x) + threadIdx.x; i < n; i += I(gridDim.x) * blockDim.x) {
+    const I q = i % g.Q, p = (i / g.Q) % g.P, nc = i / (g.P * g.Q), c = nc % g.C;
     const T* plane = x + nc * g.H * g.W;
     const T* wc = w + c * R * S;
     float acc = 0.0f;
+#pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int64_t ih = p * g.sh - g.ph + r;
+      const I ih = p * g.sh - g.ph + r;
       if (ih < 0 || ih >= g.H) continue;
-#pragma unroll 5
+#pragma unroll
       for (int s = 0; s < S; ++s) {
-        const int64_t iw = q * g.sw - g.pw + s;
+        const I iw = q * g.sw - g.pw + s;
         if (iw >= 0 && iw < g.W) acc += to_float(plane[ih * g.W + iw]) * to_float(wc[r * S + s]);
       }
     }
@@ -40,24 +59,27 @@ __global__ void depthwise_forward_kernel(T* out, const T* x, const T* w, Geom g,
   }
 }
 
-template <typename T>
-__global__ void depthwise_input_grad_kernel(T* dx, const T* dy, const T* w, Geom g, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t iw = i % g.W, ih = (i / g.W) % g.H, nc = i / (g.H * g.W), c = nc % g.C;
+/// dx at (n, c, ih, iw) gathers the outputs (p, q) whose window covers it: p·sh = ih + ph − r for
+/// the taps r ≡ ih + ph (mod sh), stepped by sh (no division per tap).
+template <typename T, int kR, int kS, typename I>
+__global__ void depthwise_input_grad_kernel(T* dx, const T* dy, const T* w, G<I> g, int R, int S,
+                                            I n) {
+  if constexpr (kR > 0) R = kR, S = kS;
+  for (I i = blockIdx.x * I(blockDim.x) + threadIdx.x; i < n; i += I(gridDim.x) * blockDim.x) {
+    const I iw = i % g.W, ih = (i / g.W) % g.H, nc = i / (g.H * g.W), c = nc % g.C;
     const T* dplane = dy + nc * g.P * g.Q;
-    const T* wc = w + c * g.R * g.S;
+    const T* wc = w + c * R * S;
+    const I hh = ih + g.ph, ww = iw + g.pw;
+    const int r0 = static_cast<int>(hh % g.sh), s0 = static_cast<int>(ww % g.sw);
     float acc = 0.0f;
-    for (int64_t r = 0; r < g.R; ++r) {
-      const int64_t ph = ih + g.ph - r;  // = p·sh
-      if (ph < 0 || ph % g.sh != 0) continue;
-      const int64_t p = ph / g.sh;
+    for (int r = r0; r < R; r += static_cast<int>(g.sh)) {
+      if (hh < r) break;  // later taps lie further above the input
+      const I p = (hh - r) / g.sh;
       if (p >= g.P) continue;
-      for (int64_t s = 0; s < g.S; ++s) {
-        const int64_t qw = iw + g.pw - s;
-        if (qw < 0 || qw % g.sw != 0) continue;
-        const int64_t q = qw / g.sw;
-        if (q < g.Q) acc += to_float(dplane[p * g.Q + q]) * to_float(wc[r * g.S + s]);
+      for (int s = s0; s < S; s += static_cast<int>(g.sw)) {
+        if (ww < s) break;
+        const I q = (ww - s) / g.sw;
+        if (q < g.Q) acc += to_float(dplane[p * g.Q + q]) * to_float(wc[r * S + s]);
       }
     }
     dx[i] = from_float<T>(acc);
@@ -78,18 +100,25 @@ __global__ void depthwise_weight_partial_kernel(float* part, const T* dy, const 
   float acc[kTaps];
 #pragma unroll
   for (int k = 0; k < kTaps; ++k) acc[k] = 0.0f;
-  for (int64_t j = threadIdx.x; j < (n1 - n0) * PQ; j += blockDim.x) {
-    const int64_t n = n0 + j / PQ, pq = j % PQ, p = pq / g.Q, q = pq % g.Q;
-    const float d = to_float(dy[(n * g.C + c) * PQ + pq]);
-    const T* plane = x + (n * g.C + c) * g.H * g.W;
+  // Pixel arithmetic in 32 bits (a group's N·P·Q values and a plane's H·W are < 2^31), the
+  // plane offsets in 64.
+  const int Q = static_cast<int>(g.Q), H = static_cast<int>(g.H), W = static_cast<int>(g.W),
+            sh = static_cast<int>(g.sh), sw = static_cast<int>(g.sw),
+            ph = static_cast<int>(g.ph), pw = static_cast<int>(g.pw), ipq = static_cast<int>(PQ);
+  const int count = static_cast<int>((n1 - n0) * PQ);
+  for (int j = threadIdx.x; j < count; j += blockDim.x) {
+    const int nl = j / ipq, pq = j - nl * ipq, p = pq / Q, q = pq - p * Q;
+    const int64_t plane_index = (n0 + nl) * g.C + c;
+    const float d = to_float(dy[plane_index * PQ + pq]);
+    const T* plane = x + plane_index * g.H * g.W;
 #pragma unroll
     for (int r = 0; r < R; ++r) {  // R, S are constants when kR, kS are given: fully unrolled
-      const int64_t ih = p * g.sh - g.ph + r;
-      const bool row_ok = ih >= 0 && ih < g.H;
+      const int ih = p * sh - ph + r;
+      const bool row_ok = ih >= 0 && ih < H;
 #pragma unroll
       for (int s = 0; s < S; ++s) {
-        const int64_t iw = q * g.sw - g.pw + s;
-        if (row_ok && iw >= 0 && iw < g.W) acc[r * S + s] += d * to_float(plane[ih * g.W + iw]);
+        const int iw = q * sw - pw + s;
+        if (row_ok && iw >= 0 && iw < W) acc[r * S + s] += d * to_float(plane[ih * W + iw]);
       }
     }
   }
@@ -114,6 +143,44 @@ Geom geom(const Conv2dShape& s) {
   return {s.N, s.C, s.H, s.W, s.P(), s.Q(), s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w};
 }
 
+/// Launches `kernel<T, kR, kS, I>` for the window (3×3 and 5×5 compiled with a fixed window) and
+/// the index type (32-bit below 2^31 elements).
+template <template <typename, int, int, typename> class K, typename T, typename... Args>
+void launch_windowed(const CudaContext& ctx, const Conv2dShape& s, int64_t n, Args... args) {
+  const unsigned grid = grid_for(ctx, n);
+  const int R = static_cast<int>(s.R), S = static_cast<int>(s.S);
+  auto go = [&]<typename I>() {
+    const G<I> g(geom(s));
+    if (R == 3 && S == 3)
+      K<T, 3, 3, I>::launch(grid, ctx.stream, args..., g, R, S, static_cast<I>(n));
+    else if (R == 5 && S == 5)
+      K<T, 5, 5, I>::launch(grid, ctx.stream, args..., g, R, S, static_cast<I>(n));
+    else
+      K<T, 0, 0, I>::launch(grid, ctx.stream, args..., g, R, S, static_cast<I>(n));
+  };
+  if (n < (int64_t{1} << 31))
+    go.template operator()<int32_t>();
+  else
+    go.template operator()<int64_t>();
+  ST_CUDA_LAUNCH_CHECK();
+}
+
+template <typename T, int kR, int kS, typename I>
+struct ForwardKernel {
+  static void launch(unsigned grid, cudaStream_t st, T* out, const T* x, const T* w, G<I> g,
+                     int R, int S, I n) {
+    depthwise_forward_kernel<T, kR, kS, I><<<grid, kImageBlock, 0, st>>>(out, x, w, g, R, S, n);
+  }
+};
+template <typename T, int kR, int kS, typename I>
+struct InputGradKernel {
+  static void launch(unsigned grid, cudaStream_t st, T* dx, const T* dy, const T* w, G<I> g,
+                     int R, int S, I n) {
+    depthwise_input_grad_kernel<T, kR, kS, I>
+        <<<grid, kImageBlock, 0, st>>>(dx, dy, w, g, R, S, n);
+  }
+};
+
 }  // namespace
 
 bool is_depthwise(const Conv2dShape& s) {
@@ -122,21 +189,10 @@ bool is_depthwise(const Conv2dShape& s) {
 
 void depthwise_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight,
                        const Conv2dShape& s) {
-  const Geom g = geom(s);
-  const int64_t n = out.numel();
   dispatch_float(inp.dtype, [&]<typename T>() {
-    const unsigned grid = grid_for(ctx, n);
-    if (s.R == 3 && s.S == 3)
-      depthwise_forward_kernel<T, 3, 3>
-          <<<grid, kImageBlock, 0, ctx.stream>>>(out.as<T>(), inp.as<T>(), weight.as<T>(), g, n);
-    else if (s.R == 5 && s.S == 5)
-      depthwise_forward_kernel<T, 5, 5>
-          <<<grid, kImageBlock, 0, ctx.stream>>>(out.as<T>(), inp.as<T>(), weight.as<T>(), g, n);
-    else
-      depthwise_forward_kernel<T, 0, 0>
-          <<<grid, kImageBlock, 0, ctx.stream>>>(out.as<T>(), inp.as<T>(), weight.as<T>(), g, n);
+    launch_windowed<ForwardKernel, T>(ctx, s, out.numel(), out.as<T>(), inp.as<T>(),
+                                      weight.as<T>());
   });
-  ST_CUDA_LAUNCH_CHECK();
 }
 
 void depthwise_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor dout,
@@ -161,12 +217,9 @@ void depthwise_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Ten
         <<<ceil_div(static_cast<size_t>(s.C * taps), kImageBlock), kImageBlock, 0, ctx.stream>>>(
             dweight.as<T>(), part, G, s.C * taps);
     ST_CUDA_LAUNCH_CHECK();
-    if (!dinp.empty()) {
-      const int64_t n = dinp.numel();
-      depthwise_input_grad_kernel<T><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
-          dinp.as<T>(), dout.as<T>(), weight.as<T>(), g, n);
-      ST_CUDA_LAUNCH_CHECK();
-    }
+    if (!dinp.empty())
+      launch_windowed<InputGradKernel, T>(ctx, s, dinp.numel(), dinp.as<T>(), dout.as<T>(),
+                                          weight.as<T>());
   });
 }
 

@@ -88,12 +88,13 @@ __device__ __forceinline__ T block_sum(T v, T* shared) {
 }
 
 /// Device memory from the backend's caching allocator for the duration of one op (stream-ordered:
-/// freeing it right after enqueueing the kernels that use it is safe).
+/// freeing it right after enqueueing the kernels that use it is safe). Uninitialized: the op
+/// writes it before reading it (a cuDNN output accumulated with β = 1 is first copied in).
 class Temp {
  public:
   Temp(Backend& be, DType dt, std::initializer_list<int64_t> dims)
       : be_(be), t_(nullptr, dt, DeviceKind::kCUDA, dims) {
-    t_.data = be_.allocate(t_.bytes());
+    t_.data = be_.allocate_uninitialized(t_.bytes());
   }
   ~Temp() { be_.deallocate(t_.data); }
   Temp(const Temp&) = delete;

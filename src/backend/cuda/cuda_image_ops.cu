@@ -151,6 +151,28 @@ __global__ void maxpool_backward_kernel(T* dx, const T* dy, const T* x, PoolGeom
   }
 }
 
+/// Non-overlapping windows (stride = window, no padding; VGG's and the CNN's 2×2/2 pools): one
+/// thread per window writes its whole window — dy at the first maximum, 0 elsewhere — so each
+/// input is read once (the gather form re-reads every covering window). Inputs outside every
+/// window (the last rows or columns when H or W is not a multiple of the window) are zeroed by
+/// the caller.
+template <typename T>
+__global__ void maxpool_backward_tiled_kernel(T* dx, const T* dy, const T* x, PoolGeom g,
+                                              int64_t n) {
+  ST_GRID_STRIDE(i, n) {
+    const int64_t q = i % g.Q, p = (i / g.Q) % g.P, nc = i / (g.P * g.Q);
+    const int64_t plane = nc * g.H * g.W;
+    float m;
+    const int64_t arg = window_argmax(x + plane, g, p, q, &m);
+    const T d = dy[i];
+    for (int64_t r = 0; r < g.R; ++r)
+      for (int64_t t = 0; t < g.S; ++t) {
+        const int64_t k = (p * g.R + r) * g.W + q * g.S + t;
+        dx[plane + k] = k == arg ? d : from_float<T>(0.0f);
+      }
+  }
+}
+
 template <typename T>
 __global__ void avgpool_forward_kernel(T* out, const T* x, PoolGeom g, int64_t n) {
   ST_GRID_STRIDE(i, n) {
@@ -206,6 +228,28 @@ __global__ void adaptive_forward_kernel(T* out, const T* x, int64_t H, int64_t W
   }
 }
 
+/// Global average pooling (P = Q = 1: EfficientNet's squeeze, the classifiers' final pool): one
+/// warp per (n, c) plane, so a warp's loads are contiguous.
+template <typename T>
+__global__ void global_avgpool_forward_kernel(T* out, const T* x, int64_t NC, int64_t HW) {
+  const int64_t warp = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= NC) return;
+  const T* plane = x + warp * HW;
+  float acc = 0.0f;
+  for (int64_t j = lane; j < HW; j += 32) acc += to_float(plane[j]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) out[warp] = from_float<T>(acc / static_cast<float>(HW));
+}
+
+/// dx [NC, HW] = dy [NC] / HW (global average pooling's backward).
+template <typename T>
+__global__ void global_avgpool_backward_kernel(T* dx, const T* dy, int64_t HW, int64_t n) {
+  const float inv = 1.0f / static_cast<float>(HW);
+  ST_GRID_STRIDE(i, n) dx[i] = from_float<T>(to_float(dy[i / HW]) * inv);
+}
+
 template <typename T>
 __global__ void adaptive_backward_kernel(T* dx, const T* dy, int64_t H, int64_t W, int64_t P,
                                          int64_t Q, int64_t n) {
@@ -252,6 +296,16 @@ __global__ void channel_scale_backward_kernel(T* dx, T* dscale, const T* dy, con
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   if (lane == 0) dscale[warp] = from_float<T>(acc);
+}
+
+/// scale [N, C] = drop.factor(n) (ImageOps::sample_scale).
+template <typename T>
+__global__ void sample_scale_kernel(T* scale, Dropout drop, int64_t C, int64_t n) {
+  const uint32_t thresh = drop.threshold();
+  ST_GRID_STRIDE(i, n) {
+    const uint64_t sample = static_cast<uint64_t>(i / C);
+    scale[i] = from_float<T>(drop.keep(sample, thresh) ? drop.scale() : 0.0f);
+  }
 }
 
 // ---- layout -------------------------------------------------------------------------------------
@@ -403,9 +457,18 @@ class CudaImageOps final : public ImageOps {
     check_pool(op, dout, "dout", inp, "inp", s);
     expect_same(op, "dinp", dinp, inp);
     const int64_t n = dinp.numel();
+    const bool tiled = s.stride_h == s.R && s.stride_w == s.S && s.pad_h == 0 && s.pad_w == 0;
+    if (tiled && (s.P() * s.R != s.H || s.Q() * s.S != s.W))
+      ST_CUDA_CHECK(cudaMemsetAsync(dinp.data, 0, dinp.bytes(), ctx_.stream));
     dispatch_float(inp.dtype, [&]<typename T>() {
-      maxpool_backward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
-          dinp.as<T>(), dout.as<T>(), inp.as<T>(), geom(s), n);
+      if (tiled) {
+        const int64_t windows = dout.numel();
+        maxpool_backward_tiled_kernel<T><<<grid_for(ctx_, windows), kImageBlock, 0, ctx_.stream>>>(
+            dinp.as<T>(), dout.as<T>(), inp.as<T>(), geom(s), windows);
+      } else {
+        maxpool_backward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
+            dinp.as<T>(), dout.as<T>(), inp.as<T>(), geom(s), n);
+      }
     });
     ST_CUDA_LAUNCH_CHECK();
   }
@@ -432,6 +495,13 @@ class CudaImageOps final : public ImageOps {
     check_adaptive(op, out, "out", inp, "inp");
     const int64_t n = out.numel();
     dispatch_float(inp.dtype, [&]<typename T>() {
+      if (out.dim(2) == 1 && out.dim(3) == 1) {
+        const size_t threads = static_cast<size_t>(n) * 32;
+        global_avgpool_forward_kernel<T>
+            <<<ceil_div(threads, kImageBlock), kImageBlock, 0, ctx_.stream>>>(
+                out.as<T>(), inp.as<T>(), n, inp.dim(2) * inp.dim(3));
+        return;
+      }
       adaptive_forward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
           out.as<T>(), inp.as<T>(), inp.dim(2), inp.dim(3), out.dim(2), out.dim(3), n);
     });
@@ -442,6 +512,11 @@ class CudaImageOps final : public ImageOps {
     check_adaptive(op, dout, "dout", dinp, "dinp");
     const int64_t n = dinp.numel();
     dispatch_float(dinp.dtype, [&]<typename T>() {
+      if (dout.dim(2) == 1 && dout.dim(3) == 1) {
+        global_avgpool_backward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
+            dinp.as<T>(), dout.as<T>(), dinp.dim(2) * dinp.dim(3), n);
+        return;
+      }
       adaptive_backward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
           dinp.as<T>(), dout.as<T>(), dinp.dim(2), dinp.dim(3), dout.dim(2), dout.dim(3), n);
     });
@@ -457,6 +532,15 @@ class CudaImageOps final : public ImageOps {
     dispatch_float(inp.dtype, [&]<typename T>() {
       channel_scale_forward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
           out.as<T>(), inp.as<T>(), scale.as<T>(), HW, n);
+    });
+    ST_CUDA_LAUNCH_CHECK();
+  }
+  void sample_scale(Tensor scale, const Dropout& drop) override {
+    const int64_t n = scale.numel();
+    require(scale.ndim == 2, "cuda sample_scale: scale must be [N, C]");
+    dispatch_float(scale.dtype, [&]<typename T>() {
+      sample_scale_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
+          scale.as<T>(), drop, scale.dim(1), n);
     });
     ST_CUDA_LAUNCH_CHECK();
   }

@@ -7,7 +7,6 @@
 
 #include "core/error.h"
 #include "core/philox.h"
-#include "core/rng.h"
 
 namespace shardtrain {
 namespace {
@@ -112,30 +111,21 @@ class StochasticDepth final : public Module {
 
  private:
   bool active(const ModuleContext& ctx) const { return ctx.training && p_ > 0.0f; }
-  /// [N, C]: 1/(1 − p) for the kept samples, 0 for the dropped, in the compute dtype.
+  /// [N, C]: 1/(1 − p) for the kept samples, 0 for the dropped, in the compute dtype (drawn on
+  /// the device from the micro-batch's seed and this module's site: ImageOps::sample_scale).
   Tensor scale(ModuleContext& ctx, const ImageShape& s) {
-    SplitMix64 rng{ctx.dropout_seed ^ (static_cast<uint64_t>(site_) * 0x9E3779B97F4A7C15ull)};
-    std::vector<float> host(static_cast<size_t>(s.N * s.C));
-    for (int64_t n = 0; n < s.N; ++n) {
-      const float v = rng.uniform() >= static_cast<double>(p_) ? 1.0f / (1.0f - p_) : 0.0f;
-      for (int64_t c = 0; c < s.C; ++c) host[static_cast<size_t>(n * s.C + c)] = v;
-    }
-    const DType dt = ctx.be.compute_dtype();
-    grow(ctx.be, scale_, dt, s.N * s.C);
+    grow(ctx.be, scale_, ctx.be.compute_dtype(), s.N * s.C);
     Tensor out = reshaped(scale_.view(), {s.N, s.C});
-    if (dt == DType::kF32) {
-      ctx.be.copy_from_host(out.data, host.data(), host.size() * sizeof(float));
-    } else {
-      grow(ctx.be, scale_f32_, DType::kF32, s.N * s.C);
-      Tensor f = reshaped(scale_f32_.view(), {s.N, s.C});
-      ctx.be.copy_from_host(f.data, host.data(), host.size() * sizeof(float));
-      ctx.be.convert(out, f);
-    }
+    Dropout d;
+    d.p = p_;
+    d.seed = ctx.dropout_seed;
+    d.site = site_;
+    ctx.ops.sample_scale(out, d);
     return out;
   }
   float p_;
   uint32_t site_;
-  FlatBuffer out_, scale_, scale_f32_, dscale_;
+  FlatBuffer out_, scale_, dscale_;
 };
 
 // ---- squeeze-and-excitation ---------------------------------------------------------------------
