@@ -5,9 +5,12 @@
 //
 // Each op runs with make_cuda_backend(0, kF32) (tight tolerance: only summation order differs;
 // cuDNN runs fp32 without TF32) and with make_cuda_backend(0, kBF16) (loose: stored results are
-// rounded to bf16). In bf16 mode the inputs are rounded to bf16 first and the CPU computes from
-// the same values. Parameter gradients start non-zero to check that they accumulate.
-// Skips when no GPU is visible (cuda_available()).
+// rounded to bf16), each with images stored NCHW and channels-last (NHWC; set_channels_last). In
+// bf16 mode the inputs are rounded to bf16 first and the CPU computes from the same values. Image
+// operands keep NCHW values on the host (the CPU reference is NCHW) and go to the GPU through
+// image_from_nchw; image results come back through image_to_nchw before the comparison.
+// Parameters, statistics and non-image tensors are uploaded as they are. Parameter gradients
+// start non-zero to check that they accumulate. Skips when no GPU is visible (cuda_available()).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +18,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -30,8 +34,10 @@ namespace {
 /// fp32 -> bf16 -> fp32 with round-to-nearest-even (NaN kept NaN): the reference for convert().
 float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 
-/// One op's operands on both backends: `in` uploads host values (rounded to the GPU dtype first),
-/// `host`/`dev` give the CPU and GPU tensors, `cpu_out`/`gpu_out` read results back as fp32.
+/// One op's operands on both backends: a T2 holds the CPU tensor `h` (fp32 or fp64, NCHW) and the
+/// GPU tensor `d`; `in`/`zeros` upload plain tensors (rounded to the GPU dtype first), `img` and
+/// `img_zeros` upload images in the GPU ops' layout, `expect_close` compares a result (an image
+/// converted back to NCHW first).
 class Pair {
  public:
   Pair(Backend& gpu, ImageOps& gpu_ops, ImageOps& cpu_ops)
@@ -39,25 +45,29 @@ class Pair {
 
   struct T2 {
     Tensor h, d;
+    bool image = false;  ///< d is an image in gops' layout (h is NCHW)
   };
   /// Random values uniform in [offset − scale, offset + scale); `fp32` keeps fp32 on the GPU
   /// (batch-norm statistics, running stats, saved LSTM gates), `f64` makes fp64 tensors.
   T2 in(std::initializer_list<int64_t> dims, uint64_t seed, float scale = 1.0f, float offset = 0.0f,
         bool fp32 = false) {
-    SplitMix64 g{seed};
-    const Tensor shape(nullptr, DType::kF32, DeviceKind::kCPU, dims);
-    std::vector<float> v(static_cast<size_t>(shape.numel()));
     const DType dt = fp32 ? DType::kF32 : gpu_.compute_dtype();
-    for (auto& x : v) {
-      x = offset + static_cast<float>((g.uniform() * 2.0 - 1.0) * scale);
-      if (dt == DType::kBF16) x = round_bf16(x);
-    }
-    return make(dims, v, dt);
+    return make(dims, random_values(dims, seed, scale, offset, dt), dt, false);
   }
   T2 zeros(std::initializer_list<int64_t> dims, bool fp32 = false) {
-    const Tensor shape(nullptr, DType::kF32, DeviceKind::kCPU, dims);
-    return make(dims, std::vector<float>(static_cast<size_t>(shape.numel()), 0.0f),
-                fp32 ? DType::kF32 : gpu_.compute_dtype());
+    return make(dims, std::vector<float>(numel(dims), 0.0f),
+                fp32 ? DType::kF32 : gpu_.compute_dtype(), false);
+  }
+  /// An image [N, C, H, W] of random values as in(): NCHW on the host, in gops' layout (through
+  /// image_from_nchw) on the GPU, in the compute dtype.
+  T2 img(std::initializer_list<int64_t> dims, uint64_t seed, float scale = 1.0f,
+         float offset = 0.0f) {
+    const DType dt = gpu_.compute_dtype();
+    return make(dims, random_values(dims, seed, scale, offset, dt), dt, true);
+  }
+  /// An all-zero image [N, C, H, W] (an op's image output).
+  T2 img_zeros(std::initializer_list<int64_t> dims) {
+    return make(dims, std::vector<float>(numel(dims), 0.0f), gpu_.compute_dtype(), true);
   }
   T2 f64(std::initializer_list<int64_t> dims) {
     const Tensor shape(nullptr, DType::kF64, DeviceKind::kCPU, dims);
@@ -80,14 +90,23 @@ class Pair {
     return {h, d};
   }
 
-  std::vector<double> gpu_values(const Tensor& d) {
+  /// The GPU tensor's values as fp64 in memory order, or NCHW order for an `image` (converted
+  /// with image_to_nchw first).
+  std::vector<double> gpu_values(const Tensor& d, bool image = false) {
     std::vector<double> out(static_cast<size_t>(d.numel()));
     if (d.dtype == DType::kF64) {
       gpu_.copy_to_host(out.data(), d.data, d.bytes());
       return out;
     }
+    FlatBuffer nchw;
+    Tensor src = d;
+    if (image) {
+      nchw = FlatBuffer(gpu_, d.dtype, d.numel());
+      src.data = nchw.data();
+      gops.image_to_nchw(src, d);
+    }
     FlatBuffer f(gpu_, DType::kF32, d.numel());
-    gpu_.convert(f.view(), Tensor(d.data, d.dtype, d.device, {d.numel()}));
+    gpu_.convert(f.view(), Tensor(src.data, src.dtype, src.device, {src.numel()}));
     std::vector<float> v(out.size());
     gpu_.copy_to_host(v.data(), f.data(), v.size() * 4);
     std::copy(v.begin(), v.end(), out.begin());
@@ -102,7 +121,7 @@ class Pair {
 
   /// max |gpu − cpu| ≤ tol · max(max |cpu|, 1e-3).
   void expect_close(const T2& t, double tol, const std::string& what) {
-    const std::vector<double> g = gpu_values(t.d), c = cpu_values(t.h);
+    const std::vector<double> g = gpu_values(t.d, t.image), c = cpu_values(t.h);
     double ref = 1e-3, err = 0.0;
     size_t worst = 0;
     for (size_t i = 0; i < c.size(); ++i) {
@@ -115,15 +134,38 @@ class Pair {
   }
 
  private:
-  T2 make(std::initializer_list<int64_t> dims, const std::vector<float>& v, DType dt) {
+  static size_t numel(std::initializer_list<int64_t> dims) {
+    return static_cast<size_t>(Tensor(nullptr, DType::kF32, DeviceKind::kCPU, dims).numel());
+  }
+  /// Uniform in [offset − scale, offset + scale), rounded to bf16 when `dt` is.
+  static std::vector<float> random_values(std::initializer_list<int64_t> dims, uint64_t seed,
+                                          float scale, float offset, DType dt) {
+    SplitMix64 g{seed};
+    std::vector<float> v(numel(dims));
+    for (auto& x : v) {
+      x = offset + static_cast<float>((g.uniform() * 2.0 - 1.0) * scale);
+      if (dt == DType::kBF16) x = round_bf16(x);
+    }
+    return v;
+  }
+  /// Host tensor of `v` and a GPU copy in `dt`; an `image` is converted to gops' layout.
+  T2 make(std::initializer_list<int64_t> dims, const std::vector<float>& v, DType dt, bool image) {
     host_f32_.push_back(v);
     Tensor h(host_f32_.back().data(), DType::kF32, DeviceKind::kCPU, dims);
     FlatBuffer staging(gpu_, DType::kF32, h.numel());
     gpu_.copy_from_host(staging.data(), v.data(), v.size() * 4);
     dev_.emplace_back(gpu_, dt, h.numel());
     Tensor d(dev_.back().data(), dt, DeviceKind::kCUDA, dims);
-    gpu_.convert(Tensor(d.data, dt, d.device, {h.numel()}), staging.view());
-    return {h, d};
+    if (!image) {
+      gpu_.convert(Tensor(d.data, dt, d.device, {h.numel()}), staging.view());
+      return {h, d, false};
+    }
+    FlatBuffer nchw(gpu_, dt, h.numel());
+    gpu_.convert(Tensor(nchw.data(), dt, d.device, {h.numel()}), staging.view());
+    Tensor src = d;
+    src.data = nchw.data();
+    gops.image_from_nchw(d, src);
+    return {h, d, true};
   }
 
   Backend& gpu_;
@@ -137,21 +179,36 @@ class Pair {
   ImageOps& cops;
 };
 
-class CudaImageOps : public ::testing::TestWithParam<DType> {
+/// The GPU backend's compute dtype and image layout under test.
+struct Mode {
+  DType dtype;
+  bool channels_last;
+};
+std::string mode_name(const Mode& m) {
+  return std::string(m.dtype == DType::kF32 ? "F32" : "BF16") +
+         (m.channels_last ? "_NHWC" : "_NCHW");
+}
+void PrintTo(const Mode& m, std::ostream* os) { *os << mode_name(m); }
+
+class CudaImageOps : public ::testing::TestWithParam<Mode> {
  protected:
   void SetUp() override {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
-    gpu_ = make_cuda_backend(0, GetParam());
-    cpu_ = make_cpu_backend();
+    gpu_ = make_cuda_backend(0, dtype());
+    gpu_->image_ops()->set_channels_last(GetParam().channels_last);
+    cpu_ = make_cpu_backend();  // the reference: NCHW
     pair_ = std::make_unique<Pair>(*gpu_, *gpu_->image_ops(), *cpu_->image_ops());
   }
+  DType dtype() const { return GetParam().dtype; }
   /// Tolerance relative to the largest reference value.
-  double tol() const { return GetParam() == DType::kF32 ? 2e-5 : 2e-2; }
+  double tol() const { return dtype() == DType::kF32 ? 2e-5 : 2e-2; }
 
   std::unique_ptr<Backend> gpu_, cpu_;
   std::unique_ptr<Pair> pair_;
 };
 
+// conv2d forward (with bias and fused activation) and backward (dinp, accumulated dweight and
+// dbias) over strided, padded, depthwise, grouped, 1×1 (GEMM path) and 3-channel geometries.
 TEST_P(CudaImageOps, Convolution) {
   Pair& p = *pair_;
   struct Geo {
@@ -203,22 +260,43 @@ TEST_P(CudaImageOps, Convolution) {
         .groups = 7},
        true,
        Activation::kRelu},
+      // 1×1, groups 1, stride 1, no padding, C and K multiples of 8: the GEMM path
+      {{.N = 2, .C = 16, .H = 5, .W = 3, .K = 24, .R = 1, .S = 1}, true, Activation::kRelu},
+      // ... on 1×1 images (H = W = 1: both layouts the same), without a bias
+      {{.N = 4, .C = 8, .H = 1, .W = 1, .K = 16, .R = 1, .S = 1}, false, Activation::kNone},
+      // ... with more input than output channels (a projection)
+      {{.N = 3, .C = 24, .H = 4, .W = 4, .K = 8, .R = 1, .S = 1}, false, Activation::kSilu},
+      // a first layer: 3 input channels (RGB), 3×3 stride 2
+      {{.N = 2,
+        .C = 3,
+        .H = 8,
+        .W = 8,
+        .K = 16,
+        .R = 3,
+        .S = 3,
+        .stride_h = 2,
+        .stride_w = 2,
+        .pad_h = 1,
+        .pad_w = 1},
+       false,
+       Activation::kNone},
   };
   uint64_t seed = 100;
   for (const Geo& c : cases) {
     const Conv2dShape& s = c.s;
-    const std::string what =
-        "conv K=" + std::to_string(s.K) + " groups=" + std::to_string(s.groups);
-    auto x = p.in({s.N, s.C, s.H, s.W}, ++seed);
+    const std::string what = "conv C=" + std::to_string(s.C) + " H=" + std::to_string(s.H) +
+                             " K=" + std::to_string(s.K) + " R=" + std::to_string(s.R) +
+                             " groups=" + std::to_string(s.groups);
+    auto x = p.img({s.N, s.C, s.H, s.W}, ++seed);
     auto w = p.in({s.K, s.C / s.groups, s.R, s.S}, ++seed, 0.5f);
     auto b = c.bias ? p.in({s.K}, ++seed) : Pair::T2{};
-    auto y = p.zeros({s.N, s.K, s.P(), s.Q()});
+    auto y = p.img_zeros({s.N, s.K, s.P(), s.Q()});
     p.cops.conv2d_forward(y.h, x.h, w.h, b.h, s, c.act);
     p.gops.conv2d_forward(y.d, x.d, w.d, b.d, s, c.act);
     p.expect_close(y, tol(), what + " forward");
 
-    auto dy = p.in({s.N, s.K, s.P(), s.Q()}, ++seed);
-    auto dx = p.zeros({s.N, s.C, s.H, s.W});
+    auto dy = p.img({s.N, s.K, s.P(), s.Q()}, ++seed);
+    auto dx = p.img_zeros({s.N, s.C, s.H, s.W});
     auto dw = p.in({s.K, s.C / s.groups, s.R, s.S}, ++seed);
     auto db = c.bias ? p.in({s.K}, ++seed) : Pair::T2{};
     p.cops.conv2d_backward(dx.h, dw.h, db.h, dy.h, x.h, w.h, s);
@@ -229,20 +307,22 @@ TEST_P(CudaImageOps, Convolution) {
   }
 }
 
+// Batch norm's statistics, training and evaluation forward, and both backward halves, with each
+// fused activation.
 TEST_P(CudaImageOps, BatchNorm) {
   Pair& p = *pair_;
   const int64_t N = 4, C = 6, H = 5, W = 3;
   for (Activation act : {Activation::kNone, Activation::kRelu6, Activation::kSilu}) {
     const std::string what = std::string("batchnorm ") + activation_name(act);
     // A mean large against the spread: the case fp64 sums exist for.
-    auto x = p.in({N, C, H, W}, 1, 1.0f, 3.0f);
+    auto x = p.img({N, C, H, W}, 1, 1.0f, 3.0f);
     auto gamma = p.in({C}, 2, 0.5f, 1.0f), beta = p.in({C}, 3, 0.5f);
     auto sums = p.f64({2, C});
     p.cops.batchnorm_statistics(sums.h, x.h);
     p.gops.batchnorm_statistics(sums.d, x.d);
     p.expect_close(sums, 1e-6, what + " sums");
 
-    auto y = p.zeros({N, C, H, W});
+    auto y = p.img_zeros({N, C, H, W});
     auto mean = p.zeros({C}, true), invstd = p.zeros({C}, true);
     auto rm = p.in({C}, 4, 0.1f, 0.0f, true), rv = p.in({C}, 5, 0.1f, 1.0f, true);
     const int64_t count = N * H * W;
@@ -256,56 +336,60 @@ TEST_P(CudaImageOps, BatchNorm) {
     p.expect_close(rv, 1e-5, what + " running_var");
     p.expect_close(y, tol(), what + " train forward");
 
-    auto ye = p.zeros({N, C, H, W});
+    auto ye = p.img_zeros({N, C, H, W});
     p.cops.batchnorm_forward_eval(ye.h, x.h, gamma.h, beta.h, rm.h, rv.h, 1e-5f, act);
     p.gops.batchnorm_forward_eval(ye.d, x.d, gamma.d, beta.d, rm.d, rv.d, 1e-5f, act);
     p.expect_close(ye, tol(), what + " eval forward");
 
-    auto dy = p.in({N, C, H, W}, 6);
+    auto dy = p.img({N, C, H, W}, 6);
     auto dsums = p.f64({2, C});
     auto dg = p.in({C}, 7), dbt = p.in({C}, 8);
     p.cops.batchnorm_backward_reduce(dsums.h, dg.h, dbt.h, dy.h, x.h, gamma.h, beta.h, mean.h,
                                      invstd.h, act);
     p.gops.batchnorm_backward_reduce(dsums.d, dg.d, dbt.d, dy.d, x.d, gamma.d, beta.d, mean.d,
                                      invstd.d, act);
-    p.expect_close(dsums, GetParam() == DType::kF32 ? 1e-5 : 1e-2, what + " dsums");
+    p.expect_close(dsums, dtype() == DType::kF32 ? 1e-5 : 1e-2, what + " dsums");
     p.expect_close(dg, tol(), what + " dweight");
     p.expect_close(dbt, tol(), what + " dbias");
-    auto dx = p.zeros({N, C, H, W});
+    auto dx = p.img_zeros({N, C, H, W});
     p.cops.batchnorm_backward_input(dx.h, dy.h, x.h, gamma.h, beta.h, mean.h, invstd.h, dsums.h,
                                     count, act);
     p.gops.batchnorm_backward_input(dx.d, dy.d, x.d, gamma.d, beta.d, mean.d, invstd.d, dsums.d,
                                     count, act);
-    p.expect_close(dx, GetParam() == DType::kF32 ? 1e-4 : 3e-2, what + " dinp");
+    p.expect_close(dx, dtype() == DType::kF32 ? 1e-4 : 3e-2, what + " dinp");
   }
 }
 
+// Element-wise activations forward and backward on images, then channel_scale (image · [N, C]
+// scale) forward and backward.
 TEST_P(CudaImageOps, ActivationsAndChannelScale) {
   Pair& p = *pair_;
   for (Activation act :
        {Activation::kRelu, Activation::kRelu6, Activation::kSilu, Activation::kSigmoid}) {
-    auto x = p.in({2, 3, 4, 5}, 11, 8.0f);
-    auto y = p.zeros({2, 3, 4, 5});
+    auto x = p.img({2, 3, 4, 5}, 11, 8.0f);
+    auto y = p.img_zeros({2, 3, 4, 5});
     p.cops.activation_forward(y.h, x.h, act);
     p.gops.activation_forward(y.d, x.d, act);
     p.expect_close(y, tol(), std::string(activation_name(act)) + " forward");
-    auto dy = p.in({2, 3, 4, 5}, 12), dx = p.zeros({2, 3, 4, 5});
+    auto dy = p.img({2, 3, 4, 5}, 12), dx = p.img_zeros({2, 3, 4, 5});
     p.cops.activation_backward(dx.h, dy.h, x.h, act);
     p.gops.activation_backward(dx.d, dy.d, x.d, act);
     p.expect_close(dx, tol(), std::string(activation_name(act)) + " backward");
   }
-  auto x = p.in({3, 4, 6, 5}, 13), sc = p.in({3, 4}, 14);
-  auto y = p.zeros({3, 4, 6, 5});
+  auto x = p.img({3, 4, 6, 5}, 13), sc = p.in({3, 4}, 14);  // scale [N, C]: not an image
+  auto y = p.img_zeros({3, 4, 6, 5});
   p.cops.channel_scale_forward(y.h, x.h, sc.h);
   p.gops.channel_scale_forward(y.d, x.d, sc.d);
   p.expect_close(y, tol(), "channel_scale forward");
-  auto dy = p.in({3, 4, 6, 5}, 15), dx = p.zeros({3, 4, 6, 5}), ds = p.zeros({3, 4});
+  auto dy = p.img({3, 4, 6, 5}, 15), dx = p.img_zeros({3, 4, 6, 5}), ds = p.zeros({3, 4});
   p.cops.channel_scale_backward(dx.h, ds.h, dy.h, x.h, sc.h);
   p.gops.channel_scale_backward(dx.d, ds.d, dy.d, x.d, sc.d);
   p.expect_close(dx, tol(), "channel_scale dinp");
   p.expect_close(ds, tol(), "channel_scale dscale");
 }
 
+// Max and average pooling with overlapping padded windows, and adaptive average pooling, forward
+// and backward.
 TEST_P(CudaImageOps, Pooling) {
   Pair& p = *pair_;
   const Pool2dShape s{.N = 2,
@@ -318,37 +402,38 @@ TEST_P(CudaImageOps, Pooling) {
                       .stride_w = 2,
                       .pad_h = 1,
                       .pad_w = 1};
-  auto x = p.in({s.N, s.C, s.H, s.W}, 21);
-  auto y = p.zeros({s.N, s.C, s.P(), s.Q()});
-  auto dy = p.in({s.N, s.C, s.P(), s.Q()}, 22);
+  auto x = p.img({s.N, s.C, s.H, s.W}, 21);
+  auto y = p.img_zeros({s.N, s.C, s.P(), s.Q()});
+  auto dy = p.img({s.N, s.C, s.P(), s.Q()}, 22);
   p.cops.maxpool2d_forward(y.h, x.h, s);
   p.gops.maxpool2d_forward(y.d, x.d, s);
   p.expect_close(y, tol(), "maxpool forward");
-  auto dx = p.zeros({s.N, s.C, s.H, s.W});
+  auto dx = p.img_zeros({s.N, s.C, s.H, s.W});
   p.cops.maxpool2d_backward(dx.h, dy.h, x.h, s);
   p.gops.maxpool2d_backward(dx.d, dy.d, x.d, s);
   p.expect_close(dx, tol(), "maxpool backward (overlapping windows)");
 
-  auto ya = p.zeros({s.N, s.C, s.P(), s.Q()});
+  auto ya = p.img_zeros({s.N, s.C, s.P(), s.Q()});
   p.cops.avgpool2d_forward(ya.h, x.h, s);
   p.gops.avgpool2d_forward(ya.d, x.d, s);
   p.expect_close(ya, tol(), "avgpool forward");
-  auto dxa = p.zeros({s.N, s.C, s.H, s.W});
+  auto dxa = p.img_zeros({s.N, s.C, s.H, s.W});
   p.cops.avgpool2d_backward(dxa.h, dy.h, s);
   p.gops.avgpool2d_backward(dxa.d, dy.d, s);
   p.expect_close(dxa, tol(), "avgpool backward");
 
   // 7×5 → 3×2: PyTorch's adaptive cells overlap when the sizes do not divide.
-  auto xa = p.in({2, 3, 7, 5}, 23), out = p.zeros({2, 3, 3, 2});
+  auto xa = p.img({2, 3, 7, 5}, 23), out = p.img_zeros({2, 3, 3, 2});
   p.cops.adaptive_avgpool2d_forward(out.h, xa.h);
   p.gops.adaptive_avgpool2d_forward(out.d, xa.d);
   p.expect_close(out, tol(), "adaptive avgpool forward");
-  auto dout = p.in({2, 3, 3, 2}, 24), dxd = p.zeros({2, 3, 7, 5});
+  auto dout = p.img({2, 3, 3, 2}, 24), dxd = p.img_zeros({2, 3, 7, 5});
   p.cops.adaptive_avgpool2d_backward(dxd.h, dout.h);
   p.gops.adaptive_avgpool2d_backward(dxd.d, dout.d);
   p.expect_close(dxd, tol(), "adaptive avgpool backward");
 }
 
+// swap_middle_axes on plain row-major tensors (not images: the same in both layouts).
 TEST_P(CudaImageOps, SwapMiddleAxes) {
   Pair& p = *pair_;
   auto x = p.in({2, 3, 5, 4}, 51), y = p.zeros({2, 5, 3, 4});
@@ -357,6 +442,46 @@ TEST_P(CudaImageOps, SwapMiddleAxes) {
   p.expect_close(y, 0.0, "swap_middle_axes (exact)");
 }
 
+// image_rows_as_sequence: an image (in the GPU ops' layout) to the row-major sequence
+// [N, H, C·W]; sequence_as_image_rows: back to an image. Both exact, on an odd shape.
+TEST_P(CudaImageOps, ImageRowsAsSequence) {
+  Pair& p = *pair_;
+  const int64_t N = 2, C = 3, H = 4, W = 5;
+  auto x = p.img({N, C, H, W}, 52), y = p.zeros({N, H, C * W});
+  p.cops.image_rows_as_sequence(y.h, x.h);
+  p.gops.image_rows_as_sequence(y.d, x.d);
+  p.expect_close(y, 0.0, "image_rows_as_sequence (exact)");
+  auto dy = p.in({N, H, C * W}, 53), dx = p.img_zeros({N, C, H, W});
+  p.cops.sequence_as_image_rows(dx.h, dy.h);
+  p.gops.sequence_as_image_rows(dx.d, dy.d);
+  p.expect_close(dx, 0.0, "sequence_as_image_rows (exact)");
+}
+
+// The layout itself: channels_last() reports the mode set, image_from_nchw stores element
+// (n, c, h, w) at the NCHW or NHWC offset, and image_to_nchw inverts it (exact).
+TEST_P(CudaImageOps, ImageLayout) {
+  Pair& p = *pair_;
+  const bool nhwc = GetParam().channels_last;
+  EXPECT_EQ(p.gops.channels_last(), nhwc);
+  const int64_t N = 2, C = 3, H = 4, W = 5;
+  auto x = p.img({N, C, H, W}, 54);
+  const std::vector<double> raw = p.gpu_values(x.d), ref = Pair::cpu_values(x.h);
+  size_t wrong = 0;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t w = 0; w < W; ++w) {
+          const int64_t at = nhwc ? ((n * H + h) * W + w) * C + c : ((n * C + c) * H + h) * W + w;
+          if (raw[static_cast<size_t>(at)] !=
+              ref[static_cast<size_t>(((n * C + c) * H + h) * W + w)])
+            ++wrong;
+        }
+  EXPECT_EQ(wrong, 0u) << "image_from_nchw: elements not at their " << (nhwc ? "NHWC" : "NCHW")
+                       << " offsets";
+  p.expect_close(x, 0.0, "image_to_nchw round trip (exact)");
+}
+
+// The LSTM forward (outputs and saved gates) and backpropagation through time (not images).
 TEST_P(CudaImageOps, Lstm) {
   Pair& p = *pair_;
   const int64_t N = 3, L = 5, I = 7, H = 8;
@@ -376,7 +501,7 @@ TEST_P(CudaImageOps, Lstm) {
                        whh.h);
   p.gops.lstm_backward(dx.d, dwih.d, dwhh.d, dbih.d, dbhh.d, dy.d, x.d, out.d, saved.d, wih.d,
                        whh.d);
-  const double t = GetParam() == DType::kF32 ? 1e-4 : 4e-2;  // BPTT compounds the rounding
+  const double t = dtype() == DType::kF32 ? 1e-4 : 4e-2;  // BPTT compounds the rounding
   p.expect_close(dx, t, "lstm dinp");
   p.expect_close(dwih, t, "lstm dweight_ih");
   p.expect_close(dwhh, t, "lstm dweight_hh");
@@ -384,6 +509,7 @@ TEST_P(CudaImageOps, Lstm) {
   p.expect_close(dbhh, t, "lstm dbias_hh");
 }
 
+// Softmax cross-entropy with label smoothing: per-row losses and the scaled logit gradient.
 TEST_P(CudaImageOps, ClassificationLoss) {
   Pair& p = *pair_;
   for (int64_t K : {10, 1000}) {
@@ -393,14 +519,16 @@ TEST_P(CudaImageOps, ClassificationLoss) {
     auto loss = p.zeros({N}, true);
     p.cops.classification_loss(loss.h, z.h, tg.h, 0.1f, 0.5f);
     p.gops.classification_loss(loss.d, z.d, tg.d, 0.1f, 0.5f);
-    p.expect_close(loss, GetParam() == DType::kF32 ? 1e-5 : 1e-2, "loss K=" + std::to_string(K));
+    p.expect_close(loss, dtype() == DType::kF32 ? 1e-5 : 1e-2, "loss K=" + std::to_string(K));
     p.expect_close(z, tol(), "loss gradient K=" + std::to_string(K));
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, CudaImageOps, ::testing::Values(DType::kF32, DType::kBF16),
-                         [](const ::testing::TestParamInfo<DType>& i) {
-                           return std::string(dtype_name(i.param));
+INSTANTIATE_TEST_SUITE_P(Modes, CudaImageOps,
+                         ::testing::Values(Mode{DType::kF32, false}, Mode{DType::kF32, true},
+                                           Mode{DType::kBF16, false}, Mode{DType::kBF16, true}),
+                         [](const ::testing::TestParamInfo<Mode>& i) {
+                           return mode_name(i.param);
                          });
 
 }  // namespace

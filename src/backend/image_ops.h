@@ -59,6 +59,26 @@ class ImageOps {
  public:
   virtual ~ImageOps() = default;
 
+  // ---- image layout ------------------------------------------------------------------------
+  // Images keep their logical shape [N, C, H, W] in every Tensor; their memory order is NCHW, or
+  // channels-last (NHWC: element (n, c, h, w) at ((n·H + h)·W + w)·C + c) when channels_last().
+  // Every op taking or producing an image uses that order; parameters keep PyTorch's layouts
+  // (convolution weights [K, C/g, R, S]) and so do non-image tensors (LSTM sequences, [N, C]
+  // scales, logits). Images with H = W = 1 are the same in both orders.
+
+  /// Whether images are stored channels-last. The CPU reference is NCHW; the CUDA ops are
+  /// channels-last for bf16/fp16 compute (cuDNN's tensor-core kernels and GEMM-shaped 1×1
+  /// convolutions want it; transposing around each convolution cost 10–20% of a step) and NCHW
+  /// for fp32 (the testing mode) unless set_channels_last() says otherwise.
+  virtual bool channels_last() const { return false; }
+  /// Chooses the layout (tests run both). Throws RuntimeFailure where a backend has only NCHW.
+  virtual void set_channels_last(bool on);
+  /// dst = src with src an NCHW image and dst in this ops' layout (a copy when that is NCHW);
+  /// same shape and dtype, no aliasing.
+  virtual void image_from_nchw(Tensor dst, Tensor src) = 0;
+  /// dst (NCHW) = src (an image in this ops' layout); the inverse of image_from_nchw.
+  virtual void image_to_nchw(Tensor dst, Tensor src) = 0;
+
   // ---- convolution --------------------------------------------------------------------------
   /// out [N,K,P,Q] = conv(inp [N,C,H,W], weight [K,C/g,R,S]) + bias [K] (may be empty),
   /// then `act`.
@@ -153,10 +173,14 @@ class ImageOps {
 
   // ---- layout
   // ------------------------------------------------------------------------------------
-  /// out [A, C, B, D] = inp [A, B, C, D] (the two middle axes swapped; out must not alias inp):
-  /// a feature map's rows as a sequence ([N, C, H, W] → [N, H, C, W]) and the LSTM's step-major
-  /// and batch-major orders.
+  /// out [A, C, B, D] = inp [A, B, C, D] (the two middle axes swapped; out must not alias inp),
+  /// plain row-major tensors (not images): the LSTM's step-major and batch-major orders.
   virtual void swap_middle_axes(Tensor out, Tensor inp) = 0;
+  /// A feature map's rows as a sequence: out [N, H, C·W] (row-major; feature c·W + w, PyTorch's
+  /// x.permute(0, 2, 1, 3).flatten(2)) from the image inp [N, C, H, W] in this ops' layout.
+  virtual void image_rows_as_sequence(Tensor out, Tensor inp);
+  /// The inverse: the image dinp [N, C, H, W] (this ops' layout) from dout [N, H, C·W].
+  virtual void sequence_as_image_rows(Tensor dinp, Tensor dout);
 
   // ---- classification loss ---------------------------------------------------------------------
   /// Softmax cross-entropy with label smoothing ε (Szegedy et al., arXiv 1512.00567, §7; as

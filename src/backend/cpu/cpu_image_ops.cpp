@@ -73,6 +73,10 @@ struct ChannelAffine {
 
 class CpuImageOps final : public ImageOps {
  public:
+  // ---- layout: NCHW only -------------------------------------------------------------------------
+  void image_from_nchw(Tensor dst, Tensor src) override { copy_image("image_from_nchw", dst, src); }
+  void image_to_nchw(Tensor dst, Tensor src) override { copy_image("image_to_nchw", dst, src); }
+
   // ---- convolution ------------------------------------------------------------------------------
   void conv2d_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const Conv2dShape& s,
                       Activation act) override {
@@ -495,6 +499,12 @@ class CpuImageOps final : public ImageOps {
   }
 
   // ---- layout -----------------------------------------------------------------------------------
+  static void copy_image(const char* op, Tensor dst, Tensor src) {
+    expect_nchw(op, "src", src);
+    expect_like(op, "dst", dst, "src", src);
+    std::memcpy(dst.f32(), src.f32(), src.bytes());
+  }
+
   void swap_middle_axes(Tensor out, Tensor inp) override {
     const char* op = "swap_middle_axes";
     expect_nchw(op, "inp", inp);

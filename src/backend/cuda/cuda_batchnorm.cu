@@ -1,11 +1,14 @@
-// Batch normalization on the GPU (Ioffe & Szegedy, arXiv 1502.03167, Algorithms 1 and 2), NCHW,
-// split at its two reductions as ImageOps specifies so --sync-batchnorm can all-reduce the
+// Batch normalization on the GPU (Ioffe & Szegedy, arXiv 1502.03167, Algorithms 1 and 2), NCHW
+// or channels-last images, split at its two reductions as ImageOps specifies so --sync-batchnorm can all-reduce the
 // per-channel sums in between. The activation that follows (ReLU, ReLU6, SiLU) is fused into the
 // normalizing pass, and its derivative into the backward passes (recomputed from the input, so
 // nothing but mean and invstd is saved).
 //
-// Reductions: grid (C channels × G groups of images); each block sums its channel's values over
-// its images in fp64 and writes a partial; a second kernel adds the G partials in a fixed order.
+// Reductions: NCHW, grid (C channels × G groups of images), each block summing its channel's values
+// over its images; channels-last, grid (⌈C/32⌉ channel tiles × G groups of rows), each thread
+// summing one channel over a strided share of its group's rows (coalesced across the tile), then
+// the block over its rows. Either way in fp64 into a partial per group, which a second kernel
+// adds in a fixed order.
 // Deterministic, no atomics; fp64 because the variance is taken as E[x²] − E[x]² (see
 // backend/image_ops.h).
 
@@ -34,6 +37,38 @@ __global__ void statistics_partial_kernel(double* part, const T* x, int64_t N, i
     part[(g * 2 + 0) * C + c] = s1;
     part[(g * 2 + 1) * C + c] = s2;
   }
+}
+
+/// Reduces the kColRows partial pairs of each channel of the block (threadIdx.y) and writes them to
+/// part [G, 2, C] for group blockIdx.y.
+__device__ __forceinline__ void column_pair_store(double* part, double s1, double s2, int64_t c,
+                                                  int64_t C) {
+  __shared__ double t1[kColRows][kColTile], t2[kColRows][kColTile];
+  t1[threadIdx.y][threadIdx.x] = s1;
+  t2[threadIdx.y][threadIdx.x] = s2;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= C) return;
+  for (unsigned r = 1; r < kColRows; ++r) {
+    s1 += t1[r][threadIdx.x];
+    s2 += t2[r][threadIdx.x];
+  }
+  part[(blockIdx.y * 2 + 0) * C + c] = s1;
+  part[(blockIdx.y * 2 + 1) * C + c] = s2;
+}
+
+/// Channels-last statistics: rows [N·HW, C]; part [G, 2, C] = (Σx, Σx²) of group blockIdx.y.
+template <typename T>
+__global__ void statistics_columns_kernel(double* part, const T* x, int64_t rows, int64_t C) {
+  const int64_t c = blockIdx.x * int64_t{kColTile} + threadIdx.x, G = gridDim.y;
+  const int64_t r0 = rows * blockIdx.y / G, r1 = rows * (blockIdx.y + 1) / G;
+  double s1 = 0.0, s2 = 0.0;
+  if (c < C)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kColRows) {
+      const double v = to_float(x[r * C + c]);
+      s1 += v;
+      s2 += v * v;
+    }
+  column_pair_store(part, s1, s2, c, C);
 }
 
 /// out [2, C] = Σ_g part [G, 2, C], in group order.
@@ -67,10 +102,10 @@ __global__ void batch_moments_kernel(float* mean, float* invstd, float* running_
 template <typename T, Activation A, bool kEval>
 __global__ void normalize_kernel(T* out, const T* x, const T* gamma, const T* beta,
                                  const float* mean, const float* var_or_invstd, float eps,
-                                 int64_t n, int64_t C, int64_t HW) {
+                                 int64_t n, int64_t C, int64_t HW, bool nhwc) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t c = (i / HW) % C;
+    const int64_t c = nhwc ? i % C : (i / HW) % C;
     const float is = kEval ? rsqrtf(var_or_invstd[c] + eps) : var_or_invstd[c];
     const float pre = (to_float(x[i]) - mean[c]) * is * to_float(gamma[c]) + to_float(beta[c]);
     out[i] = from_float<T>(act_forward<A>(pre));
@@ -102,6 +137,27 @@ __global__ void backward_partial_kernel(double* part, const T* dout, const T* x,
   }
 }
 
+/// Channels-last backward_partial_kernel: rows [N·HW, C], group blockIdx.y.
+template <typename T, Activation A>
+__global__ void backward_columns_kernel(double* part, const T* dout, const T* x, const T* gamma,
+                                        const T* beta, const float* mean, const float* invstd,
+                                        int64_t rows, int64_t C) {
+  const int64_t c = blockIdx.x * int64_t{kColTile} + threadIdx.x, G = gridDim.y;
+  const int64_t r0 = rows * blockIdx.y / G, r1 = rows * (blockIdx.y + 1) / G;
+  double s1 = 0.0, s2 = 0.0;
+  if (c < C) {
+    const float mu = mean[c], is = invstd[c], ga = to_float(gamma[c]), be = to_float(beta[c]);
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kColRows) {
+      const int64_t i = r * C + c;
+      const float xhat = (to_float(x[i]) - mu) * is;
+      const float d = to_float(dout[i]) * act_derivative<A>(xhat * ga + be);
+      s1 += d;
+      s2 += static_cast<double>(d) * xhat;
+    }
+  }
+  column_pair_store(part, s1, s2, c, C);
+}
+
 /// dsums [2, C] = Σ_g part; dweight[c] += Σdy·x̂, dbias[c] += Σdy.
 template <typename T>
 __global__ void backward_finish_kernel(double* dsums, T* dweight, T* dbias, const double* part,
@@ -124,10 +180,10 @@ template <typename T, Activation A>
 __global__ void backward_input_kernel(T* dinp, const T* dout, const T* x, const T* gamma,
                                       const T* beta, const float* mean, const float* invstd,
                                       const double* dsums, double inv_count, int64_t n, int64_t C,
-                                      int64_t HW) {
+                                      int64_t HW, bool nhwc) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t c = (i / HW) % C;
+    const int64_t c = nhwc ? i % C : (i / HW) % C;
     const float is = invstd[c], ga = to_float(gamma[c]);
     const float xhat = (to_float(x[i]) - mean[c]) * is;
     const float d = to_float(dout[i]) * act_derivative<A>(xhat * ga + to_float(beta[c]));
@@ -151,17 +207,21 @@ Dims check_common(const char* op, const Tensor& inp, const Tensor& weight, const
 
 }  // namespace
 
-void batchnorm_statistics(const CudaContext& ctx, Tensor sums, Tensor inp) {
+void batchnorm_statistics(const CudaContext& ctx, Tensor sums, Tensor inp, bool nhwc) {
   const char* op = "cuda batchnorm_statistics";
   expect_nchw(op, "inp", inp, inp.dtype);
   const int64_t N = inp.dim(0), C = inp.dim(1), HW = inp.dim(2) * inp.dim(3);
   expect_tensor(op, "sums", sums, DType::kF64, {2, C});
-  const int64_t G = image_groups(ctx, N, C, HW);
+  const int64_t G = nhwc ? column_groups(ctx, N * HW, C) : image_groups(ctx, N, C, HW);
   auto* part = static_cast<double*>(ctx.get_scratch(static_cast<size_t>(G * 2 * C) * 8));
   dispatch_float(inp.dtype, [&]<typename T>() {
-    statistics_partial_kernel<T>
-        <<<dim3(static_cast<unsigned>(C), static_cast<unsigned>(G)), kImageBlock, 0, ctx.stream>>>(
-            part, inp.as<T>(), N, C, HW);
+    if (nhwc)
+      statistics_columns_kernel<T>
+          <<<dim3(ceil_div(static_cast<size_t>(C), kColTile), static_cast<unsigned>(G)),
+             dim3(kColTile, kColRows), 0, ctx.stream>>>(part, inp.as<T>(), N * HW, C);
+    else
+      statistics_partial_kernel<T><<<dim3(static_cast<unsigned>(C), static_cast<unsigned>(G)),
+                                     kImageBlock, 0, ctx.stream>>>(part, inp.as<T>(), N, C, HW);
   });
   ST_CUDA_LAUNCH_CHECK();
   sum_partials_kernel<<<ceil_div(2 * C, kImageBlock), kImageBlock, 0, ctx.stream>>>(
@@ -172,7 +232,7 @@ void batchnorm_statistics(const CudaContext& ctx, Tensor sums, Tensor inp) {
 void batchnorm_forward_train(const CudaContext& ctx, Tensor out, Tensor mean, Tensor invstd,
                              Tensor running_mean, Tensor running_var, Tensor inp, Tensor weight,
                              Tensor bias, Tensor sums, int64_t count, float eps, float momentum,
-                             Activation act) {
+                             Activation act, bool nhwc) {
   const char* op = "cuda batchnorm_forward_train";
   const Dims d = check_common(op, inp, weight, bias);
   expect_tensor(op, "out", out, inp.dtype, {d.N, d.C, inp.dim(2), inp.dim(3)});
@@ -194,7 +254,7 @@ void batchnorm_forward_train(const CudaContext& ctx, Tensor out, Tensor mean, Te
     dispatch_activation(act, [&]<Activation A>() {
       normalize_kernel<T, A, false><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
           out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
-          invstd.as<float>(), eps, n, d.C, d.HW);
+          invstd.as<float>(), eps, n, d.C, d.HW, nhwc);
     });
   });
   ST_CUDA_LAUNCH_CHECK();
@@ -202,7 +262,7 @@ void batchnorm_forward_train(const CudaContext& ctx, Tensor out, Tensor mean, Te
 
 void batchnorm_forward_eval(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight,
                             Tensor bias, Tensor running_mean, Tensor running_var, float eps,
-                            Activation act) {
+                            Activation act, bool nhwc) {
   const char* op = "cuda batchnorm_forward_eval";
   const Dims d = check_common(op, inp, weight, bias);
   expect_tensor(op, "out", out, inp.dtype, {d.N, d.C, inp.dim(2), inp.dim(3)});
@@ -213,7 +273,7 @@ void batchnorm_forward_eval(const CudaContext& ctx, Tensor out, Tensor inp, Tens
     dispatch_activation(act, [&]<Activation A>() {
       normalize_kernel<T, A, true><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
           out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), running_mean.as<float>(),
-          running_var.as<float>(), eps, n, d.C, d.HW);
+          running_var.as<float>(), eps, n, d.C, d.HW, nhwc);
     });
   });
   ST_CUDA_LAUNCH_CHECK();
@@ -221,7 +281,7 @@ void batchnorm_forward_eval(const CudaContext& ctx, Tensor out, Tensor inp, Tens
 
 void batchnorm_backward_reduce(const CudaContext& ctx, Tensor dsums, Tensor dweight, Tensor dbias,
                                Tensor dout, Tensor inp, Tensor weight, Tensor bias, Tensor mean,
-                               Tensor invstd, Activation act) {
+                               Tensor invstd, Activation act, bool nhwc) {
   const char* op = "cuda batchnorm_backward_reduce";
   const Dims d = check_common(op, inp, weight, bias);
   expect_tensor(op, "dout", dout, inp.dtype, {d.N, d.C, inp.dim(2), inp.dim(3)});
@@ -230,10 +290,18 @@ void batchnorm_backward_reduce(const CudaContext& ctx, Tensor dsums, Tensor dwei
   expect_tensor(op, "dbias", dbias, inp.dtype, {d.C});
   expect_tensor(op, "mean", mean, DType::kF32, {d.C});
   expect_tensor(op, "invstd", invstd, DType::kF32, {d.C});
-  const int64_t G = image_groups(ctx, d.N, d.C, d.HW);
+  const int64_t G = nhwc ? column_groups(ctx, d.N * d.HW, d.C) : image_groups(ctx, d.N, d.C, d.HW);
   auto* part = static_cast<double*>(ctx.get_scratch(static_cast<size_t>(G * 2 * d.C) * 8));
   dispatch_float(inp.dtype, [&]<typename T>() {
     dispatch_activation(act, [&]<Activation A>() {
+      if (nhwc) {
+        backward_columns_kernel<T, A>
+            <<<dim3(ceil_div(static_cast<size_t>(d.C), kColTile), static_cast<unsigned>(G)),
+               dim3(kColTile, kColRows), 0, ctx.stream>>>(
+                part, dout.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
+                invstd.as<float>(), d.N * d.HW, d.C);
+        return;
+      }
       backward_partial_kernel<T, A>
           <<<dim3(static_cast<unsigned>(d.C), static_cast<unsigned>(G)), kImageBlock, 0,
              ctx.stream>>>(part, dout.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(),
@@ -248,7 +316,7 @@ void batchnorm_backward_reduce(const CudaContext& ctx, Tensor dsums, Tensor dwei
 
 void batchnorm_backward_input(const CudaContext& ctx, Tensor dinp, Tensor dout, Tensor inp,
                               Tensor weight, Tensor bias, Tensor mean, Tensor invstd, Tensor dsums,
-                              int64_t count, Activation act) {
+                              int64_t count, Activation act, bool nhwc) {
   const char* op = "cuda batchnorm_backward_input";
   const Dims d = check_common(op, inp, weight, bias);
   expect_tensor(op, "dinp", dinp, inp.dtype, {d.N, d.C, inp.dim(2), inp.dim(3)});
@@ -262,7 +330,8 @@ void batchnorm_backward_input(const CudaContext& ctx, Tensor dinp, Tensor dout, 
     dispatch_activation(act, [&]<Activation A>() {
       backward_input_kernel<T, A><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
           dinp.as<T>(), dout.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
-          invstd.as<float>(), dsums.as<double>(), 1.0 / static_cast<double>(count), n, d.C, d.HW);
+          invstd.as<float>(), dsums.as<double>(), 1.0 / static_cast<double>(count), n, d.C, d.HW,
+          nhwc);
     });
   });
   ST_CUDA_LAUNCH_CHECK();

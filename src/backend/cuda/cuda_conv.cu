@@ -195,59 +195,48 @@ class CudnnConvRunner final : public ConvRunner {
   }
 
   void forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const Conv2dShape& s,
-               Activation act) override {
+               Activation act, bool nhwc) override {
+    const int64_t PQ = s.P() * s.Q();
     if (is_depthwise(s)) {
-      depthwise_forward(ctx_, out, inp, weight, s);
-      if (!bias.empty() || act != Activation::kNone)
-        bias_activation(ctx_, out, bias, s.K, s.P() * s.Q(), act);
-      return;
-    }
-    if (pointwise_gemm(s, inp.dtype)) {
-      pointwise_forward(out, inp, weight, s);
-      if (!bias.empty() || act != Activation::kNone)
-        bias_activation(ctx_, out, bias, s.K, s.P() * s.Q(), act);
-      return;
-    }
-    ConvPlan& p = plan(s, inp.dtype);
-    choose<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT>(
-        p.fwd, p.conv,
-        [&](int k, int* n, cudnnConvolutionFwdAlgoPerf_t* perf) {
-          return cudnnFindConvolutionForwardAlgorithm(handle_, p.x, p.w, p.conv, p.y, k, n, perf);
-        },
-        false, inp.dtype, "conv2d_forward", s);
-    const float one = 1.0f, zero = 0.0f;
-    ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.fwd.math));
-    if (p.nhwc) {
-      const DType dt = inp.dtype;
-      Temp x(backend_, dt, {s.N, s.H, s.W, s.C}), w(backend_, dt, {s.K, s.R, s.S, s.C}),
-          y(backend_, dt, {s.N, s.P(), s.Q(), s.K});
-      batched_transpose(ctx_, *x, inp, s.N, s.C, s.H * s.W);
-      batched_transpose(ctx_, *w, weight, s.K, s.C, s.R * s.S);
-      ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, (*x).data, p.w, (*w).data, p.conv,
-                                             p.fwd.algo, workspace(p.fwd.ws), p.fwd.ws, &zero, p.y,
-                                             (*y).data));
-      batched_transpose(ctx_, out, *y, s.N, s.P() * s.Q(), s.K);
+      depthwise_forward(ctx_, out, inp, weight, s, nhwc);
+    } else if (pointwise_gemm(s, inp.dtype)) {
+      pointwise_forward(out, inp, weight, s, nhwc);
     } else {
-      ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, inp.data, p.w, weight.data, p.conv,
+      ConvPlan& p = plan(s, inp.dtype, nhwc);
+      choose<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT>(
+          p.fwd, p.conv,
+          [&](int k, int* n, cudnnConvolutionFwdAlgoPerf_t* perf) {
+            return cudnnFindConvolutionForwardAlgorithm(handle_, p.x, p.w, p.conv, p.y, k, n,
+                                                        perf);
+          },
+          false, inp.dtype, "conv2d_forward", s);
+      const float one = 1.0f, zero = 0.0f;
+      std::optional<Temp> x, w, y;
+      const Tensor xo = to_plan(x, inp, nhwc, p.nhwc, s.N, s.C, s.H * s.W);
+      const Tensor wo = weight_to_plan(w, weight, p.nhwc, s);
+      const Tensor yo = plan_output(y, out, nhwc, p.nhwc);
+      ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.fwd.math));
+      ST_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, p.x, xo.data, p.w, wo.data, p.conv,
                                              p.fwd.algo, workspace(p.fwd.ws), p.fwd.ws, &zero, p.y,
-                                             out.data));
+                                             yo.data));
+      from_plan(out, yo, nhwc, p.nhwc, s.N, s.K, PQ);
     }
     if (!bias.empty() || act != Activation::kNone)
-      bias_activation(ctx_, out, bias, s.K, s.P() * s.Q(), act);
+      bias_activation(ctx_, out, bias, s.K, PQ, act, nhwc);
   }
 
   void backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight,
-                const Conv2dShape& s) override {
-    if (!dbias.empty()) bias_gradient(ctx_, dbias, dout, s.N, s.K, s.P() * s.Q());
+                const Conv2dShape& s, bool nhwc) override {
+    if (!dbias.empty()) bias_gradient(ctx_, dbias, dout, s.N, s.K, s.P() * s.Q(), nhwc);
     if (is_depthwise(s)) {
-      depthwise_backward(ctx_, dinp, dweight, dout, inp, weight, s);
+      depthwise_backward(ctx_, dinp, dweight, dout, inp, weight, s, nhwc);
       return;
     }
     if (pointwise_gemm(s, inp.dtype)) {
-      pointwise_backward(dinp, dweight, dout, inp, weight, s);
+      pointwise_backward(dinp, dweight, dout, inp, weight, s, nhwc);
       return;
     }
-    ConvPlan& p = plan(s, inp.dtype);
+    ConvPlan& p = plan(s, inp.dtype, nhwc);
     const float one = 1.0f, zero = 0.0f;
     const bool deterministic = inp.dtype == DType::kF32;
     choose<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>(
@@ -257,23 +246,18 @@ class CudnnConvRunner final : public ConvRunner {
                                                              perf);
         },
         deterministic, inp.dtype, "conv2d_backward (weight gradient)", s);
-    // The operands in the plan's layout: channels-last copies, or the tensors themselves.
-    const DType dt = inp.dtype;
+    // The operands in the plan's layout: transposed copies where it differs from the images'
+    // (or, for the weight, from PyTorch's KCRS), else the tensors themselves.
     std::optional<Temp> x, dy, w, dw, dx;
-    auto nhwc = [&](std::optional<Temp>& t, const Tensor& src, int64_t B, int64_t C, int64_t HW) {
-      t.emplace(backend_, dt, std::initializer_list<int64_t>{B, HW, C});
-      batched_transpose(ctx_, **t, src, B, C, HW);
-      return **t;
-    };
-    const Tensor xo = p.nhwc ? nhwc(x, inp, s.N, s.C, s.H * s.W) : inp;
-    const Tensor dyo = p.nhwc ? nhwc(dy, dout, s.N, s.K, s.P() * s.Q()) : dout;
-    const Tensor dwo = p.nhwc ? nhwc(dw, dweight, s.K, s.C, s.R * s.S) : dweight;
+    const Tensor xo = to_plan(x, inp, nhwc, p.nhwc, s.N, s.C, s.H * s.W);
+    const Tensor dyo = to_plan(dy, dout, nhwc, p.nhwc, s.N, s.K, s.P() * s.Q());
+    const Tensor dwo = weight_to_plan(dw, dweight, p.nhwc, s);
     // β = 1: weight gradients accumulate over micro-batches.
     ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_filter.math));
     ST_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
         handle_, &one, p.x, xo.data, p.y, dyo.data, p.conv, p.bwd_filter.algo,
         workspace(p.bwd_filter.ws), p.bwd_filter.ws, &one, p.w, dwo.data));
-    if (p.nhwc) batched_transpose(ctx_, dweight, dwo, s.K, s.R * s.S, s.C);
+    if (p.nhwc) batched_transpose(ctx_, dweight, dwo, s.K, s.R * s.S, s.C / s.groups);
     if (dinp.empty()) return;
     choose<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT>(
         p.bwd_data, p.conv,
@@ -282,24 +266,56 @@ class CudnnConvRunner final : public ConvRunner {
                                                            perf);
         },
         deterministic, inp.dtype, "conv2d_backward (input gradient)", s);
-    const Tensor wo = p.nhwc ? nhwc(w, weight, s.K, s.C, s.R * s.S) : weight;
-    if (p.nhwc) dx.emplace(backend_, dt, std::initializer_list<int64_t>{s.N, s.H * s.W, s.C});
-    const Tensor dxo = p.nhwc ? **dx : dinp;
+    const Tensor wo = weight_to_plan(w, weight, p.nhwc, s);
+    const Tensor dxo = plan_output(dx, dinp, nhwc, p.nhwc);
     ST_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_data.math));
     ST_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, p.w, wo.data, p.y, dyo.data, p.conv,
                                                 p.bwd_data.algo, workspace(p.bwd_data.ws),
                                                 p.bwd_data.ws, &zero, p.x, dxo.data));
-    if (p.nhwc) batched_transpose(ctx_, dinp, dxo, s.N, s.H * s.W, s.C);
+    from_plan(dinp, dxo, nhwc, p.nhwc, s.N, s.C, s.H * s.W);
   }
 
  private:
-  /// pointwise_gemm()'s forward: channels-last copies of the input and output around one GEMM
-  /// (none when H·W = 1, where NCHW and NHWC coincide).
-  void pointwise_forward(Tensor out, Tensor inp, Tensor weight, const Conv2dShape& s) {
+  /// An image of B × C channels × HW pixels in the plan's layout: `src` itself when it is already
+  /// (`act_nhwc` == `plan_nhwc`), else a transposed copy in `t`.
+  Tensor to_plan(std::optional<Temp>& t, const Tensor& src, bool act_nhwc, bool plan_nhwc,
+                 int64_t B, int64_t C, int64_t HW) {
+    if (act_nhwc == plan_nhwc) return src;
+    t.emplace(backend_, src.dtype, std::initializer_list<int64_t>{B, C * HW});
+    if (plan_nhwc)
+      batched_transpose(ctx_, **t, src, B, C, HW);
+    else
+      batched_transpose(ctx_, **t, src, B, HW, C);
+    return **t;
+  }
+  /// Where cuDNN writes an image result: `dst` itself when the layouts agree, else a temporary
+  /// that from_plan() transposes into `dst`.
+  Tensor plan_output(std::optional<Temp>& t, const Tensor& dst, bool act_nhwc, bool plan_nhwc) {
+    if (act_nhwc == plan_nhwc) return dst;
+    t.emplace(backend_, dst.dtype, std::initializer_list<int64_t>{dst.numel()});
+    return **t;
+  }
+  void from_plan(Tensor dst, const Tensor& res, bool act_nhwc, bool plan_nhwc, int64_t B,
+                 int64_t C, int64_t HW) {
+    if (act_nhwc == plan_nhwc) return;
+    if (plan_nhwc)
+      batched_transpose(ctx_, dst, res, B, HW, C);
+    else
+      batched_transpose(ctx_, dst, res, B, C, HW);
+  }
+  /// A weight [K, C/g, R, S] in the plan's filter layout (KRSC copy for a channels-last plan).
+  Tensor weight_to_plan(std::optional<Temp>& t, const Tensor& w, bool plan_nhwc,
+                        const Conv2dShape& s) {
+    return to_plan(t, w, false, plan_nhwc, s.K, s.C / s.groups, s.R * s.S);
+  }
+
+  /// pointwise_gemm()'s forward: one GEMM over the pixels, with channels-last copies of the
+  /// input and output for NCHW images (none when H·W = 1, where NCHW and NHWC coincide).
+  void pointwise_forward(Tensor out, Tensor inp, Tensor weight, const Conv2dShape& s, bool nhwc) {
     const DType dt = inp.dtype;
     const int64_t HW = s.H * s.W, M = s.N * HW;
     const Tensor w = weight.reshape({s.K, s.C});
-    if (HW == 1) {
+    if (HW == 1 || nhwc) {
       backend_.matmul_forward(out.reshape({M, s.K}), inp.reshape({M, s.C}), w, {});
       return;
     }
@@ -310,11 +326,11 @@ class CudnnConvRunner final : public ConvRunner {
   }
   /// pointwise_gemm()'s backward: dinp = dout · weight, dweight += doutᵀ · inp over the pixels.
   void pointwise_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
-                          const Conv2dShape& s) {
+                          const Conv2dShape& s, bool nhwc) {
     const DType dt = inp.dtype;
     const int64_t HW = s.H * s.W, M = s.N * HW;
     const Tensor w = weight.reshape({s.K, s.C}), dw = dweight.reshape({s.K, s.C});
-    if (HW == 1) {
+    if (HW == 1 || nhwc) {
       backend_.matmul_backward(dinp.empty() ? Tensor() : dinp.reshape({M, s.C}), dw, {},
                                dout.reshape({M, s.K}), inp.reshape({M, s.C}), w);
       return;
@@ -334,7 +350,10 @@ class CudnnConvRunner final : public ConvRunner {
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                          int64_t, int64_t, int64_t, int64_t, int>;
 
-  ConvPlan& plan(const Conv2dShape& s, DType dt) {
+  /// The plan of a geometry: channels-last for channels-last images without groups (cuDNN's
+  /// grouped convolutions stay NCHW) and where channels_last() asks for it.
+  ConvPlan& plan(const Conv2dShape& s, DType dt, bool nhwc_images) {
+    const bool plan_nhwc = (nhwc_images && s.groups == 1) || channels_last(s, dt);
     const Key key{s.N,
                   s.C,
                   s.H,
@@ -347,10 +366,10 @@ class CudnnConvRunner final : public ConvRunner {
                   s.pad_h,
                   s.pad_w,
                   s.groups,
-                  static_cast<int>(dt)};
+                  static_cast<int>(dt) * 2 + (plan_nhwc ? 1 : 0)};
     auto it = plans_.find(key);
     if (it == plans_.end())
-      it = plans_.emplace(key, std::make_unique<ConvPlan>(s, dt, channels_last(s, dt))).first;
+      it = plans_.emplace(key, std::make_unique<ConvPlan>(s, dt, plan_nhwc)).first;
     return *it->second;
   }
   void* workspace(size_t bytes) { return bytes == 0 ? nullptr : ctx_.get_scratch(bytes); }
@@ -364,11 +383,12 @@ class CudnnConvRunner final : public ConvRunner {
 // ---- bias and activation epilogue, bias gradient ------------------------------------------------
 
 template <typename T, Activation A>
-__global__ void bias_activation_kernel(T* out, const T* bias, int64_t n, int64_t K, int64_t PQ) {
+__global__ void bias_activation_kernel(T* out, const T* bias, int64_t n, int64_t K, int64_t PQ,
+                                       bool nhwc) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
     float v = to_float(out[i]);
-    if (bias) v += to_float(bias[(i / PQ) % K]);
+    if (bias) v += to_float(bias[nhwc ? i % K : (i / PQ) % K]);
     out[i] = from_float<T>(act_forward<A>(v));
   }
 }
@@ -389,6 +409,23 @@ __global__ void bias_gradient_partial_kernel(float* part, const T* dout, int64_t
   }
   acc = block_sum(acc, shared);
   if (threadIdx.x == 0) part[grp * K + k] = acc;
+}
+
+/// Channels-last: part [G, K] = Σ over the rows (n, pq) of group blockIdx.y of dout [N·PQ, K]
+/// (threads kColTile channels × kColRows rows).
+template <typename T>
+__global__ void bias_gradient_columns_kernel(float* part, const T* dout, int64_t rows, int64_t K) {
+  __shared__ float tile[kColRows][kColTile];
+  const int64_t k = blockIdx.x * int64_t{kColTile} + threadIdx.x, G = gridDim.y;
+  const int64_t r0 = rows * blockIdx.y / G, r1 = rows * (blockIdx.y + 1) / G;
+  float acc = 0.0f;
+  if (k < K)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kColRows) acc += to_float(dout[r * K + k]);
+  tile[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y != 0 || k >= K) return;
+  for (unsigned r = 1; r < kColRows; ++r) acc += tile[r][threadIdx.x];
+  part[blockIdx.y * K + k] = acc;
 }
 
 /// dbias [K] += Σ_groups part [G, K], in group order (deterministic).
@@ -438,23 +475,28 @@ void batched_transpose(const CudaContext& ctx, Tensor dst, Tensor src, int64_t B
 }
 
 void bias_activation(const CudaContext& ctx, Tensor out, Tensor bias, int64_t K, int64_t PQ,
-                     Activation act) {
+                     Activation act, bool nhwc) {
   const int64_t n = out.numel();
   dispatch_float(out.dtype, [&]<typename T>() {
     dispatch_activation(act, [&]<Activation A>() {
       bias_activation_kernel<T, A><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
-          out.as<T>(), bias.empty() ? nullptr : bias.as<T>(), n, K, PQ);
+          out.as<T>(), bias.empty() ? nullptr : bias.as<T>(), n, K, PQ, nhwc);
     });
   });
   ST_CUDA_LAUNCH_CHECK();
 }
 
 void bias_gradient(const CudaContext& ctx, Tensor dbias, Tensor dout, int64_t N, int64_t K,
-                   int64_t PQ) {
-  const int64_t G = image_groups(ctx, N, K, PQ);
+                   int64_t PQ, bool nhwc) {
+  const int64_t G = nhwc ? column_groups(ctx, N * PQ, K) : image_groups(ctx, N, K, PQ);
   auto* part = static_cast<float*>(ctx.get_scratch(static_cast<size_t>(G * K) * sizeof(float)));
   dispatch_float(dout.dtype, [&]<typename T>() {
-    bias_gradient_partial_kernel<T>
+    if (nhwc)
+      bias_gradient_columns_kernel<T>
+          <<<dim3(ceil_div(static_cast<size_t>(K), kColTile), static_cast<unsigned>(G)),
+             dim3(kColTile, kColRows), 0, ctx.stream>>>(part, dout.as<T>(), N * PQ, K);
+    else
+      bias_gradient_partial_kernel<T>
         <<<dim3(static_cast<unsigned>(K), static_cast<unsigned>(G)), kImageBlock, 0, ctx.stream>>>(
             part, dout.as<T>(), N, K, PQ);
     ST_CUDA_LAUNCH_CHECK();

@@ -1,5 +1,6 @@
 // Depthwise convolution (groups = C = K: MobileNetV2's and EfficientNet's 3×3 and 5×5 spatial
-// filters) as direct kernels, NCHW, with 32-bit index arithmetic where the tensor allows. cuDNN's legacy API runs a grouped convolution with one group
+// filters) as direct kernels on NCHW or channels-last images, with 32-bit index arithmetic where
+// the tensor allows. cuDNN's legacy API runs a grouped convolution with one group
 // per channel far below memory speed; these kernels are memory-bound loops:
 //   forward       one thread per output element, the R×S window from the input plane
 //   input grad    one thread per input element, gathering the outputs whose window covers it
@@ -24,7 +25,28 @@ struct Geom {
 template <typename I>
 struct G {
   I C, H, W, P, Q, sh, sw, ph, pw;
-  explicit G(const Geom& g)
+  bool nhwc;  ///< images channels-last
+  /// Flat index of (n, c, h, w) in an image of `h_size` × `w_size` pixels.
+  __device__ I at(I n, I c, I h, I w, I h_size, I w_size) const {
+    return nhwc ? ((n * h_size + h) * w_size + w) * C + c : ((n * C + c) * h_size + h) * w_size + w;
+  }
+  /// (n, c, h, w) of flat index i in an image of `h_size` × `w_size` pixels.
+  __device__ void coords(I i, I h_size, I w_size, I& n, I& c, I& h, I& w) const {
+    if (nhwc) {
+      c = i % C;
+      const I t = i / C;
+      w = t % w_size;
+      h = (t / w_size) % h_size;
+      n = t / (w_size * h_size);
+    } else {
+      w = i % w_size;
+      h = (i / w_size) % h_size;
+      const I nc = i / (w_size * h_size);
+      c = nc % C;
+      n = nc / C;
+    }
+  }
+  G(const Geom& g, bool channels_last)
       : C(static_cast<I>(g.C)),
         H(static_cast<I>(g.H)),
         W(static_cast<I>(g.W)),
@@ -33,7 +55,8 @@ struct G {
         sh(static_cast<I>(g.sh)),
         sw(static_cast<I>(g.sw)),
         ph(static_cast<I>(g.ph)),
-        pw(static_cast<I>(g.pw)) {}
+        pw(static_cast<I>(g.pw)),
+        nhwc(channels_last) {}
 };
 
 template <typename T, int kR, int kS, typename I>
@@ -41,8 +64,8 @@ __global__ void depthwise_forward_kernel(T* out, const T* x, const T* w, G<I> g,
                                          I n) {
   if constexpr (kR > 0) R = kR, S = kS;
   for (I i = blockIdx.x * I(blockDim.x) + threadIdx.x; i < n; i += I(gridDim.x) * blockDim.x) {
-    const I q = i % g.Q, p = (i / g.Q) % g.P, nc = i / (g.P * g.Q), c = nc % g.C;
-    const T* plane = x + nc * g.H * g.W;
+    I b, c, p, q;
+    g.coords(i, g.P, g.Q, b, c, p, q);
     const T* wc = w + c * R * S;
     float acc = 0.0f;
 #pragma unroll
@@ -52,7 +75,8 @@ __global__ void depthwise_forward_kernel(T* out, const T* x, const T* w, G<I> g,
 #pragma unroll
       for (int s = 0; s < S; ++s) {
         const I iw = q * g.sw - g.pw + s;
-        if (iw >= 0 && iw < g.W) acc += to_float(plane[ih * g.W + iw]) * to_float(wc[r * S + s]);
+        if (iw >= 0 && iw < g.W)
+          acc += to_float(x[g.at(b, c, ih, iw, g.H, g.W)]) * to_float(wc[r * S + s]);
       }
     }
     out[i] = from_float<T>(acc);
@@ -66,8 +90,8 @@ __global__ void depthwise_input_grad_kernel(T* dx, const T* dy, const T* w, G<I>
                                             I n) {
   if constexpr (kR > 0) R = kR, S = kS;
   for (I i = blockIdx.x * I(blockDim.x) + threadIdx.x; i < n; i += I(gridDim.x) * blockDim.x) {
-    const I iw = i % g.W, ih = (i / g.W) % g.H, nc = i / (g.H * g.W), c = nc % g.C;
-    const T* dplane = dy + nc * g.P * g.Q;
+    I b, c, ih, iw;
+    g.coords(i, g.H, g.W, b, c, ih, iw);
     const T* wc = w + c * R * S;
     const I hh = ih + g.ph, ww = iw + g.pw;
     const int r0 = static_cast<int>(hh % g.sh), s0 = static_cast<int>(ww % g.sw);
@@ -79,7 +103,7 @@ __global__ void depthwise_input_grad_kernel(T* dx, const T* dy, const T* w, G<I>
       for (int s = s0; s < S; s += static_cast<int>(g.sw)) {
         if (ww < s) break;
         const I q = (ww - s) / g.sw;
-        if (q < g.Q) acc += to_float(dplane[p * g.Q + q]) * to_float(wc[r * S + s]);
+        if (q < g.Q) acc += to_float(dy[g.at(b, c, p, q, g.P, g.Q)]) * to_float(wc[r * S + s]);
       }
     }
     dx[i] = from_float<T>(acc);
@@ -129,6 +153,47 @@ __global__ void depthwise_weight_partial_kernel(float* part, const T* dy, const 
   }
 }
 
+/// Channels-last weight partials: part [G, C, R·S] over the output rows (n, p, q) of group
+/// blockIdx.y, channel tile blockIdx.x (threads: kColTile channels × kColRows rows).
+template <typename T, int kR, int kS>
+__global__ void depthwise_weight_columns_kernel(float* part, const T* dy, const T* x, Geom g) {
+  constexpr int kTaps = kR > 0 ? kR * kS : kMaxTaps;
+  __shared__ float tile[kColRows][kColTile];
+  const int R = kR > 0 ? kR : static_cast<int>(g.R), S = kS > 0 ? kS : static_cast<int>(g.S);
+  const int64_t c = blockIdx.x * int64_t{kColTile} + threadIdx.x, G = gridDim.y;
+  const int64_t rows = g.N * g.P * g.Q, r0 = rows * blockIdx.y / G, r1 = rows * (blockIdx.y + 1) / G;
+  float acc[kTaps];
+#pragma unroll
+  for (int k = 0; k < kTaps; ++k) acc[k] = 0.0f;
+  if (c < g.C)
+    for (int64_t row = r0 + threadIdx.y; row < r1; row += kColRows) {
+      const int64_t q = row % g.Q, p = (row / g.Q) % g.P, n = row / (g.Q * g.P);
+      const float d = to_float(dy[row * g.C + c]);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t ih = p * g.sh - g.ph + r;
+        const bool row_ok = ih >= 0 && ih < g.H;
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+          const int64_t iw = q * g.sw - g.pw + s;
+          if (row_ok && iw >= 0 && iw < g.W)
+            acc[r * S + s] += d * to_float(x[((n * g.H + ih) * g.W + iw) * g.C + c]);
+        }
+      }
+    }
+  const int taps = R * S;
+  for (int k = 0; k < taps; ++k) {
+    tile[threadIdx.y][threadIdx.x] = k < kTaps ? acc[k] : 0.0f;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < g.C) {
+      float v = 0.0f;
+      for (unsigned r = 0; r < kColRows; ++r) v += tile[r][threadIdx.x];
+      part[(blockIdx.y * g.C + c) * taps + k] = v;
+    }
+    __syncthreads();
+  }
+}
+
 /// dweight [C, R·S] += Σ_groups part, in group order.
 template <typename T>
 __global__ void depthwise_weight_finish_kernel(T* dw, const float* part, int64_t G, int64_t n) {
@@ -146,11 +211,12 @@ Geom geom(const Conv2dShape& s) {
 /// Launches `kernel<T, kR, kS, I>` for the window (3×3 and 5×5 compiled with a fixed window) and
 /// the index type (32-bit below 2^31 elements).
 template <template <typename, int, int, typename> class K, typename T, typename... Args>
-void launch_windowed(const CudaContext& ctx, const Conv2dShape& s, int64_t n, Args... args) {
+void launch_windowed(const CudaContext& ctx, const Conv2dShape& s, bool nhwc, int64_t n,
+                     Args... args) {
   const unsigned grid = grid_for(ctx, n);
   const int R = static_cast<int>(s.R), S = static_cast<int>(s.S);
   auto go = [&]<typename I>() {
-    const G<I> g(geom(s));
+    const G<I> g(geom(s), nhwc);
     if (R == 3 && S == 3)
       K<T, 3, 3, I>::launch(grid, ctx.stream, args..., g, R, S, static_cast<I>(n));
     else if (R == 5 && S == 5)
@@ -188,22 +254,34 @@ bool is_depthwise(const Conv2dShape& s) {
 }
 
 void depthwise_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight,
-                       const Conv2dShape& s) {
+                       const Conv2dShape& s, bool nhwc) {
   dispatch_float(inp.dtype, [&]<typename T>() {
-    launch_windowed<ForwardKernel, T>(ctx, s, out.numel(), out.as<T>(), inp.as<T>(),
+    launch_windowed<ForwardKernel, T>(ctx, s, nhwc, out.numel(), out.as<T>(), inp.as<T>(),
                                       weight.as<T>());
   });
 }
 
 void depthwise_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor dout,
-                        Tensor inp, Tensor weight, const Conv2dShape& s) {
+                        Tensor inp, Tensor weight, const Conv2dShape& s, bool nhwc) {
   const Geom g = geom(s);
   const int64_t taps = s.R * s.S;
-  const int64_t G = image_groups(ctx, s.N, s.C, s.P() * s.Q());
+  const int64_t G = nhwc ? column_groups(ctx, s.N * s.P() * s.Q(), s.C)
+                         : image_groups(ctx, s.N, s.C, s.P() * s.Q());
   auto* part = static_cast<float*>(ctx.get_scratch(static_cast<size_t>(G * s.C * taps) * 4));
   dispatch_float(inp.dtype, [&]<typename T>() {
     const dim3 grid(static_cast<unsigned>(s.C), static_cast<unsigned>(G));
-    if (s.R == 3 && s.S == 3)
+    const dim3 col_grid(ceil_div(static_cast<size_t>(s.C), kColTile), static_cast<unsigned>(G));
+    const dim3 col_block(kColTile, kColRows);
+    if (nhwc && s.R == 3 && s.S == 3)
+      depthwise_weight_columns_kernel<T, 3, 3>
+          <<<col_grid, col_block, 0, ctx.stream>>>(part, dout.as<T>(), inp.as<T>(), g);
+    else if (nhwc && s.R == 5 && s.S == 5)
+      depthwise_weight_columns_kernel<T, 5, 5>
+          <<<col_grid, col_block, 0, ctx.stream>>>(part, dout.as<T>(), inp.as<T>(), g);
+    else if (nhwc)
+      depthwise_weight_columns_kernel<T, 0, 0>
+          <<<col_grid, col_block, 0, ctx.stream>>>(part, dout.as<T>(), inp.as<T>(), g);
+    else if (s.R == 3 && s.S == 3)
       depthwise_weight_partial_kernel<T, 3, 3>
           <<<grid, kImageBlock, 0, ctx.stream>>>(part, dout.as<T>(), inp.as<T>(), g);
     else if (s.R == 5 && s.S == 5)
@@ -218,7 +296,7 @@ void depthwise_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Ten
             dweight.as<T>(), part, G, s.C * taps);
     ST_CUDA_LAUNCH_CHECK();
     if (!dinp.empty())
-      launch_windowed<InputGradKernel, T>(ctx, s, dinp.numel(), dinp.as<T>(), dout.as<T>(),
+      launch_windowed<InputGradKernel, T>(ctx, s, nhwc, dinp.numel(), dinp.as<T>(), dout.as<T>(),
                                           weight.as<T>());
   });
 }

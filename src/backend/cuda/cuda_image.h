@@ -106,6 +106,43 @@ class Temp {
   Tensor t_;
 };
 
+// ---- image layout ---------------------------------------------------------------------------------
+
+/// Where element (n, c, h, w) of an [N, C, H, W] image lives: NCHW, or channels-last (NHWC) when
+/// `nhwc` (ImageOps::channels_last()). Kernels branch on `nhwc` uniformly across the grid.
+struct ImageIndex {
+  int64_t C, H, W;
+  bool nhwc;
+  __host__ __device__ int64_t at(int64_t n, int64_t c, int64_t h, int64_t w) const {
+    return nhwc ? ((n * H + h) * W + w) * C + c : ((n * C + c) * H + h) * W + w;
+  }
+  /// The coordinates of flat index i.
+  __device__ void coords(int64_t i, int64_t& n, int64_t& c, int64_t& h, int64_t& w) const {
+    if (nhwc) {
+      c = i % C;
+      const int64_t p = i / C;
+      w = p % W;
+      h = (p / W) % H;
+      n = p / (W * H);
+    } else {
+      w = i % W;
+      h = (i / W) % H;
+      c = (i / (W * H)) % C;
+      n = i / (W * H * C);
+    }
+  }
+  __device__ int64_t channel(int64_t i) const { return nhwc ? i % C : (i / (H * W)) % C; }
+  __device__ int64_t image(int64_t i) const { return i / (C * H * W); }
+};
+
+/// Column partials of a channels-last image seen as rows [N·H·W, C]: blocks of kColTile channels ×
+/// kColRows rows, grid (⌈C / kColTile⌉, groups); each block's rows are a contiguous range, and
+/// its 32 channels make each row's load one coalesced segment.
+constexpr unsigned kColTile = 32, kColRows = 8;
+/// Row groups for a column reduction over `rows` rows of C channels (≈ 4 blocks per SM, ≥ 64
+/// rows per block).
+int64_t column_groups(const CudaContext& ctx, int64_t rows, int64_t C);
+
 // ---- argument checks (RuntimeFailure naming the op, the tensor and what was expected) ---------
 
 /// `t` is a CUDA tensor of dtype `dt` with exactly `dims`.
@@ -131,10 +168,11 @@ int64_t image_groups(const CudaContext& ctx, int64_t N, int64_t C, int64_t HW);
 class ConvRunner {
  public:
   virtual ~ConvRunner() = default;
+  /// `nhwc`: the images (inp, out, dinp, dout) are channels-last.
   virtual void forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const Conv2dShape& s,
-                       Activation act) = 0;
+                       Activation act, bool nhwc) = 0;
   virtual void backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                        Tensor weight, const Conv2dShape& s) = 0;
+                        Tensor weight, const Conv2dShape& s, bool nhwc) = 0;
 };
 /// `backend` provides the temporaries of the channels-last path.
 std::unique_ptr<ConvRunner> make_conv_runner(const CudaContext& ctx, Backend& backend);
@@ -144,41 +182,43 @@ std::unique_ptr<ConvRunner> make_conv_runner(const CudaContext& ctx, Backend& ba
 void batched_transpose(const CudaContext& ctx, Tensor dst, Tensor src, int64_t B, int64_t X,
                        int64_t Y);
 
-/// out [N,K,PQ] = act(out + bias[K]) (bias may be null) in place.
+/// out = act(out + bias[k]) (bias may be empty) in place, out an [N, K, P·Q] image (channels-last
+/// when `nhwc`).
 void bias_activation(const CudaContext& ctx, Tensor out, Tensor bias, int64_t K, int64_t PQ,
-                     Activation act);
-/// dbias [K] += Σ_{n,pq} dout [N,K,PQ].
+                     Activation act, bool nhwc);
+/// dbias [K] += Σ_{n,pq} dout, dout an [N, K, P·Q] image (channels-last when `nhwc`).
 void bias_gradient(const CudaContext& ctx, Tensor dbias, Tensor dout, int64_t N, int64_t K,
-                   int64_t PQ);
+                   int64_t PQ, bool nhwc);
 
 // ---- cuda_depthwise.cu --------------------------------------------------------------------------
 
 /// Whether `s` is a depthwise convolution (groups = C = K, window ≤ 7×7) that the direct kernels
 /// below take instead of cuDNN.
 bool is_depthwise(const Conv2dShape& s);
-/// out [N,C,P,Q] = depthwise conv(inp [N,C,H,W], weight [C,1,R,S]) (no bias, no activation).
+/// out [N,C,P,Q] = depthwise conv(inp [N,C,H,W], weight [C,1,R,S]) (no bias, no activation);
+/// images channels-last when `nhwc`.
 void depthwise_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight,
-                       const Conv2dShape& s);
+                       const Conv2dShape& s, bool nhwc);
 /// dweight += ∂L/∂weight; dinp (overwritten; may be empty) from dout.
 void depthwise_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor dout,
-                        Tensor inp, Tensor weight, const Conv2dShape& s);
+                        Tensor inp, Tensor weight, const Conv2dShape& s, bool nhwc);
 
-// ---- cuda_batchnorm.cu ------------------------------------------------------------------------
+// ---- cuda_batchnorm.cu (images channels-last when `nhwc`) --------------------------------------
 
-void batchnorm_statistics(const CudaContext& ctx, Tensor sums, Tensor inp);
+void batchnorm_statistics(const CudaContext& ctx, Tensor sums, Tensor inp, bool nhwc);
 void batchnorm_forward_train(const CudaContext& ctx, Tensor out, Tensor mean, Tensor invstd,
                              Tensor running_mean, Tensor running_var, Tensor inp, Tensor weight,
                              Tensor bias, Tensor sums, int64_t count, float eps, float momentum,
-                             Activation act);
+                             Activation act, bool nhwc);
 void batchnorm_forward_eval(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight,
                             Tensor bias, Tensor running_mean, Tensor running_var, float eps,
-                            Activation act);
+                            Activation act, bool nhwc);
 void batchnorm_backward_reduce(const CudaContext& ctx, Tensor dsums, Tensor dweight, Tensor dbias,
                                Tensor dout, Tensor inp, Tensor weight, Tensor bias, Tensor mean,
-                               Tensor invstd, Activation act);
+                               Tensor invstd, Activation act, bool nhwc);
 void batchnorm_backward_input(const CudaContext& ctx, Tensor dinp, Tensor dout, Tensor inp,
                               Tensor weight, Tensor bias, Tensor mean, Tensor invstd, Tensor dsums,
-                              int64_t count, Activation act);
+                              int64_t count, Activation act, bool nhwc);
 
 // ---- cuda_lstm.cu -------------------------------------------------------------------------------
 

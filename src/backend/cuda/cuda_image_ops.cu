@@ -64,6 +64,12 @@ int64_t image_groups(const CudaContext& ctx, int64_t N, int64_t C, int64_t HW) {
   return std::max<int64_t>(1, std::min({N, want, std::max<int64_t>(1, N * HW / 1024)}));
 }
 
+int64_t column_groups(const CudaContext& ctx, int64_t rows, int64_t C) {
+  const int64_t tiles = (C + kColTile - 1) / kColTile;
+  const int64_t want = (4 * int64_t{ctx.sm_count} + tiles - 1) / tiles;
+  return std::max<int64_t>(1, std::min<int64_t>({want, rows / 64, 65535}));
+}
+
 namespace {
 
 #define ST_GRID_STRIDE(i, n)                                                \
@@ -83,18 +89,25 @@ __global__ void activation_backward_kernel(T* dx, const T* dy, const T* x, int64
 }
 
 // ---- pooling ----------------------------------------------------------------------------------
+// One thread per output element (forward) or input element (gather backward); `nhwc` picks the
+// images' memory order (ImageIndex).
 
 struct PoolGeom {
-  int64_t H, W, P, Q, R, S, sh, sw, ph, pw;
+  int64_t C, H, W, P, Q, R, S, sh, sw, ph, pw;
+  bool nhwc;
+  __device__ ImageIndex in() const { return {C, H, W, nhwc}; }
+  __device__ ImageIndex out() const { return {C, P, Q, nhwc}; }
 };
-PoolGeom geom(const Pool2dShape& s) {
-  return {s.H, s.W, s.P(), s.Q(), s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w};
+PoolGeom geom(const Pool2dShape& s, bool nhwc) {
+  return {s.C, s.H, s.W, s.P(), s.Q(), s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, nhwc};
 }
 
-/// Index (within the plane) of the first maximum of window (p, q) in row-major order, or −1.
+/// Flat index of the first maximum of window (p, q) of image n, channel c (row-major window
+/// order), or −1; *best receives the maximum.
 template <typename T>
-__device__ __forceinline__ int64_t window_argmax(const T* x, const PoolGeom& g, int64_t p,
-                                                 int64_t q, float* best) {
+__device__ __forceinline__ int64_t window_argmax(const T* x, const PoolGeom& g, int64_t n,
+                                                 int64_t c, int64_t p, int64_t q, float* best) {
+  const ImageIndex ix = g.in();
   float m = -FLT_MAX;
   int64_t arg = -1;
   for (int64_t r = 0; r < g.R; ++r) {
@@ -103,10 +116,11 @@ __device__ __forceinline__ int64_t window_argmax(const T* x, const PoolGeom& g, 
     for (int64_t t = 0; t < g.S; ++t) {
       const int64_t iw = q * g.sw - g.pw + t;
       if (iw < 0 || iw >= g.W) continue;
-      const float v = to_float(x[ih * g.W + iw]);
+      const int64_t k = ix.at(n, c, ih, iw);
+      const float v = to_float(x[k]);
       if (arg < 0 || v > m) {
         m = v;
-        arg = ih * g.W + iw;
+        arg = k;
       }
     }
   }
@@ -125,27 +139,28 @@ __device__ __forceinline__ void covering(int64_t i, int64_t pad, int64_t stride,
 template <typename T>
 __global__ void maxpool_forward_kernel(T* out, const T* x, PoolGeom g, int64_t n) {
   ST_GRID_STRIDE(i, n) {
-    const int64_t q = i % g.Q, p = (i / g.Q) % g.P, nc = i / (g.P * g.Q);
+    int64_t b, c, p, q;
+    g.out().coords(i, b, c, p, q);
     float m;
-    window_argmax(x + nc * g.H * g.W, g, p, q, &m);
+    window_argmax(x, g, b, c, p, q, &m);
     out[i] = from_float<T>(m);
   }
 }
 
 template <typename T>
 __global__ void maxpool_backward_kernel(T* dx, const T* dy, const T* x, PoolGeom g, int64_t n) {
+  const ImageIndex ox = g.out();
   ST_GRID_STRIDE(i, n) {
-    const int64_t iw = i % g.W, ih = (i / g.W) % g.H, nc = i / (g.H * g.W);
+    int64_t b, c, ih, iw;
+    g.in().coords(i, b, c, ih, iw);
     int64_t p0, p1, q0, q1;
     covering(ih, g.ph, g.sh, g.R, g.P, &p0, &p1);
     covering(iw, g.pw, g.sw, g.S, g.Q, &q0, &q1);
-    const T* plane = x + nc * g.H * g.W;
     float acc = 0.0f;
     for (int64_t p = p0; p <= p1; ++p)
       for (int64_t q = q0; q <= q1; ++q) {
         float m;
-        if (window_argmax(plane, g, p, q, &m) == ih * g.W + iw)
-          acc += to_float(dy[(nc * g.P + p) * g.Q + q]);
+        if (window_argmax(x, g, b, c, p, q, &m) == i) acc += to_float(dy[ox.at(b, c, p, q)]);
       }
     dx[i] = from_float<T>(acc);
   }
@@ -159,32 +174,34 @@ __global__ void maxpool_backward_kernel(T* dx, const T* dy, const T* x, PoolGeom
 template <typename T>
 __global__ void maxpool_backward_tiled_kernel(T* dx, const T* dy, const T* x, PoolGeom g,
                                               int64_t n) {
+  const ImageIndex ix = g.in();
   ST_GRID_STRIDE(i, n) {
-    const int64_t q = i % g.Q, p = (i / g.Q) % g.P, nc = i / (g.P * g.Q);
-    const int64_t plane = nc * g.H * g.W;
+    int64_t b, c, p, q;
+    g.out().coords(i, b, c, p, q);
     float m;
-    const int64_t arg = window_argmax(x + plane, g, p, q, &m);
+    const int64_t arg = window_argmax(x, g, b, c, p, q, &m);
     const T d = dy[i];
     for (int64_t r = 0; r < g.R; ++r)
       for (int64_t t = 0; t < g.S; ++t) {
-        const int64_t k = (p * g.R + r) * g.W + q * g.S + t;
-        dx[plane + k] = k == arg ? d : from_float<T>(0.0f);
+        const int64_t k = ix.at(b, c, p * g.R + r, q * g.S + t);
+        dx[k] = k == arg ? d : from_float<T>(0.0f);
       }
   }
 }
 
 template <typename T>
 __global__ void avgpool_forward_kernel(T* out, const T* x, PoolGeom g, int64_t n) {
+  const ImageIndex ix = g.in();
   ST_GRID_STRIDE(i, n) {
-    const int64_t q = i % g.Q, p = (i / g.Q) % g.P, nc = i / (g.P * g.Q);
-    const T* plane = x + nc * g.H * g.W;
+    int64_t b, c, p, q;
+    g.out().coords(i, b, c, p, q);
     float acc = 0.0f;
     for (int64_t r = 0; r < g.R; ++r) {
       const int64_t ih = p * g.sh - g.ph + r;
       if (ih < 0 || ih >= g.H) continue;
       for (int64_t t = 0; t < g.S; ++t) {
         const int64_t iw = q * g.sw - g.pw + t;
-        if (iw >= 0 && iw < g.W) acc += to_float(plane[ih * g.W + iw]);
+        if (iw >= 0 && iw < g.W) acc += to_float(x[ix.at(b, c, ih, iw)]);
       }
     }
     out[i] = from_float<T>(acc / static_cast<float>(g.R * g.S));
@@ -193,14 +210,16 @@ __global__ void avgpool_forward_kernel(T* out, const T* x, PoolGeom g, int64_t n
 
 template <typename T>
 __global__ void avgpool_backward_kernel(T* dx, const T* dy, PoolGeom g, int64_t n) {
+  const ImageIndex ox = g.out();
   ST_GRID_STRIDE(i, n) {
-    const int64_t iw = i % g.W, ih = (i / g.W) % g.H, nc = i / (g.H * g.W);
+    int64_t b, c, ih, iw;
+    g.in().coords(i, b, c, ih, iw);
     int64_t p0, p1, q0, q1;
     covering(ih, g.ph, g.sh, g.R, g.P, &p0, &p1);
     covering(iw, g.pw, g.sw, g.S, g.Q, &q0, &q1);
     float acc = 0.0f;
     for (int64_t p = p0; p <= p1; ++p)
-      for (int64_t q = q0; q <= q1; ++q) acc += to_float(dy[(nc * g.P + p) * g.Q + q]);
+      for (int64_t q = q0; q <= q1; ++q) acc += to_float(dy[ox.at(b, c, p, q)]);
     dx[i] = from_float<T>(acc / static_cast<float>(g.R * g.S));
   }
 }
@@ -214,22 +233,22 @@ __device__ __forceinline__ int64_t adaptive_end(int64_t p, int64_t H, int64_t P)
 }
 
 template <typename T>
-__global__ void adaptive_forward_kernel(T* out, const T* x, int64_t H, int64_t W, int64_t P,
-                                        int64_t Q, int64_t n) {
+__global__ void adaptive_forward_kernel(T* out, const T* x, ImageIndex ix, ImageIndex ox,
+                                        int64_t n) {
   ST_GRID_STRIDE(i, n) {
-    const int64_t q = i % Q, p = (i / Q) % P, nc = i / (P * Q);
-    const int64_t h0 = adaptive_begin(p, H, P), h1 = adaptive_end(p, H, P);
-    const int64_t w0 = adaptive_begin(q, W, Q), w1 = adaptive_end(q, W, Q);
-    const T* plane = x + nc * H * W;
+    int64_t b, c, p, q;
+    ox.coords(i, b, c, p, q);
+    const int64_t h0 = adaptive_begin(p, ix.H, ox.H), h1 = adaptive_end(p, ix.H, ox.H);
+    const int64_t w0 = adaptive_begin(q, ix.W, ox.W), w1 = adaptive_end(q, ix.W, ox.W);
     float acc = 0.0f;
     for (int64_t h = h0; h < h1; ++h)
-      for (int64_t w = w0; w < w1; ++w) acc += to_float(plane[h * W + w]);
+      for (int64_t w = w0; w < w1; ++w) acc += to_float(x[ix.at(b, c, h, w)]);
     out[i] = from_float<T>(acc / static_cast<float>((h1 - h0) * (w1 - w0)));
   }
 }
 
-/// Global average pooling (P = Q = 1: EfficientNet's squeeze, the classifiers' final pool): one
-/// warp per (n, c) plane, so a warp's loads are contiguous.
+/// Global average pooling (P = Q = 1: EfficientNet's squeeze, the classifiers' final pool), NCHW:
+/// one warp per (n, c) plane, so a warp's loads are contiguous.
 template <typename T>
 __global__ void global_avgpool_forward_kernel(T* out, const T* x, int64_t NC, int64_t HW) {
   const int64_t warp = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32;
@@ -243,26 +262,41 @@ __global__ void global_avgpool_forward_kernel(T* out, const T* x, int64_t NC, in
   if (lane == 0) out[warp] = from_float<T>(acc / static_cast<float>(HW));
 }
 
-/// dx [NC, HW] = dy [NC] / HW (global average pooling's backward).
+/// Global average pooling of a channels-last image [N, HW, C]: one thread per (n, c), adjacent
+/// threads on adjacent channels (coalesced).
 template <typename T>
-__global__ void global_avgpool_backward_kernel(T* dx, const T* dy, int64_t HW, int64_t n) {
-  const float inv = 1.0f / static_cast<float>(HW);
-  ST_GRID_STRIDE(i, n) dx[i] = from_float<T>(to_float(dy[i / HW]) * inv);
+__global__ void global_avgpool_forward_nhwc_kernel(T* out, const T* x, int64_t C, int64_t HW,
+                                                   int64_t n) {
+  ST_GRID_STRIDE(i, n) {
+    const int64_t b = i / C, c = i % C;
+    const T* img = x + b * HW * C + c;
+    float acc = 0.0f;
+    for (int64_t j = 0; j < HW; ++j) acc += to_float(img[j * C]);
+    out[i] = from_float<T>(acc / static_cast<float>(HW));
+  }
+}
+
+/// dx = dy [N, C] / HW broadcast over the pixels (global average pooling's backward).
+template <typename T>
+__global__ void global_avgpool_backward_kernel(T* dx, const T* dy, ImageIndex ix, int64_t n) {
+  const float inv = 1.0f / static_cast<float>(ix.H * ix.W);
+  ST_GRID_STRIDE(i, n) dx[i] = from_float<T>(to_float(dy[ix.image(i) * ix.C + ix.channel(i)]) * inv);
 }
 
 template <typename T>
-__global__ void adaptive_backward_kernel(T* dx, const T* dy, int64_t H, int64_t W, int64_t P,
-                                         int64_t Q, int64_t n) {
+__global__ void adaptive_backward_kernel(T* dx, const T* dy, ImageIndex ix, ImageIndex ox,
+                                         int64_t n) {
   ST_GRID_STRIDE(i, n) {
-    const int64_t w = i % W, h = (i / W) % H, nc = i / (H * W);
+    int64_t b, c, h, w;
+    ix.coords(i, b, c, h, w);
     float acc = 0.0f;
-    for (int64_t p = 0; p < P; ++p) {
-      const int64_t h0 = adaptive_begin(p, H, P), h1 = adaptive_end(p, H, P);
+    for (int64_t p = 0; p < ox.H; ++p) {
+      const int64_t h0 = adaptive_begin(p, ix.H, ox.H), h1 = adaptive_end(p, ix.H, ox.H);
       if (h < h0 || h >= h1) continue;
-      for (int64_t q = 0; q < Q; ++q) {
-        const int64_t w0 = adaptive_begin(q, W, Q), w1 = adaptive_end(q, W, Q);
+      for (int64_t q = 0; q < ox.W; ++q) {
+        const int64_t w0 = adaptive_begin(q, ix.W, ox.W), w1 = adaptive_end(q, ix.W, ox.W);
         if (w < w0 || w >= w1) continue;
-        acc += to_float(dy[(nc * P + p) * Q + q]) / static_cast<float>((h1 - h0) * (w1 - w0));
+        acc += to_float(dy[ox.at(b, c, p, q)]) / static_cast<float>((h1 - h0) * (w1 - w0));
       }
     }
     dx[i] = from_float<T>(acc);
@@ -272,9 +306,31 @@ __global__ void adaptive_backward_kernel(T* dx, const T* dy, int64_t H, int64_t 
 // ---- channel scaling ----------------------------------------------------------------------------
 
 template <typename T>
-__global__ void channel_scale_forward_kernel(T* out, const T* x, const T* scale, int64_t HW,
+__global__ void channel_scale_forward_kernel(T* out, const T* x, const T* scale, ImageIndex ix,
                                              int64_t n) {
-  ST_GRID_STRIDE(i, n) out[i] = from_float<T>(to_float(x[i]) * to_float(scale[i / HW]));
+  ST_GRID_STRIDE(i, n) {
+    out[i] = from_float<T>(to_float(x[i]) * to_float(scale[ix.image(i) * ix.C + ix.channel(i)]));
+  }
+}
+
+/// Channels-last channel_scale_backward: one thread per (n, c), looping over the pixels
+/// (adjacent threads on adjacent channels).
+template <typename T>
+__global__ void channel_scale_backward_nhwc_kernel(T* dx, T* dscale, const T* dy, const T* x,
+                                                   const T* scale, int64_t C, int64_t HW,
+                                                   int64_t n) {
+  ST_GRID_STRIDE(i, n) {
+    const int64_t b = i / C, c = i % C;
+    const float s = to_float(scale[i]);
+    float acc = 0.0f;
+    for (int64_t j = 0; j < HW; ++j) {
+      const int64_t k = (b * HW + j) * C + c;
+      const float d = to_float(dy[k]);
+      acc += d * to_float(x[k]);
+      dx[k] = from_float<T>(d * s);
+    }
+    dscale[i] = from_float<T>(acc);
+  }
 }
 
 /// One warp per (n, c) plane: dscale = Σ dout·x, dinp = dout·scale (read before written: dinp
@@ -369,7 +425,36 @@ __global__ void classification_loss_kernel(float* losses, T* logits, const int32
 class CudaImageOps final : public ImageOps {
  public:
   CudaImageOps(const CudaContext& ctx, Backend& backend)
-      : ctx_(ctx), backend_(backend), conv_(make_conv_runner(ctx, backend)) {}
+      : ctx_(ctx),
+        backend_(backend),
+        conv_(make_conv_runner(ctx, backend)),
+        nhwc_(backend.compute_dtype() != DType::kF32) {}
+
+  bool channels_last() const override { return nhwc_; }
+  void set_channels_last(bool on) override { nhwc_ = on; }
+  void image_from_nchw(Tensor dst, Tensor src) override {
+    relayout("cuda image_from_nchw", dst, src, true);
+  }
+  void image_to_nchw(Tensor dst, Tensor src) override {
+    relayout("cuda image_to_nchw", dst, src, false);
+  }
+  void image_rows_as_sequence(Tensor out, Tensor inp) override {
+    if (!nhwc_) return ImageOps::image_rows_as_sequence(out, inp);
+    const char* op = "cuda image_rows_as_sequence";
+    expect_nchw(op, "inp", inp, inp.dtype);
+    const int64_t N = inp.dim(0), C = inp.dim(1), H = inp.dim(2), W = inp.dim(3);
+    expect_tensor(op, "out", out, inp.dtype, {N, H, C * W});
+    // [N·H, W, C] → [N·H, C, W]
+    batched_transpose(ctx_, out, inp, N * H, W, C);
+  }
+  void sequence_as_image_rows(Tensor dinp, Tensor dout) override {
+    if (!nhwc_) return ImageOps::sequence_as_image_rows(dinp, dout);
+    const char* op = "cuda sequence_as_image_rows";
+    expect_nchw(op, "dinp", dinp, dout.dtype);
+    const int64_t N = dinp.dim(0), C = dinp.dim(1), H = dinp.dim(2), W = dinp.dim(3);
+    expect_tensor(op, "dout", dout, dinp.dtype, {N, H, C * W});
+    batched_transpose(ctx_, dinp, dout, N * H, C, W);
+  }
 
   void conv2d_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const Conv2dShape& s,
                       Activation act) override {
@@ -377,7 +462,7 @@ class CudaImageOps final : public ImageOps {
     check_conv(op, s, inp, weight);
     expect_tensor_or_empty(op, "bias", bias, inp.dtype, {s.K});
     expect_tensor(op, "out", out, inp.dtype, {s.N, s.K, s.P(), s.Q()});
-    conv_->forward(out, inp, weight, bias, s, act);
+    conv_->forward(out, inp, weight, bias, s, act, nhwc_);
   }
   void conv2d_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                        Tensor weight, const Conv2dShape& s) override {
@@ -387,35 +472,36 @@ class CudaImageOps final : public ImageOps {
     expect_tensor(op, "dweight", dweight, inp.dtype, {s.K, s.C / s.groups, s.R, s.S});
     expect_tensor_or_empty(op, "dbias", dbias, inp.dtype, {s.K});
     expect_tensor_or_empty(op, "dinp", dinp, inp.dtype, {s.N, s.C, s.H, s.W});
-    conv_->backward(dinp, dweight, dbias, dout, inp, weight, s);
+    conv_->backward(dinp, dweight, dbias, dout, inp, weight, s, nhwc_);
   }
 
   void batchnorm_statistics(Tensor sums, Tensor inp) override {
-    cuda::batchnorm_statistics(ctx_, sums, inp);
+    cuda::batchnorm_statistics(ctx_, sums, inp, nhwc_);
   }
   void batchnorm_forward_train(Tensor out, Tensor mean, Tensor invstd, Tensor running_mean,
                                Tensor running_var, Tensor inp, Tensor weight, Tensor bias,
                                Tensor sums, int64_t count, float eps, float momentum,
                                Activation act) override {
     cuda::batchnorm_forward_train(ctx_, out, mean, invstd, running_mean, running_var, inp, weight,
-                                  bias, sums, count, eps, momentum, act);
+                                  bias, sums, count, eps, momentum, act, nhwc_);
   }
   void batchnorm_forward_eval(Tensor out, Tensor inp, Tensor weight, Tensor bias,
                               Tensor running_mean, Tensor running_var, float eps,
                               Activation act) override {
-    cuda::batchnorm_forward_eval(ctx_, out, inp, weight, bias, running_mean, running_var, eps, act);
+    cuda::batchnorm_forward_eval(ctx_, out, inp, weight, bias, running_mean, running_var, eps, act,
+                                 nhwc_);
   }
   void batchnorm_backward_reduce(Tensor dsums, Tensor dweight, Tensor dbias, Tensor dout,
                                  Tensor inp, Tensor weight, Tensor bias, Tensor mean, Tensor invstd,
                                  Activation act) override {
     cuda::batchnorm_backward_reduce(ctx_, dsums, dweight, dbias, dout, inp, weight, bias, mean,
-                                    invstd, act);
+                                    invstd, act, nhwc_);
   }
   void batchnorm_backward_input(Tensor dinp, Tensor dout, Tensor inp, Tensor weight, Tensor bias,
                                 Tensor mean, Tensor invstd, Tensor dsums, int64_t count,
                                 Activation act) override {
     cuda::batchnorm_backward_input(ctx_, dinp, dout, inp, weight, bias, mean, invstd, dsums, count,
-                                   act);
+                                   act, nhwc_);
   }
 
   void activation_forward(Tensor out, Tensor inp, Activation act) override {
@@ -448,7 +534,7 @@ class CudaImageOps final : public ImageOps {
     const int64_t n = out.numel();
     dispatch_float(inp.dtype, [&]<typename T>() {
       maxpool_forward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
-          out.as<T>(), inp.as<T>(), geom(s), n);
+          out.as<T>(), inp.as<T>(), geom(s, nhwc_), n);
     });
     ST_CUDA_LAUNCH_CHECK();
   }
@@ -464,10 +550,10 @@ class CudaImageOps final : public ImageOps {
       if (tiled) {
         const int64_t windows = dout.numel();
         maxpool_backward_tiled_kernel<T><<<grid_for(ctx_, windows), kImageBlock, 0, ctx_.stream>>>(
-            dinp.as<T>(), dout.as<T>(), inp.as<T>(), geom(s), windows);
+            dinp.as<T>(), dout.as<T>(), inp.as<T>(), geom(s, nhwc_), windows);
       } else {
         maxpool_backward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
-            dinp.as<T>(), dout.as<T>(), inp.as<T>(), geom(s), n);
+            dinp.as<T>(), dout.as<T>(), inp.as<T>(), geom(s, nhwc_), n);
       }
     });
     ST_CUDA_LAUNCH_CHECK();
@@ -477,7 +563,7 @@ class CudaImageOps final : public ImageOps {
     const int64_t n = out.numel();
     dispatch_float(inp.dtype, [&]<typename T>() {
       avgpool_forward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
-          out.as<T>(), inp.as<T>(), geom(s), n);
+          out.as<T>(), inp.as<T>(), geom(s, nhwc_), n);
     });
     ST_CUDA_LAUNCH_CHECK();
   }
@@ -486,7 +572,7 @@ class CudaImageOps final : public ImageOps {
     const int64_t n = dinp.numel();
     dispatch_float(dinp.dtype, [&]<typename T>() {
       avgpool_backward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
-          dinp.as<T>(), dout.as<T>(), geom(s), n);
+          dinp.as<T>(), dout.as<T>(), geom(s, nhwc_), n);
     });
     ST_CUDA_LAUNCH_CHECK();
   }
@@ -495,15 +581,21 @@ class CudaImageOps final : public ImageOps {
     check_adaptive(op, out, "out", inp, "inp");
     const int64_t n = out.numel();
     dispatch_float(inp.dtype, [&]<typename T>() {
+      const int64_t HW = inp.dim(2) * inp.dim(3);
+      if (out.dim(2) == 1 && out.dim(3) == 1 && nhwc_) {
+        global_avgpool_forward_nhwc_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
+            out.as<T>(), inp.as<T>(), inp.dim(1), HW, n);
+        return;
+      }
       if (out.dim(2) == 1 && out.dim(3) == 1) {
         const size_t threads = static_cast<size_t>(n) * 32;
         global_avgpool_forward_kernel<T>
             <<<ceil_div(threads, kImageBlock), kImageBlock, 0, ctx_.stream>>>(
-                out.as<T>(), inp.as<T>(), n, inp.dim(2) * inp.dim(3));
+                out.as<T>(), inp.as<T>(), n, HW);
         return;
       }
       adaptive_forward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
-          out.as<T>(), inp.as<T>(), inp.dim(2), inp.dim(3), out.dim(2), out.dim(3), n);
+          out.as<T>(), inp.as<T>(), index(inp), index(out), n);
     });
     ST_CUDA_LAUNCH_CHECK();
   }
@@ -514,11 +606,11 @@ class CudaImageOps final : public ImageOps {
     dispatch_float(dinp.dtype, [&]<typename T>() {
       if (dout.dim(2) == 1 && dout.dim(3) == 1) {
         global_avgpool_backward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
-            dinp.as<T>(), dout.as<T>(), dinp.dim(2) * dinp.dim(3), n);
+            dinp.as<T>(), dout.as<T>(), index(dinp), n);
         return;
       }
       adaptive_backward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
-          dinp.as<T>(), dout.as<T>(), dinp.dim(2), dinp.dim(3), dout.dim(2), dout.dim(3), n);
+          dinp.as<T>(), dout.as<T>(), index(dinp), index(dout), n);
     });
     ST_CUDA_LAUNCH_CHECK();
   }
@@ -531,7 +623,7 @@ class CudaImageOps final : public ImageOps {
     const int64_t n = inp.numel(), HW = inp.dim(2) * inp.dim(3);
     dispatch_float(inp.dtype, [&]<typename T>() {
       channel_scale_forward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
-          out.as<T>(), inp.as<T>(), scale.as<T>(), HW, n);
+          out.as<T>(), inp.as<T>(), scale.as<T>(), index(inp), n);
     });
     ST_CUDA_LAUNCH_CHECK();
   }
@@ -554,9 +646,15 @@ class CudaImageOps final : public ImageOps {
     expect_tensor(op, "dscale", dscale, inp.dtype, {inp.dim(0), inp.dim(1)});
     const int64_t NC = inp.dim(0) * inp.dim(1), HW = inp.dim(2) * inp.dim(3);
     dispatch_float(inp.dtype, [&]<typename T>() {
-      channel_scale_backward_kernel<T>
-          <<<ceil_div(static_cast<size_t>(NC) * 32, kImageBlock), kImageBlock, 0, ctx_.stream>>>(
-              dinp.as<T>(), dscale.as<T>(), dout.as<T>(), inp.as<T>(), scale.as<T>(), NC, HW);
+      if (nhwc_)
+        channel_scale_backward_nhwc_kernel<T><<<grid_for(ctx_, NC), kImageBlock, 0, ctx_.stream>>>(
+            dinp.as<T>(), dscale.as<T>(), dout.as<T>(), inp.as<T>(), scale.as<T>(), inp.dim(1), HW,
+            NC);
+      else
+        channel_scale_backward_kernel<T>
+            <<<ceil_div(static_cast<size_t>(NC) * 32, kImageBlock), kImageBlock, 0,
+               ctx_.stream>>>(dinp.as<T>(), dscale.as<T>(), dout.as<T>(), inp.as<T>(),
+                              scale.as<T>(), NC, HW);
     });
     ST_CUDA_LAUNCH_CHECK();
   }
@@ -607,6 +705,24 @@ class CudaImageOps final : public ImageOps {
   }
 
  private:
+  /// The memory order of image `t` [N, C, H, W] in these ops.
+  ImageIndex index(const Tensor& t) const { return {t.dim(1), t.dim(2), t.dim(3), nhwc_}; }
+  /// dst = src between NCHW and this ops' layout (`to_native`: from NCHW).
+  void relayout(const char* op, Tensor dst, Tensor src, bool to_native) {
+    expect_nchw(op, "src", src, src.dtype);
+    expect_same(op, "dst", dst, src);
+    require(dst.data != src.data, op, ": dst must not alias src");
+    const int64_t N = src.dim(0), C = src.dim(1), HW = src.dim(2) * src.dim(3);
+    if (!nhwc_ || HW == 1 || C == 1) {
+      ST_CUDA_CHECK(
+          cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDeviceToDevice, ctx_.stream));
+    } else if (to_native) {
+      batched_transpose(ctx_, dst, src, N, C, HW);
+    } else {
+      batched_transpose(ctx_, dst, src, N, HW, C);
+    }
+  }
+
   static void check_conv(const char* op, const Conv2dShape& s, const Tensor& inp,
                          const Tensor& weight) {
     require(s.N > 0 && s.C > 0 && s.H > 0 && s.W > 0 && s.K > 0 && s.R > 0 && s.S > 0 &&
@@ -651,6 +767,7 @@ class CudaImageOps final : public ImageOps {
   const CudaContext& ctx_;
   Backend& backend_;
   std::unique_ptr<ConvRunner> conv_;
+  bool nhwc_;  ///< images channels-last (ImageOps::channels_last)
 };
 
 }  // namespace

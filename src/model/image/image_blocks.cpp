@@ -198,17 +198,19 @@ class RowsToSequence final : public Module {
   void reserve(Backend& be, const ImageShape& in) override {
     activation(be, out_, output_shape(in));
   }
-  /// [N, C, H, W] → [N, H, C, W] (the output's shape names it [N, H, C·W, 1]).
+  /// The image [N, C, H, W] → the sequence [N, H, C·W] in row-major order (whatever the image
+  /// layout; the output's shape names it [N, H, C·W, 1], a plain tensor for the LSTM).
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
     const ImageShape s = shape_of(in);
     Tensor out = activation(ctx.be, out_, output_shape(s));
-    ctx.ops.swap_middle_axes(reshaped(out, {s.N, s.H, s.C, s.W}), in);
+    ctx.ops.image_rows_as_sequence(reshaped(out, {s.N, s.H, s.C * s.W}), in);
     return out;
   }
   void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
                 const Tensor& din) override {
     const ImageShape s = shape_of(in);
-    if (!din.empty()) ctx.ops.swap_middle_axes(din, reshaped(dout, {s.N, s.H, s.C, s.W}));
+    if (!din.empty())
+      ctx.ops.sequence_as_image_rows(din, reshaped(dout, {s.N, s.H, s.C * s.W}));
   }
 
  private:

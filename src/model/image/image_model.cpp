@@ -165,15 +165,25 @@ Tensor ImageModel::run_forward(ModuleContext& ctx, const float* images, int64_t 
   const DType dt = backend_.compute_dtype();
   grow(backend_, image_, dt, batch * per_image);
   Tensor x(image_.data(), dt, backend_.kind(), {batch, spec_.channels, spec_.height, spec_.width});
+  // The host's NCHW fp32 images in the compute dtype and the image ops' layout (through an NCHW
+  // copy when that is channels-last).
+  const bool relayout = ops_.channels_last() && spec_.channels > 1;
+  Tensor nchw = x;
+  if (relayout) {
+    grow(backend_, image_nchw_, dt, batch * per_image);
+    nchw = Tensor(image_nchw_.data(), dt, backend_.kind(),
+                  {batch, spec_.channels, spec_.height, spec_.width});
+  }
   if (dt == DType::kF32) {
-    backend_.copy_from_host(x.data, images, x.bytes());
+    backend_.copy_from_host(nchw.data, images, nchw.bytes());
   } else {
     grow(backend_, image_f32_, DType::kF32, batch * per_image);
     backend_.copy_from_host(image_f32_.data(), images,
                             static_cast<size_t>(batch * per_image) * sizeof(float));
-    backend_.convert(x, Tensor(image_f32_.data(), DType::kF32, backend_.kind(),
-                               {batch, spec_.channels, spec_.height, spec_.width}));
+    backend_.convert(nchw, Tensor(image_f32_.data(), DType::kF32, backend_.kind(),
+                                  {batch, spec_.channels, spec_.height, spec_.width}));
   }
+  if (relayout) ops_.image_from_nchw(x, nchw);
   inputs_.resize(layers_.size());
   const size_t members = member_begin_.size() - 1;
   Tensor sum;

@@ -95,7 +95,7 @@ class ImageModel final : public Model {
   std::vector<int64_t> buffer_offsets_;
   FlatBuffer buffers_;
   std::vector<Tensor> inputs_;  ///< each layer's input of the last forward
-  FlatBuffer image_f32_, image_, targets_, losses_, grad_a_, grad_b_;
+  FlatBuffer image_f32_, image_nchw_, image_, targets_, losses_, grad_a_, grad_b_;
   FlatBuffer logit_sum_, member_grad_;  ///< ensembles: the mean of the logits, and its gradient
   uint64_t dropout_seed_ = 0;           ///< of the last forward, for backward's masks
   float label_smoothing_ = 0;

@@ -297,14 +297,19 @@ class Linear final : public Module {
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
     const ImageShape is = shape_of(in);
     Tensor out = activation(ctx.be, out_, output_shape(is));
-    ctx.be.matmul_forward(flat(out, is.N, out_features_), flat(in, is.N, in_), w_, b_);
+    ctx.be.matmul_forward(flat(out, is.N, out_features_), flat(features(ctx, in), is.N, in_), w_,
+                          b_);
     return out;
   }
   void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
                 const Tensor& din) override {
     const int64_t N = in.shape[0];
-    ctx.be.matmul_backward(din.empty() ? Tensor() : flat(din, N, in_), dw_, db_,
-                           flat(dout, N, out_features_), flat(in, N, in_), w_);
+    const bool relayout = needs_nchw(ctx, in);
+    Tensor dflat = din;
+    if (relayout && !din.empty()) dflat = activation(ctx.be, dflat_, shape_of(in));
+    ctx.be.matmul_backward(din.empty() ? Tensor() : flat(dflat, N, in_), dw_, db_,
+                           flat(dout, N, out_features_), flat(features(ctx, in), N, in_), w_);
+    if (relayout && !din.empty()) ctx.ops.image_from_nchw(din, dflat);
   }
   int64_t macs_per_image(const ImageShape&) const override { return in_ * out_features_; }
 
@@ -312,10 +317,23 @@ class Linear final : public Module {
   static Tensor flat(const Tensor& t, int64_t n, int64_t c) {
     return Tensor(t.data, t.dtype, t.device, {n, c});
   }
+  /// A channels-last feature map with H·W > 1 (VGG's 7×7 before its classifier) is flattened in
+  /// PyTorch's (C, H, W) order, which the weight's columns follow: through an NCHW copy.
+  static bool needs_nchw(const ModuleContext& ctx, const Tensor& in) {
+    return ctx.ops.channels_last() && in.shape[2] * in.shape[3] > 1;
+  }
+  /// The input in (C, H, W) feature order: `in` itself, or an NCHW copy (made again by the
+  /// backward: a small tensor, [N, 512, 7, 7] for VGG).
+  Tensor features(ModuleContext& ctx, const Tensor& in) {
+    if (!needs_nchw(ctx, in)) return in;
+    Tensor t = activation(ctx.be, nchw_, shape_of(in));
+    ctx.ops.image_to_nchw(t, in);
+    return t;
+  }
   int64_t in_, out_features_;
   float init_std_, init_uniform_;
   Tensor w_, dw_, b_, db_;
-  FlatBuffer out_;
+  FlatBuffer out_, nchw_, dflat_;  ///< nchw_, dflat_: channels-last inputs only
 };
 
 class Residual final : public Module {
