@@ -123,7 +123,12 @@ void check_parity(const Fixture& fx, std::unique_ptr<Backend> be) {
       sq += v * v;
     }
     close(sq, want_sq[k], tol, "Σg² of " + tensors[k]->name);
-    EXPECT_NEAR(s, want_sum[k], tol * std::sqrt(want_sq[k] * tensors[k]->numel) + 1e-5)
+    // The absolute floor covers gradients that are zero in exact arithmetic (float64 PyTorch:
+    // ~1e-14), such as the bias of a batch norm whose output reaches the next batch norm through
+    // a 1×1 convolution only: what fp32 computes there is summation noise, and mobilenet_v2's
+    // channels-last kernels (another summation order) put 1.008e-5 on features.4.conv.3.bias.
+    const double floor = deep ? 3e-5 : 1e-5;
+    EXPECT_NEAR(s, want_sum[k], tol * std::sqrt(want_sq[k] * tensors[k]->numel) + floor)
         << "Σg of " << tensors[k]->name;
   }
 
@@ -150,6 +155,16 @@ TEST_P(ImageModelParity, MatchesPyTorch) { check_parity(GetParam(), make_cpu_bac
 TEST_P(ImageModelParity, MatchesPyTorchOnCuda) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
   check_parity(GetParam(), make_cuda_backend(0, DType::kF32));
+}
+
+// And with channels-last images (the layout the CUDA backend uses for bf16/fp16), still fp32:
+// the layout conversions at the input, before VGG's flattening classifier and at the CNN-LSTM's
+// rows, and every op's channels-last kernels, against the same references.
+TEST_P(ImageModelParity, MatchesPyTorchOnCudaChannelsLast) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  auto be = make_cuda_backend(0, DType::kF32);
+  be->image_ops()->set_channels_last(true);
+  check_parity(GetParam(), std::move(be));
 }
 
 INSTANTIATE_TEST_SUITE_P(

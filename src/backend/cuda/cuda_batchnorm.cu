@@ -105,7 +105,7 @@ __global__ void normalize_kernel(T* out, const T* x, const T* gamma, const T* be
                                  int64_t n, int64_t C, int64_t HW, bool nhwc) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t c = nhwc ? i % C : (i / HW) % C;
+    const int64_t c = nhwc ? imod(i, C) : imod(idiv(i, HW), C);
     const float is = kEval ? rsqrtf(var_or_invstd[c] + eps) : var_or_invstd[c];
     const float pre = (to_float(x[i]) - mean[c]) * is * to_float(gamma[c]) + to_float(beta[c]);
     out[i] = from_float<T>(act_forward<A>(pre));
@@ -183,7 +183,7 @@ __global__ void backward_input_kernel(T* dinp, const T* dout, const T* x, const 
                                       int64_t HW, bool nhwc) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t c = nhwc ? i % C : (i / HW) % C;
+    const int64_t c = nhwc ? imod(i, C) : imod(idiv(i, HW), C);
     const float is = invstd[c], ga = to_float(gamma[c]);
     const float xhat = (to_float(x[i]) - mean[c]) * is;
     const float d = to_float(dout[i]) * act_derivative<A>(xhat * ga + to_float(beta[c]));

@@ -388,7 +388,7 @@ __global__ void bias_activation_kernel(T* out, const T* bias, int64_t n, int64_t
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
     float v = to_float(out[i]);
-    if (bias) v += to_float(bias[nhwc ? i % K : (i / PQ) % K]);
+    if (bias) v += to_float(bias[nhwc ? imod(i, K) : imod(idiv(i, PQ), K)]);
     out[i] = from_float<T>(act_forward<A>(v));
   }
 }

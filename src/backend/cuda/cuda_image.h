@@ -108,6 +108,19 @@ class Temp {
 
 // ---- image layout ---------------------------------------------------------------------------------
 
+/// i / d and i % d in 32-bit arithmetic when i fits (several times cheaper than 64-bit division,
+/// which dominated the element-wise image kernels), else 64-bit.
+__device__ __forceinline__ int64_t idiv(int64_t i, int64_t d) {
+  return i <= 0x7fffffff && d <= 0x7fffffff
+             ? static_cast<int64_t>(static_cast<uint32_t>(i) / static_cast<uint32_t>(d))
+             : i / d;
+}
+__device__ __forceinline__ int64_t imod(int64_t i, int64_t d) {
+  return i <= 0x7fffffff && d <= 0x7fffffff
+             ? static_cast<int64_t>(static_cast<uint32_t>(i) % static_cast<uint32_t>(d))
+             : i % d;
+}
+
 /// Where element (n, c, h, w) of an [N, C, H, W] image lives: NCHW, or channels-last (NHWC) when
 /// `nhwc` (ImageOps::channels_last()). Kernels branch on `nhwc` uniformly across the grid.
 struct ImageIndex {
@@ -119,20 +132,23 @@ struct ImageIndex {
   /// The coordinates of flat index i.
   __device__ void coords(int64_t i, int64_t& n, int64_t& c, int64_t& h, int64_t& w) const {
     if (nhwc) {
-      c = i % C;
-      const int64_t p = i / C;
-      w = p % W;
-      h = (p / W) % H;
-      n = p / (W * H);
+      const int64_t p = idiv(i, C), t = idiv(p, W);
+      c = i - p * C;
+      w = p - t * W;
+      n = idiv(t, H);
+      h = t - n * H;
     } else {
-      w = i % W;
-      h = (i / W) % H;
-      c = (i / (W * H)) % C;
-      n = i / (W * H * C);
+      const int64_t p = idiv(i, W), t = idiv(p, H);
+      w = i - p * W;
+      h = p - t * H;
+      n = idiv(t, C);
+      c = t - n * C;
     }
   }
-  __device__ int64_t channel(int64_t i) const { return nhwc ? i % C : (i / (H * W)) % C; }
-  __device__ int64_t image(int64_t i) const { return i / (C * H * W); }
+  __device__ int64_t channel(int64_t i) const {
+    return nhwc ? imod(i, C) : imod(idiv(i, H * W), C);
+  }
+  __device__ int64_t image(int64_t i) const { return idiv(i, C * H * W); }
 };
 
 /// Column partials of a channels-last image seen as rows [N·H·W, C]: blocks of kColTile channels ×

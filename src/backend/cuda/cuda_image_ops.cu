@@ -262,18 +262,48 @@ __global__ void global_avgpool_forward_kernel(T* out, const T* x, int64_t NC, in
   if (lane == 0) out[warp] = from_float<T>(acc / static_cast<float>(HW));
 }
 
-/// Global average pooling of a channels-last image [N, HW, C]: one thread per (n, c), adjacent
-/// threads on adjacent channels (coalesced).
-template <typename T>
-__global__ void global_avgpool_forward_nhwc_kernel(T* out, const T* x, int64_t C, int64_t HW,
-                                                   int64_t n) {
-  ST_GRID_STRIDE(i, n) {
-    const int64_t b = i / C, c = i % C;
-    const T* img = x + b * HW * C + c;
-    float acc = 0.0f;
-    for (int64_t j = 0; j < HW; ++j) acc += to_float(img[j * C]);
-    out[i] = from_float<T>(acc / static_cast<float>(HW));
+/// Per-image channel sums of a channels-last image [N, HW, C], each image's pixels split into G
+/// groups: part [G, N, C] fp32, grid (⌈C/32⌉ channel tiles, N, G), threads kColTile × kColRows.
+/// Sums `a` (global average pooling), or with kScaleGrad Σ a·x and writes dx = a·scale[n, c] on
+/// the way (channel_scale's backward, a = dout; dx may alias a: each element is read before it
+/// is written, by the same thread).
+template <typename T, bool kScaleGrad>
+__global__ void image_channel_partial_kernel(float* part, T* dx, const T* a, const T* x,
+                                             const T* scale, int64_t C, int64_t HW) {
+  __shared__ float tile[kColRows][kColTile];
+  const int64_t c = blockIdx.x * int64_t{kColTile} + threadIdx.x, n = blockIdx.y;
+  const int64_t N = gridDim.y, G = gridDim.z;
+  const int64_t h0 = HW * blockIdx.z / G, h1 = HW * (blockIdx.z + 1) / G;
+  float acc = 0.0f;
+  if (c < C) {
+    const float s = kScaleGrad ? to_float(scale[n * C + c]) : 0.0f;
+    for (int64_t j = h0 + threadIdx.y; j < h1; j += kColRows) {
+      const int64_t k = (n * HW + j) * C + c;
+      const float v = to_float(a[k]);
+      if constexpr (kScaleGrad) {
+        acc += v * to_float(x[k]);
+        dx[k] = from_float<T>(v * s);
+      } else {
+        acc += v;
+      }
+    }
   }
+  tile[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= C) return;
+  for (unsigned r = 1; r < kColRows; ++r) acc += tile[r][threadIdx.x];
+  part[(blockIdx.z * N + n) * C + c] = acc;
+}
+
+/// out [N·C] = factor · Σ_g part [G, N·C], in group order.
+template <typename T>
+__global__ void image_channel_finish_kernel(T* out, const float* part, int64_t G, int64_t NC,
+                                            float factor) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= NC) return;
+  float acc = 0.0f;
+  for (int64_t g = 0; g < G; ++g) acc += part[g * NC + i];
+  out[i] = from_float<T>(acc * factor);
 }
 
 /// dx = dy [N, C] / HW broadcast over the pixels (global average pooling's backward).
@@ -310,26 +340,6 @@ __global__ void channel_scale_forward_kernel(T* out, const T* x, const T* scale,
                                              int64_t n) {
   ST_GRID_STRIDE(i, n) {
     out[i] = from_float<T>(to_float(x[i]) * to_float(scale[ix.image(i) * ix.C + ix.channel(i)]));
-  }
-}
-
-/// Channels-last channel_scale_backward: one thread per (n, c), looping over the pixels
-/// (adjacent threads on adjacent channels).
-template <typename T>
-__global__ void channel_scale_backward_nhwc_kernel(T* dx, T* dscale, const T* dy, const T* x,
-                                                   const T* scale, int64_t C, int64_t HW,
-                                                   int64_t n) {
-  ST_GRID_STRIDE(i, n) {
-    const int64_t b = i / C, c = i % C;
-    const float s = to_float(scale[i]);
-    float acc = 0.0f;
-    for (int64_t j = 0; j < HW; ++j) {
-      const int64_t k = (b * HW + j) * C + c;
-      const float d = to_float(dy[k]);
-      acc += d * to_float(x[k]);
-      dx[k] = from_float<T>(d * s);
-    }
-    dscale[i] = from_float<T>(acc);
   }
 }
 
@@ -583,8 +593,7 @@ class CudaImageOps final : public ImageOps {
     dispatch_float(inp.dtype, [&]<typename T>() {
       const int64_t HW = inp.dim(2) * inp.dim(3);
       if (out.dim(2) == 1 && out.dim(3) == 1 && nhwc_) {
-        global_avgpool_forward_nhwc_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
-            out.as<T>(), inp.as<T>(), inp.dim(1), HW, n);
+        image_channel_sums<T, false>(out, nullptr, inp, {}, {}, 1.0f / static_cast<float>(HW));
         return;
       }
       if (out.dim(2) == 1 && out.dim(3) == 1) {
@@ -647,9 +656,7 @@ class CudaImageOps final : public ImageOps {
     const int64_t NC = inp.dim(0) * inp.dim(1), HW = inp.dim(2) * inp.dim(3);
     dispatch_float(inp.dtype, [&]<typename T>() {
       if (nhwc_)
-        channel_scale_backward_nhwc_kernel<T><<<grid_for(ctx_, NC), kImageBlock, 0, ctx_.stream>>>(
-            dinp.as<T>(), dscale.as<T>(), dout.as<T>(), inp.as<T>(), scale.as<T>(), inp.dim(1), HW,
-            NC);
+        image_channel_sums<T, true>(dscale, dinp.as<T>(), dout, inp, scale, 1.0f);
       else
         channel_scale_backward_kernel<T>
             <<<ceil_div(static_cast<size_t>(NC) * 32, kImageBlock), kImageBlock, 0,
@@ -705,6 +712,28 @@ class CudaImageOps final : public ImageOps {
   }
 
  private:
+  /// out [N, C] = factor · the per-image channel sums of the channels-last image `a` (kScaleGrad:
+  /// of a·x, writing dx = a·scale too): image_channel_partial_kernel over enough pixel groups to
+  /// fill the GPU (≥ 32 pixels each), then image_channel_finish_kernel.
+  template <typename T, bool kScaleGrad>
+  void image_channel_sums(Tensor out, T* dx, Tensor a, Tensor x, Tensor scale, float factor) {
+    const int64_t N = a.dim(0), C = a.dim(1), HW = a.dim(2) * a.dim(3);
+    const int64_t tiles = (C + kColTile - 1) / kColTile;
+    const int64_t want = (4 * int64_t{ctx_.sm_count} + tiles * N - 1) / (tiles * N);
+    const int64_t G = std::max<int64_t>(1, std::min<int64_t>({want, HW / 32, 65535}));
+    auto* part = static_cast<float*>(ctx_.get_scratch(static_cast<size_t>(G * N * C) * 4));
+    image_channel_partial_kernel<T, kScaleGrad>
+        <<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(N), static_cast<unsigned>(G)),
+           dim3(kColTile, kColRows), 0, ctx_.stream>>>(
+            part, dx, a.as<T>(), x.empty() ? nullptr : x.as<T>(),
+            scale.empty() ? nullptr : scale.as<T>(), C, HW);
+    ST_CUDA_LAUNCH_CHECK();
+    image_channel_finish_kernel<T>
+        <<<ceil_div(static_cast<size_t>(N * C), kImageBlock), kImageBlock, 0, ctx_.stream>>>(
+            out.as<T>(), part, G, N * C, factor);
+    ST_CUDA_LAUNCH_CHECK();
+  }
+
   /// The memory order of image `t` [N, C, H, W] in these ops.
   ImageIndex index(const Tensor& t) const { return {t.dim(1), t.dim(2), t.dim(3), nhwc_}; }
   /// dst = src between NCHW and this ops' layout (`to_native`: from NCHW).

@@ -405,19 +405,10 @@ ImageShape Sequential::output_shape(const ImageShape& in) const {
 }
 void Sequential::reserve(Backend& be, const ImageShape& in) {
   shapes_.assign(1, in);
-  int64_t largest = 0;
   for (auto& c : children_) {
     c->reserve(be, shapes_.back());
     shapes_.push_back(c->output_shape(shapes_.back()));
-    largest = std::max(largest, shapes_.back().numel());
   }
-  // Gradients between children: child i writes ∂L/∂(its input) = ∂L/∂(output of i−1).
-  for (size_t i = 1; i < shapes_.size() - 1; ++i) largest = std::max(largest, shapes_[i].numel());
-  for (FlatBuffer* b : {&grad_a_, &grad_b_})
-    if (b->numel() < largest) {
-      *b = FlatBuffer();
-      *b = FlatBuffer(be, be.compute_dtype(), largest);
-    }
 }
 Tensor Sequential::forward(ModuleContext& ctx, const Tensor& in) {
   if (shapes_.empty() || !(shapes_.front() == shape_of(in))) reserve(ctx.be, shape_of(in));
@@ -432,14 +423,29 @@ Tensor Sequential::forward(ModuleContext& ctx, const Tensor& in) {
 void Sequential::backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
                           const Tensor& din) {
   ST_ASSERT(inputs_.size() == children_.size() && inputs_.front().data == in.data);
+  // Gradients between children (child k writes ∂L/∂(its input) = ∂L/∂(output of k−1)) ping-pong
+  // between two buffers held for this pass only, so every block of a network reuses the same
+  // memory instead of keeping a pair of its own (on CUDA the caching allocator hands the same
+  // blocks back; freeing after enqueueing is stream-ordered).
+  int64_t largest = 0;
+  for (size_t i = 1; i + 1 < shapes_.size(); ++i) largest = std::max(largest, shapes_[i].numel());
+  const size_t bytes = static_cast<size_t>(largest) * dtype_size(ctx.be.compute_dtype());
+  struct Held {
+    Backend& be;
+    void* p;
+    ~Held() { be.deallocate(p); }
+  };
+  Held a{ctx.be, largest > 0 ? ctx.be.allocate_uninitialized(bytes) : nullptr};
+  Held b{ctx.be, largest > 0 ? ctx.be.allocate_uninitialized(bytes) : nullptr};
   Tensor g = dout;
   for (size_t k = children_.size(); k-- > 0;) {
     Tensor target;
     if (k == 0) {
       target = din;
     } else {
-      const FlatBuffer& buf = (k % 2 == 0) ? grad_a_ : grad_b_;
-      target = with_shape(buf.view(), shapes_[k]);
+      const ImageShape& sh = shapes_[k];
+      target = Tensor((k % 2 == 0) ? a.p : b.p, ctx.be.compute_dtype(), ctx.be.kind(),
+                      {sh.N, sh.C, sh.H, sh.W});
     }
     children_[k]->backward(ctx, inputs_[k], g, target);
     g = target;

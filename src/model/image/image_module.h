@@ -128,7 +128,6 @@ class Sequential final : public Module {
   std::vector<ModulePtr> children_;
   std::vector<ImageShape> shapes_;  ///< input shape of each child, then the output
   std::vector<Tensor> inputs_;      ///< each child's input of the last forward
-  FlatBuffer grad_a_, grad_b_;      ///< ping-pong gradients between children
 };
 
 /// How a convolution's weight is initialized.
