@@ -260,6 +260,22 @@ TEST_P(CudaImageOps, Convolution) {
         .groups = 7},
        true,
        Activation::kRelu},
+      // ... and with 16 channels: the channels-last 8-channel vector kernels (stride 2 input
+      // gradient included), bias and activation epilogue too
+      {{.N = 2,
+        .C = 16,
+        .H = 9,
+        .W = 7,
+        .K = 16,
+        .R = 5,
+        .S = 5,
+        .stride_h = 2,
+        .stride_w = 2,
+        .pad_h = 2,
+        .pad_w = 2,
+        .groups = 16},
+       true,
+       Activation::kSilu},
       // 1×1, groups 1, stride 1, no padding, C and K multiples of 8: the GEMM path
       {{.N = 2, .C = 16, .H = 5, .W = 3, .K = 24, .R = 1, .S = 1}, true, Activation::kRelu},
       // ... on 1×1 images (H = W = 1: both layouts the same), without a bias
@@ -311,53 +327,56 @@ TEST_P(CudaImageOps, Convolution) {
 // fused activation.
 TEST_P(CudaImageOps, BatchNorm) {
   Pair& p = *pair_;
-  const int64_t N = 4, C = 6, H = 5, W = 3;
-  for (Activation act : {Activation::kNone, Activation::kRelu6, Activation::kSilu}) {
-    const std::string what = std::string("batchnorm ") + activation_name(act);
-    // A mean large against the spread: the case fp64 sums exist for.
-    auto x = p.img({N, C, H, W}, 1, 1.0f, 3.0f);
-    auto gamma = p.in({C}, 2, 0.5f, 1.0f), beta = p.in({C}, 3, 0.5f);
-    auto sums = p.f64({2, C});
-    p.cops.batchnorm_statistics(sums.h, x.h);
-    p.gops.batchnorm_statistics(sums.d, x.d);
-    p.expect_close(sums, 1e-6, what + " sums");
+  const int64_t N = 4, H = 5, W = 3;
+  // C = 16: the channels-last kernels' 8-channel vector path; C = 6 their scalar path.
+  for (const int64_t C : {int64_t{6}, int64_t{16}})
+    for (Activation act : {Activation::kNone, Activation::kRelu6, Activation::kSilu}) {
+      const std::string what =
+          std::string("batchnorm C=") + std::to_string(C) + " " + activation_name(act);
+      // A mean large against the spread: the case fp64 sums exist for.
+      auto x = p.img({N, C, H, W}, 1, 1.0f, 3.0f);
+      auto gamma = p.in({C}, 2, 0.5f, 1.0f), beta = p.in({C}, 3, 0.5f);
+      auto sums = p.f64({2, C});
+      p.cops.batchnorm_statistics(sums.h, x.h);
+      p.gops.batchnorm_statistics(sums.d, x.d);
+      p.expect_close(sums, 1e-6, what + " sums");
 
-    auto y = p.img_zeros({N, C, H, W});
-    auto mean = p.zeros({C}, true), invstd = p.zeros({C}, true);
-    auto rm = p.in({C}, 4, 0.1f, 0.0f, true), rv = p.in({C}, 5, 0.1f, 1.0f, true);
-    const int64_t count = N * H * W;
-    p.cops.batchnorm_forward_train(y.h, mean.h, invstd.h, rm.h, rv.h, x.h, gamma.h, beta.h, sums.h,
-                                   count, 1e-5f, 0.1f, act);
-    p.gops.batchnorm_forward_train(y.d, mean.d, invstd.d, rm.d, rv.d, x.d, gamma.d, beta.d, sums.d,
-                                   count, 1e-5f, 0.1f, act);
-    p.expect_close(mean, 1e-6, what + " mean");
-    p.expect_close(invstd, 1e-5, what + " invstd");
-    p.expect_close(rm, 1e-6, what + " running_mean");
-    p.expect_close(rv, 1e-5, what + " running_var");
-    p.expect_close(y, tol(), what + " train forward");
+      auto y = p.img_zeros({N, C, H, W});
+      auto mean = p.zeros({C}, true), invstd = p.zeros({C}, true);
+      auto rm = p.in({C}, 4, 0.1f, 0.0f, true), rv = p.in({C}, 5, 0.1f, 1.0f, true);
+      const int64_t count = N * H * W;
+      p.cops.batchnorm_forward_train(y.h, mean.h, invstd.h, rm.h, rv.h, x.h, gamma.h, beta.h,
+                                     sums.h, count, 1e-5f, 0.1f, act);
+      p.gops.batchnorm_forward_train(y.d, mean.d, invstd.d, rm.d, rv.d, x.d, gamma.d, beta.d,
+                                     sums.d, count, 1e-5f, 0.1f, act);
+      p.expect_close(mean, 1e-6, what + " mean");
+      p.expect_close(invstd, 1e-5, what + " invstd");
+      p.expect_close(rm, 1e-6, what + " running_mean");
+      p.expect_close(rv, 1e-5, what + " running_var");
+      p.expect_close(y, tol(), what + " train forward");
 
-    auto ye = p.img_zeros({N, C, H, W});
-    p.cops.batchnorm_forward_eval(ye.h, x.h, gamma.h, beta.h, rm.h, rv.h, 1e-5f, act);
-    p.gops.batchnorm_forward_eval(ye.d, x.d, gamma.d, beta.d, rm.d, rv.d, 1e-5f, act);
-    p.expect_close(ye, tol(), what + " eval forward");
+      auto ye = p.img_zeros({N, C, H, W});
+      p.cops.batchnorm_forward_eval(ye.h, x.h, gamma.h, beta.h, rm.h, rv.h, 1e-5f, act);
+      p.gops.batchnorm_forward_eval(ye.d, x.d, gamma.d, beta.d, rm.d, rv.d, 1e-5f, act);
+      p.expect_close(ye, tol(), what + " eval forward");
 
-    auto dy = p.img({N, C, H, W}, 6);
-    auto dsums = p.f64({2, C});
-    auto dg = p.in({C}, 7), dbt = p.in({C}, 8);
-    p.cops.batchnorm_backward_reduce(dsums.h, dg.h, dbt.h, dy.h, x.h, gamma.h, beta.h, mean.h,
-                                     invstd.h, act);
-    p.gops.batchnorm_backward_reduce(dsums.d, dg.d, dbt.d, dy.d, x.d, gamma.d, beta.d, mean.d,
-                                     invstd.d, act);
-    p.expect_close(dsums, dtype() == DType::kF32 ? 1e-5 : 1e-2, what + " dsums");
-    p.expect_close(dg, tol(), what + " dweight");
-    p.expect_close(dbt, tol(), what + " dbias");
-    auto dx = p.img_zeros({N, C, H, W});
-    p.cops.batchnorm_backward_input(dx.h, dy.h, x.h, gamma.h, beta.h, mean.h, invstd.h, dsums.h,
-                                    count, act);
-    p.gops.batchnorm_backward_input(dx.d, dy.d, x.d, gamma.d, beta.d, mean.d, invstd.d, dsums.d,
-                                    count, act);
-    p.expect_close(dx, dtype() == DType::kF32 ? 1e-4 : 3e-2, what + " dinp");
-  }
+      auto dy = p.img({N, C, H, W}, 6);
+      auto dsums = p.f64({2, C});
+      auto dg = p.in({C}, 7), dbt = p.in({C}, 8);
+      p.cops.batchnorm_backward_reduce(dsums.h, dg.h, dbt.h, dy.h, x.h, gamma.h, beta.h, mean.h,
+                                       invstd.h, act);
+      p.gops.batchnorm_backward_reduce(dsums.d, dg.d, dbt.d, dy.d, x.d, gamma.d, beta.d, mean.d,
+                                       invstd.d, act);
+      p.expect_close(dsums, dtype() == DType::kF32 ? 1e-5 : 1e-2, what + " dsums");
+      p.expect_close(dg, tol(), what + " dweight");
+      p.expect_close(dbt, tol(), what + " dbias");
+      auto dx = p.img_zeros({N, C, H, W});
+      p.cops.batchnorm_backward_input(dx.h, dy.h, x.h, gamma.h, beta.h, mean.h, invstd.h, dsums.h,
+                                      count, act);
+      p.gops.batchnorm_backward_input(dx.d, dy.d, x.d, gamma.d, beta.d, mean.d, invstd.d, dsums.d,
+                                      count, act);
+      p.expect_close(dx, dtype() == DType::kF32 ? 1e-4 : 3e-2, what + " dinp");
+    }
 }
 
 // Element-wise activations forward and backward on images, then channel_scale (image · [N, C]
@@ -392,35 +411,57 @@ TEST_P(CudaImageOps, ActivationsAndChannelScale) {
 // and backward.
 TEST_P(CudaImageOps, Pooling) {
   Pair& p = *pair_;
-  const Pool2dShape s{.N = 2,
-                      .C = 3,
-                      .H = 9,
-                      .W = 8,
-                      .R = 3,
-                      .S = 3,
-                      .stride_h = 2,
-                      .stride_w = 2,
-                      .pad_h = 1,
-                      .pad_w = 1};
-  auto x = p.img({s.N, s.C, s.H, s.W}, 21);
-  auto y = p.img_zeros({s.N, s.C, s.P(), s.Q()});
-  auto dy = p.img({s.N, s.C, s.P(), s.Q()}, 22);
-  p.cops.maxpool2d_forward(y.h, x.h, s);
-  p.gops.maxpool2d_forward(y.d, x.d, s);
-  p.expect_close(y, tol(), "maxpool forward");
-  auto dx = p.img_zeros({s.N, s.C, s.H, s.W});
-  p.cops.maxpool2d_backward(dx.h, dy.h, x.h, s);
-  p.gops.maxpool2d_backward(dx.d, dy.d, x.d, s);
-  p.expect_close(dx, tol(), "maxpool backward (overlapping windows)");
+  // Overlapping padded 3×3/2 windows (the gather backward), and non-overlapping 2×2/2 ones (the
+  // tiled backward; 7×5 leaves a row and a column outside every window); C = 8 takes the
+  // channels-last kernels' 8-channel vector path.
+  const Pool2dShape shapes[] = {
+      {.N = 2,
+       .C = 3,
+       .H = 9,
+       .W = 8,
+       .R = 3,
+       .S = 3,
+       .stride_h = 2,
+       .stride_w = 2,
+       .pad_h = 1,
+       .pad_w = 1},
+      {.N = 2,
+       .C = 8,
+       .H = 9,
+       .W = 8,
+       .R = 3,
+       .S = 3,
+       .stride_h = 2,
+       .stride_w = 2,
+       .pad_h = 1,
+       .pad_w = 1},
+      {.N = 2, .C = 8, .H = 8, .W = 6, .R = 2, .S = 2, .stride_h = 2, .stride_w = 2},
+      {.N = 2, .C = 3, .H = 7, .W = 5, .R = 2, .S = 2, .stride_h = 2, .stride_w = 2},
+  };
+  for (const Pool2dShape& s : shapes) {
+    const std::string what = "C=" + std::to_string(s.C) + " window " + std::to_string(s.R) +
+                             " stride " + std::to_string(s.stride_h) + " on " +
+                             std::to_string(s.H) + "x" + std::to_string(s.W);
+    auto x = p.img({s.N, s.C, s.H, s.W}, 21);
+    auto y = p.img_zeros({s.N, s.C, s.P(), s.Q()});
+    auto dy = p.img({s.N, s.C, s.P(), s.Q()}, 22);
+    p.cops.maxpool2d_forward(y.h, x.h, s);
+    p.gops.maxpool2d_forward(y.d, x.d, s);
+    p.expect_close(y, tol(), "maxpool forward " + what);
+    auto dx = p.img_zeros({s.N, s.C, s.H, s.W});
+    p.cops.maxpool2d_backward(dx.h, dy.h, x.h, s);
+    p.gops.maxpool2d_backward(dx.d, dy.d, x.d, s);
+    p.expect_close(dx, tol(), "maxpool backward " + what);
 
-  auto ya = p.img_zeros({s.N, s.C, s.P(), s.Q()});
-  p.cops.avgpool2d_forward(ya.h, x.h, s);
-  p.gops.avgpool2d_forward(ya.d, x.d, s);
-  p.expect_close(ya, tol(), "avgpool forward");
-  auto dxa = p.img_zeros({s.N, s.C, s.H, s.W});
-  p.cops.avgpool2d_backward(dxa.h, dy.h, s);
-  p.gops.avgpool2d_backward(dxa.d, dy.d, s);
-  p.expect_close(dxa, tol(), "avgpool backward");
+    auto ya = p.img_zeros({s.N, s.C, s.P(), s.Q()});
+    p.cops.avgpool2d_forward(ya.h, x.h, s);
+    p.gops.avgpool2d_forward(ya.d, x.d, s);
+    p.expect_close(ya, tol(), "avgpool forward " + what);
+    auto dxa = p.img_zeros({s.N, s.C, s.H, s.W});
+    p.cops.avgpool2d_backward(dxa.h, dy.h, s);
+    p.gops.avgpool2d_backward(dxa.d, dy.d, s);
+    p.expect_close(dxa, tol(), "avgpool backward " + what);
+  }
 
   // 7×5 → 3×2: PyTorch's adaptive cells overlap when the sizes do not divide.
   auto xa = p.img({2, 3, 7, 5}, 23), out = p.img_zeros({2, 3, 3, 2});

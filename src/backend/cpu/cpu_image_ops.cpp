@@ -73,7 +73,7 @@ struct ChannelAffine {
 
 class CpuImageOps final : public ImageOps {
  public:
-  // ---- layout: NCHW only -------------------------------------------------------------------------
+  // ---- layout: NCHW only ------------------------------------------------------------------
   void image_from_nchw(Tensor dst, Tensor src) override { copy_image("image_from_nchw", dst, src); }
   void image_to_nchw(Tensor dst, Tensor src) override { copy_image("image_to_nchw", dst, src); }
 

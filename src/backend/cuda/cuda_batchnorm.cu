@@ -1,8 +1,8 @@
 // Batch normalization on the GPU (Ioffe & Szegedy, arXiv 1502.03167, Algorithms 1 and 2), NCHW
-// or channels-last images, split at its two reductions as ImageOps specifies so --sync-batchnorm can all-reduce the
-// per-channel sums in between. The activation that follows (ReLU, ReLU6, SiLU) is fused into the
-// normalizing pass, and its derivative into the backward passes (recomputed from the input, so
-// nothing but mean and invstd is saved).
+// or channels-last images, split at its two reductions as ImageOps specifies so --sync-batchnorm
+// can all-reduce the per-channel sums in between. The activation that follows (ReLU, ReLU6, SiLU)
+// is fused into the normalizing pass, and its derivative into the backward passes (recomputed from
+// the input, so nothing but mean and invstd is saved).
 //
 // Reductions: NCHW, grid (C channels × G groups of images), each block summing its channel's values
 // over its images; channels-last, grid (⌈C/32⌉ channel tiles × G groups of rows), each thread
@@ -112,6 +112,26 @@ __global__ void normalize_kernel(T* out, const T* x, const T* gamma, const T* be
   }
 }
 
+/// normalize_kernel on channels-last images, 8 channels per thread (C % 8 == 0).
+template <typename T, Activation A, bool kEval>
+__global__ void normalize_vec8_kernel(T* out, const T* x, const T* gamma, const T* beta,
+                                      const float* mean, const float* var_or_invstd, float eps,
+                                      int64_t n8, int64_t C) {
+  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
+       v += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = v * 8, c0 = imod(i, C);
+    float xv[8], o[8];
+    load8(x + i, xv);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int64_t c = c0 + k;
+      const float is = kEval ? rsqrtf(var_or_invstd[c] + eps) : var_or_invstd[c];
+      o[k] = act_forward<A>((xv[k] - mean[c]) * is * to_float(gamma[c]) + to_float(beta[c]));
+    }
+    store8(out + i, o);
+  }
+}
+
 /// Partial (Σdy, Σdy·x̂) of channel blockIdx.x over image group blockIdx.y, dy = dout·act'(pre).
 template <typename T, Activation A>
 __global__ void backward_partial_kernel(double* part, const T* dout, const T* x, const T* gamma,
@@ -193,6 +213,32 @@ __global__ void backward_input_kernel(T* dinp, const T* dout, const T* x, const 
   }
 }
 
+/// backward_input_kernel on channels-last images, 8 channels per thread (C % 8 == 0).
+template <typename T, Activation A>
+__global__ void backward_input_vec8_kernel(T* dinp, const T* dout, const T* x, const T* gamma,
+                                           const T* beta, const float* mean, const float* invstd,
+                                           const double* dsums, double inv_count, int64_t n8,
+                                           int64_t C) {
+  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
+       v += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = v * 8, c0 = imod(i, C);
+    float xv[8], dv[8], o[8];
+    load8(x + i, xv);
+    load8(dout + i, dv);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int64_t c = c0 + k;
+      const float is = invstd[c], ga = to_float(gamma[c]);
+      const float xhat = (xv[k] - mean[c]) * is;
+      const float d = dv[k] * act_derivative<A>(xhat * ga + to_float(beta[c]));
+      const auto mean_dy = static_cast<float>(dsums[c] * inv_count);
+      const auto mean_dy_xhat = static_cast<float>(dsums[C + c] * inv_count);
+      o[k] = ga * is * (d - mean_dy - xhat * mean_dy_xhat);
+    }
+    store8(dinp + i, o);
+  }
+}
+
 struct Dims {
   int64_t N, C, HW;
 };
@@ -250,11 +296,17 @@ void batchnorm_forward_train(const CudaContext& ctx, Tensor out, Tensor mean, Te
       static_cast<double>(count), eps, momentum);
   ST_CUDA_LAUNCH_CHECK();
   const int64_t n = inp.numel();
+  const bool vec = vec8_ok(nhwc, d.C, {out.data, inp.data});
   dispatch_float(inp.dtype, [&]<typename T>() {
     dispatch_activation(act, [&]<Activation A>() {
-      normalize_kernel<T, A, false><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
-          out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
-          invstd.as<float>(), eps, n, d.C, d.HW, nhwc);
+      if (vec)
+        normalize_vec8_kernel<T, A, false><<<grid_for(ctx, n / 8), kImageBlock, 0, ctx.stream>>>(
+            out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
+            invstd.as<float>(), eps, n / 8, d.C);
+      else
+        normalize_kernel<T, A, false><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
+            out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
+            invstd.as<float>(), eps, n, d.C, d.HW, nhwc);
     });
   });
   ST_CUDA_LAUNCH_CHECK();
@@ -269,11 +321,17 @@ void batchnorm_forward_eval(const CudaContext& ctx, Tensor out, Tensor inp, Tens
   expect_tensor(op, "running_mean", running_mean, DType::kF32, {d.C});
   expect_tensor(op, "running_var", running_var, DType::kF32, {d.C});
   const int64_t n = inp.numel();
+  const bool vec = vec8_ok(nhwc, d.C, {out.data, inp.data});
   dispatch_float(inp.dtype, [&]<typename T>() {
     dispatch_activation(act, [&]<Activation A>() {
-      normalize_kernel<T, A, true><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
-          out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), running_mean.as<float>(),
-          running_var.as<float>(), eps, n, d.C, d.HW, nhwc);
+      if (vec)
+        normalize_vec8_kernel<T, A, true><<<grid_for(ctx, n / 8), kImageBlock, 0, ctx.stream>>>(
+            out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), running_mean.as<float>(),
+            running_var.as<float>(), eps, n / 8, d.C);
+      else
+        normalize_kernel<T, A, true><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
+            out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), running_mean.as<float>(),
+            running_var.as<float>(), eps, n, d.C, d.HW, nhwc);
     });
   });
   ST_CUDA_LAUNCH_CHECK();
@@ -326,8 +384,15 @@ void batchnorm_backward_input(const CudaContext& ctx, Tensor dinp, Tensor dout, 
   expect_tensor(op, "dsums", dsums, DType::kF64, {2, d.C});
   require(count > 0, op, ": count=", count, " values per channel");
   const int64_t n = inp.numel();
+  const bool vec = vec8_ok(nhwc, d.C, {dinp.data, dout.data, inp.data});
   dispatch_float(inp.dtype, [&]<typename T>() {
     dispatch_activation(act, [&]<Activation A>() {
+      if (vec) {
+        backward_input_vec8_kernel<T, A><<<grid_for(ctx, n / 8), kImageBlock, 0, ctx.stream>>>(
+            dinp.as<T>(), dout.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
+            invstd.as<float>(), dsums.as<double>(), 1.0 / static_cast<double>(count), n / 8, d.C);
+        return;
+      }
       backward_input_kernel<T, A><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
           dinp.as<T>(), dout.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
           invstd.as<float>(), dsums.as<double>(), 1.0 / static_cast<double>(count), n, d.C, d.HW,

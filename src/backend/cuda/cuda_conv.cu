@@ -161,13 +161,13 @@ bool pointwise_gemm(const Conv2dShape& s, DType dt) {
 /// Times one direction's algorithms once (`find(count, &n, perf)`: a cudnnFind*Algorithm call)
 /// and keeps pick()'s choice in `c`; throws naming `what` and the geometry when none qualifies.
 template <typename Perf, int kCount, typename Choice, typename Find>
-void choose(Choice& c, cudnnConvolutionDescriptor_t conv, Find&& find, bool deterministic,
-            DType dt, const char* what, const Conv2dShape& s) {
+void choose(Choice& c, cudnnConvolutionDescriptor_t conv, Find&& find, bool deterministic, DType dt,
+            const char* what, const Conv2dShape& s) {
   if (c.found) return;
   // The search runs under the descriptor's math type, which the last run direction left at its
   // own choice; tensor-core math admits every algorithm (each result names the math it used).
-  ST_CUDNN_CHECK(cudnnSetConvolutionMathType(
-      conv, dt == DType::kF32 ? CUDNN_FMA_MATH : CUDNN_TENSOR_OP_MATH));
+  ST_CUDNN_CHECK(
+      cudnnSetConvolutionMathType(conv, dt == DType::kF32 ? CUDNN_FMA_MATH : CUDNN_TENSOR_OP_MATH));
   Perf perf[kCount];
   int n = 0;
   // Twice: with CUDA's lazy module loading (the default) the first search's timings include
@@ -206,8 +206,7 @@ class CudnnConvRunner final : public ConvRunner {
       choose<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT>(
           p.fwd, p.conv,
           [&](int k, int* n, cudnnConvolutionFwdAlgoPerf_t* perf) {
-            return cudnnFindConvolutionForwardAlgorithm(handle_, p.x, p.w, p.conv, p.y, k, n,
-                                                        perf);
+            return cudnnFindConvolutionForwardAlgorithm(handle_, p.x, p.w, p.conv, p.y, k, n, perf);
           },
           false, inp.dtype, "conv2d_forward", s);
       const float one = 1.0f, zero = 0.0f;
@@ -295,8 +294,8 @@ class CudnnConvRunner final : public ConvRunner {
     t.emplace(backend_, dst.dtype, std::initializer_list<int64_t>{dst.numel()});
     return **t;
   }
-  void from_plan(Tensor dst, const Tensor& res, bool act_nhwc, bool plan_nhwc, int64_t B,
-                 int64_t C, int64_t HW) {
+  void from_plan(Tensor dst, const Tensor& res, bool act_nhwc, bool plan_nhwc, int64_t B, int64_t C,
+                 int64_t HW) {
     if (act_nhwc == plan_nhwc) return;
     if (plan_nhwc)
       batched_transpose(ctx_, dst, res, B, HW, C);
@@ -393,6 +392,21 @@ __global__ void bias_activation_kernel(T* out, const T* bias, int64_t n, int64_t
   }
 }
 
+/// bias_activation_kernel on channels-last images, 8 channels per thread (K % 8 == 0).
+template <typename T, Activation A>
+__global__ void bias_activation_vec8_kernel(T* out, const T* bias, int64_t n8, int64_t K) {
+  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
+       v += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = v * 8, k0 = imod(i, K);
+    float o[8];
+    load8(out + i, o);
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      o[k] = act_forward<A>(o[k] + (bias ? to_float(bias[k0 + k]) : 0.0f));
+    store8(out + i, o);
+  }
+}
+
 /// Block (k, group): Σ over the group's images of channel k's PQ values into part [G, K] fp32
 /// (grid K × G, image_groups(): one block per channel left most SMs idle on VGG's 64-channel
 /// layers at 224×224 — 17 ms of its step).
@@ -477,8 +491,14 @@ void batched_transpose(const CudaContext& ctx, Tensor dst, Tensor src, int64_t B
 void bias_activation(const CudaContext& ctx, Tensor out, Tensor bias, int64_t K, int64_t PQ,
                      Activation act, bool nhwc) {
   const int64_t n = out.numel();
+  const bool vec = vec8_ok(nhwc, K, {out.data});
   dispatch_float(out.dtype, [&]<typename T>() {
     dispatch_activation(act, [&]<Activation A>() {
+      if (vec) {
+        bias_activation_vec8_kernel<T, A><<<grid_for(ctx, n / 8), kImageBlock, 0, ctx.stream>>>(
+            out.as<T>(), bias.empty() ? nullptr : bias.as<T>(), n / 8, K);
+        return;
+      }
       bias_activation_kernel<T, A><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
           out.as<T>(), bias.empty() ? nullptr : bias.as<T>(), n, K, PQ, nhwc);
     });
@@ -496,9 +516,8 @@ void bias_gradient(const CudaContext& ctx, Tensor dbias, Tensor dout, int64_t N,
           <<<dim3(ceil_div(static_cast<size_t>(K), kColTile), static_cast<unsigned>(G)),
              dim3(kColTile, kColRows), 0, ctx.stream>>>(part, dout.as<T>(), N * PQ, K);
     else
-      bias_gradient_partial_kernel<T>
-        <<<dim3(static_cast<unsigned>(K), static_cast<unsigned>(G)), kImageBlock, 0, ctx.stream>>>(
-            part, dout.as<T>(), N, K, PQ);
+      bias_gradient_partial_kernel<T><<<dim3(static_cast<unsigned>(K), static_cast<unsigned>(G)),
+                                        kImageBlock, 0, ctx.stream>>>(part, dout.as<T>(), N, K, PQ);
     ST_CUDA_LAUNCH_CHECK();
     bias_gradient_finish_kernel<T>
         <<<ceil_div(static_cast<size_t>(K), kImageBlock), kImageBlock, 0, ctx.stream>>>(

@@ -110,6 +110,61 @@ __global__ void depthwise_input_grad_kernel(T* dx, const T* dy, const T* w, G<I>
   }
 }
 
+/// Channels-last forward, 8 channels of one output pixel per thread (C % 8 == 0): 16-byte loads
+/// of the input, the per-channel weights from cache.
+template <typename T, int kR, int kS>
+__global__ void depthwise_forward_vec8_kernel(T* out, const T* x, const T* w, Geom g, int64_t n8) {
+  const int R = kR > 0 ? kR : static_cast<int>(g.R), S = kS > 0 ? kS : static_cast<int>(g.S);
+  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
+       v += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = v * 8, pix = idiv(i, g.C), c0 = i - pix * g.C;
+    const int64_t t = idiv(pix, g.Q), q = pix - t * g.Q, b = idiv(t, g.P), p = t - b * g.P;
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t ih = p * g.sh - g.ph + r;
+      if (ih < 0 || ih >= g.H) continue;
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        const int64_t iw = q * g.sw - g.pw + s;
+        if (iw < 0 || iw >= g.W) continue;
+        float xv[8];
+        load8(x + ((b * g.H + ih) * g.W + iw) * g.C + c0, xv);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] += xv[k] * to_float(w[(c0 + k) * R * S + r * S + s]);
+      }
+    }
+    store8(out + i, acc);
+  }
+}
+
+/// Channels-last input gradient, 8 channels of one input pixel per thread (C % 8 == 0).
+template <typename T, int kR, int kS>
+__global__ void depthwise_input_grad_vec8_kernel(T* dx, const T* dy, const T* w, Geom g,
+                                                 int64_t n8) {
+  const int R = kR > 0 ? kR : static_cast<int>(g.R), S = kS > 0 ? kS : static_cast<int>(g.S);
+  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
+       v += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = v * 8, pix = idiv(i, g.C), c0 = i - pix * g.C;
+    const int64_t t = idiv(pix, g.W), iw = pix - t * g.W, b = idiv(t, g.H), ih = t - b * g.H;
+    const int64_t hh = ih + g.ph, ww = iw + g.pw;
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t r = imod(hh, g.sh); r < R && r <= hh; r += g.sh) {
+      const int64_t p = idiv(hh - r, g.sh);
+      if (p >= g.P) continue;
+      for (int64_t s = imod(ww, g.sw); s < S && s <= ww; s += g.sw) {
+        const int64_t q = idiv(ww - s, g.sw);
+        if (q >= g.Q) continue;
+        float dv[8];
+        load8(dy + ((b * g.P + p) * g.Q + q) * g.C + c0, dv);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] += dv[k] * to_float(w[(c0 + k) * R * S + r * S + s]);
+      }
+    }
+    store8(dx + i, acc);
+  }
+}
+
 constexpr int kMaxTaps = 49;  // R·S up to 7×7
 
 /// part [G, C, R·S] fp32: channel blockIdx.x's products over image group blockIdx.y. kR, kS > 0
@@ -127,8 +182,8 @@ __global__ void depthwise_weight_partial_kernel(float* part, const T* dy, const 
   // Pixel arithmetic in 32 bits (a group's N·P·Q values and a plane's H·W are < 2^31), the
   // plane offsets in 64.
   const int Q = static_cast<int>(g.Q), H = static_cast<int>(g.H), W = static_cast<int>(g.W),
-            sh = static_cast<int>(g.sh), sw = static_cast<int>(g.sw),
-            ph = static_cast<int>(g.ph), pw = static_cast<int>(g.pw), ipq = static_cast<int>(PQ);
+            sh = static_cast<int>(g.sh), sw = static_cast<int>(g.sw), ph = static_cast<int>(g.ph),
+            pw = static_cast<int>(g.pw), ipq = static_cast<int>(PQ);
   const int count = static_cast<int>((n1 - n0) * PQ);
   for (int j = threadIdx.x; j < count; j += blockDim.x) {
     const int nl = j / ipq, pq = j - nl * ipq, p = pq / Q, q = pq - p * Q;
@@ -161,7 +216,8 @@ __global__ void depthwise_weight_columns_kernel(float* part, const T* dy, const 
   __shared__ float tile[kColRows][kColTile];
   const int R = kR > 0 ? kR : static_cast<int>(g.R), S = kS > 0 ? kS : static_cast<int>(g.S);
   const int64_t c = blockIdx.x * int64_t{kColTile} + threadIdx.x, G = gridDim.y;
-  const int64_t rows = g.N * g.P * g.Q, r0 = rows * blockIdx.y / G, r1 = rows * (blockIdx.y + 1) / G;
+  const int64_t rows = g.N * g.P * g.Q, r0 = rows * blockIdx.y / G,
+                r1 = rows * (blockIdx.y + 1) / G;
   float acc[kTaps];
 #pragma unroll
   for (int k = 0; k < kTaps; ++k) acc[k] = 0.0f;
@@ -233,17 +289,16 @@ void launch_windowed(const CudaContext& ctx, const Conv2dShape& s, bool nhwc, in
 
 template <typename T, int kR, int kS, typename I>
 struct ForwardKernel {
-  static void launch(unsigned grid, cudaStream_t st, T* out, const T* x, const T* w, G<I> g,
-                     int R, int S, I n) {
+  static void launch(unsigned grid, cudaStream_t st, T* out, const T* x, const T* w, G<I> g, int R,
+                     int S, I n) {
     depthwise_forward_kernel<T, kR, kS, I><<<grid, kImageBlock, 0, st>>>(out, x, w, g, R, S, n);
   }
 };
 template <typename T, int kR, int kS, typename I>
 struct InputGradKernel {
-  static void launch(unsigned grid, cudaStream_t st, T* dx, const T* dy, const T* w, G<I> g,
-                     int R, int S, I n) {
-    depthwise_input_grad_kernel<T, kR, kS, I>
-        <<<grid, kImageBlock, 0, st>>>(dx, dy, w, g, R, S, n);
+  static void launch(unsigned grid, cudaStream_t st, T* dx, const T* dy, const T* w, G<I> g, int R,
+                     int S, I n) {
+    depthwise_input_grad_kernel<T, kR, kS, I><<<grid, kImageBlock, 0, st>>>(dx, dy, w, g, R, S, n);
   }
 };
 
@@ -253,8 +308,37 @@ bool is_depthwise(const Conv2dShape& s) {
   return s.groups > 1 && s.groups == s.C && s.K == s.C && s.R * s.S <= kMaxTaps;
 }
 
+/// Launches a vec8 kernel `K<T, kR, kS>` over n / 8 threads' worth of work (3×3 and 5×5 with a
+/// fixed window).
+template <typename T, typename F3, typename F5, typename F0>
+void launch_vec8(const CudaContext& ctx, const Conv2dShape& s, int64_t n, F3 f3, F5 f5, F0 f0) {
+  const unsigned grid = grid_for(ctx, n / 8);
+  if (s.R == 3 && s.S == 3)
+    f3(grid);
+  else if (s.R == 5 && s.S == 5)
+    f5(grid);
+  else
+    f0(grid);
+  ST_CUDA_LAUNCH_CHECK();
+}
+
 void depthwise_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight,
                        const Conv2dShape& s, bool nhwc) {
+  if (vec8_ok(nhwc, s.C, {out.data, inp.data})) {
+    const Geom g = geom(s);
+    const int64_t n8 = out.numel() / 8;
+    dispatch_float(inp.dtype, [&]<typename T>() {
+      auto go = [&]<int kR, int kS>(unsigned grid) {
+        depthwise_forward_vec8_kernel<T, kR, kS>
+            <<<grid, kImageBlock, 0, ctx.stream>>>(out.as<T>(), inp.as<T>(), weight.as<T>(), g, n8);
+      };
+      launch_vec8<T>(
+          ctx, s, out.numel(), [&](unsigned grid) { go.template operator()<3, 3>(grid); },
+          [&](unsigned grid) { go.template operator()<5, 5>(grid); },
+          [&](unsigned grid) { go.template operator()<0, 0>(grid); });
+    });
+    return;
+  }
   dispatch_float(inp.dtype, [&]<typename T>() {
     launch_windowed<ForwardKernel, T>(ctx, s, nhwc, out.numel(), out.as<T>(), inp.as<T>(),
                                       weight.as<T>());
@@ -295,7 +379,17 @@ void depthwise_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Ten
         <<<ceil_div(static_cast<size_t>(s.C * taps), kImageBlock), kImageBlock, 0, ctx.stream>>>(
             dweight.as<T>(), part, G, s.C * taps);
     ST_CUDA_LAUNCH_CHECK();
-    if (!dinp.empty())
+    if (!dinp.empty() && vec8_ok(nhwc, s.C, {dinp.data, dout.data})) {
+      const int64_t n8 = dinp.numel() / 8;
+      auto go = [&]<int kR, int kS>(unsigned grid) {
+        depthwise_input_grad_vec8_kernel<T, kR, kS><<<grid, kImageBlock, 0, ctx.stream>>>(
+            dinp.as<T>(), dout.as<T>(), weight.as<T>(), g, n8);
+      };
+      launch_vec8<T>(
+          ctx, s, dinp.numel(), [&](unsigned grid) { go.template operator()<3, 3>(grid); },
+          [&](unsigned grid) { go.template operator()<5, 5>(grid); },
+          [&](unsigned grid) { go.template operator()<0, 0>(grid); });
+    } else if (!dinp.empty())
       launch_windowed<InputGradKernel, T>(ctx, s, nhwc, dinp.numel(), dinp.as<T>(), dout.as<T>(),
                                           weight.as<T>());
   });

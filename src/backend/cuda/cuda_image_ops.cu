@@ -189,6 +189,68 @@ __global__ void maxpool_backward_tiled_kernel(T* dx, const T* dy, const T* x, Po
   }
 }
 
+/// Channels-last max pooling, 8 channels of one output pixel per thread (C % 8 == 0).
+template <typename T>
+__global__ void maxpool_forward_vec8_kernel(T* out, const T* x, PoolGeom g, int64_t n8) {
+  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
+       v += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = v * 8, pix = idiv(i, g.C), c0 = i - pix * g.C;
+    const int64_t t = idiv(pix, g.Q), q = pix - t * g.Q, b = idiv(t, g.P), p = t - b * g.P;
+    float m[8];
+    bool any = false;
+    for (int64_t r = 0; r < g.R; ++r) {
+      const int64_t ih = p * g.sh - g.ph + r;
+      if (ih < 0 || ih >= g.H) continue;
+      for (int64_t s = 0; s < g.S; ++s) {
+        const int64_t iw = q * g.sw - g.pw + s;
+        if (iw < 0 || iw >= g.W) continue;
+        float xv[8];
+        load8(x + ((b * g.H + ih) * g.W + iw) * g.C + c0, xv);
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+          if (!any || xv[k] > m[k]) m[k] = xv[k];
+        any = true;
+      }
+    }
+    if (!any)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) m[k] = -FLT_MAX;
+    store8(out + i, m);
+  }
+}
+
+/// maxpool_backward_tiled_kernel on channels-last images, 8 channels per thread (C % 8 == 0).
+template <typename T>
+__global__ void maxpool_backward_tiled_vec8_kernel(T* dx, const T* dy, const T* x, PoolGeom g,
+                                                   int64_t n8) {
+  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
+       v += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = v * 8, pix = idiv(i, g.C), c0 = i - pix * g.C;
+    const int64_t t = idiv(pix, g.Q), q = pix - t * g.Q, b = idiv(t, g.P), p = t - b * g.P;
+    float m[8];
+    int arg[8];
+    for (int64_t r = 0; r < g.R; ++r)
+      for (int64_t s = 0; s < g.S; ++s) {
+        float xv[8];
+        load8(x + ((b * g.H + p * g.R + r) * g.W + q * g.S + s) * g.C + c0, xv);
+        const int pos = static_cast<int>(r * g.S + s);
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+          if (pos == 0 || xv[k] > m[k]) m[k] = xv[k], arg[k] = pos;
+      }
+    float d[8];
+    load8(dy + i, d);
+    for (int64_t r = 0; r < g.R; ++r)
+      for (int64_t s = 0; s < g.S; ++s) {
+        const int pos = static_cast<int>(r * g.S + s);
+        float o[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) o[k] = arg[k] == pos ? d[k] : 0.0f;
+        store8(dx + ((b * g.H + p * g.R + r) * g.W + q * g.S + s) * g.C + c0, o);
+      }
+  }
+}
+
 template <typename T>
 __global__ void avgpool_forward_kernel(T* out, const T* x, PoolGeom g, int64_t n) {
   const ImageIndex ix = g.in();
@@ -310,7 +372,8 @@ __global__ void image_channel_finish_kernel(T* out, const float* part, int64_t G
 template <typename T>
 __global__ void global_avgpool_backward_kernel(T* dx, const T* dy, ImageIndex ix, int64_t n) {
   const float inv = 1.0f / static_cast<float>(ix.H * ix.W);
-  ST_GRID_STRIDE(i, n) dx[i] = from_float<T>(to_float(dy[ix.image(i) * ix.C + ix.channel(i)]) * inv);
+  ST_GRID_STRIDE(i, n)
+  dx[i] = from_float<T>(to_float(dy[ix.image(i) * ix.C + ix.channel(i)]) * inv);
 }
 
 template <typename T>
@@ -542,9 +605,14 @@ class CudaImageOps final : public ImageOps {
   void maxpool2d_forward(Tensor out, Tensor inp, const Pool2dShape& s) override {
     check_pool("cuda maxpool2d_forward", out, "out", inp, "inp", s);
     const int64_t n = out.numel();
+    const bool vec = vec8_ok(nhwc_, s.C, {out.data, inp.data});
     dispatch_float(inp.dtype, [&]<typename T>() {
-      maxpool_forward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
-          out.as<T>(), inp.as<T>(), geom(s, nhwc_), n);
+      if (vec)
+        maxpool_forward_vec8_kernel<T><<<grid_for(ctx_, n / 8), kImageBlock, 0, ctx_.stream>>>(
+            out.as<T>(), inp.as<T>(), geom(s, nhwc_), n / 8);
+      else
+        maxpool_forward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
+            out.as<T>(), inp.as<T>(), geom(s, nhwc_), n);
     });
     ST_CUDA_LAUNCH_CHECK();
   }
@@ -557,7 +625,11 @@ class CudaImageOps final : public ImageOps {
     if (tiled && (s.P() * s.R != s.H || s.Q() * s.S != s.W))
       ST_CUDA_CHECK(cudaMemsetAsync(dinp.data, 0, dinp.bytes(), ctx_.stream));
     dispatch_float(inp.dtype, [&]<typename T>() {
-      if (tiled) {
+      if (tiled && vec8_ok(nhwc_, s.C, {dinp.data, dout.data, inp.data})) {
+        const int64_t n8 = dout.numel() / 8;
+        maxpool_backward_tiled_vec8_kernel<T><<<grid_for(ctx_, n8), kImageBlock, 0, ctx_.stream>>>(
+            dinp.as<T>(), dout.as<T>(), inp.as<T>(), geom(s, nhwc_), n8);
+      } else if (tiled) {
         const int64_t windows = dout.numel();
         maxpool_backward_tiled_kernel<T><<<grid_for(ctx_, windows), kImageBlock, 0, ctx_.stream>>>(
             dinp.as<T>(), dout.as<T>(), inp.as<T>(), geom(s, nhwc_), windows);
@@ -599,8 +671,8 @@ class CudaImageOps final : public ImageOps {
       if (out.dim(2) == 1 && out.dim(3) == 1) {
         const size_t threads = static_cast<size_t>(n) * 32;
         global_avgpool_forward_kernel<T>
-            <<<ceil_div(threads, kImageBlock), kImageBlock, 0, ctx_.stream>>>(
-                out.as<T>(), inp.as<T>(), n, HW);
+            <<<ceil_div(threads, kImageBlock), kImageBlock, 0, ctx_.stream>>>(out.as<T>(),
+                                                                              inp.as<T>(), n, HW);
         return;
       }
       adaptive_forward_kernel<T><<<grid_for(ctx_, n), kImageBlock, 0, ctx_.stream>>>(
@@ -659,9 +731,8 @@ class CudaImageOps final : public ImageOps {
         image_channel_sums<T, true>(dscale, dinp.as<T>(), dout, inp, scale, 1.0f);
       else
         channel_scale_backward_kernel<T>
-            <<<ceil_div(static_cast<size_t>(NC) * 32, kImageBlock), kImageBlock, 0,
-               ctx_.stream>>>(dinp.as<T>(), dscale.as<T>(), dout.as<T>(), inp.as<T>(),
-                              scale.as<T>(), NC, HW);
+            <<<ceil_div(static_cast<size_t>(NC) * 32, kImageBlock), kImageBlock, 0, ctx_.stream>>>(
+                dinp.as<T>(), dscale.as<T>(), dout.as<T>(), inp.as<T>(), scale.as<T>(), NC, HW);
     });
     ST_CUDA_LAUNCH_CHECK();
   }

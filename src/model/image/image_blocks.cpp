@@ -209,8 +209,7 @@ class RowsToSequence final : public Module {
   void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
                 const Tensor& din) override {
     const ImageShape s = shape_of(in);
-    if (!din.empty())
-      ctx.ops.sequence_as_image_rows(din, reshaped(dout, {s.N, s.H, s.C * s.W}));
+    if (!din.empty()) ctx.ops.sequence_as_image_rows(din, reshaped(dout, {s.N, s.H, s.C * s.W}));
   }
 
  private:
