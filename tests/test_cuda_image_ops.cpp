@@ -282,6 +282,10 @@ TEST_P(CudaImageOps, Convolution) {
       {{.N = 4, .C = 8, .H = 1, .W = 1, .K = 16, .R = 1, .S = 1}, false, Activation::kNone},
       // ... with more input than output channels (a projection)
       {{.N = 3, .C = 24, .H = 4, .W = 4, .K = 8, .R = 1, .S = 1}, false, Activation::kSilu},
+      // a gray first layer (Fashion-MNIST's), 3×3 stride 1
+      {{.N = 3, .C = 1, .H = 8, .W = 7, .K = 16, .R = 3, .S = 3, .pad_h = 1, .pad_w = 1},
+       false,
+       Activation::kNone},
       // a first layer: 3 input channels (RGB), 3×3 stride 2
       {{.N = 2,
         .C = 3,
@@ -320,6 +324,13 @@ TEST_P(CudaImageOps, Convolution) {
     p.expect_close(dx, tol(), what + " dinp");
     p.expect_close(dw, tol(), what + " dweight (accumulated)");
     if (c.bias) p.expect_close(db, tol(), what + " dbias (accumulated)");
+
+    // As a first layer (no input gradient): 1- and 3-channel inputs take im2col + GEMM for the
+    // weight gradient in channels-last bf16.
+    auto dw0 = p.in({s.K, s.C / s.groups, s.R, s.S}, ++seed);
+    p.cops.conv2d_backward({}, dw0.h, {}, dy.h, x.h, w.h, s);
+    p.gops.conv2d_backward({}, dw0.d, {}, dy.d, x.d, w.d, s);
+    p.expect_close(dw0, tol(), what + " dweight without dinp (accumulated)");
   }
 }
 

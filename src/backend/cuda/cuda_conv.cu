@@ -158,6 +158,49 @@ bool pointwise_gemm(const Conv2dShape& s, DType dt) {
          s.stride_w == 1 && s.pad_h == 0 && s.pad_w == 0 && s.C % 8 == 0 && s.K % 8 == 0;
 }
 
+/// Whether a first layer's weight gradient (no input gradient wanted) runs as im2col + one GEMM:
+/// channels-last bf16/fp16 with a channel count tensor cores cannot take (C % 8 ≠ 0: gray or RGB
+/// input), while the column matrix stays small (≤ 64 MiB). cuDNN's legacy API ran these with its
+/// non-tensor-core wgrad_alg0 kernel at ~1.2 ms a call for Fashion-MNIST's 1-channel 32×32 input
+/// at batch 256 — a fifth to a half of a small model's step (H100, bench/kernel_trace.cpp).
+bool im2col_weight_gradient(const Conv2dShape& s, DType dt, bool nhwc, bool need_dinp) {
+  const int64_t cols = (s.C * s.R * s.S + 7) / 8 * 8;
+  return nhwc && !need_dinp && dt != DType::kF32 && s.groups == 1 && s.C % 8 != 0 &&
+         s.N * s.P() * s.Q() * cols * 2 <= (int64_t{64} << 20);
+}
+
+/// cols [N·P·Q, Kc] = the R×S×C window of each output pixel of the channels-last image x, column
+/// j = (c·R + r)·S + s (the KCRS weight's order), zero beyond C·R·S and outside the image.
+template <typename T>
+__global__ void im2col_nhwc_kernel(T* cols, const T* x, Conv2dShape s, int64_t P, int64_t Q,
+                                   int64_t Kc, int64_t n) {
+  const int64_t taps = s.R * s.S;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = idiv(i, Kc), j = i - row * Kc;
+    float v = 0.0f;
+    if (j < s.C * taps) {
+      const int64_t c = j / taps, r = (j / s.S) % s.R, t = j % s.S;
+      const int64_t q = imod(row, Q), p = imod(idiv(row, Q), P), b = idiv(row, P * Q);
+      const int64_t ih = p * s.stride_h - s.pad_h + r, iw = q * s.stride_w - s.pad_w + t;
+      if (ih >= 0 && ih < s.H && iw >= 0 && iw < s.W)
+        v = to_float(x[((b * s.H + ih) * s.W + iw) * s.C + c]);
+    }
+    cols[i] = from_float<T>(v);
+  }
+}
+
+/// dweight [K, CRS] += part [K, Kc] fp32 (its first CRS columns).
+template <typename T>
+__global__ void add_columns_kernel(T* dweight, const float* part, int64_t CRS, int64_t Kc,
+                                   int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t k = i / CRS, j = i % CRS;
+    dweight[i] = from_float<T>(to_float(dweight[i]) + part[k * Kc + j]);
+  }
+}
+
 /// Times one direction's algorithms once (`find(count, &n, perf)`: a cudnnFind*Algorithm call)
 /// and keeps pick()'s choice in `c`; throws naming `what` and the geometry when none qualifies.
 template <typename Perf, int kCount, typename Choice, typename Find>
@@ -235,6 +278,10 @@ class CudnnConvRunner final : public ConvRunner {
       pointwise_backward(dinp, dweight, dout, inp, weight, s, nhwc);
       return;
     }
+    if (im2col_weight_gradient(s, inp.dtype, nhwc, !dinp.empty())) {
+      im2col_backward(dweight, dout, inp, s);
+      return;
+    }
     ConvPlan& p = plan(s, inp.dtype, nhwc);
     const float one = 1.0f, zero = 0.0f;
     const bool deterministic = inp.dtype == DType::kF32;
@@ -306,6 +353,28 @@ class CudnnConvRunner final : public ConvRunner {
   Tensor weight_to_plan(std::optional<Temp>& t, const Tensor& w, bool plan_nhwc,
                         const Conv2dShape& s) {
     return to_plan(t, w, false, plan_nhwc, s.K, s.C / s.groups, s.R * s.S);
+  }
+
+  /// im2col_weight_gradient()'s path: dweight += doutᵀ [K, N·P·Q] · cols [N·P·Q, Kc] through the
+  /// backend's matmul into an fp32 [K, Kc] temporary, whose first C·R·S columns are added.
+  void im2col_backward(Tensor dweight, Tensor dout, Tensor inp, const Conv2dShape& s) {
+    const DType dt = inp.dtype;
+    const int64_t CRS = s.C * s.R * s.S, Kc = (CRS + 7) / 8 * 8, M = s.N * s.P() * s.Q();
+    Temp cols(backend_, dt, {M, Kc}), part(backend_, DType::kF32, {s.K, Kc});
+    ST_CUDA_CHECK(cudaMemsetAsync((*part).data, 0, (*part).bytes(), ctx_.stream));
+    dispatch_float(dt, [&]<typename T>() {
+      im2col_nhwc_kernel<T><<<grid_for(ctx_, M * Kc), kImageBlock, 0, ctx_.stream>>>(
+          (*cols).as<T>(), inp.as<T>(), s, s.P(), s.Q(), Kc, M * Kc);
+    });
+    ST_CUDA_LAUNCH_CHECK();
+    // The weight operand only gives the GEMM its shape when no input gradient is asked for.
+    const Tensor shape_only(nullptr, dt, DeviceKind::kCUDA, {s.K, Kc});
+    backend_.matmul_backward({}, *part, {}, dout.reshape({M, s.K}), *cols, shape_only);
+    dispatch_float(dt, [&]<typename T>() {
+      add_columns_kernel<T><<<grid_for(ctx_, s.K * CRS), kImageBlock, 0, ctx_.stream>>>(
+          dweight.as<T>(), (*part).as<float>(), CRS, Kc, s.K * CRS);
+    });
+    ST_CUDA_LAUNCH_CHECK();
   }
 
   /// pointwise_gemm()'s forward: one GEMM over the pixels, with channels-last copies of the
