@@ -160,13 +160,14 @@ bool pointwise_gemm(const Conv2dShape& s, DType dt) {
 
 /// Whether a first layer's weight gradient (no input gradient wanted) runs as im2col + one GEMM:
 /// channels-last bf16/fp16 with a channel count tensor cores cannot take (C % 8 ≠ 0: gray or RGB
-/// input), while the column matrix stays small (≤ 64 MiB). cuDNN's legacy API ran these with its
+/// input), while the column matrix stays small (≤ 16 MiB). cuDNN's legacy API ran these with its
 /// non-tensor-core wgrad_alg0 kernel at ~1.2 ms a call for Fashion-MNIST's 1-channel 32×32 input
-/// at batch 256 — a fifth to a half of a small model's step (H100, bench/kernel_trace.cpp).
+/// at batch 256 — a fifth to a half of a small model's step (H100, bench/kernel_trace.cpp); for
+/// 224×224 RGB it picked tensor-core kernels (0.07 ms), where the columns would be 51–205 MB.
 bool im2col_weight_gradient(const Conv2dShape& s, DType dt, bool nhwc, bool need_dinp) {
   const int64_t cols = (s.C * s.R * s.S + 7) / 8 * 8;
   return nhwc && !need_dinp && dt != DType::kF32 && s.groups == 1 && s.C % 8 != 0 &&
-         s.N * s.P() * s.Q() * cols * 2 <= (int64_t{64} << 20);
+         s.N * s.P() * s.Q() * cols * 2 <= (int64_t{16} << 20);
 }
 
 /// cols [N·P·Q, Kc] = the R×S×C window of each output pixel of the channels-last image x, column
