@@ -427,16 +427,18 @@ void Sequential::backward(ModuleContext& ctx, const Tensor& in, const Tensor& do
   // between two buffers held for this pass only, so every block of a network reuses the same
   // memory instead of keeping a pair of its own (on CUDA the caching allocator hands the same
   // blocks back; freeing after enqueueing is stream-ordered).
+  // Each buffer is taken on its first use (a block of two children needs one).
   int64_t largest = 0;
   for (size_t i = 1; i + 1 < shapes_.size(); ++i) largest = std::max(largest, shapes_[i].numel());
   const size_t bytes = static_cast<size_t>(largest) * dtype_size(ctx.be.compute_dtype());
   struct Held {
     Backend& be;
-    void* p;
+    size_t bytes;
+    void* p = nullptr;
+    void* get() { return p ? p : (p = be.allocate_uninitialized(bytes)); }
     ~Held() { be.deallocate(p); }
   };
-  Held a{ctx.be, largest > 0 ? ctx.be.allocate_uninitialized(bytes) : nullptr};
-  Held b{ctx.be, largest > 0 ? ctx.be.allocate_uninitialized(bytes) : nullptr};
+  Held a{ctx.be, bytes}, b{ctx.be, bytes};
   Tensor g = dout;
   for (size_t k = children_.size(); k-- > 0;) {
     Tensor target;
@@ -444,7 +446,7 @@ void Sequential::backward(ModuleContext& ctx, const Tensor& in, const Tensor& do
       target = din;
     } else {
       const ImageShape& sh = shapes_[k];
-      target = Tensor((k % 2 == 0) ? a.p : b.p, ctx.be.compute_dtype(), ctx.be.kind(),
+      target = Tensor((k % 2 == 0) ? a.get() : b.get(), ctx.be.compute_dtype(), ctx.be.kind(),
                       {sh.N, sh.C, sh.H, sh.W});
     }
     children_[k]->backward(ctx, inputs_[k], g, target);
