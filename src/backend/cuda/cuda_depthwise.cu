@@ -117,8 +117,9 @@ __global__ void depthwise_forward_vec8_kernel(T* out, const T* x, const T* w, Ge
   const int R = kR > 0 ? kR : static_cast<int>(g.R), S = kS > 0 ? kS : static_cast<int>(g.S);
   for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
        v += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i = v * 8, pix = idiv(i, g.C), c0 = i - pix * g.C;
-    const int64_t t = idiv(pix, g.Q), q = pix - t * g.Q, b = idiv(t, g.P), p = t - b * g.P;
+    const int64_t i = v * 8;
+    int64_t b, c0, p, q;
+    ImageIndex{g.C, g.P, g.Q, true}.coords(i, b, c0, p, q);
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -145,8 +146,9 @@ __global__ void depthwise_input_grad_vec8_kernel(T* dx, const T* dy, const T* w,
   const int R = kR > 0 ? kR : static_cast<int>(g.R), S = kS > 0 ? kS : static_cast<int>(g.S);
   for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
        v += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i = v * 8, pix = idiv(i, g.C), c0 = i - pix * g.C;
-    const int64_t t = idiv(pix, g.W), iw = pix - t * g.W, b = idiv(t, g.H), ih = t - b * g.H;
+    const int64_t i = v * 8;
+    int64_t b, c0, ih, iw;
+    ImageIndex{g.C, g.H, g.W, true}.coords(i, b, c0, ih, iw);
     const int64_t hh = ih + g.ph, ww = iw + g.pw;
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t r = imod(hh, g.sh); r < R && r <= hh; r += g.sh) {

@@ -194,8 +194,9 @@ template <typename T>
 __global__ void maxpool_forward_vec8_kernel(T* out, const T* x, PoolGeom g, int64_t n8) {
   for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
        v += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i = v * 8, pix = idiv(i, g.C), c0 = i - pix * g.C;
-    const int64_t t = idiv(pix, g.Q), q = pix - t * g.Q, b = idiv(t, g.P), p = t - b * g.P;
+    const int64_t i = v * 8;
+    int64_t b, c0, p, q;
+    g.out().coords(i, b, c0, p, q);
     float m[8];
     bool any = false;
     for (int64_t r = 0; r < g.R; ++r) {
@@ -225,8 +226,9 @@ __global__ void maxpool_backward_tiled_vec8_kernel(T* dx, const T* dy, const T* 
                                                    int64_t n8) {
   for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
        v += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i = v * 8, pix = idiv(i, g.C), c0 = i - pix * g.C;
-    const int64_t t = idiv(pix, g.Q), q = pix - t * g.Q, b = idiv(t, g.P), p = t - b * g.P;
+    const int64_t i = v * 8;
+    int64_t b, c0, p, q;
+    g.out().coords(i, b, c0, p, q);
     float m[8];
     int arg[8];
     for (int64_t r = 0; r < g.R; ++r)
@@ -513,20 +515,11 @@ class CudaImageOps final : public ImageOps {
   }
   void image_rows_as_sequence(Tensor out, Tensor inp) override {
     if (!nhwc_) return ImageOps::image_rows_as_sequence(out, inp);
-    const char* op = "cuda image_rows_as_sequence";
-    expect_nchw(op, "inp", inp, inp.dtype);
-    const int64_t N = inp.dim(0), C = inp.dim(1), H = inp.dim(2), W = inp.dim(3);
-    expect_tensor(op, "out", out, inp.dtype, {N, H, C * W});
-    // [N·H, W, C] → [N·H, C, W]
-    batched_transpose(ctx_, out, inp, N * H, W, C);
+    rows_relayout("cuda image_rows_as_sequence", inp, out, true);
   }
   void sequence_as_image_rows(Tensor dinp, Tensor dout) override {
     if (!nhwc_) return ImageOps::sequence_as_image_rows(dinp, dout);
-    const char* op = "cuda sequence_as_image_rows";
-    expect_nchw(op, "dinp", dinp, dout.dtype);
-    const int64_t N = dinp.dim(0), C = dinp.dim(1), H = dinp.dim(2), W = dinp.dim(3);
-    expect_tensor(op, "dout", dout, dinp.dtype, {N, H, C * W});
-    batched_transpose(ctx_, dinp, dout, N * H, C, W);
+    rows_relayout("cuda sequence_as_image_rows", dinp, dout, false);
   }
 
   void conv2d_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const Conv2dShape& s,
@@ -803,6 +796,18 @@ class CudaImageOps final : public ImageOps {
         <<<ceil_div(static_cast<size_t>(N * C), kImageBlock), kImageBlock, 0, ctx_.stream>>>(
             out.as<T>(), part, G, N * C, factor);
     ST_CUDA_LAUNCH_CHECK();
+  }
+
+  /// Between a channels-last image [N, C, H, W] and the sequence [N, H, C·W]: per (n, h) row a
+  /// [W, C] ↔ [C, W] transpose (`to_sequence`: image → sequence).
+  void rows_relayout(const char* op, Tensor image, Tensor seq, bool to_sequence) {
+    expect_nchw(op, "image", image, image.dtype);
+    const int64_t N = image.dim(0), C = image.dim(1), H = image.dim(2), W = image.dim(3);
+    expect_tensor(op, "sequence", seq, image.dtype, {N, H, C * W});
+    if (to_sequence)
+      batched_transpose(ctx_, seq, image, N * H, W, C);
+    else
+      batched_transpose(ctx_, image, seq, N * H, C, W);
   }
 
   /// The memory order of image `t` [N, C, H, W] in these ops.
