@@ -32,8 +32,9 @@ def short(names):
         out = list(names)
     result = {}
     for raw, dem in zip(names, out):
+        # Keep what is outside <...> and before the parameter list's '('.
         depth, base = 0, ""
-        for ch in dem.replace("(anonymous namespace)", "anon"):  # drop everything inside <...> and from the first '(' on
+        for ch in dem.replace("(anonymous namespace)", "anon"):
             if ch == "<":
                 depth += 1
             elif ch == ">":
