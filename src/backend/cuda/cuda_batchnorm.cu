@@ -251,6 +251,28 @@ Dims check_common(const char* op, const Tensor& inp, const Tensor& weight, const
   return d;
 }
 
+/// out = act(BN(inp)) with the batch's mean and invstd (`stat_a`, `stat_b`), or with kEval the
+/// running mean and variance: normalize_kernel, or its 8-channel version where vec8_ok().
+template <bool kEval>
+void normalize(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight, Tensor bias,
+               Tensor stat_a, Tensor stat_b, float eps, Activation act, const Dims& d, bool nhwc) {
+  const int64_t n = inp.numel();
+  const bool vec = vec8_ok(nhwc, d.C, {out.data, inp.data});
+  dispatch_float(inp.dtype, [&]<typename T>() {
+    dispatch_activation(act, [&]<Activation A>() {
+      if (vec)
+        normalize_vec8_kernel<T, A, kEval><<<grid_for(ctx, n / 8), kImageBlock, 0, ctx.stream>>>(
+            out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), stat_a.as<float>(),
+            stat_b.as<float>(), eps, n / 8, d.C);
+      else
+        normalize_kernel<T, A, kEval><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
+            out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), stat_a.as<float>(),
+            stat_b.as<float>(), eps, n, d.C, d.HW, nhwc);
+    });
+  });
+  ST_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 void batchnorm_statistics(const CudaContext& ctx, Tensor sums, Tensor inp, bool nhwc) {
@@ -295,21 +317,7 @@ void batchnorm_forward_train(const CudaContext& ctx, Tensor out, Tensor mean, Te
       running_var.empty() ? nullptr : running_var.as<float>(), sums.as<double>(), d.C,
       static_cast<double>(count), eps, momentum);
   ST_CUDA_LAUNCH_CHECK();
-  const int64_t n = inp.numel();
-  const bool vec = vec8_ok(nhwc, d.C, {out.data, inp.data});
-  dispatch_float(inp.dtype, [&]<typename T>() {
-    dispatch_activation(act, [&]<Activation A>() {
-      if (vec)
-        normalize_vec8_kernel<T, A, false><<<grid_for(ctx, n / 8), kImageBlock, 0, ctx.stream>>>(
-            out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
-            invstd.as<float>(), eps, n / 8, d.C);
-      else
-        normalize_kernel<T, A, false><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
-            out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
-            invstd.as<float>(), eps, n, d.C, d.HW, nhwc);
-    });
-  });
-  ST_CUDA_LAUNCH_CHECK();
+  normalize<false>(ctx, out, inp, weight, bias, mean, invstd, eps, act, d, nhwc);
 }
 
 void batchnorm_forward_eval(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight,
@@ -320,21 +328,7 @@ void batchnorm_forward_eval(const CudaContext& ctx, Tensor out, Tensor inp, Tens
   expect_tensor(op, "out", out, inp.dtype, {d.N, d.C, inp.dim(2), inp.dim(3)});
   expect_tensor(op, "running_mean", running_mean, DType::kF32, {d.C});
   expect_tensor(op, "running_var", running_var, DType::kF32, {d.C});
-  const int64_t n = inp.numel();
-  const bool vec = vec8_ok(nhwc, d.C, {out.data, inp.data});
-  dispatch_float(inp.dtype, [&]<typename T>() {
-    dispatch_activation(act, [&]<Activation A>() {
-      if (vec)
-        normalize_vec8_kernel<T, A, true><<<grid_for(ctx, n / 8), kImageBlock, 0, ctx.stream>>>(
-            out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), running_mean.as<float>(),
-            running_var.as<float>(), eps, n / 8, d.C);
-      else
-        normalize_kernel<T, A, true><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
-            out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), running_mean.as<float>(),
-            running_var.as<float>(), eps, n, d.C, d.HW, nhwc);
-    });
-  });
-  ST_CUDA_LAUNCH_CHECK();
+  normalize<true>(ctx, out, inp, weight, bias, running_mean, running_var, eps, act, d, nhwc);
 }
 
 void batchnorm_backward_reduce(const CudaContext& ctx, Tensor dsums, Tensor dweight, Tensor dbias,

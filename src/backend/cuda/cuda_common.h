@@ -117,6 +117,24 @@ void dispatch_float(DType dt, F&& f) {
 
 inline unsigned ceil_div(size_t a, size_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
+/// dst [n] += Σ_g part [G, n] (fp32 partial sums, one row per group), in group order: the second
+/// pass of the deterministic two-pass reductions (bias and weight gradients; no atomics).
+template <typename T>
+__global__ void add_partial_sums_kernel(T* dst, const float* part, int64_t G, int64_t n) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= n) return;
+  float acc = 0.0f;
+  for (int64_t g = 0; g < G; ++g) acc += part[g * n + i];
+  dst[i] = from_float<T>(to_float(dst[i]) + acc);
+}
+/// Enqueues add_partial_sums_kernel on `stream` (launch errors are the caller's to check).
+template <typename T>
+void add_partial_sums(cudaStream_t stream, T* dst, const float* part, int64_t G, int64_t n) {
+  constexpr unsigned kThreads = 256;
+  add_partial_sums_kernel<T>
+      <<<ceil_div(static_cast<size_t>(n), kThreads), kThreads, 0, stream>>>(dst, part, G, n);
+}
+
 /// Calls f.template operator()<kDrop>() with kDrop = d.active(): kernels take dropout as a
 /// template flag, so the p = 0 instantiation is the kernel without dropout.
 template <typename F>

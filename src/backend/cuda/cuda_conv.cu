@@ -512,16 +512,6 @@ __global__ void bias_gradient_columns_kernel(float* part, const T* dout, int64_t
   part[blockIdx.y * K + k] = acc;
 }
 
-/// dbias [K] += Σ_groups part [G, K], in group order (deterministic).
-template <typename T>
-__global__ void bias_gradient_finish_kernel(T* dbias, const float* part, int64_t G, int64_t K) {
-  const int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (k >= K) return;
-  float acc = 0.0f;
-  for (int64_t g = 0; g < G; ++g) acc += part[g * K + k];
-  dbias[k] = from_float<T>(to_float(dbias[k]) + acc);
-}
-
 /// dst [b, y, x] = src [b, x, y] for matrix b = blockIdx.z: 32×32 tiles through shared memory
 /// (padded against bank conflicts), so reads and writes are both coalesced.
 template <typename T>
@@ -589,9 +579,7 @@ void bias_gradient(const CudaContext& ctx, Tensor dbias, Tensor dout, int64_t N,
       bias_gradient_partial_kernel<T><<<dim3(static_cast<unsigned>(K), static_cast<unsigned>(G)),
                                         kImageBlock, 0, ctx.stream>>>(part, dout.as<T>(), N, K, PQ);
     ST_CUDA_LAUNCH_CHECK();
-    bias_gradient_finish_kernel<T>
-        <<<ceil_div(static_cast<size_t>(K), kImageBlock), kImageBlock, 0, ctx.stream>>>(
-            dbias.as<T>(), part, G, K);
+    add_partial_sums(ctx.stream, dbias.as<T>(), part, G, K);
   });
   ST_CUDA_LAUNCH_CHECK();
 }

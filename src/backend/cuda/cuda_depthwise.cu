@@ -6,8 +6,8 @@
 //   input grad    one thread per input element, gathering the outputs whose window covers it
 //                 (no atomics)
 //   weight grad   grid (channel × image group): each thread sums its share of the R·S products
-//                 in registers, the block reduces them, a second kernel adds the groups' partials
-//                 in order (deterministic) to the accumulated gradient
+//                 in registers, the block reduces them, add_partial_sums adds the groups'
+//                 partials in order (deterministic) to the accumulated gradient
 // fp32 accumulation for every dtype.
 
 #include "backend/cuda/cuda_image.h"
@@ -252,16 +252,6 @@ __global__ void depthwise_weight_columns_kernel(float* part, const T* dy, const 
   }
 }
 
-/// dweight [C, R·S] += Σ_groups part, in group order.
-template <typename T>
-__global__ void depthwise_weight_finish_kernel(T* dw, const float* part, int64_t G, int64_t n) {
-  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (i >= n) return;
-  float acc = 0.0f;
-  for (int64_t grp = 0; grp < G; ++grp) acc += part[grp * n + i];
-  dw[i] = from_float<T>(to_float(dw[i]) + acc);
-}
-
 Geom geom(const Conv2dShape& s) {
   return {s.N, s.C, s.H, s.W, s.P(), s.Q(), s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w};
 }
@@ -304,15 +294,9 @@ struct InputGradKernel {
   }
 };
 
-}  // namespace
-
-bool is_depthwise(const Conv2dShape& s) {
-  return s.groups > 1 && s.groups == s.C && s.K == s.C && s.R * s.S <= kMaxTaps;
-}
-
-/// Launches a vec8 kernel `K<T, kR, kS>` over n / 8 threads' worth of work (3×3 and 5×5 with a
-/// fixed window).
-template <typename T, typename F3, typename F5, typename F0>
+/// Calls the launcher for the window (3×3 and 5×5 compiled with a fixed window) with the grid
+/// for n / 8 threads' worth of work (the vec8 kernels: 8 channels per thread).
+template <typename F3, typename F5, typename F0>
 void launch_vec8(const CudaContext& ctx, const Conv2dShape& s, int64_t n, F3 f3, F5 f5, F0 f0) {
   const unsigned grid = grid_for(ctx, n / 8);
   if (s.R == 3 && s.S == 3)
@@ -322,6 +306,12 @@ void launch_vec8(const CudaContext& ctx, const Conv2dShape& s, int64_t n, F3 f3,
   else
     f0(grid);
   ST_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool is_depthwise(const Conv2dShape& s) {
+  return s.groups > 1 && s.groups == s.C && s.K == s.C && s.R * s.S <= kMaxTaps;
 }
 
 void depthwise_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight,
@@ -334,7 +324,7 @@ void depthwise_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor we
         depthwise_forward_vec8_kernel<T, kR, kS>
             <<<grid, kImageBlock, 0, ctx.stream>>>(out.as<T>(), inp.as<T>(), weight.as<T>(), g, n8);
       };
-      launch_vec8<T>(
+      launch_vec8(
           ctx, s, out.numel(), [&](unsigned grid) { go.template operator()<3, 3>(grid); },
           [&](unsigned grid) { go.template operator()<5, 5>(grid); },
           [&](unsigned grid) { go.template operator()<0, 0>(grid); });
@@ -377,9 +367,7 @@ void depthwise_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Ten
       depthwise_weight_partial_kernel<T, 0, 0>
           <<<grid, kImageBlock, 0, ctx.stream>>>(part, dout.as<T>(), inp.as<T>(), g);
     ST_CUDA_LAUNCH_CHECK();
-    depthwise_weight_finish_kernel<T>
-        <<<ceil_div(static_cast<size_t>(s.C * taps), kImageBlock), kImageBlock, 0, ctx.stream>>>(
-            dweight.as<T>(), part, G, s.C * taps);
+    add_partial_sums(ctx.stream, dweight.as<T>(), part, G, s.C * taps);  // dweight [C, R·S]
     ST_CUDA_LAUNCH_CHECK();
     if (!dinp.empty() && vec8_ok(nhwc, s.C, {dinp.data, dout.data})) {
       const int64_t n8 = dinp.numel() / 8;
@@ -387,7 +375,7 @@ void depthwise_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Ten
         depthwise_input_grad_vec8_kernel<T, kR, kS><<<grid, kImageBlock, 0, ctx.stream>>>(
             dinp.as<T>(), dout.as<T>(), weight.as<T>(), g, n8);
       };
-      launch_vec8<T>(
+      launch_vec8(
           ctx, s, dinp.numel(), [&](unsigned grid) { go.template operator()<3, 3>(grid); },
           [&](unsigned grid) { go.template operator()<5, 5>(grid); },
           [&](unsigned grid) { go.template operator()<0, 0>(grid); });

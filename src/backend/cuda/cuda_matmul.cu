@@ -166,16 +166,6 @@ __global__ void __launch_bounds__(32 * kBgRowLanes)
   }
 }
 
-template <typename Tout>
-__global__ void bias_grad_finish_kernel(Tout* dbias, const float* partial, int64_t nchunks,
-                                        int64_t OC) {
-  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (c >= OC) return;
-  float s = 0.f;
-  for (int64_t j = 0; j < nchunks; ++j) s += partial[j * OC + c];
-  dbias[c] = from_float<Tout>(to_float(dbias[c]) + s);
-}
-
 /// Chunking of the bias-gradient rows: a function of N alone (so results do not depend on the GPU).
 struct BiasGradPlan {
   int64_t nchunks = 1, rows_per_chunk = 1;
@@ -690,10 +680,7 @@ void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor
           bias_grad_partial_kernel<Tin, Tout, false><<<grid, block, 0, ctx.stream>>>(
               partial, nullptr, dout.as<Tin>(), N, OC, plan.rows_per_chunk);
           ST_CUDA_LAUNCH_CHECK();
-          constexpr int kThreads = 256;
-          bias_grad_finish_kernel<Tout>
-              <<<ceil_div(static_cast<size_t>(OC), kThreads), kThreads, 0, ctx.stream>>>(
-                  dbias.as<Tout>(), partial, plan.nchunks, OC);
+          add_partial_sums(ctx.stream, dbias.as<Tout>(), partial, plan.nchunks, OC);
           ST_CUDA_LAUNCH_CHECK();
         }
       });
