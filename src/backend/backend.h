@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -89,6 +90,13 @@ class Backend {
   virtual void copy_to_host(void* dst_host, const void* src_device, size_t bytes) = 0;
   virtual void copy_from_host(void* dst_device, const void* src_host, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  /// A host → device copy enqueued after the work already enqueued, without waiting for it:
+  /// `src_host` must stay unchanged until the stream has run the copy (synchronize(), or any
+  /// blocking read after it). Asynchronous only from pinned memory (allocate_pinned); the default
+  /// is the blocking copy.
+  virtual void copy_from_host_async(void* dst_device, const void* src_host, size_t bytes) {
+    copy_from_host(dst_device, src_host, bytes);
+  }
   virtual void fill_zero(Tensor t) = 0;
   virtual void synchronize() {}
   /// Bytes currently allocated and the peak since start (or since reset_peak_memory()).
@@ -99,6 +107,28 @@ class Backend {
   /// peak; equal to the allocated bytes for backends without a cache.
   virtual size_t reserved_bytes() const { return allocated_bytes(); }
   virtual size_t peak_reserved_bytes() const { return peak_allocated_bytes(); }
+
+  // ---- device graphs (CUDA Graphs) ----------------------------------------------------------
+  /// Recorded device work, replayed with one launch instead of one per op: the host cost of a
+  /// step of small kernels (NVIDIA, CUDA Programming Guide, "CUDA Graphs").
+  class Graph {
+   public:
+    virtual ~Graph() = default;
+    /// Enqueues the recorded work on the compute stream, with the arguments and addresses it was
+    /// captured with.
+    virtual void replay() = 0;
+    /// False once memory the graph uses has been freed (e.g. an activation buffer regrown by a
+    /// larger batch): the caller must capture again instead of replaying.
+    virtual bool valid() const = 0;
+  };
+  /// Records, without running it, the device work `body` enqueues. The body must only enqueue
+  /// work on the compute stream: no blocking copy, synchronize() or host read; every kernel
+  /// argument (pointers, scalars) is frozen into the graph, so what changes between replays must
+  /// be read from device memory. Temporaries the body frees stay reserved for the graph while it
+  /// lives (counted as allocated); blocks live at the end are pinned (see Graph::valid).
+  /// Returns null where the backend has no graphs (CPU). Throws RuntimeFailure, naming the CUDA
+  /// error, when the body did something that cannot be captured; the stream stays usable.
+  virtual std::unique_ptr<Graph> capture(const std::function<void()>& /*body*/) { return nullptr; }
 
   // ---- host memory for transfers (offload) ---------------------------------------------------
   /// Allocates `bytes` of host memory that copy streams move at full speed: page-locked (pinned)

@@ -62,8 +62,22 @@ struct Dropout {
   uint64_t seed = 0;    ///< key: the micro-batch's dropout seed (StepContext::dropout_seed)
   uint32_t stream = 0;  ///< free counter word (0 in the model)
   uint32_t site = 0;    ///< which dropout of the model (see dropout_site in model/gpt2.h)
+  /// When set, the seed lives in device memory here and replaces `seed` (a replayed CUDA graph
+  /// keeps its kernel arguments, so a per-micro-batch seed cannot be one). Read by the kernels
+  /// that take it — dropout_backward, add with dropout and ImageOps::sample_scale — once per
+  /// thread through with_device_seed(); null on the CPU and in GPT-2's attention.
+  const uint64_t* device_seed = nullptr;
 
   ST_HD bool active() const { return p > 0.0f; }
+  /// This mask with `seed` read from device_seed when that is set (device code).
+  ST_HD Dropout with_device_seed() const {
+    Dropout d = *this;
+    if (device_seed != nullptr) {
+      d.seed = *device_seed;
+      d.device_seed = nullptr;
+    }
+    return d;
+  }
   /// round(p·2^32), clamped to 2^32-1.
   ST_HD uint32_t threshold() const {
     const double t = static_cast<double>(p) * 4294967296.0 + 0.5;

@@ -406,10 +406,11 @@ __global__ void gelu_backward_kernel(T* dinp, const T* inp, const T* dout, int64
 /// add: out = a + b, [n] in T; out may alias a or b. kDrop: out = a + dropout(b) (element i's
 /// mask from `drop`, see core/philox.h).
 template <int K, typename T, bool kDrop>
-__global__ void add_kernel(T* out, const T* a, const T* b, int64_t n, Dropout drop, uint32_t thresh,
+__global__ void add_kernel(T* out, const T* a, const T* b, int64_t n, Dropout mask, uint32_t thresh,
                            float keep_scale) {
   const int64_t base = global_index() * K;
   if (base >= n) return;
+  const Dropout drop = mask.with_device_seed();
   const int cnt = chunk_count<K>(n, base);
   float x[K], y[K];
   load_chunk<K>(x, a + base, cnt);
@@ -422,10 +423,11 @@ __global__ void add_kernel(T* out, const T* a, const T* b, int64_t n, Dropout dr
 
 /// dropout_backward: dst = src ∘ mask · keep_scale, [n] in T; dst may alias src.
 template <int K, typename T>
-__global__ void dropout_backward_kernel(T* dst, const T* src, int64_t n, Dropout drop,
+__global__ void dropout_backward_kernel(T* dst, const T* src, int64_t n, Dropout mask,
                                         uint32_t thresh, float keep_scale) {
   const int64_t base = global_index() * K;
   if (base >= n) return;
+  const Dropout drop = mask.with_device_seed();
   const int cnt = chunk_count<K>(n, base);
   float x[K];
   load_chunk<K>(x, src + base, cnt);
@@ -750,12 +752,10 @@ class CachingAllocator {
     if (want == 0) throw_oom(bytes, cudaErrorMemoryAllocation);  // overflowed: absurd request
     void* p = nullptr;
     size_t got = 0;
-    auto it = free_.lower_bound(want);
-    if (it != free_.end() && it->first <= 2 * want) {
-      got = it->first;
-      p = it->second;
-      free_.erase(it);
-    } else {
+    // While a graph is captured, the blocks its work freed come first (they are its own).
+    if (capturing_) std::tie(p, got) = take_cached(captured_free_, want);
+    if (p == nullptr) std::tie(p, got) = take_cached(free_, want);
+    if (p == nullptr) {
       cudaError_t err = cudaMalloc(&p, want);
       if (err == cudaErrorMemoryAllocation) {
         (void)cudaGetLastError();  // clear the non-sticky error before going on
@@ -771,7 +771,7 @@ class CachingAllocator {
       reserved_ += got;
       peak_reserved_ = std::max(peak_reserved_, reserved_);
     }
-    live_.emplace(p, got);
+    live_.emplace(p, Block{got, next_id_++});
     allocated_ += got;
     peak_allocated_ = std::max(peak_allocated_, allocated_);
     const cudaError_t err = zero_fill ? cudaMemsetAsync(p, 0, want, stream_) : cudaSuccess;
@@ -793,9 +793,61 @@ class CachingAllocator {
       std::fprintf(stderr, "shardtrain: cuda deallocate of unknown pointer %p ignored\n", p);
       return;
     }
-    allocated_ -= it->second;
-    free_.emplace(it->second, p);
+    allocated_ -= it->second.size;
+    if (pinned_.erase(it->second.id) > 0) ++invalidations_;
+    (capturing_ ? captured_free_ : free_).emplace(it->second.size, p);
     live_.erase(it);
+  }
+
+  // ---- CUDA graphs (Backend::capture) ----------------------------------------------------------
+  // A replayed graph writes to the addresses it was captured with. So the blocks its work freed
+  // during the capture (its temporaries) stay reserved for it until it is destroyed, and the
+  // blocks live at the end of the capture (activations, parameters, workspaces) are pinned:
+  // freeing one of them afterwards invalidates every graph (invalidations() changes).
+
+  /// What a captured graph holds: its temporaries (size, block) and the ids of the blocks it pins.
+  struct GraphMemory {
+    std::vector<std::pair<size_t, void*>> held;
+    std::vector<uint64_t> pinned;
+  };
+
+  void begin_capture() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ST_ASSERT(!capturing_);
+    capturing_ = true;
+  }
+  /// Ends the capture; the temporaries become the graph's, the live blocks are pinned.
+  GraphMemory end_capture() {
+    std::lock_guard<std::mutex> lock(mu_);
+    capturing_ = false;
+    GraphMemory g;
+    g.held.assign(captured_free_.begin(), captured_free_.end());
+    captured_free_.clear();
+    // Held for the graph alone: counted as allocated while it lives.
+    for (const auto& [size, p] : g.held) allocated_ += size;
+    peak_allocated_ = std::max(peak_allocated_, allocated_);
+    for (const auto& [p, b] : live_) {
+      ++pinned_[b.id];
+      g.pinned.push_back(b.id);
+    }
+    return g;
+  }
+  /// Returns a destroyed (or failed) graph's memory; its temporaries are cached again.
+  void release_graph(const GraphMemory& g) noexcept {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [size, p] : g.held) {
+      free_.emplace(size, p);
+      allocated_ -= size;
+    }
+    for (uint64_t id : g.pinned) {
+      auto it = pinned_.find(id);
+      if (it != pinned_.end() && --it->second == 0) pinned_.erase(it);
+    }
+  }
+  /// Counts the frees of pinned blocks: a graph captured when it read v is valid while it is v.
+  uint64_t invalidations() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return invalidations_;
   }
 
   /// Returns every cached (free) block to CUDA. Blocks in use are untouched.
@@ -828,6 +880,16 @@ class CachingAllocator {
     return v;
   }
 
+  /// The smallest block of `cache` that fits `want` and is at most twice it, taken out of the
+  /// cache; {nullptr, 0} when none.
+  static std::pair<void*, size_t> take_cached(std::multimap<size_t, void*>& cache, size_t want) {
+    auto it = cache.lower_bound(want);
+    if (it == cache.end() || it->first > 2 * want) return {nullptr, 0};
+    const std::pair<void*, size_t> got{it->second, it->first};
+    cache.erase(it);
+    return got;
+  }
+
   void release_cached_locked() {
     // Blocks on the free list may still be in use by enqueued kernels (stream-ordered reuse).
     ST_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -841,7 +903,9 @@ class CachingAllocator {
   void release_everything() noexcept {
     (void)cudaStreamSynchronize(stream_);
     for (auto& [size, p] : free_) (void)cudaFree(p);
-    for (auto& [p, size] : live_) (void)cudaFree(p);
+    for (auto& [size, p] : captured_free_) (void)cudaFree(p);
+    for (auto& [p, b] : live_) (void)cudaFree(p);
+    captured_free_.clear();
     free_.clear();
     live_.clear();
     reserved_ = allocated_ = 0;
@@ -866,8 +930,16 @@ class CachingAllocator {
   int device_;
   cudaStream_t stream_;
   mutable std::mutex mu_;
-  std::unordered_map<void*, size_t> live_;  ///< block -> size, in use
-  std::multimap<size_t, void*> free_;       ///< size -> block, cached
+  struct Block {
+    size_t size;
+    uint64_t id;  ///< unique over the allocator's life (an address may come back)
+  };
+  std::unordered_map<void*, Block> live_;       ///< blocks in use
+  std::multimap<size_t, void*> free_;           ///< size -> block, cached
+  std::multimap<size_t, void*> captured_free_;  ///< freed during the capture in progress
+  std::unordered_map<uint64_t, int> pinned_;    ///< block id -> graphs pinning it
+  bool capturing_ = false;
+  uint64_t next_id_ = 0, invalidations_ = 0;
   size_t allocated_ = 0, peak_allocated_ = 0, reserved_ = 0, peak_reserved_ = 0;
 };
 
@@ -1000,6 +1072,12 @@ class CudaBackend final : public Backend {
     ST_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ctx_.stream));
     ST_CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
   }
+  void copy_from_host_async(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return;
+    activate();
+    ST_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ctx_.stream));
+  }
+  std::unique_ptr<Graph> capture(const std::function<void()>& body) override;
   /// Device-to-device, enqueued on the compute stream (ordered with every op; not blocking).
   /// The ranges must not overlap.
   void copy(void* dst, const void* src, size_t bytes) override {
@@ -1577,6 +1655,82 @@ class CudaBackend final : public Backend {
   double* host_result_ = nullptr;        ///< pinned: the result of sum / sum_squares
   std::unique_ptr<ImageOps> image_ops_;  ///< made on first use
 };
+
+// ==== CUDA graphs
+// =================================================================================
+
+namespace {
+
+/// An instantiated graph and the memory it holds (CachingAllocator::GraphMemory). Must not
+/// outlive the backend that captured it.
+class CudaGraph final : public Backend::Graph {
+ public:
+  CudaGraph(CachingAllocator& alloc, cudaStream_t stream, int device, cudaGraphExec_t exec,
+            CachingAllocator::GraphMemory memory)
+      : alloc_(alloc),
+        stream_(stream),
+        device_(device),
+        exec_(exec),
+        memory_(std::move(memory)),
+        captured_at_(alloc.invalidations()) {}
+  ~CudaGraph() override {
+    (void)cudaSetDevice(device_);
+    // Replays in flight still use the held temporaries; later work on the stream may reuse them
+    // (stream order), so returning them needs no wait.
+    (void)cudaGraphExecDestroy(exec_);
+    alloc_.release_graph(memory_);
+  }
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+
+  void replay() override {
+    if (!valid()) throw RuntimeFailure("replay of an invalidated CUDA graph: capture it again");
+    ST_CUDA_CHECK(cudaSetDevice(device_));
+    ST_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
+  }
+  bool valid() const override { return alloc_.invalidations() == captured_at_; }
+
+ private:
+  CachingAllocator& alloc_;
+  cudaStream_t stream_;
+  int device_;
+  cudaGraphExec_t exec_;
+  CachingAllocator::GraphMemory memory_;
+  uint64_t captured_at_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend::Graph> CudaBackend::capture(const std::function<void()>& body) {
+  activate();
+  // Relaxed: the body's allocations may still reach cudaMalloc (memory outside the graph, kept
+  // by the allocator); everything it enqueues is on this stream.
+  ST_CUDA_CHECK(cudaStreamBeginCapture(ctx_.stream, cudaStreamCaptureModeRelaxed));
+  alloc_->begin_capture();
+  cudaGraph_t graph = nullptr;
+  const auto abandon = [&](const char* what, cudaError_t err) {
+    CachingAllocator::GraphMemory memory = alloc_->end_capture();
+    alloc_->release_graph(memory);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    return RuntimeFailure(strf("CUDA graph capture failed: %s (%s); the step runs without graphs",
+                               what, cudaGetErrorString(err)));
+  };
+  try {
+    body();
+  } catch (...) {
+    const cudaError_t err = cudaStreamEndCapture(ctx_.stream, &graph);
+    (void)abandon("the captured work raised an error", err);
+    throw;
+  }
+  cudaError_t err = cudaStreamEndCapture(ctx_.stream, &graph);
+  if (err != cudaSuccess) throw abandon("ending the capture", err);
+  cudaGraphExec_t exec = nullptr;
+  err = cudaGraphInstantiate(&exec, graph, 0);
+  if (err != cudaSuccess) throw abandon("instantiating the graph", err);
+  (void)cudaGraphDestroy(graph);
+  return std::make_unique<CudaGraph>(*alloc_, ctx_.stream, device_, exec, alloc_->end_capture());
+}
 
 }  // namespace shardtrain::cuda
 

@@ -431,7 +431,8 @@ __global__ void channel_scale_backward_kernel(T* dx, T* dscale, const T* dy, con
 
 /// scale [N, C] = drop.factor(n) (ImageOps::sample_scale).
 template <typename T>
-__global__ void sample_scale_kernel(T* scale, Dropout drop, int64_t C, int64_t n) {
+__global__ void sample_scale_kernel(T* scale, Dropout mask, int64_t C, int64_t n) {
+  const Dropout drop = mask.with_device_seed();
   const uint32_t thresh = drop.threshold();
   ST_GRID_STRIDE(i, n) {
     const uint64_t sample = static_cast<uint64_t>(i / C);
