@@ -391,6 +391,11 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
   cmd.add_flag("--sync-batchnorm", cfg.sync_batchnorm,
                "image models: batch norm's training statistics over all ranks (SyncBatchNorm; "
                "default: each rank's own micro-batch)");
+  cmd.add_flag("--cuda-graphs,!--no-cuda-graphs", cfg.cuda_graphs,
+               "image models on CUDA: capture each micro-batch's forward and backward once as a "
+               "CUDA graph and replay it, one launch instead of one per op (default: on; not "
+               "used where a strategy reduces gradients during backward or with "
+               "--sync-batchnorm)");
   cmd.add_option("--cache-dir", cfg.cache_dir,
                  "directory for token caches (default: $SHARDTRAIN_CACHE_DIR or "
                  "~/.cache/shardtrain)")

@@ -236,6 +236,9 @@ struct TrainConfig {
   double label_smoothing = 0;
   /// Image models: batch norm's training statistics over all data-parallel ranks (SyncBatchNorm).
   bool sync_batchnorm = false;
+  /// Image models on CUDA: replay each micro-batch's forward and backward as one captured CUDA
+  /// graph (ImageModel::train_micro_batch); false: enqueue every op each time.
+  bool cuda_graphs = true;
 
   // ---- output, logging, checkpoints ----
   std::string output_dir = "out";

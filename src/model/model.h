@@ -29,6 +29,10 @@ class LayerHooks {
   /// its transfers in flight (MPI moves a large message only while its sender is inside an MPI
   /// call, so a stage computing for long would otherwise hold its neighbour's data back).
   virtual void between_layers() {}
+  /// Whether, in the micro-step begun, the hooks enqueue nothing and keep no host state that a
+  /// model could skip: then a model may record its forward and backward once into a device graph
+  /// and replay it without calling them (Backend::capture).
+  virtual bool capturable() const { return false; }
 
   // ---- tied-embedding gradient hand-off ------------------------------------------------------
   // A model whose last layer reads its first layer's token embedding (GPT-2's LM head is tied to
@@ -113,6 +117,14 @@ class Model {
   virtual double forward(const ModelInput& input, float grad_scale, bool for_backward) = 0;
   /// Backward over all layers after forward(..., for_backward=true); accumulates into grads.
   virtual void backward() = 0;
+  /// forward(input, grad_scale, true) then backward() of one training micro-batch, in one call
+  /// so that a model can replay them as one recorded device graph (ImageModel on CUDA). Returns
+  /// the micro-batch's mean loss. The pointers of `input` must stay valid until it returns.
+  virtual double train_micro_batch(const ModelInput& input, float grad_scale) {
+    const double loss = forward(input, grad_scale, true);
+    backward();
+    return loss;
+  }
 
   /// Dense FLOPs of one training step's forward + backward per sample (6·N·T-style analytic
   /// count), for MFU.

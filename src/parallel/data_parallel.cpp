@@ -68,6 +68,12 @@ class DataParallel final : public Strategy {
     if (b >= 0) reduce(static_cast<size_t>(b));
   }
 
+  // after_backward reduces nothing on one rank, or when the reduction waits for
+  // finish_gradients; the tied embedding (GPT-2) is not the image models' concern but is checked.
+  bool capturable() const override {
+    return (comm_.world_size() == 1 || !opt_.overlap_comm) && !tied_.active();
+  }
+
   bool take_tied_embedding_grad(int64_t rows) override { return last_micro_ && tied_.take(rows); }
   void tied_embedding_grad(Tensor dx, Tensor tokens) override { tied_.gather(dx, tokens); }
 

@@ -255,6 +255,7 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
                                   fix));
   }
   model->set_label_smoothing(static_cast<float>(cfg.label_smoothing));
+  model->set_cuda_graphs(cfg.cuda_graphs && backend->kind() == DeviceKind::kCUDA);
   if (cfg.sync_batchnorm && comm.world_size() > 1)
     model->set_sync_batchnorm(
         [&comm](Tensor t) { comm.all_reduce(std::move(t), ReduceOp::kSum)->wait(); },
@@ -366,6 +367,15 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
       B, accum, comm.world_size(), comm.world_size() > 1 ? "s" : "", images_per_step,
       cfg.sync_batchnorm && comm.world_size() > 1 ? "synchronized over the ranks"
                                                   : "each rank's micro-batch");
+  const bool graphs = cfg.cuda_graphs && backend->kind() == DeviceKind::kCUDA &&
+                      (!model->hooks() || model->hooks()->capturable()) &&
+                      !(cfg.sync_batchnorm && comm.world_size() > 1);
+  out.line("  CUDA graphs: {}",
+           graphs             ? "on (each micro-batch's forward and backward replayed as one graph)"
+           : !cfg.cuda_graphs ? "off (--no-cuda-graphs)"
+           : backend->kind() != DeviceKind::kCUDA
+               ? "off (CPU)"
+               : "off (the strategy reduces gradients during backward, or --sync-batchnorm)");
   out.line(
       "  steps: {} ({} per epoch{}), warmup {}, {} schedule, {}, clip {:g}, label smoothing {:g}",
       total_steps, steps_per_epoch,
@@ -482,8 +492,7 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
   loop.step = [&](int64_t epoch, double lr) {
     const MicroBatchSource batch = [&](int64_t k) {
       const auto idx = sampler.micro_batch_indices(epoch, progress.step_in_epoch, k);
-      make_image_batch(data.train, transform, idx.data(), B, true, cfg.seed, epoch, images,
-                       labels);
+      make_image_batch(data.train, transform, idx.data(), B, true, cfg.seed, epoch, images, labels);
       MicroBatch mb;
       mb.images = images;
       mb.targets = labels;

@@ -203,6 +203,7 @@ nlohmann::json config_snapshot(const TrainConfig& c) {
           {"image_size", c.image_size},
           {"label_smoothing", c.label_smoothing},
           {"sync_batchnorm", c.sync_batchnorm},
+          {"cuda_graphs", c.cuda_graphs},
           {"monitor",
            {{"tensorboard", c.monitor.tensorboard_dir},
             {"tensorboard_all_ranks", c.monitor.tensorboard_all_ranks},

@@ -68,6 +68,7 @@ class DropoutModule final : public Module {
     Dropout d;
     d.p = ctx.training ? p_ : 0.0f;
     d.seed = ctx.dropout_seed;
+    d.device_seed = ctx.dropout_seed_device;
     d.site = site_;
     return d;
   }
@@ -119,6 +120,7 @@ class StochasticDepth final : public Module {
     Dropout d;
     d.p = p_;
     d.seed = ctx.dropout_seed;
+    d.device_seed = ctx.dropout_seed_device;
     d.site = site_;
     ctx.ops.sample_scale(out, d);
     return out;

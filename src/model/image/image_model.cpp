@@ -3,6 +3,7 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 
 #include "core/error.h"
@@ -153,6 +154,7 @@ void ImageModel::set_sync_batchnorm(std::function<void(Tensor)> sum, int64_t ran
 
 ModuleContext ImageModel::context(bool training, bool for_backward, uint64_t dropout_seed) {
   ModuleContext ctx{backend_, ops_, training, for_backward, {}, 1, dropout_seed};
+  if (seed_on_device_) ctx.dropout_seed_device = static_cast<const uint64_t*>(seed_.data());
   if (training && sync_sum_) {
     ctx.sync_sums = sync_sum_;
     ctx.sync_ranks = sync_ranks_;
@@ -160,32 +162,41 @@ ModuleContext ImageModel::context(bool training, bool for_backward, uint64_t dro
   return ctx;
 }
 
-Tensor ImageModel::run_forward(ModuleContext& ctx, const float* images, int64_t batch) {
-  const int64_t per_image = spec_.channels * spec_.height * spec_.width;
+void ImageModel::upload_images(const float* images, int64_t batch) {
+  const int64_t n = batch * spec_.channels * spec_.height * spec_.width;
   const DType dt = backend_.compute_dtype();
-  grow(backend_, image_, dt, batch * per_image);
-  Tensor x(image_.data(), dt, backend_.kind(), {batch, spec_.channels, spec_.height, spec_.width});
-  // The host's NCHW fp32 images in the compute dtype and the image ops' layout (through an NCHW
-  // copy when that is channels-last).
+  // Chain: host fp32 NCHW → [fp32 staging → compute dtype] → [NCHW → channels-last] → image_.
+  grow(backend_, image_, dt, n);
+  if (ops_.channels_last() && spec_.channels > 1) grow(backend_, image_nchw_, dt, n);
+  if (dt != DType::kF32) grow(backend_, image_f32_, DType::kF32, n);
+  void* first = dt != DType::kF32                            ? image_f32_.data()
+                : ops_.channels_last() && spec_.channels > 1 ? image_nchw_.data()
+                                                             : image_.data();
+  backend_.copy_from_host_async(first, images, static_cast<size_t>(n) * sizeof(float));
+}
+
+Tensor ImageModel::device_images(int64_t batch) {
+  const DType dt = backend_.compute_dtype();
+  const auto image = [&](void* data, DType t) {
+    return Tensor(data, t, backend_.kind(), {batch, spec_.channels, spec_.height, spec_.width});
+  };
+  Tensor x = image(image_.data(), dt);
   const bool relayout = ops_.channels_last() && spec_.channels > 1;
-  Tensor nchw = x;
-  if (relayout) {
-    grow(backend_, image_nchw_, dt, batch * per_image);
-    nchw = Tensor(image_nchw_.data(), dt, backend_.kind(),
-                  {batch, spec_.channels, spec_.height, spec_.width});
-  }
-  if (dt == DType::kF32) {
-    backend_.copy_from_host(nchw.data, images, nchw.bytes());
-  } else {
-    grow(backend_, image_f32_, DType::kF32, batch * per_image);
-    backend_.copy_from_host(image_f32_.data(), images,
-                            static_cast<size_t>(batch * per_image) * sizeof(float));
-    backend_.convert(nchw, Tensor(image_f32_.data(), DType::kF32, backend_.kind(),
-                                  {batch, spec_.channels, spec_.height, spec_.width}));
-  }
+  Tensor nchw = relayout ? image(image_nchw_.data(), dt) : x;
+  if (dt != DType::kF32) backend_.convert(nchw, image(image_f32_.data(), DType::kF32));
   if (relayout) ops_.image_from_nchw(x, nchw);
+  return x;
+}
+
+Tensor ImageModel::run_forward(ModuleContext& ctx, const float* images, int64_t batch) {
+  upload_images(images, batch);
+  return run_layers(ctx, device_images(batch), batch);
+}
+
+Tensor ImageModel::run_layers(ModuleContext& ctx, Tensor x, int64_t batch) {
   inputs_.resize(layers_.size());
   const size_t members = member_begin_.size() - 1;
+  const DType dt = backend_.compute_dtype();
   Tensor sum;
   if (members > 1) {
     grow(backend_, logit_sum_, dt, batch * spec_.num_classes);
@@ -214,23 +225,88 @@ Tensor ImageModel::run_forward(ModuleContext& ctx, const float* images, int64_t 
   return sum;
 }
 
-double ImageModel::forward(const ModelInput& input, float grad_scale, bool for_backward) {
-  check<ConfigError>(input.images && input.targets && input.batch > 0,
-                     "{} takes images and class targets", spec_.name);
-  dropout_seed_ = input.dropout_seed;
-  ModuleContext ctx = context(for_backward, for_backward, dropout_seed_);
-  batch_ = input.batch;
-  logits_ = run_forward(ctx, input.images, input.batch);
-  grow(backend_, targets_, DType::kI32, batch_);
-  grow(backend_, losses_, DType::kF32, batch_);
-  backend_.copy_from_host(targets_.data(), input.targets,
-                          static_cast<size_t>(batch_) * sizeof(int32_t));
+void ImageModel::upload_targets(const int32_t* targets, int64_t batch) {
+  grow(backend_, targets_, DType::kI32, batch);
+  grow(backend_, losses_, DType::kF32, batch);
+  backend_.copy_from_host_async(targets_.data(), targets,
+                                static_cast<size_t>(batch) * sizeof(int32_t));
+}
+
+void ImageModel::forward_loss(ModuleContext& ctx, float grad_scale, bool for_backward) {
+  logits_ = run_layers(ctx, device_images(batch_), batch_);
   Tensor targets(targets_.data(), DType::kI32, backend_.kind(), {batch_});
   Tensor losses(losses_.data(), DType::kF32, backend_.kind(), {batch_});
   // Leaves ∂objective/∂logits in logits_ for backward().
   ops_.classification_loss(losses, logits_, targets, for_backward ? label_smoothing_ : 0.0f,
                            grad_scale);
-  return backend_.sum(losses) / static_cast<double>(batch_);
+}
+
+double ImageModel::mean_loss() {
+  return backend_.sum(Tensor(losses_.data(), DType::kF32, backend_.kind(), {batch_})) /
+         static_cast<double>(batch_);
+}
+
+double ImageModel::forward(const ModelInput& input, float grad_scale, bool for_backward) {
+  check<ConfigError>(input.images && input.targets && input.batch > 0,
+                     "{} takes images and class targets", spec_.name);
+  dropout_seed_ = input.dropout_seed;
+  batch_ = input.batch;
+  upload_images(input.images, batch_);
+  upload_targets(input.targets, batch_);
+  ModuleContext ctx = context(for_backward, for_backward, dropout_seed_);
+  forward_loss(ctx, grad_scale, for_backward);
+  return mean_loss();  // waits for the device: the uploads are done when forward returns
+}
+
+double ImageModel::train_micro_batch(const ModelInput& input, float grad_scale) {
+  if (!graphs_ || (hooks_ && !hooks_->capturable()) || sync_sum_)
+    return Model::train_micro_batch(input, grad_scale);
+  check<ConfigError>(input.images && input.targets && input.batch > 0,
+                     "{} takes images and class targets", spec_.name);
+  dropout_seed_ = input.dropout_seed;
+  batch_ = input.batch;
+  upload_images(input.images, batch_);
+  upload_targets(input.targets, batch_);
+  if (seed_.numel() == 0) {
+    seed_ = FlatBuffer(backend_, DType::kI32, 2);
+    seed_host_ = PinnedBuffer(backend_, DType::kI32, 2);
+  }
+  // The last micro-batch's copy of the seed has run: its loss was read (mean_loss waits).
+  std::memcpy(seed_host_.data(), &dropout_seed_, sizeof(uint64_t));
+  backend_.copy_from_host_async(seed_.data(), seed_host_.data(), sizeof(uint64_t));
+  const auto run = [&] {
+    seed_on_device_ = true;
+    struct Reset {
+      bool& flag;
+      ~Reset() { flag = false; }
+    } reset{seed_on_device_};
+    ModuleContext ctx = context(true, true, dropout_seed_);
+    forward_loss(ctx, grad_scale, true);
+    backward();
+  };
+  const GraphKey key{batch_, grad_scale, label_smoothing_};
+  if (graph_ && !(graph_->valid() && graph_key_ == key)) graph_.reset();
+  if (!graph_) {
+    if (warmed_ != key) {  // a new shape: eagerly first (algorithm search, buffers sized)
+      warmed_ = key;
+      run();
+      return mean_loss();
+    }
+    try {
+      graph_ = backend_.capture(run);
+    } catch (const RuntimeFailure& e) {
+      fmt::print(stderr, "shardtrain: warning: {}\n", e.what());
+    }
+    if (!graph_) {
+      graphs_ = false;
+      run();
+      return mean_loss();
+    }
+    graph_key_ = key;
+  }
+  graph_->replay();
+  ++graph_replays_;
+  return mean_loss();
 }
 
 void ImageModel::backward() {

@@ -5,9 +5,11 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "memory/host_buffer.h"
 #include "model/image/image_module.h"
 #include "model/model.h"
 
@@ -55,6 +57,18 @@ class ImageModel final : public Model {
 
   double forward(const ModelInput& input, float grad_scale, bool for_backward) override;
   void backward() override;
+  /// On a backend with device graphs (CUDA) and with set_cuda_graphs(true): the first
+  /// micro-batch of a shape runs eagerly (cuDNN's algorithm search, buffers sized), the next one
+  /// is captured as one graph of the whole forward and backward, and later ones replay it after
+  /// uploading their images, targets and dropout seed into the same device buffers — the host
+  /// enqueues one launch instead of hundreds of kernels. Falls back to forward() + backward()
+  /// when the hooks are not capturable (a strategy reducing during backward), with synchronized
+  /// batch norm, and for good (with a warning) when a capture fails. Same results as eager.
+  double train_micro_batch(const ModelInput& input, float grad_scale) override;
+  /// Whether train_micro_batch may use device graphs (default off).
+  void set_cuda_graphs(bool on) { graphs_ = on; }
+  /// Micro-batches run by replaying a graph so far (for tests and the run's log).
+  int64_t graph_replays() const { return graph_replays_; }
   /// Evaluation forward (running batch-norm statistics, no dropout): logits [batch, K] fp32 on
   /// the host, row-major.
   std::vector<float> predict(const float* images, int64_t batch);
@@ -81,6 +95,20 @@ class ImageModel final : public Model {
 
  private:
   Tensor run_forward(ModuleContext& ctx, const float* images, int64_t batch);
+  /// Enqueues the copy of host images [batch, C, H, W] fp32 into the device buffer the input's
+  /// conversions start from (asynchronous: `images` must stay unchanged until the stream ran it).
+  void upload_images(const float* images, int64_t batch);
+  /// The uploaded images in the compute dtype and the ops' layout (conversions enqueued).
+  Tensor device_images(int64_t batch);
+  /// Every member's layers on `x`; the logits [batch, K] (the members' mean for an ensemble).
+  Tensor run_layers(ModuleContext& ctx, Tensor x, int64_t batch);
+  /// Uploads a micro-batch's targets (asynchronous, as upload_images) and sizes the losses.
+  void upload_targets(const int32_t* targets, int64_t batch);
+  /// Forward of the uploaded micro-batch and its loss: the per-image losses, and ∂/∂logits in
+  /// logits_ for backward.
+  void forward_loss(ModuleContext& ctx, float grad_scale, bool for_backward);
+  /// The mean of the last forward's per-image losses (waits for the device).
+  double mean_loss();
   ModuleContext context(bool training, bool for_backward, uint64_t dropout_seed);
   ParamSource source_for(int layer, const LayerRange& r, Tensor params, Tensor grads);
 
@@ -103,6 +131,21 @@ class ImageModel final : public Model {
   int64_t sync_ranks_ = 1;
   int64_t batch_ = 0;
   Tensor logits_;
+
+  // ---- device graphs (train_micro_batch) ----
+  struct GraphKey {
+    int64_t batch = 0;
+    float grad_scale = 0, label_smoothing = 0;
+    bool operator==(const GraphKey&) const = default;
+  };
+  bool graphs_ = false;
+  bool seed_on_device_ = false;  ///< context() passes seed_ to the dropout masks
+  std::unique_ptr<Backend::Graph> graph_;
+  GraphKey graph_key_;              ///< what graph_ was captured for
+  std::optional<GraphKey> warmed_;  ///< the shape of the last eager micro-batch
+  FlatBuffer seed_;                 ///< the micro-batch's dropout seed, uint64 on the device
+  PinnedBuffer seed_host_;          ///< its host side
+  int64_t graph_replays_ = 0;
 };
 
 }  // namespace shardtrain

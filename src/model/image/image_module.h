@@ -58,6 +58,9 @@ struct ModuleContext {
   /// their site, a hash of the module's name), so backward regenerates forward's masks. Dropout
   /// is active only when `training`.
   uint64_t dropout_seed = 0;
+  /// The same seed in device memory, which the masks then read instead (a replayed CUDA graph
+  /// keeps the kernels' arguments of its capture); null: `dropout_seed` is passed.
+  const uint64_t* dropout_seed_device = nullptr;
 };
 
 /// A module's dropout site: a 32-bit hash of its name (FNV-1a), distinct per module.
