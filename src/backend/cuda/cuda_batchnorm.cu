@@ -112,22 +112,44 @@ __global__ void normalize_kernel(T* out, const T* x, const T* gamma, const T* be
   }
 }
 
-/// normalize_kernel on channels-last images, 8 channels per thread (C % 8 == 0).
-template <typename T, Activation A, bool kEval>
-__global__ void normalize_vec8_kernel(T* out, const T* x, const T* gamma, const T* beta,
-                                      const float* mean, const float* var_or_invstd, float eps,
-                                      int64_t n8, int64_t C) {
+/// Eight consecutive fp32 values from 32-byte aligned `p` (two 16-byte loads).
+__device__ __forceinline__ void load_f32x8(const float* p, float (&v)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// The channels-last 8-channel kernels read per-channel coefficients that a one-thread-per-channel
+// kernel prepared in fp32 arrays [k, C] (scratch), two vector loads per array and thread,
+// instead of every statistic, γ and β per element (which held them to ~45% of bandwidth).
+
+/// coef [3, C] = (mean, invstd·γ, β); with kEval from the running statistics.
+template <typename T, bool kEval>
+__global__ void normalize_coefficients_kernel(float* coef, const float* mean,
+                                              const float* var_or_invstd, const T* gamma,
+                                              const T* beta, float eps, int64_t C) {
+  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (c >= C) return;
+  const float is = kEval ? rsqrtf(var_or_invstd[c] + eps) : var_or_invstd[c];
+  coef[c] = mean[c];
+  coef[C + c] = is * to_float(gamma[c]);
+  coef[2 * C + c] = to_float(beta[c]);
+}
+
+/// normalize_kernel on channels-last images, 8 channels per thread (C % 8 == 0), from coef [3, C].
+template <typename T, Activation A>
+__global__ void normalize_vec8_kernel(T* out, const T* x, const float* coef, int64_t n8,
+                                      int64_t C) {
   for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
        v += int64_t{gridDim.x} * blockDim.x) {
     const int64_t i = v * 8, c0 = imod(i, C);
-    float xv[8], o[8];
+    float xv[8], mu[8], scale[8], shift[8], o[8];
     load8(x + i, xv);
+    load_f32x8(coef + c0, mu);
+    load_f32x8(coef + C + c0, scale);
+    load_f32x8(coef + 2 * C + c0, shift);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int64_t c = c0 + k;
-      const float is = kEval ? rsqrtf(var_or_invstd[c] + eps) : var_or_invstd[c];
-      o[k] = act_forward<A>((xv[k] - mean[c]) * is * to_float(gamma[c]) + to_float(beta[c]));
-    }
+    for (int k = 0; k < 8; ++k) o[k] = act_forward<A>((xv[k] - mu[k]) * scale[k] + shift[k]);
     store8(out + i, o);
   }
 }
@@ -214,26 +236,52 @@ __global__ void backward_input_kernel(T* dinp, const T* dout, const T* x, const 
 }
 
 /// backward_input_kernel on channels-last images, 8 channels per thread (C % 8 == 0).
+/// coef [7, C] = (mean, invstd, γ, β, k = γ·invstd, k·mean(dy), k·mean(dy·x̂)) for
+/// backward_input_vec8_kernel.
+template <typename T>
+__global__ void backward_coefficients_kernel(float* coef, const float* mean, const float* invstd,
+                                             const T* gamma, const T* beta, const double* dsums,
+                                             double inv_count, int64_t C) {
+  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (c >= C) return;
+  const float is = invstd[c], ga = to_float(gamma[c]), k = ga * is;
+  coef[c] = mean[c];
+  coef[C + c] = is;
+  coef[2 * C + c] = ga;
+  coef[3 * C + c] = to_float(beta[c]);
+  coef[4 * C + c] = k;
+  coef[5 * C + c] = k * static_cast<float>(dsums[c] * inv_count);
+  coef[6 * C + c] = k * static_cast<float>(dsums[C + c] * inv_count);
+}
+
+/// backward_input_kernel on channels-last images, 8 channels per thread (C % 8 == 0), from
+/// backward_coefficients_kernel's coef [7, C]: dinp = k·dy − k·mean(dy) − k·mean(dy·x̂)·x̂.
 template <typename T, Activation A>
-__global__ void backward_input_vec8_kernel(T* dinp, const T* dout, const T* x, const T* gamma,
-                                           const T* beta, const float* mean, const float* invstd,
-                                           const double* dsums, double inv_count, int64_t n8,
-                                           int64_t C) {
+__global__ void backward_input_vec8_kernel(T* dinp, const T* dout, const T* x, const float* coef,
+                                           int64_t n8, int64_t C) {
   for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < n8;
        v += int64_t{gridDim.x} * blockDim.x) {
     const int64_t i = v * 8, c0 = imod(i, C);
-    float xv[8], dv[8], o[8];
+    float xv[8], dv[8], mu[8], is[8], k[8], kmdy[8], kmdx[8], o[8];
     load8(x + i, xv);
     load8(dout + i, dv);
+    load_f32x8(coef + c0, mu);
+    load_f32x8(coef + C + c0, is);
+    load_f32x8(coef + 4 * C + c0, k);
+    load_f32x8(coef + 5 * C + c0, kmdy);
+    load_f32x8(coef + 6 * C + c0, kmdx);
+    if constexpr (A != Activation::kNone) {
+      float ga[8], be[8];
+      load_f32x8(coef + 2 * C + c0, ga);
+      load_f32x8(coef + 3 * C + c0, be);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int64_t c = c0 + k;
-      const float is = invstd[c], ga = to_float(gamma[c]);
-      const float xhat = (xv[k] - mean[c]) * is;
-      const float d = dv[k] * act_derivative<A>(xhat * ga + to_float(beta[c]));
-      const auto mean_dy = static_cast<float>(dsums[c] * inv_count);
-      const auto mean_dy_xhat = static_cast<float>(dsums[C + c] * inv_count);
-      o[k] = ga * is * (d - mean_dy - xhat * mean_dy_xhat);
+      for (int j = 0; j < 8; ++j)
+        dv[j] *= act_derivative<A>((xv[j] - mu[j]) * is[j] * ga[j] + be[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float xhat = (xv[j] - mu[j]) * is[j];
+      o[j] = k[j] * dv[j] - kmdy[j] - kmdx[j] * xhat;
     }
     store8(dinp + i, o);
   }
@@ -259,11 +307,18 @@ void normalize(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight, Te
   const int64_t n = inp.numel();
   const bool vec = vec8_ok(nhwc, d.C, {out.data, inp.data});
   dispatch_float(inp.dtype, [&]<typename T>() {
+    float* coef = nullptr;
+    if (vec) {
+      coef = static_cast<float*>(ctx.get_scratch(static_cast<size_t>(3 * d.C) * sizeof(float)));
+      normalize_coefficients_kernel<T, kEval>
+          <<<ceil_div(d.C, kImageBlock), kImageBlock, 0, ctx.stream>>>(
+              coef, stat_a.as<float>(), stat_b.as<float>(), weight.as<T>(), bias.as<T>(), eps, d.C);
+      ST_CUDA_LAUNCH_CHECK();
+    }
     dispatch_activation(act, [&]<Activation A>() {
       if (vec)
-        normalize_vec8_kernel<T, A, kEval><<<grid_for(ctx, n / 8), kImageBlock, 0, ctx.stream>>>(
-            out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), stat_a.as<float>(),
-            stat_b.as<float>(), eps, n / 8, d.C);
+        normalize_vec8_kernel<T, A><<<grid_for(ctx, n / 8), kImageBlock, 0, ctx.stream>>>(
+            out.as<T>(), inp.as<T>(), coef, n / 8, d.C);
       else
         normalize_kernel<T, A, kEval><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
             out.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), stat_a.as<float>(),
@@ -380,11 +435,18 @@ void batchnorm_backward_input(const CudaContext& ctx, Tensor dinp, Tensor dout, 
   const int64_t n = inp.numel();
   const bool vec = vec8_ok(nhwc, d.C, {dinp.data, dout.data, inp.data});
   dispatch_float(inp.dtype, [&]<typename T>() {
+    float* coef = nullptr;
+    if (vec) {
+      coef = static_cast<float*>(ctx.get_scratch(static_cast<size_t>(7 * d.C) * sizeof(float)));
+      backward_coefficients_kernel<T><<<ceil_div(d.C, kImageBlock), kImageBlock, 0, ctx.stream>>>(
+          coef, mean.as<float>(), invstd.as<float>(), weight.as<T>(), bias.as<T>(),
+          dsums.as<double>(), 1.0 / static_cast<double>(count), d.C);
+      ST_CUDA_LAUNCH_CHECK();
+    }
     dispatch_activation(act, [&]<Activation A>() {
       if (vec) {
         backward_input_vec8_kernel<T, A><<<grid_for(ctx, n / 8), kImageBlock, 0, ctx.stream>>>(
-            dinp.as<T>(), dout.as<T>(), inp.as<T>(), weight.as<T>(), bias.as<T>(), mean.as<float>(),
-            invstd.as<float>(), dsums.as<double>(), 1.0 / static_cast<double>(count), n / 8, d.C);
+            dinp.as<T>(), dout.as<T>(), inp.as<T>(), coef, n / 8, d.C);
         return;
       }
       backward_input_kernel<T, A><<<grid_for(ctx, n), kImageBlock, 0, ctx.stream>>>(
