@@ -367,11 +367,9 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
       B, accum, comm.world_size(), comm.world_size() > 1 ? "s" : "", images_per_step,
       cfg.sync_batchnorm && comm.world_size() > 1 ? "synchronized over the ranks"
                                                   : "each rank's micro-batch");
-  const bool graphs = cfg.cuda_graphs && backend->kind() == DeviceKind::kCUDA &&
-                      (!model->hooks() || model->hooks()->capturable()) &&
-                      !(cfg.sync_batchnorm && comm.world_size() > 1);
   out.line("  CUDA graphs: {}",
-           graphs             ? "on (each micro-batch's forward and backward replayed as one graph)"
+           model->cuda_graphs_usable()
+               ? "on (each micro-batch's forward and backward replayed as one graph)"
            : !cfg.cuda_graphs ? "off (--no-cuda-graphs)"
            : backend->kind() != DeviceKind::kCUDA
                ? "off (CPU)"

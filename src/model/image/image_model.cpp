@@ -167,11 +167,11 @@ void ImageModel::upload_images(const float* images, int64_t batch) {
   const DType dt = backend_.compute_dtype();
   // Chain: host fp32 NCHW → [fp32 staging → compute dtype] → [NCHW → channels-last] → image_.
   grow(backend_, image_, dt, n);
-  if (ops_.channels_last() && spec_.channels > 1) grow(backend_, image_nchw_, dt, n);
+  if (relayout_input()) grow(backend_, image_nchw_, dt, n);
   if (dt != DType::kF32) grow(backend_, image_f32_, DType::kF32, n);
-  void* first = dt != DType::kF32                            ? image_f32_.data()
-                : ops_.channels_last() && spec_.channels > 1 ? image_nchw_.data()
-                                                             : image_.data();
+  void* first = dt != DType::kF32  ? image_f32_.data()
+                : relayout_input() ? image_nchw_.data()
+                                   : image_.data();
   backend_.copy_from_host_async(first, images, static_cast<size_t>(n) * sizeof(float));
 }
 
@@ -181,10 +181,9 @@ Tensor ImageModel::device_images(int64_t batch) {
     return Tensor(data, t, backend_.kind(), {batch, spec_.channels, spec_.height, spec_.width});
   };
   Tensor x = image(image_.data(), dt);
-  const bool relayout = ops_.channels_last() && spec_.channels > 1;
-  Tensor nchw = relayout ? image(image_nchw_.data(), dt) : x;
+  Tensor nchw = relayout_input() ? image(image_nchw_.data(), dt) : x;
   if (dt != DType::kF32) backend_.convert(nchw, image(image_f32_.data(), DType::kF32));
-  if (relayout) ops_.image_from_nchw(x, nchw);
+  if (relayout_input()) ops_.image_from_nchw(x, nchw);
   return x;
 }
 
@@ -246,27 +245,25 @@ double ImageModel::mean_loss() {
          static_cast<double>(batch_);
 }
 
-double ImageModel::forward(const ModelInput& input, float grad_scale, bool for_backward) {
+void ImageModel::stage(const ModelInput& input) {
   check<ConfigError>(input.images && input.targets && input.batch > 0,
                      "{} takes images and class targets", spec_.name);
   dropout_seed_ = input.dropout_seed;
   batch_ = input.batch;
   upload_images(input.images, batch_);
   upload_targets(input.targets, batch_);
+}
+
+double ImageModel::forward(const ModelInput& input, float grad_scale, bool for_backward) {
+  stage(input);
   ModuleContext ctx = context(for_backward, for_backward, dropout_seed_);
   forward_loss(ctx, grad_scale, for_backward);
   return mean_loss();  // waits for the device: the uploads are done when forward returns
 }
 
 double ImageModel::train_micro_batch(const ModelInput& input, float grad_scale) {
-  if (!graphs_ || (hooks_ && !hooks_->capturable()) || sync_sum_)
-    return Model::train_micro_batch(input, grad_scale);
-  check<ConfigError>(input.images && input.targets && input.batch > 0,
-                     "{} takes images and class targets", spec_.name);
-  dropout_seed_ = input.dropout_seed;
-  batch_ = input.batch;
-  upload_images(input.images, batch_);
-  upload_targets(input.targets, batch_);
+  if (!cuda_graphs_usable()) return Model::train_micro_batch(input, grad_scale);
+  stage(input);
   if (seed_.numel() == 0) {
     seed_ = FlatBuffer(backend_, DType::kI32, 2);
     seed_host_ = PinnedBuffer(backend_, DType::kI32, 2);
@@ -286,23 +283,20 @@ double ImageModel::train_micro_batch(const ModelInput& input, float grad_scale) 
   };
   const GraphKey key{batch_, grad_scale, label_smoothing_};
   if (graph_ && !(graph_->valid() && graph_key_ == key)) graph_.reset();
-  if (!graph_) {
-    if (warmed_ != key) {  // a new shape: eagerly first (algorithm search, buffers sized)
-      warmed_ = key;
-      run();
-      return mean_loss();
-    }
+  // A new shape runs eagerly first (algorithm search, buffers sized); the next one is captured.
+  if (!graph_ && warmed_ == key) {
     try {
       graph_ = backend_.capture(run);
     } catch (const RuntimeFailure& e) {
       fmt::print(stderr, "shardtrain: warning: {}\n", e.what());
     }
-    if (!graph_) {
-      graphs_ = false;
-      run();
-      return mean_loss();
-    }
     graph_key_ = key;
+    if (!graph_) graphs_ = false;  // for good: the micro-batches run eagerly
+  }
+  if (!graph_) {
+    warmed_ = key;
+    run();
+    return mean_loss();
   }
   graph_->replay();
   ++graph_replays_;

@@ -67,6 +67,11 @@ class ImageModel final : public Model {
   double train_micro_batch(const ModelInput& input, float grad_scale) override;
   /// Whether train_micro_batch may use device graphs (default off).
   void set_cuda_graphs(bool on) { graphs_ = on; }
+  /// Whether train_micro_batch replays device graphs: set_cuda_graphs(true), no failed capture
+  /// so far, capturable hooks (or none) and no synchronized batch norm.
+  bool cuda_graphs_usable() const {
+    return graphs_ && (!hooks_ || hooks_->capturable()) && !sync_sum_;
+  }
   /// Micro-batches run by replaying a graph so far (for tests and the run's log).
   int64_t graph_replays() const { return graph_replays_; }
   /// Evaluation forward (running batch-norm statistics, no dropout): logits [batch, K] fp32 on
@@ -95,6 +100,11 @@ class ImageModel final : public Model {
 
  private:
   Tensor run_forward(ModuleContext& ctx, const float* images, int64_t batch);
+  /// Whether the uploaded NCHW images are relaid out for the ops (channels-last, C > 1).
+  bool relayout_input() const { return ops_.channels_last() && spec_.channels > 1; }
+  /// Checks a micro-batch, keeps its batch size and dropout seed, and enqueues the uploads of its
+  /// images and targets.
+  void stage(const ModelInput& input);
   /// Enqueues the copy of host images [batch, C, H, W] fp32 into the device buffer the input's
   /// conversions start from (asynchronous: `images` must stay unchanged until the stream ran it).
   void upload_images(const float* images, int64_t batch);
