@@ -533,6 +533,28 @@ TEST_P(CudaImageOps, ImageLayout) {
   p.expect_close(x, 0.0, "image_to_nchw round trip (exact)");
 }
 
+// image_from_pixels: uint8 NCHW pixels to the normalized input in the GPU ops' layout and
+// dtype, against the CPU op (fp32: the same fp32 value up to a fused multiply-add's rounding;
+// bf16: that value rounded once), on an odd shape.
+TEST_P(CudaImageOps, ImageFromPixels) {
+  Pair& p = *pair_;
+  const int64_t N = 3, C = 3, H = 5, W = 7;
+  std::vector<uint8_t> px(static_cast<size_t>(N * C * H * W));
+  SplitMix64 g{55};
+  for (uint8_t& v : px) v = static_cast<uint8_t>(g.below(256));
+  std::vector<float> affine = {1 / (255 * 0.2f), 1 / (255 * 0.3f), 1 / (255 * 0.4f),
+                               -0.4f / 0.2f,     -0.5f / 0.3f,     -0.6f / 0.4f};
+  FlatBuffer dpx(*gpu_, DType::kU8, N * C * H * W), daff(*gpu_, DType::kF32, 2 * C);
+  gpu_->copy_from_host(dpx.data(), px.data(), px.size());
+  gpu_->copy_from_host(daff.data(), affine.data(), affine.size() * sizeof(float));
+  auto y = p.img_zeros({N, C, H, W});
+  p.cops.image_from_pixels(y.h, Tensor(px.data(), DType::kU8, DeviceKind::kCPU, {N, C, H, W}),
+                           Tensor(affine.data(), DType::kF32, DeviceKind::kCPU, {2, C}));
+  p.gops.image_from_pixels(y.d, Tensor(dpx.data(), DType::kU8, DeviceKind::kCUDA, {N, C, H, W}),
+                           Tensor(daff.data(), DType::kF32, DeviceKind::kCUDA, {2, C}));
+  p.expect_close(y, dtype() == DType::kF32 ? 1e-6 : 4e-3, "image_from_pixels");
+}
+
 // The LSTM forward (outputs and saved gates) and backpropagation through time (not images).
 TEST_P(CudaImageOps, Lstm) {
   Pair& p = *pair_;

@@ -78,6 +78,11 @@ class ImageOps {
   virtual void image_from_nchw(Tensor dst, Tensor src) = 0;
   /// dst (NCHW) = src (an image in this ops' layout); the inverse of image_from_nchw.
   virtual void image_to_nchw(Tensor dst, Tensor src) = 0;
+  /// The model's input from decoded pixels: dst[n, c, h, w] = pixels[n, c, h, w]·scale[c] +
+  /// shift[c], rounded once to dst's dtype, with dst [N, C, H, W] in this ops' layout (compute
+  /// dtype), pixels [N, C, H, W] uint8 NCHW and affine fp32 [2, C] (scales, then shifts; for
+  /// torchvision's Normalize after ToTensor, scale = 1/(255·std), shift = −mean/std).
+  virtual void image_from_pixels(Tensor dst, Tensor pixels, Tensor affine) = 0;
 
   // ---- convolution --------------------------------------------------------------------------
   /// out [N,K,P,Q] = conv(inp [N,C,H,W], weight [K,C/g,R,S]) + bias [K] (may be empty),

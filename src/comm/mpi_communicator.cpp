@@ -445,6 +445,8 @@ MPI_Datatype mpi_type(DType t) {
     case DType::kF16:
     case DType::kU16:
       return MPI_UINT16_T;
+    case DType::kU8:
+      return MPI_UINT8_T;
   }
   return MPI_DATATYPE_NULL;
 }
@@ -464,6 +466,7 @@ MPI_Op mpi_op(DType t, ReduceOp op, const char* what) {
     case DType::kF16:
       return max ? r.f16_max : r.f16_sum;
     case DType::kU16:
+    case DType::kU8:
       break;
   }
   throw RuntimeFailure(fmt::format("{}: cannot reduce {} tensors", what, dtype_name(t)));

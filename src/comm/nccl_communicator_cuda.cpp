@@ -73,12 +73,15 @@ std::pair<ncclDataType_t, size_t> nccl_type(const Tensor& t) {
       return {ncclUint8, 2 * n};
     case DType::kF64:
       return {ncclFloat64, n};
+    case DType::kU8:
+      return {ncclUint8, n};
   }
   return {ncclUint8, t.bytes()};
 }
 
 ncclRedOp_t nccl_op(DType t, ReduceOp op, const char* what) {
-  check<RuntimeFailure>(t != DType::kU16, "{}: cannot reduce uint16 tensors", what);
+  check<RuntimeFailure>(t != DType::kU16 && t != DType::kU8, "{}: cannot reduce {} tensors", what,
+                        dtype_name(t));
   check<RuntimeFailure>(op != ReduceOp::kAvg || t != DType::kI32,
                         "{}: kAvg needs a floating dtype, got int32", what);
   switch (op) {

@@ -18,6 +18,8 @@ const char* dtype_name(DType t) {
       return "uint16";
     case DType::kF64:
       return "fp64";
+    case DType::kU8:
+      return "uint8";
   }
   return "?";
 }

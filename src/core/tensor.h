@@ -14,8 +14,8 @@
 namespace shardtrain {
 
 /// Element types. kF64 is for small exact accumulators (batch norm's per-channel sums), not for
-/// parameters or activations.
-enum class DType : uint8_t { kF32, kBF16, kF16, kI32, kU16, kF64 };
+/// parameters or activations; kU8 is for image pixels as decoded (0–255).
+enum class DType : uint8_t { kF32, kBF16, kF16, kI32, kU16, kF64, kU8 };
 
 /// Bytes per element.
 constexpr size_t dtype_size(DType t) {
@@ -32,6 +32,8 @@ constexpr size_t dtype_size(DType t) {
       return 2;
     case DType::kF64:
       return 8;
+    case DType::kU8:
+      return 1;
   }
   return 0;
 }

@@ -76,6 +76,26 @@ class CpuImageOps final : public ImageOps {
   // ---- layout: NCHW only ------------------------------------------------------------------
   void image_from_nchw(Tensor dst, Tensor src) override { copy_image("image_from_nchw", dst, src); }
   void image_to_nchw(Tensor dst, Tensor src) override { copy_image("image_to_nchw", dst, src); }
+  void image_from_pixels(Tensor dst, Tensor pixels, Tensor affine) override {
+    const char* op = "image_from_pixels";
+    check(pixels.ndim == 4 && pixels.dtype == DType::kU8 && pixels.device == DeviceKind::kCPU,
+          "{}: pixels must be a CPU uint8 [N, C, H, W] tensor, got {} {}", op,
+          dtype_name(pixels.dtype), pixels.shape_str());
+    const int64_t N = pixels.dim(0), C = pixels.dim(1), HW = pixels.dim(2) * pixels.dim(3);
+    expect_f32(op, "dst", dst, {N, C, pixels.dim(2), pixels.dim(3)});
+    expect_f32(op, "affine", affine, {2, C});
+    const uint8_t* p = static_cast<const uint8_t*>(pixels.data);
+    const float* a = affine.f32();
+    float* y = dst.f32();
+#pragma omp parallel for collapse(2) schedule(static) if (worth_parallel(N * C * HW))
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < C; ++c) {
+        const float scale = a[c], shift = a[C + c];
+        const int64_t base = (n * C + c) * HW;
+        for (int64_t i = 0; i < HW; ++i)
+          y[base + i] = static_cast<float>(p[base + i]) * scale + shift;
+      }
+  }
 
   // ---- convolution ------------------------------------------------------------------------------
   void conv2d_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const Conv2dShape& s,

@@ -78,6 +78,23 @@ namespace {
 
 // ---- activations -------------------------------------------------------------------------------
 
+/// The model's input from uint8 NCHW pixels (ImageOps::image_from_pixels), one thread per pixel
+/// position (n, h, w) and all C channels: the reads of each plane are coalesced, and so are the
+/// channels-last writes (C consecutive elements per thread).
+template <typename T>
+__global__ void image_from_pixels_kernel(T* out, const uint8_t* px, const float* affine,
+                                         ImageIndex ix, int64_t positions) {
+  const int64_t HW = ix.H * ix.W;
+  ST_GRID_STRIDE(p, positions) {
+    const int64_t n = idiv(p, HW), hw = p - n * HW, h = idiv(hw, ix.W), w = hw - h * ix.W;
+    for (int64_t c = 0; c < ix.C; ++c) {
+      const float v =
+          static_cast<float>(px[(n * ix.C + c) * HW + hw]) * affine[c] + affine[ix.C + c];
+      out[ix.at(n, c, h, w)] = from_float<T>(v);
+    }
+  }
+}
+
 template <typename T, Activation A>
 __global__ void activation_forward_kernel(T* out, const T* x, int64_t n) {
   ST_GRID_STRIDE(i, n) out[i] = from_float<T>(act_forward<A>(to_float(x[i])));
@@ -513,6 +530,23 @@ class CudaImageOps final : public ImageOps {
   }
   void image_to_nchw(Tensor dst, Tensor src) override {
     relayout("cuda image_to_nchw", dst, src, false);
+  }
+  void image_from_pixels(Tensor dst, Tensor pixels, Tensor affine) override {
+    const char* op = "cuda image_from_pixels";
+    require(pixels.ndim == 4, op, ": pixels has shape ", pixels.shape_str(),
+            ", expected [N, C, H, W]");
+    expect_tensor(op, "pixels", pixels, DType::kU8,
+                  {pixels.dim(0), pixels.dim(1), pixels.dim(2), pixels.dim(3)});
+    const int64_t N = pixels.dim(0), C = pixels.dim(1), H = pixels.dim(2), W = pixels.dim(3);
+    expect_nchw(op, "dst", dst, dst.dtype);
+    expect_tensor(op, "dst", dst, dst.dtype, {N, C, H, W});
+    expect_tensor(op, "affine", affine, DType::kF32, {2, C});
+    const ImageIndex ix{C, H, W, nhwc_};
+    dispatch_float(dst.dtype, [&]<typename T>() {
+      image_from_pixels_kernel<T><<<grid_for(ctx_, N * H * W), kImageBlock, 0, ctx_.stream>>>(
+          dst.as<T>(), static_cast<const uint8_t*>(pixels.data), affine.as<float>(), ix, N * H * W);
+    });
+    ST_CUDA_CHECK(cudaGetLastError());
   }
   void image_rows_as_sequence(Tensor out, Tensor inp) override {
     if (!nhwc_) return ImageOps::image_rows_as_sequence(out, inp);
