@@ -8,7 +8,10 @@
 #include <map>
 #include <numeric>
 #include <set>
+#include <tuple>
 
+#include "backend/backend.h"
+#include "backend/image_ops.h"
 #include "core/error.h"
 #include "data/idx_file.h"
 #include "data/image_dataset.h"
@@ -265,6 +268,72 @@ TEST(ImageSetOps, BatchNormalizesAugmentsDeterministically) {
   t.channels = 1;
   EXPECT_THROW_MSG(make_image_batch(set, t, idx, 2, true, 1, 0, img.data(), lab.data()),
                    ConfigError, "1 means");
+}
+
+// make_pixel_batch's crop and flip against the per-pixel definition: output (y, x) is input
+// (y + dy, (flip ? W−1−x : x) + dx), black outside; exactly one (dy, dx, flip) explains each
+// sample (its pixels are distinct and not 0). Then the host normalization (make_image_batch) and
+// the CPU op's (ImageOps::image_from_pixels) agree.
+TEST(ImageSetOps, PixelBatchCropsAndFlipsAsDefinedAndNormalizesLikeTheOp) {
+  constexpr int64_t H = 5, W = 6, N = 12, pad = 2;
+  ImageSet set;
+  set.name = "s";
+  set.channels = 1;
+  set.height = H;
+  set.width = W;
+  for (int i = 0; i < N; ++i)
+    for (int p = 0; p < H * W; ++p) set.pixels.push_back(static_cast<uint8_t>(1 + p + 2 * i));
+  for (int i = 0; i < N; ++i) set.labels.push_back(i % 3);
+  set.classes = {"a", "b", "c"};
+  ImageTransform t{.channels = 3,
+                   .crop_padding = pad,
+                   .horizontal_flip = true,
+                   .mean = {0.4f, 0.5f, 0.6f},
+                   .stdev = {0.2f, 0.3f, 0.4f}};
+  std::vector<int64_t> idx(N);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::vector<uint8_t> px(static_cast<size_t>(N * 3 * H * W));
+  std::vector<int32_t> lab(N);
+  std::set<std::tuple<int64_t, int64_t, bool>> seen;
+  for (int64_t epoch = 0; epoch < 4; ++epoch) {
+    make_pixel_batch(set, t, idx.data(), N, true, 9, epoch, px.data(), lab.data());
+    for (int64_t b = 0; b < N; ++b) {
+      const uint8_t* in = set.image(b);
+      int matches = 0;
+      for (int64_t dy = -pad; dy <= pad; ++dy)
+        for (int64_t dx = -pad; dx <= pad; ++dx)
+          for (bool flip : {false, true}) {
+            bool all = true;
+            for (int64_t c = 0; c < 3 && all; ++c)
+              for (int64_t y = 0; y < H && all; ++y)
+                for (int64_t x = 0; x < W && all; ++x) {
+                  const int64_t sy = y + dy, sx = (flip ? W - 1 - x : x) + dx;
+                  const uint8_t want = sy >= 0 && sy < H && sx >= 0 && sx < W ? in[sy * W + sx] : 0;
+                  all = px[static_cast<size_t>(((b * 3 + c) * H + y) * W + x)] == want;
+                }
+            if (all) {
+              ++matches;
+              seen.insert({dy, dx, flip});
+            }
+          }
+      EXPECT_EQ(matches, 1) << "sample " << b << " epoch " << epoch;
+      EXPECT_EQ(lab[static_cast<size_t>(b)], set.labels[static_cast<size_t>(b)]);
+    }
+  }
+  EXPECT_GT(seen.size(), 10u) << "crops and flips vary across samples and epochs";
+  // Normalization: on the host, and by the CPU backend's op from the same pixels.
+  std::vector<float> host(px.size()), op(px.size());
+  make_image_batch(set, t, idx.data(), N, true, 9, 3, host.data(), lab.data());
+  auto be = make_cpu_backend();
+  std::vector<float> affine = t.affine();
+  be->image_ops()->image_from_pixels(Tensor(op.data(), DType::kF32, DeviceKind::kCPU, {N, 3, H, W}),
+                                     Tensor(px.data(), DType::kU8, DeviceKind::kCPU, {N, 3, H, W}),
+                                     Tensor(affine.data(), DType::kF32, DeviceKind::kCPU, {2, 3}));
+  for (size_t i = 0; i < host.size(); ++i) {
+    ASSERT_EQ(host[i], op[i]) << i;
+    const size_t c = i / (H * W) % 3;
+    ASSERT_NEAR(host[i], (px[i] / 255.0f - t.mean[c]) / t.stdev[c], 1e-5f) << i;
+  }
 }
 
 }  // namespace

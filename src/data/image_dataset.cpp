@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 
 #include "core/error.h"
@@ -299,18 +300,27 @@ void channel_statistics(const ImageSet& set, std::vector<float>& mean, std::vect
   }
 }
 
-void make_image_batch(const ImageSet& set, const ImageTransform& t, const int64_t* indices,
-                      int64_t count, bool train, uint64_t seed, int64_t epoch, float* images,
+std::vector<float> ImageTransform::affine() const {
+  const auto C = static_cast<size_t>(channels);
+  check<ConfigError>(mean.size() == C && stdev.size() == C,
+                     "normalization needs {} means and standard deviations, got {} and {}", C,
+                     mean.size(), stdev.size());
+  std::vector<float> a(2 * C);
+  for (size_t c = 0; c < C; ++c) {
+    a[c] = 1.0f / (255.0f * stdev[c]);
+    a[C + c] = -mean[c] / stdev[c];
+  }
+  return a;
+}
+
+void make_pixel_batch(const ImageSet& set, const ImageTransform& t, const int64_t* indices,
+                      int64_t count, bool train, uint64_t seed, int64_t epoch, uint8_t* pixels,
                       int32_t* labels) {
   const int64_t C = t.channels, H = set.height, W = set.width;
   if (C != set.channels && !(set.channels == 1 && C == 3))
     throw ConfigError(fmt::format(
         "the model takes {}-channel images but {} has {} channels; only gray to RGB is converted",
         C, set.name, set.channels));
-  check<ConfigError>(
-      static_cast<int64_t>(t.mean.size()) == C && static_cast<int64_t>(t.stdev.size()) == C,
-      "normalization needs {} means and standard deviations, got {} and {}", C, t.mean.size(),
-      t.stdev.size());
   const int pad = train ? t.crop_padding : 0;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < count; ++b) {
@@ -327,25 +337,50 @@ void make_image_batch(const ImageSet& set, const ImageTransform& t, const int64_
       if (t.horizontal_flip) flip = (rng.next() >> 63) != 0;
     }
     const uint8_t* src = set.image(i);
-    float* dst = images + b * C * H * W;
+    uint8_t* dst = pixels + b * C * H * W;
     for (int64_t c = 0; c < C; ++c) {
       const uint8_t* plane = src + (set.channels == 1 ? 0 : c) * H * W;
-      const float scale = 1.0f / (255.0f * t.stdev[static_cast<size_t>(c)]);
-      const float shift = -t.mean[static_cast<size_t>(c)] / t.stdev[static_cast<size_t>(c)];
+      uint8_t* out = dst + c * H * W;
       for (int64_t y = 0; y < H; ++y) {
         const int64_t sy = y + dy;
-        for (int64_t x = 0; x < W; ++x) {
-          const int64_t sx = (flip ? W - 1 - x : x) + dx;
-          // Zero padding is black: its normalized value is `shift`.
-          const float v = (sy >= 0 && sy < H && sx >= 0 && sx < W)
-                              ? static_cast<float>(plane[sy * W + sx]) * scale + shift
-                              : shift;
-          dst[(c * H + y) * W + x] = v;
+        uint8_t* row = out + y * W;
+        if (sy < 0 || sy >= H) {  // padding rows are black
+          std::memset(row, 0, static_cast<size_t>(W));
+          continue;
+        }
+        const uint8_t* in = plane + sy * W;
+        if (!flip) {  // a shifted copy of the row, black where it leaves the image
+          const int64_t x0 = std::max<int64_t>(0, -dx), x1 = std::min<int64_t>(W, W - dx);
+          std::memset(row, 0, static_cast<size_t>(W));
+          if (x1 > x0) std::memcpy(row + x0, in + x0 + dx, static_cast<size_t>(x1 - x0));
+        } else {
+          for (int64_t x = 0; x < W; ++x) {
+            const int64_t sx = W - 1 - x + dx;
+            row[x] = sx >= 0 && sx < W ? in[sx] : uint8_t{0};
+          }
         }
       }
     }
     labels[b] = set.labels[static_cast<size_t>(i)];
   }
+}
+
+void make_image_batch(const ImageSet& set, const ImageTransform& t, const int64_t* indices,
+                      int64_t count, bool train, uint64_t seed, int64_t epoch, float* images,
+                      int32_t* labels) {
+  const std::vector<float> a = t.affine();
+  const int64_t C = t.channels, HW = set.height * set.width;
+  std::vector<uint8_t> pixels(static_cast<size_t>(count * C * HW));
+  make_pixel_batch(set, t, indices, count, train, seed, epoch, pixels.data(), labels);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < count; ++b)
+    for (int64_t c = 0; c < C; ++c) {
+      const float scale = a[static_cast<size_t>(c)], shift = a[static_cast<size_t>(C + c)];
+      const size_t base = static_cast<size_t>((b * C + c) * HW);
+      for (int64_t k = 0; k < HW; ++k)
+        images[base + static_cast<size_t>(k)] =
+            static_cast<float>(pixels[base + static_cast<size_t>(k)]) * scale + shift;
+    }
 }
 
 }  // namespace shardtrain

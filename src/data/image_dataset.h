@@ -73,13 +73,27 @@ struct ImageTransform {
   int crop_padding = 0;            ///< random crop of the image's size from a zero-padded copy
   bool horizontal_flip = false;    ///< flip with probability 1/2
   std::vector<float> mean, stdev;  ///< per input channel, applied to pixels / 255
+
+  /// The normalization as an affine map of the raw pixel p ∈ [0, 255]: [2, C] fp32, scales
+  /// 1/(255·stdev[c]) then shifts −mean[c]/stdev[c], so the model's input is p·scale + shift
+  /// (ImageOps::image_from_pixels). Throws ConfigError unless mean and stdev hold C values.
+  std::vector<float> affine() const;
 };
 
-/// Writes samples `indices[0..count)` of `set` as model input: `images` [count, C, H, W] fp32
-/// (C = transform.channels, H, W = the set's) and `labels` [count] int32. Training batches draw
-/// their crop and flip from (seed, epoch, sample index), so a sample's augmentation does not
-/// depend on the batch or rank it lands in. Throws ConfigError for a channel count the set
-/// cannot give (RGB to gray).
+/// Writes samples `indices[0..count)` of `set` as augmented, unnormalized pixels: `pixels`
+/// [count, C, H, W] uint8 (C = transform.channels, gray replicated; H, W = the set's; a crop's
+/// padding is 0) and `labels` [count] int32. Training batches draw their crop and flip from
+/// (seed, epoch, sample index), so a sample's augmentation does not depend on the batch or rank
+/// it lands in. The model normalizes them (transform.affine()) on its device: a quarter of the
+/// bytes of fp32 to move. Throws ConfigError for a channel count the set cannot give (RGB to
+/// gray).
+void make_pixel_batch(const ImageSet& set, const ImageTransform& transform, const int64_t* indices,
+                      int64_t count, bool train, uint64_t seed, int64_t epoch, uint8_t* pixels,
+                      int32_t* labels);
+
+/// make_pixel_batch followed by the normalization on the host: `images` [count, C, H, W] fp32,
+/// element p·scale[c] + shift[c] of transform.affine(). Throws as make_pixel_batch, and
+/// ConfigError when the normalization's channels are not C.
 void make_image_batch(const ImageSet& set, const ImageTransform& transform, const int64_t* indices,
                       int64_t count, bool train, uint64_t seed, int64_t epoch, float* images,
                       int32_t* labels);
