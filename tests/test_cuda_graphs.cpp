@@ -57,8 +57,9 @@ double relative_difference(const std::vector<float>& a, const std::vector<float>
   return n > 0 ? std::sqrt(d / n) : std::sqrt(d);
 }
 
-/// Trains `graphed` (graphs on) and `eager` (off) side by side on the same micro-batches and
-/// expects the same losses, gradients and running statistics; returns the graphed replays.
+/// Trains `graphed` (graphs on, fed uint8 pixels normalized on the device) and `eager` (off, fed
+/// the same images normalized on the host) side by side on the same micro-batches and expects
+/// the same losses, gradients and running statistics; returns the graphed replays.
 int64_t compare(Backend& be, const ImageModelSpec& spec, double tol) {
   Bound graphed(spec, be, 7), eager(spec, be, 7);
   graphed.model->set_cuda_graphs(true);
@@ -67,6 +68,17 @@ int64_t compare(Backend& be, const ImageModelSpec& spec, double tol) {
   std::mt19937 rng(3);
   std::normal_distribution<float> pixel(0.0f, 1.0f);
   std::uniform_int_distribution<int32_t> label(0, static_cast<int32_t>(spec.num_classes) - 1);
+  std::uniform_int_distribution<int> byte(0, 255);
+  const auto host = make_cpu_backend();
+  ImageOps& host_ops = *host->image_ops();
+  // Per channel: scale 1/(255·std), shift −mean/std, as ImageTransform::affine.
+  std::vector<float> affine(static_cast<size_t>(2 * spec.channels));
+  for (int64_t c = 0; c < spec.channels; ++c) {
+    const float mean = 0.4f + 0.05f * static_cast<float>(c),
+                stdev = 0.25f + 0.02f * static_cast<float>(c);
+    affine[static_cast<size_t>(c)] = 1.0f / (255.0f * stdev);
+    affine[static_cast<size_t>(spec.channels + c)] = -mean / stdev;
+  }
   for (int k = 0; k < 6; ++k) {
     if (k == 3) {
       // A larger evaluation batch regrows the activations: the graph must be captured again.
@@ -77,16 +89,29 @@ int64_t compare(Backend& be, const ImageModelSpec& spec, double tol) {
                 tol)
           << spec.name << " evaluation logits";
     }
-    std::vector<float> images(static_cast<size_t>(B * per));
+    std::vector<uint8_t> pixels(static_cast<size_t>(B * per));
+    std::vector<float> images(pixels.size());
     std::vector<int32_t> targets(static_cast<size_t>(B));
-    for (float& v : images) v = pixel(rng);
+    for (uint8_t& v : pixels) v = static_cast<uint8_t>(byte(rng));
+    // The host normalization of the library (a fused multiply-add, as the device's): an input
+    // one rounding apart moves a max-pool's choice among the ties that uint8 pixels make.
+    host_ops.image_from_pixels(
+        Tensor(images.data(), DType::kF32, DeviceKind::kCPU,
+               {B, spec.channels, spec.height, spec.width}),
+        Tensor(pixels.data(), DType::kU8, DeviceKind::kCPU,
+               {B, spec.channels, spec.height, spec.width}),
+        Tensor(affine.data(), DType::kF32, DeviceKind::kCPU, {2, spec.channels}));
     for (int32_t& t : targets) t = label(rng);
     const ModelInput in{.batch = B,
                         .images = images.data(),
                         .targets = targets.data(),
                         .dropout_seed = 1000u + static_cast<uint64_t>(k)};
+    ModelInput in_pixels = in;
+    in_pixels.images = nullptr;
+    in_pixels.pixels = pixels.data();
+    in_pixels.pixel_affine = affine.data();
     for (Bound* m : {&graphed, &eager}) be.fill_zero(m->grads.view());
-    const double lg = graphed.model->train_micro_batch(in, 1.0f / B);
+    const double lg = graphed.model->train_micro_batch(in_pixels, 1.0f / B);
     const double le = eager.model->train_micro_batch(in, 1.0f / B);
     EXPECT_NEAR(lg, le, tol * std::abs(le)) << spec.name << " micro-batch " << k;
     EXPECT_LE(relative_difference(graphed.host(be, graphed.grads), eager.host(be, eager.grads)),

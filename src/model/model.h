@@ -65,7 +65,12 @@ struct ModelInput {
   int64_t batch = 0;
   int64_t seq_len = 0;  ///< tokens per sample (language models); 0 for images
   const int32_t* tokens = nullptr;
-  const float* images = nullptr;
+  const float* images = nullptr;  ///< image models: [batch, C, H, W] fp32, normalized
+  /// Image models, instead of `images`: [batch, C, H, W] uint8 pixels as decoded and augmented,
+  /// normalized on the model's device as p·pixel_affine[c] + pixel_affine[C + c]
+  /// (ImageTransform::affine in data/image_dataset.h).
+  const uint8_t* pixels = nullptr;
+  const float* pixel_affine = nullptr;
   const int32_t* targets = nullptr;
   /// The micro-batch's dropout seed (micro_batch_dropout_seed in model/gpt2.h): training draws
   /// its masks (dropout, stochastic depth) from it, identically in the micro-batch's forward,

@@ -92,6 +92,8 @@ StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batch
         .seq_len = mb.seq_len,
         .tokens = mb.tokens,
         .images = mb.images,
+        .pixels = mb.pixels,
+        .pixel_affine = mb.pixel_affine,
         .targets = mb.targets,
         .dropout_seed = micro_batch_dropout_seed(options_.dropout_seed, comm_.rank(), step, k)};
     // Each micro-batch's loss is a mean over its tokens (or images), scaled for fp16.

@@ -26,7 +26,8 @@
 namespace shardtrain {
 
 /// One micro-batch: host int32 tokens and next-token targets, [batch · seq_len] each, row-major
-/// (language models), or images [batch, C, H, W] fp32 and class targets [batch] (image models).
+/// (language models), or images [batch, C, H, W] (fp32, or uint8 pixels) and class targets
+/// [batch] (image models).
 /// The pointers must stay valid until the model's forward returned.
 struct MicroBatch {
   const int32_t* tokens = nullptr;
@@ -34,6 +35,9 @@ struct MicroBatch {
   int64_t batch = 0;    ///< samples B
   int64_t seq_len = 0;  ///< tokens per sample T (0 for images)
   const float* images = nullptr;
+  /// Image models, instead of `images`: uint8 pixels and their normalization (ModelInput's).
+  const uint8_t* pixels = nullptr;
+  const float* pixel_affine = nullptr;
   /// Losses the micro-batch's mean is over: B·T tokens, or B images.
   int64_t loss_units() const { return seq_len > 0 ? batch * seq_len : batch; }
 };

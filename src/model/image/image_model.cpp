@@ -175,12 +175,33 @@ void ImageModel::upload_images(const float* images, int64_t batch) {
   backend_.copy_from_host_async(first, images, static_cast<size_t>(n) * sizeof(float));
 }
 
+void ImageModel::upload_pixels(const uint8_t* pixels, const float* affine, int64_t batch) {
+  const int64_t n = batch * spec_.channels * spec_.height * spec_.width;
+  grow(backend_, image_, backend_.compute_dtype(), n);
+  grow(backend_, pixels_, DType::kU8, n);
+  const auto C = static_cast<size_t>(spec_.channels);
+  if (pixel_affine_.numel() == 0)
+    pixel_affine_ = FlatBuffer(backend_, DType::kF32, 2 * spec_.channels);
+  if (!std::equal(affine, affine + 2 * C, pixel_affine_host_.begin(), pixel_affine_host_.end())) {
+    pixel_affine_host_.assign(affine, affine + 2 * C);
+    // Ordered after the replays that read the old values; rare (set once per run).
+    backend_.copy_from_host(pixel_affine_.data(), pixel_affine_host_.data(), 2 * C * sizeof(float));
+  }
+  backend_.copy_from_host_async(pixels_.data(), pixels, static_cast<size_t>(n));
+}
+
 Tensor ImageModel::device_images(int64_t batch) {
   const DType dt = backend_.compute_dtype();
   const auto image = [&](void* data, DType t) {
     return Tensor(data, t, backend_.kind(), {batch, spec_.channels, spec_.height, spec_.width});
   };
   Tensor x = image(image_.data(), dt);
+  if (staged_pixels_) {
+    ops_.image_from_pixels(
+        x, image(pixels_.data(), DType::kU8),
+        Tensor(pixel_affine_.data(), DType::kF32, backend_.kind(), {2, spec_.channels}));
+    return x;
+  }
   Tensor nchw = relayout_input() ? image(image_nchw_.data(), dt) : x;
   if (dt != DType::kF32) backend_.convert(nchw, image(image_f32_.data(), DType::kF32));
   if (relayout_input()) ops_.image_from_nchw(x, nchw);
@@ -188,6 +209,7 @@ Tensor ImageModel::device_images(int64_t batch) {
 }
 
 Tensor ImageModel::run_forward(ModuleContext& ctx, const float* images, int64_t batch) {
+  staged_pixels_ = false;
   upload_images(images, batch);
   return run_layers(ctx, device_images(batch), batch);
 }
@@ -246,11 +268,16 @@ double ImageModel::mean_loss() {
 }
 
 void ImageModel::stage(const ModelInput& input) {
-  check<ConfigError>(input.images && input.targets && input.batch > 0,
-                     "{} takes images and class targets", spec_.name);
+  check<ConfigError>(
+      (input.images || (input.pixels && input.pixel_affine)) && input.targets && input.batch > 0,
+      "{} takes images (or pixels and their normalization) and class targets", spec_.name);
   dropout_seed_ = input.dropout_seed;
   batch_ = input.batch;
-  upload_images(input.images, batch_);
+  staged_pixels_ = input.images == nullptr;
+  if (staged_pixels_)
+    upload_pixels(input.pixels, input.pixel_affine, batch_);
+  else
+    upload_images(input.images, batch_);
   upload_targets(input.targets, batch_);
 }
 
@@ -281,7 +308,7 @@ double ImageModel::train_micro_batch(const ModelInput& input, float grad_scale) 
     forward_loss(ctx, grad_scale, true);
     backward();
   };
-  const GraphKey key{batch_, grad_scale, label_smoothing_};
+  const GraphKey key{batch_, grad_scale, label_smoothing_, staged_pixels_};
   if (graph_ && !(graph_->valid() && graph_key_ == key)) graph_.reset();
   // A new shape runs eagerly first (algorithm search, buffers sized); the next one is captured.
   if (!graph_ && warmed_ == key) {

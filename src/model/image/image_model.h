@@ -108,6 +108,9 @@ class ImageModel final : public Model {
   /// Enqueues the copy of host images [batch, C, H, W] fp32 into the device buffer the input's
   /// conversions start from (asynchronous: `images` must stay unchanged until the stream ran it).
   void upload_images(const float* images, int64_t batch);
+  /// Enqueues the copy of uint8 pixels [batch, C, H, W] (asynchronous, as upload_images); the
+  /// normalization `affine` [2·C] is copied when it changed.
+  void upload_pixels(const uint8_t* pixels, const float* affine, int64_t batch);
   /// The uploaded images in the compute dtype and the ops' layout (conversions enqueued).
   Tensor device_images(int64_t batch);
   /// Every member's layers on `x`; the logits [batch, K] (the members' mean for an ensemble).
@@ -134,8 +137,11 @@ class ImageModel final : public Model {
   FlatBuffer buffers_;
   std::vector<Tensor> inputs_;  ///< each layer's input of the last forward
   FlatBuffer image_f32_, image_nchw_, image_, targets_, losses_, grad_a_, grad_b_;
-  FlatBuffer logit_sum_, member_grad_;  ///< ensembles: the mean of the logits, and its gradient
-  uint64_t dropout_seed_ = 0;           ///< of the last forward, for backward's masks
+  FlatBuffer pixels_, pixel_affine_;      ///< the uint8 input path (ModelInput::pixels)
+  std::vector<float> pixel_affine_host_;  ///< what pixel_affine_ holds
+  bool staged_pixels_ = false;            ///< the last staged micro-batch came as pixels
+  FlatBuffer logit_sum_, member_grad_;    ///< ensembles: the mean of the logits, and its gradient
+  uint64_t dropout_seed_ = 0;             ///< of the last forward, for backward's masks
   float label_smoothing_ = 0;
   std::function<void(Tensor)> sync_sum_;
   int64_t sync_ranks_ = 1;
@@ -146,6 +152,7 @@ class ImageModel final : public Model {
   struct GraphKey {
     int64_t batch = 0;
     float grad_scale = 0, label_smoothing = 0;
+    bool pixels = false;  ///< the input path the graph reads (uint8 pixels or fp32 images)
     bool operator==(const GraphKey&) const = default;
   };
   bool graphs_ = false;
