@@ -735,6 +735,11 @@ bool use_flash_attention(DType compute_dtype) {
 /// split or merged. When cudaMalloc fails, every cached block is released (after synchronizing
 /// the stream) and the request retried once. Memory is handed out zero-filled (stream-ordered)
 /// unless the caller asks for it uninitialized.
+///
+/// Accounting, as PyTorch's (torch.cuda.memory_allocated / memory_reserved): "allocated" counts
+/// the bytes of the live requests (rounded to 512 B), "reserved" every block taken from
+/// cudaMalloc, so a block larger than its request shows its slack in reserved only. A graph's
+/// temporaries (below) count as allocated at their blocks' full size while the graph lives.
 class CachingAllocator {
  public:
   static constexpr size_t kSmallGranularity = 512;
@@ -771,13 +776,14 @@ class CachingAllocator {
       reserved_ += got;
       peak_reserved_ = std::max(peak_reserved_, reserved_);
     }
-    live_.emplace(p, Block{got, next_id_++});
-    allocated_ += got;
+    const size_t used = round_up(bytes, kSmallGranularity);
+    live_.emplace(p, Block{got, used, next_id_++});
+    allocated_ += used;
     peak_allocated_ = std::max(peak_allocated_, allocated_);
     const cudaError_t err = zero_fill ? cudaMemsetAsync(p, 0, want, stream_) : cudaSuccess;
     if (err != cudaSuccess) {
       live_.erase(p);
-      allocated_ -= got;
+      allocated_ -= used;
       free_.emplace(got, p);
       ST_CUDA_CHECK(err);
     }
@@ -793,7 +799,7 @@ class CachingAllocator {
       std::fprintf(stderr, "shardtrain: cuda deallocate of unknown pointer %p ignored\n", p);
       return;
     }
-    allocated_ -= it->second.size;
+    allocated_ -= it->second.used;
     if (pinned_.erase(it->second.id) > 0) ++invalidations_;
     (capturing_ ? captured_free_ : free_).emplace(it->second.size, p);
     live_.erase(it);
@@ -867,6 +873,9 @@ class CachingAllocator {
   }
 
  private:
+  static size_t round_up(size_t bytes, size_t g) {
+    return (std::max<size_t>(bytes, 1) + g - 1) / g * g;
+  }
   /// 0 when the rounded size would overflow.
   static size_t round_size(size_t bytes) {
     bytes = std::max<size_t>(bytes, 1);
@@ -931,7 +940,8 @@ class CachingAllocator {
   cudaStream_t stream_;
   mutable std::mutex mu_;
   struct Block {
-    size_t size;
+    size_t size;  ///< of the block (reserved)
+    size_t used;  ///< the request rounded to 512 B (allocated)
     uint64_t id;  ///< unique over the allocator's life (an address may come back)
   };
   std::unordered_map<void*, Block> live_;       ///< blocks in use
