@@ -22,7 +22,7 @@ for `--epochs` epochs; test-set top-1 after the last epoch.
 
 Usage (on the GPU machine):
   python3 bench/bench_image_models.py --shardtrain ./shardtrain [--models cnn,mobilenet_v2]
-      [--sizes 32,224] [--frameworks shardtrain,eager,compile] [--accuracy --epochs 15] --out r.json
+      [--sizes 32,224] [--frameworks shardtrain,eager,compile(,shardtrain_nographs)] [--accuracy --epochs 15] --out r.json
 Not a test: numbers depend on the GPU; docs/BENCHMARKS.md records them with GPU and date.
 """
 import argparse
@@ -178,6 +178,9 @@ def speed(args):
                     if fw == "shardtrain":
                         row[fw] = run_shardtrain(args.shardtrain, name, size, steps, warm,
                                                  args.workdir)
+                    elif fw == "shardtrain_nographs":  # the memory and speed without graphs
+                        row[fw] = run_shardtrain(args.shardtrain, name, size, steps, warm,
+                                                 args.workdir, extra=("--no-cuda-graphs",))
                     else:
                         row[fw] = run_torch(name, size, steps, warm, fw == "compile")
                 except Exception as e:  # report and go on with the other rows
@@ -187,7 +190,8 @@ def speed(args):
             line = f"{name:16s} {size:3d}x{size:<3d} b{BATCH[size]:<4d}"
             for fw in args.frameworks.split(","):
                 r = row[fw]
-                line += (f" | {fw} {r['images_per_s']:9.0f} img/s {r['peak_allocated'] / 2**20:7.0f} MiB"
+                line += (f" | {fw} {r['images_per_s']:9.0f} img/s {r['peak_allocated'] / 2**20:7.0f}"
+                         f" MiB ({(r.get('peak_reserved') or 0) / 2**20:.0f} reserved)"
                          if "images_per_s" in r else f" | {fw} ERROR")
             st = row.get("shardtrain", {})
             for fw in ("eager", "compile"):
