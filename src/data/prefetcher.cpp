@@ -28,7 +28,6 @@ int Prefetcher::get(int64_t key, int64_t next) {
     ++hits_;
   } else {
     slot = 1 - ready_slot_;  // not the slot the caller may still be reading
-    ready_key_ = -1;
     lock.unlock();
     fill_(key, slot);
     lock.lock();

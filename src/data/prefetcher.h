@@ -46,8 +46,8 @@ class Prefetcher {
   Fill fill_;
   std::mutex mu_;
   std::condition_variable cv_;
-  int64_t job_key_ = -1;    ///< the key being (or to be) filled by the worker; -1: none
-  int job_slot_ = 0;        ///< its slot
+  int64_t job_key_ = -1;    ///< while busy_: the key the worker fills
+  int job_slot_ = 0;        ///< and its slot
   int64_t ready_key_ = -1;  ///< the key the worker filled last; -1: none
   int ready_slot_ = 1;
   bool busy_ = false, stop_ = false;

@@ -76,7 +76,7 @@ namespace {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < (n); \
        i += int64_t{gridDim.x} * blockDim.x)
 
-// ---- activations -------------------------------------------------------------------------------
+// ---- the model's input ------------------------------------------------------------------------
 
 /// The model's input from uint8 NCHW pixels (ImageOps::image_from_pixels), one thread per pixel
 /// position (n, h, w) and all C channels: the reads of each plane are coalesced, and so are the
@@ -94,6 +94,8 @@ __global__ void image_from_pixels_kernel(T* out, const uint8_t* px, const float*
     }
   }
 }
+
+// ---- activations -------------------------------------------------------------------------------
 
 template <typename T, Activation A>
 __global__ void activation_forward_kernel(T* out, const T* x, int64_t n) {
@@ -546,7 +548,7 @@ class CudaImageOps final : public ImageOps {
       image_from_pixels_kernel<T><<<grid_for(ctx_, N * H * W), kImageBlock, 0, ctx_.stream>>>(
           dst.as<T>(), static_cast<const uint8_t*>(pixels.data), affine.as<float>(), ix, N * H * W);
     });
-    ST_CUDA_CHECK(cudaGetLastError());
+    ST_CUDA_LAUNCH_CHECK();
   }
   void image_rows_as_sequence(Tensor out, Tensor inp) override {
     if (!nhwc_) return ImageOps::image_rows_as_sequence(out, inp);
