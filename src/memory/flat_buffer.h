@@ -19,6 +19,17 @@ class FlatBuffer {
         view_(
             numel > 0 ? backend.allocate(static_cast<size_t>(numel) * dtype_size(dtype)) : nullptr,
             dtype, backend.kind(), {numel}) {}
+  /// As the constructor without the zero fill (Backend::allocate_uninitialized): for memory
+  /// written before it is read (activations, gradients a pass overwrites).
+  static FlatBuffer uninitialized(Backend& backend, DType dtype, int64_t numel) {
+    FlatBuffer b;
+    b.backend_ = &backend;
+    b.view_ = Tensor(
+        numel > 0 ? backend.allocate_uninitialized(static_cast<size_t>(numel) * dtype_size(dtype))
+                  : nullptr,
+        dtype, backend.kind(), {numel});
+    return b;
+  }
   FlatBuffer(const FlatBuffer&) = delete;
   FlatBuffer& operator=(const FlatBuffer&) = delete;
   FlatBuffer(FlatBuffer&& o) noexcept : backend_(o.backend_), view_(o.view_) { o.view_ = {}; }

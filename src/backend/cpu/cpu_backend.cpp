@@ -140,6 +140,11 @@ class CpuBackend final : public Backend {
 
   // ---- memory ----------------------------------------------------------------------------------
   void* allocate(size_t bytes) override {
+    char* p = static_cast<char*>(allocate_uninitialized(bytes));
+    std::memset(p, 0, static_cast<Allocation*>(static_cast<void*>(p - 64))->bytes);
+    return p;
+  }
+  void* allocate_uninitialized(size_t bytes) override {
     const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, rounded + 64);
     if (!p) {
@@ -148,7 +153,6 @@ class CpuBackend final : public Backend {
           "shardtrain); use a smaller model, --batch-size or --max-length",
           bytes / 1048576.0, allocated_ / 1048576.0));
     }
-    std::memset(p, 0, rounded + 64);
     // The first 64 bytes hold the size, so deallocate() can keep the accounting exact.
     static_cast<Allocation*>(p)->bytes = rounded;
     allocated_ += rounded;
