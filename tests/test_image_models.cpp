@@ -212,5 +212,73 @@ TEST(ImageModels, ParameterCounts) {
   EXPECT_NE(ens->layout().find("members.1.lstm.weight_ih_l0"), nullptr);
 }
 
+/// Bytes allocated on `be` now, above `base`.
+double above(const Backend& be, size_t base) {
+  return static_cast<double>(be.allocated_bytes()) - static_cast<double>(base);
+}
+
+/// Activation memory lives as long as its readers (image_module.h): after a training micro-batch
+/// the model holds none of it, and an evaluation forward holds a few layers' outputs at a time
+/// instead of all of them. `all` is what a forward for backward holds at its end (above what the
+/// model keeps across steps).
+void check_activation_lifetime(Backend& be) {
+  struct Case {
+    const char* name;
+    int64_t channels, size;
+    double predict_share;  ///< bound on an evaluation's peak, as a share of `all`
+  };
+  const Case cases[] = {{"cnn", 1, 28, 0.6},
+                        {"mobilenet_v2", 3, 32, 0.3},
+                        {"efficientnet_b0", 3, 32, 0.25},
+                        {"cnn_lstm", 1, 28, 0.7},
+                        {"ensemble:cnn,cnn_lstm", 1, 28, 0.4}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto model = make_image_model({c.name, c.channels, c.size, c.size, 10}, be);
+    const int64_t n = model->layout().numel(), batch = 8;
+    std::vector<float> host(static_cast<size_t>(n));
+    model->init_parameters(host.data(), 1);
+    FlatBuffer params(be, be.compute_dtype(), n), grads(be, be.compute_dtype(), n);
+    if (be.compute_dtype() == DType::kF32)
+      be.copy_from_host(params.data(), host.data(), host.size() * sizeof(float));
+    model->bind(params.view(), grads.view());
+    std::vector<float> images(static_cast<size_t>(batch * c.channels * c.size * c.size));
+    for (size_t i = 0; i < images.size(); ++i) images[i] = static_cast<float>(i % 17) / 17.0f;
+    const std::vector<int32_t> targets = {0, 1, 2, 3, 4, 5, 6, 7};
+    const ModelInput in{.batch = batch, .images = images.data(), .targets = targets.data()};
+
+    // The first micro-batch also takes what the model keeps across steps (batch-norm
+    // statistics, the input's buffers, the ops' workspaces); later ones take their outputs in
+    // forward and return them all by the end of backward.
+    model->forward(in, 1.0f, true);
+    model->backward();
+    const size_t base = be.allocated_bytes();
+    model->forward(in, 1.0f, true);
+    const double all = above(be, base);
+    EXPECT_GT(all, 0.0) << "forward took no memory for its outputs";
+    model->backward();
+    EXPECT_EQ(above(be, base), 0.0) << "a training micro-batch left activations allocated";
+
+    be.reset_peak_memory();
+    model->predict(images.data(), batch);
+    EXPECT_LE(static_cast<double>(be.peak_allocated_bytes()) - static_cast<double>(base),
+              c.predict_share * all)
+        << "evaluation held more outputs than it reads at once";
+    EXPECT_EQ(above(be, base), 0.0) << "evaluation left activations allocated";
+  }
+}
+
+TEST(ImageModels, ActivationsLiveOnlyWhileRead) {
+  auto be = make_cpu_backend();
+  check_activation_lifetime(*be);
+}
+
+TEST(ImageModels, ActivationsLiveOnlyWhileReadOnCuda) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  auto be = make_cuda_backend(0, DType::kBF16);
+  be->image_ops()->set_channels_last(true);
+  check_activation_lifetime(*be);
+}
+
 }  // namespace
 }  // namespace shardtrain

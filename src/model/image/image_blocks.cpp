@@ -43,9 +43,8 @@ class DropoutModule final : public Module {
                        this->name(), p);
   }
   ImageShape output_shape(const ImageShape& in) const override { return in; }
-  void reserve(Backend& be, const ImageShape& in) override { activation(be, out_, in); }
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
-    Tensor out = activation(ctx.be, out_, shape_of(in));
+    Tensor out = output(ctx.be, shape_of(in));
     const Dropout d = mask(ctx);
     // dropout_backward multiplies by the mask/(1 − p): dropout's forward as well.
     if (d.active())
@@ -74,7 +73,6 @@ class DropoutModule final : public Module {
   }
   float p_;
   uint32_t site_;
-  FlatBuffer out_;
 };
 
 // ---- stochastic depth --------------------------------------------------------------------------
@@ -87,9 +85,8 @@ class StochasticDepth final : public Module {
                        "{}: stochastic depth probability {} is not in [0, 1)", this->name(), p);
   }
   ImageShape output_shape(const ImageShape& in) const override { return in; }
-  void reserve(Backend& be, const ImageShape& in) override { activation(be, out_, in); }
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
-    Tensor out = activation(ctx.be, out_, shape_of(in));
+    Tensor out = output(ctx.be, shape_of(in));
     if (!active(ctx)) {
       copy_tensor(ctx.be, out, in);
       return out;
@@ -127,7 +124,7 @@ class StochasticDepth final : public Module {
   }
   float p_;
   uint32_t site_;
-  FlatBuffer out_, scale_, dscale_;
+  FlatBuffer scale_, dscale_;
 };
 
 // ---- squeeze-and-excitation ---------------------------------------------------------------------
@@ -151,15 +148,13 @@ class SqueezeExcitation final : public Module {
     squeeze_.output_shape(in);  // checks the channels
     return in;
   }
-  void reserve(Backend& be, const ImageShape& in) override {
-    squeeze_.reserve(be, in);
-    activation(be, out_, in);
-  }
+  void reserve(Backend& be, const ImageShape& in) override { squeeze_.reserve(be, in); }
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
     const ImageShape s = shape_of(in);
     scale_ = squeeze_.forward(ctx, in);
-    Tensor out = activation(ctx.be, out_, s);
+    Tensor out = output(ctx.be, s);
     ctx.ops.channel_scale_forward(out, in, reshaped(scale_, {s.N, s.C}));
+    if (!ctx.for_backward) squeeze_.release_output();  // else backward reads the scale
     return out;
   }
   void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
@@ -167,14 +162,19 @@ class SqueezeExcitation final : public Module {
     const ImageShape s = shape_of(in);
     const DType dt = ctx.be.compute_dtype();
     grow(ctx.be, dscale_, dt, s.N * s.C);
-    grow(ctx.be, dsqueeze_, dt, s.numel());
-    if (din.empty()) grow(ctx.be, ddirect_, dt, s.numel());
-    const Tensor direct =
-        din.empty() ? reshaped(ddirect_.view(), {s.N, s.C, s.H, s.W}) : din;  // dout · s
+    // Full-size temporaries for this backward only: ∂L/∂in through the scaling (dout · s; din
+    // itself when it is wanted) and through the squeeze path.
+    FlatBuffer direct_buf, through_buf;
+    if (din.empty()) direct_buf = FlatBuffer::uninitialized(ctx.be, dt, s.numel());
+    const Tensor direct = din.empty() ? reshaped(direct_buf.view(), {s.N, s.C, s.H, s.W}) : din;
     ctx.ops.channel_scale_backward(direct, reshaped(dscale_.view(), {s.N, s.C}), dout, in,
                                    reshaped(scale_, {s.N, s.C}));
-    const Tensor through =
-        din.empty() ? Tensor() : reshaped(dsqueeze_.view(), {s.N, s.C, s.H, s.W});
+    squeeze_.release_output();  // the scale was its last reader
+    Tensor through;
+    if (!din.empty()) {
+      through_buf = FlatBuffer::uninitialized(ctx.be, dt, s.numel());
+      through = reshaped(through_buf.view(), {s.N, s.C, s.H, s.W});
+    }
     squeeze_.backward(ctx, in, reshaped(dscale_.view(), {s.N, s.C, 1, 1}), through);
     if (!din.empty()) ctx.be.add(din, din, through);
   }
@@ -185,7 +185,7 @@ class SqueezeExcitation final : public Module {
  private:
   Sequential squeeze_;
   Tensor scale_;  ///< σ(...) [N, C, 1, 1] of the last forward (owned by squeeze_)
-  FlatBuffer out_, dscale_, dsqueeze_, ddirect_;
+  FlatBuffer dscale_;
 };
 
 // ---- rows to sequence
@@ -197,14 +197,11 @@ class RowsToSequence final : public Module {
   ImageShape output_shape(const ImageShape& in) const override {
     return {in.N, in.H, in.C * in.W, 1};
   }
-  void reserve(Backend& be, const ImageShape& in) override {
-    activation(be, out_, output_shape(in));
-  }
   /// The image [N, C, H, W] → the sequence [N, H, C·W] in row-major order (whatever the image
   /// layout; the output's shape names it [N, H, C·W, 1], a plain tensor for the LSTM).
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
     const ImageShape s = shape_of(in);
-    Tensor out = activation(ctx.be, out_, output_shape(s));
+    Tensor out = output(ctx.be, output_shape(s));
     ctx.ops.image_rows_as_sequence(reshaped(out, {s.N, s.H, s.C * s.W}), in);
     return out;
   }
@@ -215,7 +212,6 @@ class RowsToSequence final : public Module {
   }
 
  private:
-  FlatBuffer out_;
 };
 
 // ---- LSTM
@@ -251,7 +247,6 @@ class Lstm final : public Module {
     return {in.N, H_, 1, 1};
   }
   void reserve(Backend& be, const ImageShape& in) override {
-    activation(be, out_, output_shape(in));
     grow(be, seq_, be.compute_dtype(), in.N * in.C * H_);
     grow(be, saved_, DType::kF32, in.C * in.N * 6 * H_);
   }
@@ -259,7 +254,7 @@ class Lstm final : public Module {
     const ImageShape s = shape_of(in);
     const int64_t N = s.N, L = s.C;
     reserve(ctx.be, s);
-    Tensor out = activation(ctx.be, out_, output_shape(s));
+    Tensor out = output(ctx.be, output_shape(s));
     ctx.ops.lstm_forward(seq(N, L), saved(N, L), reshaped(in, {N, L, I_}), wih_, whh_, bih_, bhh_);
     // The last step's hidden state of each sample: step-major [L, N, H], then its last block.
     grow(ctx.be, steps_, ctx.be.compute_dtype(), N * L * H_);
@@ -291,7 +286,7 @@ class Lstm final : public Module {
   Tensor saved(int64_t N, int64_t L) const { return reshaped(saved_.view(), {L, N, 6 * H_}); }
   int64_t I_, H_;
   Tensor wih_, dwih_, whh_, dwhh_, bih_, dbih_, bhh_, dbhh_;
-  FlatBuffer out_, seq_, saved_, dseq_, steps_;
+  FlatBuffer seq_, saved_, dseq_, steps_;
 };
 
 }  // namespace

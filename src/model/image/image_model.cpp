@@ -230,6 +230,8 @@ Tensor ImageModel::run_layers(ModuleContext& ctx, Tensor x, int64_t batch) {
       if (hooks_) hooks_->before_forward(static_cast<int>(i));
       inputs_[i] = x;
       x = layers_[i]->forward(ctx, x);
+      // Without backward, an output is dead once the next layer has read it.
+      if (!ctx.for_backward && i > member_begin_[m]) layers_[i - 1]->release_output();
       if (hooks_) {
         hooks_->after_forward(static_cast<int>(i));
         hooks_->between_layers();
@@ -241,6 +243,7 @@ Tensor ImageModel::run_layers(ModuleContext& ctx, Tensor x, int64_t batch) {
       backend_.copy(sum.data, logits.data, logits.bytes());
     else
       backend_.add(sum, sum, logits);
+    layers_[member_begin_[m + 1] - 1]->release_output();  // in the sum now
   }
   backend_.scale(sum, 1.0f / static_cast<float>(members));
   return sum;
@@ -336,11 +339,6 @@ void ImageModel::backward() {
   const auto is_first = [&](size_t k) {
     return std::find(member_begin_.begin(), member_begin_.end(), k) != member_begin_.end();
   };
-  int64_t largest = 0;
-  for (size_t i = 0; i < inputs_.size(); ++i)
-    if (!is_first(i)) largest = std::max(largest, inputs_[i].numel());
-  grow(backend_, grad_a_, backend_.compute_dtype(), largest);
-  grow(backend_, grad_b_, backend_.compute_dtype(), largest);
   Tensor g(logits_.data, logits_.dtype, logits_.device, {batch_, spec_.num_classes, 1, 1});
   Tensor member_g = g;
   if (members > 1) {
@@ -350,20 +348,30 @@ void ImageModel::backward() {
     backend_.copy(member_g.data, g.data, g.bytes());
     backend_.scale(member_g, 1.0f / static_cast<float>(members));
   }
+  // As Sequential::backward: ∂L/∂(input of layer k) is taken for layer k's backward and returned
+  // after layer k−1's; layer k−1's output is returned after layer k's backward, its last reader.
+  FlatBuffer g_buf;  // holds g unless g is a member's logit gradient
   for (size_t k = layers_.size(); k-- > 0;) {
     if (hooks_) hooks_->before_backward(static_cast<int>(k));
-    if (is_first(k + 1)) g = member_g;  // a member's last layer
+    const bool last = is_first(k + 1);  // a member's last layer
+    if (last) g = member_g;
     Tensor target;
+    FlatBuffer target_buf;
     if (!is_first(k)) {
       const Tensor& in = inputs_[k];
-      target = Tensor((k % 2 ? grad_a_ : grad_b_).data(), in.dtype, in.device,
+      target_buf = FlatBuffer::uninitialized(backend_, in.dtype, in.numel());
+      target = Tensor(target_buf.data(), in.dtype, in.device,
                       {in.shape[0], in.shape[1], in.shape[2], in.shape[3]});
     }
     layers_[k]->backward(ctx, inputs_[k], g, target);
+    // A single model's logits (now their gradient) are the last layer's output.
+    if (last) layers_[k]->release_output();
+    if (!is_first(k)) layers_[k - 1]->release_output();
     if (hooks_) {
       hooks_->after_backward(static_cast<int>(k));
       hooks_->between_layers();
     }
+    g_buf = std::move(target_buf);
     g = target;
   }
 }
@@ -380,6 +388,7 @@ std::vector<float> ImageModel::predict(const float* images, int64_t batch) {
                      logits);
     backend_.copy_to_host(out.data(), tmp.data(), out.size() * sizeof(float));
   }
+  layers_.back()->release_output();  // the logits (a single model's), now on the host
   return out;
 }
 

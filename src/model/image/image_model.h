@@ -136,7 +136,7 @@ class ImageModel final : public Model {
   std::vector<int64_t> buffer_offsets_;
   FlatBuffer buffers_;
   std::vector<Tensor> inputs_;  ///< each layer's input of the last forward
-  FlatBuffer image_f32_, image_nchw_, image_, targets_, losses_, grad_a_, grad_b_;
+  FlatBuffer image_f32_, image_nchw_, image_, targets_, losses_;
   FlatBuffer pixels_, pixel_affine_;      ///< the uint8 input path (ModelInput::pixels)
   std::vector<float> pixel_affine_host_;  ///< what pixel_affine_ holds
   bool staged_pixels_ = false;            ///< the last staged micro-batch came as pixels

@@ -62,12 +62,9 @@ class Conv2d final : public Module {
         name(), in.H, in.W, o_.kernel, o_.kernel, o_.stride);
     return {in.N, o_.out_channels, s.P(), s.Q()};
   }
-  void reserve(Backend& be, const ImageShape& in) override {
-    activation(be, out_, output_shape(in));
-  }
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
     const ImageShape is = shape_of(in);
-    Tensor out = activation(ctx.be, out_, output_shape(is));
+    Tensor out = output(ctx.be, output_shape(is));
     ctx.ops.conv2d_forward(out, in, w_, b_, geometry(is));
     return out;
   }
@@ -98,7 +95,6 @@ class Conv2d final : public Module {
 
   Conv2dOptions o_;
   Tensor w_, dw_, b_, db_;
-  FlatBuffer out_;
 };
 
 // ---- batch norm -------------------------------------------------------------------------------
@@ -127,15 +123,14 @@ class BatchNorm2d final : public Module {
                        C_, in.C, shape_str(in));
     return in;
   }
-  void reserve(Backend& be, const ImageShape& in) override {
-    activation(be, out_, output_shape(in));
+  void reserve(Backend& be, const ImageShape& /*in*/) override {
     if (stats_.numel() == 0) stats_ = FlatBuffer(be, DType::kF32, 2 * C_);
     if (sums_.numel() == 0) sums_ = FlatBuffer(be, DType::kF64, 4 * C_);
   }
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
     const ImageShape s = output_shape(shape_of(in));
     reserve(ctx.be, s);
-    Tensor out = activation(ctx.be, out_, s);
+    Tensor out = output(ctx.be, s);
     if (!ctx.training) {
       ctx.ops.batchnorm_forward_eval(out, in, w_, b_, running_mean_, running_var_, eps_, act_);
       return out;
@@ -174,7 +169,7 @@ class BatchNorm2d final : public Module {
   Activation act_;
   float eps_, momentum_;
   Tensor w_, dw_, b_, db_, running_mean_, running_var_;
-  FlatBuffer out_, stats_, sums_;
+  FlatBuffer stats_, sums_;
 };
 
 // ---- activations, pooling, linear -----------------------------------------------------------
@@ -183,9 +178,8 @@ class ActivationModule final : public Module {
  public:
   ActivationModule(std::string name, Activation act) : Module(std::move(name)), act_(act) {}
   ImageShape output_shape(const ImageShape& in) const override { return in; }
-  void reserve(Backend& be, const ImageShape& in) override { activation(be, out_, in); }
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
-    Tensor out = activation(ctx.be, out_, shape_of(in));
+    Tensor out = output(ctx.be, shape_of(in));
     ctx.ops.activation_forward(out, in, act_);
     return out;
   }
@@ -196,7 +190,6 @@ class ActivationModule final : public Module {
 
  private:
   Activation act_;
-  FlatBuffer out_;
 };
 
 class MaxPool2d final : public Module {
@@ -211,12 +204,9 @@ class MaxPool2d final : public Module {
                        name(), in.H, in.W, k_, k_);
     return {in.N, in.C, s.P(), s.Q()};
   }
-  void reserve(Backend& be, const ImageShape& in) override {
-    activation(be, out_, output_shape(in));
-  }
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
     const ImageShape is = shape_of(in);
-    Tensor out = activation(ctx.be, out_, output_shape(is));
+    Tensor out = output(ctx.be, output_shape(is));
     ctx.ops.maxpool2d_forward(out, in, geometry(is));
     return out;
   }
@@ -239,7 +229,6 @@ class MaxPool2d final : public Module {
             .pad_w = pad_};
   }
   int64_t k_, stride_, pad_;
-  FlatBuffer out_;
 };
 
 class AdaptiveAvgPool2d final : public Module {
@@ -247,11 +236,8 @@ class AdaptiveAvgPool2d final : public Module {
   AdaptiveAvgPool2d(std::string name, int64_t h, int64_t w)
       : Module(std::move(name)), h_(h), w_(w) {}
   ImageShape output_shape(const ImageShape& in) const override { return {in.N, in.C, h_, w_}; }
-  void reserve(Backend& be, const ImageShape& in) override {
-    activation(be, out_, output_shape(in));
-  }
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
-    Tensor out = activation(ctx.be, out_, output_shape(shape_of(in)));
+    Tensor out = output(ctx.be, output_shape(shape_of(in)));
     ctx.ops.adaptive_avgpool2d_forward(out, in);
     return out;
   }
@@ -261,7 +247,6 @@ class AdaptiveAvgPool2d final : public Module {
 
  private:
   int64_t h_, w_;
-  FlatBuffer out_;
 };
 
 class Linear final : public Module {
@@ -291,12 +276,9 @@ class Linear final : public Module {
                        name(), in_, in.C * in.H * in.W, shape_str(in));
     return {in.N, out_features_, 1, 1};
   }
-  void reserve(Backend& be, const ImageShape& in) override {
-    activation(be, out_, output_shape(in));
-  }
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
     const ImageShape is = shape_of(in);
-    Tensor out = activation(ctx.be, out_, output_shape(is));
+    Tensor out = output(ctx.be, output_shape(is));
     ctx.be.matmul_forward(flat(out, is.N, out_features_), flat(features(ctx, in), is.N, in_), w_,
                           b_);
     return out;
@@ -333,7 +315,7 @@ class Linear final : public Module {
   int64_t in_, out_features_;
   float init_std_, init_uniform_;
   Tensor w_, dw_, b_, db_;
-  FlatBuffer out_, nchw_, dflat_;  ///< nchw_, dflat_: channels-last inputs only
+  FlatBuffer nchw_, dflat_;  ///< nchw_, dflat_: channels-last inputs only
 };
 
 class Residual final : public Module {
@@ -350,14 +332,12 @@ class Residual final : public Module {
                        name(), shape_str(in), shape_str(o));
     return o;
   }
-  void reserve(Backend& be, const ImageShape& in) override {
-    body_->reserve(be, in);
-    activation(be, out_, in);
-  }
+  void reserve(Backend& be, const ImageShape& in) override { body_->reserve(be, in); }
   Tensor forward(ModuleContext& ctx, const Tensor& in) override {
     Tensor y = body_->forward(ctx, in);
-    Tensor out = activation(ctx.be, out_, shape_of(in));
+    Tensor out = output(ctx.be, shape_of(in));
     ctx.be.add(out, y, in);
+    body_->release_output();  // backward reads only the body's inner activations
     return out;
   }
   void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
@@ -369,7 +349,6 @@ class Residual final : public Module {
 
  private:
   ModulePtr body_;
-  FlatBuffer out_;
 };
 
 }  // namespace
@@ -382,7 +361,7 @@ uint32_t dropout_site_of(const std::string& module_name) {
 Tensor Module::activation(Backend& be, FlatBuffer& buf, const ImageShape& shape) {
   if (buf.numel() < shape.numel()) {
     buf = FlatBuffer();
-    buf = FlatBuffer(be, be.compute_dtype(), shape.numel());
+    buf = FlatBuffer::uninitialized(be, be.compute_dtype(), shape.numel());
   }
   return with_shape(buf.view(), shape);
 }
@@ -417,39 +396,29 @@ Tensor Sequential::forward(ModuleContext& ctx, const Tensor& in) {
   for (size_t i = 0; i < children_.size(); ++i) {
     inputs_[i] = x;
     x = children_[i]->forward(ctx, x);
+    if (!ctx.for_backward && i > 0) children_[i - 1]->release_output();
   }
   return x;
 }
 void Sequential::backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
                           const Tensor& din) {
   ST_ASSERT(inputs_.size() == children_.size() && inputs_.front().data == in.data);
-  // Gradients between children (child k writes ∂L/∂(its input) = ∂L/∂(output of k−1)) ping-pong
-  // between two buffers held for this pass only, so every block of a network reuses the same
-  // memory instead of keeping a pair of its own (on CUDA the caching allocator hands the same
-  // blocks back; freeing after enqueueing is stream-ordered).
-  // Each buffer is taken on its first use (a block of two children needs one).
-  int64_t largest = 0;
-  for (size_t i = 1; i + 1 < shapes_.size(); ++i) largest = std::max(largest, shapes_[i].numel());
-  const size_t bytes = static_cast<size_t>(largest) * dtype_size(ctx.be.compute_dtype());
-  struct Held {
-    Backend& be;
-    size_t bytes;
-    void* p = nullptr;
-    void* get() { return p ? p : (p = be.allocate_uninitialized(bytes)); }
-    ~Held() { be.deallocate(p); }
-  };
-  Held a{ctx.be, bytes}, b{ctx.be, bytes};
+  // ∂L/∂(input of child k) is taken for child k's backward and returned after child k−1's read
+  // it; child k−1's output is returned once child k's backward (its last reader) has run.
+  FlatBuffer g_buf;  // holds g unless g is dout
   Tensor g = dout;
   for (size_t k = children_.size(); k-- > 0;) {
-    Tensor target;
-    if (k == 0) {
-      target = din;
-    } else {
+    Tensor target = din;
+    FlatBuffer target_buf;
+    if (k > 0) {
       const ImageShape& sh = shapes_[k];
-      target = Tensor((k % 2 == 0) ? a.get() : b.get(), ctx.be.compute_dtype(), ctx.be.kind(),
+      target_buf = FlatBuffer::uninitialized(ctx.be, ctx.be.compute_dtype(), sh.numel());
+      target = Tensor(target_buf.data(), ctx.be.compute_dtype(), ctx.be.kind(),
                       {sh.N, sh.C, sh.H, sh.W});
     }
     children_[k]->backward(ctx, inputs_[k], g, target);
+    if (k > 0) children_[k - 1]->release_output();
+    g_buf = std::move(target_buf);
     g = target;
   }
 }

@@ -3,9 +3,17 @@
 // backward side by side, computed by a backend's ImageOps (backend/image_ops.h).
 //
 // A module is named like its torchvision counterpart ("features.3.conv.1"), so its parameters
-// carry torchvision's state-dict names. It owns its output activation (valid until its next
-// forward) and keeps what its backward needs; backward receives the forward's input and the
-// gradient of its output, and writes the gradient of its input (unless that is empty).
+// carry torchvision's state-dict names. It holds its output activation from its forward until its
+// parent releases it (release_output), and keeps what its backward needs; backward receives the
+// forward's input and the gradient of its output, and writes the gradient of its input (unless
+// that is empty).
+//
+// Activation memory lives as long as autograd would keep it: a parent (Sequential, ImageModel)
+// releases a module's output once the module after it has run its backward — or its forward,
+// when no backward follows — and the gradients between modules are taken for one module's
+// backward each. So at any point of a backward pass only the outputs still to be read and two
+// activation gradients are held (on CUDA the caching allocator hands the same blocks to the next
+// step, and a captured graph keeps them as its temporaries).
 #pragma once
 
 #include <cstdint>
@@ -83,24 +91,34 @@ class Module {
   /// The output shape for an input shape. Throws ConfigError when the input cannot be taken
   /// (e.g. smaller than a convolution's kernel), naming the module and both shapes.
   virtual ImageShape output_shape(const ImageShape& in) const = 0;
-  /// Sizes the activations for input shape `in` (allocating on first use or growth).
-  virtual void reserve(Backend& be, const ImageShape& in) = 0;
-  /// Runs forward on `in` (shape as reserved); returns the output (owned by the module).
+  /// Prepares for input shape `in`: the shapes of a container's children, and the buffers a
+  /// module keeps across steps (batch-norm statistics). Outputs are taken by forward.
+  virtual void reserve(Backend& /*be*/, const ImageShape& /*in*/) {}
+  /// Runs forward on `in`; returns the output (held by the module until release_output()).
   virtual Tensor forward(ModuleContext& ctx, const Tensor& in) = 0;
   /// ∂L/∂in into `din` (overwrites; may be empty: skip) from ∂L/∂out `dout`; accumulates the
-  /// parameter gradients. `in` is the forward's input; `dout` is not modified.
+  /// parameter gradients. `in` is the forward's input; `dout` is not modified. Never reads the
+  /// module's own output, which its parent may have released by then.
   virtual void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
                         const Tensor& din) = 0;
+  /// Returns the memory of the last forward's output to the backend (no-op when none is held);
+  /// the next forward takes it again. A container releases its last child's output.
+  virtual void release_output() { output_ = FlatBuffer(); }
   /// Multiply-accumulates of one forward per image for input shape `in` (for FLOPs and MFU: a
   /// forward is 2·MACs FLOPs, a training step ≈ 3× that).
   virtual int64_t macs_per_image(const ImageShape& /*in*/) const { return 0; }
 
  protected:
-  /// A tensor of `shape` in `buf`, (re)allocated in the compute dtype when too small.
+  /// The module's output tensor of `shape` in the compute dtype: the memory it holds when large
+  /// enough, else taken (uninitialized) from the backend; forward overwrites all of it.
+  Tensor output(Backend& be, const ImageShape& shape) { return activation(be, output_, shape); }
+  /// A tensor of `shape` in `buf`, (re)allocated uninitialized in the compute dtype when too
+  /// small.
   static Tensor activation(Backend& be, FlatBuffer& buf, const ImageShape& shape);
 
  private:
   std::string name_;
+  FlatBuffer output_;  ///< the last forward's output, until release_output()
 };
 
 using ModulePtr = std::unique_ptr<Module>;
@@ -122,9 +140,16 @@ class Sequential final : public Module {
   void bind(const ParamSource& src) override;
   ImageShape output_shape(const ImageShape& in) const override;
   void reserve(Backend& be, const ImageShape& in) override;
+  /// Runs the children in order; without backward (ctx.for_backward false) each child's output
+  /// is released as soon as the next child has read it.
   Tensor forward(ModuleContext& ctx, const Tensor& in) override;
+  /// The children's backward in reverse; child k's output is released after child k+1's
+  /// backward, and each gradient between children lives for the two backwards that use it.
   void backward(ModuleContext& ctx, const Tensor& in, const Tensor& dout,
                 const Tensor& din) override;
+  void release_output() override {
+    if (!children_.empty()) children_.back()->release_output();
+  }
   int64_t macs_per_image(const ImageShape& in) const override;
 
  private:
