@@ -313,6 +313,34 @@ TEST_F(CudaBackendTest, AllocatorAccountingAndReuse) {
   EXPECT_EQ(gpu->allocated_bytes(), base);
 }
 
+// A graph's temporaries are reserved, not allocated, between replays (as in PyTorch's private
+// graph pools); a replay raises the peak allocated by what they held at the capture's peak.
+TEST_F(CudaBackendTest, GraphTemporariesAccounting) {
+  const size_t base = gpu->allocated_bytes(), reserved_before = gpu->reserved_bytes();
+  const size_t t1 = size_t{3} << 20, t2 = size_t{1} << 20, kept_bytes = 4096;
+  void* kept = nullptr;
+  std::unique_ptr<Backend::Graph> graph = gpu->capture([&] {
+    void* a = gpu->allocate_uninitialized(t1);
+    void* b = gpu->allocate_uninitialized(t2);
+    gpu->deallocate(a);
+    gpu->deallocate(b);
+    kept = gpu->allocate_uninitialized(kept_bytes);
+    gpu->fill_zero(Tensor(kept, DType::kF32, DeviceKind::kCUDA, {1024}));
+  });
+  ASSERT_NE(graph, nullptr);
+  EXPECT_EQ(gpu->allocated_bytes(), base + kept_bytes);
+  EXPECT_GE(gpu->reserved_bytes(), reserved_before + t1 + t2) << "the temporaries stay reserved";
+  gpu->reset_peak_memory();
+  EXPECT_EQ(gpu->peak_allocated_bytes(), base + kept_bytes);
+  graph->replay();
+  gpu->synchronize();
+  EXPECT_EQ(gpu->peak_allocated_bytes(), base + t1 + t2);
+  EXPECT_EQ(gpu->allocated_bytes(), base + kept_bytes);
+  graph.reset();
+  gpu->deallocate(kept);
+  EXPECT_EQ(gpu->allocated_bytes(), base);
+}
+
 TEST_F(CudaBackendTest, OutOfMemoryMessageNamesSizeAndRemedy) {
   const size_t base = gpu->allocated_bytes();
   // Something cached first, so the free-the-cache-and-retry path runs too.

@@ -125,7 +125,8 @@ class Backend {
   /// work on the compute stream: no blocking copy, synchronize() or host read; every kernel
   /// argument (pointers, scalars) is frozen into the graph, so what changes between replays must
   /// be read from device memory. Temporaries the body frees stay reserved for the graph while it
-  /// lives (counted as allocated); blocks live at the end are pinned (see Graph::valid).
+  /// lives (reserved; a replay counts them as allocated while it runs, at the capture's peak);
+  /// blocks live at the end are pinned (see Graph::valid).
   /// Returns null where the backend has no graphs (CPU). Throws RuntimeFailure, naming the CUDA
   /// error, when the body did something that cannot be captured; the stream stays usable.
   virtual std::unique_ptr<Graph> capture(const std::function<void()>& /*body*/) { return nullptr; }

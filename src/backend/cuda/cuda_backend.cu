@@ -739,7 +739,8 @@ bool use_flash_attention(DType compute_dtype) {
 /// Accounting, as PyTorch's (torch.cuda.memory_allocated / memory_reserved): "allocated" counts
 /// the bytes of the live requests (rounded to 512 B), "reserved" every block taken from
 /// cudaMalloc, so a block larger than its request shows its slack in reserved only. A graph's
-/// temporaries (below) count as allocated at their blocks' full size while the graph lives.
+/// temporaries (below) are reserved, not allocated, between its replays (as in PyTorch's private
+/// graph pools); each replay raises the peak allocated by what they held at the capture's peak.
 class CachingAllocator {
  public:
   static constexpr size_t kSmallGranularity = 512;
@@ -780,6 +781,7 @@ class CachingAllocator {
     live_.emplace(p, Block{got, used, next_id_++});
     allocated_ += used;
     peak_allocated_ = std::max(peak_allocated_, allocated_);
+    if (capturing_) capture_peak_ = std::max(capture_peak_, allocated_);
     const cudaError_t err = zero_fill ? cudaMemsetAsync(p, 0, want, stream_) : cudaSuccess;
     if (err != cudaSuccess) {
       live_.erase(p);
@@ -811,16 +813,20 @@ class CachingAllocator {
   // blocks live at the end of the capture (activations, parameters, workspaces) are pinned:
   // freeing one of them afterwards invalidates every graph (invalidations() changes).
 
-  /// What a captured graph holds: its temporaries (size, block) and the ids of the blocks it pins.
+  /// What a captured graph holds: its temporaries (size, block), the ids of the blocks it pins,
+  /// and the bytes its temporaries' live requests reached (the capture's peak allocated above
+  /// what was live at its end).
   struct GraphMemory {
     std::vector<std::pair<size_t, void*>> held;
     std::vector<uint64_t> pinned;
+    size_t transient_peak = 0;
   };
 
   void begin_capture() {
     std::lock_guard<std::mutex> lock(mu_);
     ST_ASSERT(!capturing_);
     capturing_ = true;
+    capture_peak_ = allocated_;
   }
   /// Ends the capture; the temporaries become the graph's, the live blocks are pinned.
   GraphMemory end_capture() {
@@ -829,9 +835,7 @@ class CachingAllocator {
     GraphMemory g;
     g.held.assign(captured_free_.begin(), captured_free_.end());
     captured_free_.clear();
-    // Held for the graph alone: counted as allocated while it lives.
-    for (const auto& [size, p] : g.held) allocated_ += size;
-    peak_allocated_ = std::max(peak_allocated_, allocated_);
+    g.transient_peak = capture_peak_ - allocated_;
     for (const auto& [p, b] : live_) {
       ++pinned_[b.id];
       g.pinned.push_back(b.id);
@@ -841,14 +845,16 @@ class CachingAllocator {
   /// Returns a destroyed (or failed) graph's memory; its temporaries are cached again.
   void release_graph(const GraphMemory& g) noexcept {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [size, p] : g.held) {
-      free_.emplace(size, p);
-      allocated_ -= size;
-    }
+    for (const auto& [size, p] : g.held) free_.emplace(size, p);
     for (uint64_t id : g.pinned) {
       auto it = pinned_.find(id);
       if (it != pinned_.end() && --it->second == 0) pinned_.erase(it);
     }
+  }
+  /// A replay of a graph holding `g` is enqueued: its temporaries are in use while it runs.
+  void note_replay(const GraphMemory& g) {
+    std::lock_guard<std::mutex> lock(mu_);
+    peak_allocated_ = std::max(peak_allocated_, allocated_ + g.transient_peak);
   }
   /// Counts the frees of pinned blocks: a graph captured when it read v is valid while it is v.
   uint64_t invalidations() const {
@@ -951,6 +957,7 @@ class CachingAllocator {
   bool capturing_ = false;
   uint64_t next_id_ = 0, invalidations_ = 0;
   size_t allocated_ = 0, peak_allocated_ = 0, reserved_ = 0, peak_reserved_ = 0;
+  size_t capture_peak_ = 0;  ///< allocated_'s peak during the capture in progress
 };
 
 }  // namespace
@@ -1697,6 +1704,7 @@ class CudaGraph final : public Backend::Graph {
     if (!valid()) throw RuntimeFailure("replay of an invalidated CUDA graph: capture it again");
     ST_CUDA_CHECK(cudaSetDevice(device_));
     ST_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
+    alloc_.note_replay(memory_);
   }
   bool valid() const override { return alloc_.invalidations() == captured_at_; }
 
