@@ -8,6 +8,8 @@
 
 #include <cmath>
 #include <random>
+#include <string>
+#include <tuple>
 
 #include "backend/backend.h"
 #include "memory/flat_buffer.h"
@@ -55,6 +57,21 @@ double relative_difference(const std::vector<float>& a, const std::vector<float>
     n += double(b[i]) * b[i];
   }
   return n > 0 ? std::sqrt(d / n) : std::sqrt(d);
+}
+
+/// The parameter tensor whose gradients differ most between `a` and `b` (relative L2), named.
+std::string worst_tensor(const ImageModel& model, const std::vector<float>& a,
+                         const std::vector<float>& b) {
+  std::string name;
+  double worst = -1;
+  for (const ParamTensor* t : model.layout().tensors()) {
+    const auto at = [&](const std::vector<float>& v) {
+      return std::vector<float>(v.begin() + t->offset, v.begin() + t->offset + t->numel);
+    };
+    const double d = relative_difference(at(a), at(b));
+    if (d > worst) std::tie(worst, name) = std::pair{d, t->name};
+  }
+  return "most in " + name + ": " + std::to_string(worst);
 }
 
 /// Trains `graphed` (graphs on, fed uint8 pixels normalized on the device) and `eager` (off, fed
@@ -114,9 +131,9 @@ int64_t compare(Backend& be, const ImageModelSpec& spec, double tol) {
     const double lg = graphed.model->train_micro_batch(in_pixels, 1.0f / B);
     const double le = eager.model->train_micro_batch(in, 1.0f / B);
     EXPECT_NEAR(lg, le, tol * std::abs(le)) << spec.name << " micro-batch " << k;
-    EXPECT_LE(relative_difference(graphed.host(be, graphed.grads), eager.host(be, eager.grads)),
-              tol)
-        << spec.name << " gradients, micro-batch " << k;
+    const std::vector<float> gg = graphed.host(be, graphed.grads), ge = eager.host(be, eager.grads);
+    EXPECT_LE(relative_difference(gg, ge), tol) << spec.name << " gradients, micro-batch " << k
+                                                << "; " << worst_tensor(*eager.model, gg, ge);
     // The parameters move between micro-batches (as an optimizer step would): replays read them.
     for (Bound* m : {&graphed, &eager}) be.scale(m->params.view(), 0.98f);
   }
@@ -132,13 +149,16 @@ TEST_P(CudaGraphs, ReplayEqualsEager) {
   const std::string name = GetParam();
   const int64_t channels = name == "cnn" || name == "cnn_lstm" ? 1 : 3;
   const ImageModelSpec spec{name, channels, 32, 32, 10, /*dropout=*/true};
-  // Two eager instances differ by their kernels' summation order alone: up to 3e-3 (relative
-  // L2 of the gradients) in bf16 and ~1e-6 in fp32 (2026-11-24, H100). A wrong dropout seed or a
-  // stale buffer differs by tens of percent.
+  // Two eager instances differ by their kernels' summation order alone (bf16 takes cuDNN's
+  // fastest algorithms, atomics included): ~1e-6 in fp32, and in bf16 usually below 3e-3 but up
+  // to 1.2e-2 for cnn (relative L2 of all gradients; 2.8% on its last convolution's weight) in
+  // about one run of five, at micro-batch 0 where both run eagerly (2026-11-24, H100; the same
+  // with zero-filled activations). A wrong dropout seed or a stale buffer differs by tens of
+  // percent.
   for (const DType dt : {DType::kBF16, DType::kF32}) {
     auto be = make_cuda_backend(0, dt);
     be->image_ops()->set_channels_last(true);  // the layout bf16 training runs in
-    const int64_t replays = compare(*be, spec, dt == DType::kBF16 ? 1e-2 : 1e-4);
+    const int64_t replays = compare(*be, spec, dt == DType::kBF16 ? 3e-2 : 1e-4);
     // Micro-batch 0 runs eagerly, 1 is captured and replayed, 2 replays; 3 captures again after
     // the regrowth and replays, 4 and 5 replay.
     EXPECT_EQ(replays, 5) << name << " " << dtype_name(dt);
