@@ -13,7 +13,8 @@ excluded) and peak GPU memory of
   * the same model under torch.compile,
 with shardtrain / PyTorch ratios. Shapes: 32×32 batch 256 and 224×224 batch 64 (vgg: 64 too).
 
-Accuracy (--accuracy): the same recipe on both sides — Fashion-MNIST resized to 32×32,
+Accuracy (--accuracy): the same recipe on both sides — Fashion-MNIST resized to 32×32
+(--accuracy-size; bilinear, half-pixel centres, on both sides),
 normalized with the training set's mean/std, random crop with 4 pixels of black padding (2 below
 32×32: shardtrain's rule), batch
 256, AdamW (lr 2e-3, betas 0.9/0.999, weight decay 0.05 on conv/linear weights only), linear
@@ -22,7 +23,7 @@ for `--epochs` epochs; test-set top-1 after the last epoch.
 
 Usage (on the GPU machine):
   python3 bench/bench_image_models.py --shardtrain ./shardtrain [--models cnn,mobilenet_v2]
-      [--sizes 32,224] [--frameworks shardtrain,eager,compile(,shardtrain_nographs)] [--accuracy --epochs 15] --out r.json
+      [--sizes 32,224] [--frameworks shardtrain,eager,compile(,shardtrain_nographs)] [--accuracy --epochs 15 [--accuracy-size 64]] --out r.json
 Not a test: numbers depend on the GPU; docs/BENCHMARKS.md records them with GPU and date.
 """
 import argparse
@@ -257,9 +258,9 @@ def torch_accuracy(name, data, epochs, lr, wd, seed):
     return correct / xte.shape[0], time.time() - t0
 
 
-def shardtrain_accuracy(binary, name, epochs, lr, wd, seed, workdir):
-    out_dir = os.path.join(workdir, f"acc_{name}")
-    cmd = [binary, "train", "--model", name, "--dataset", "fashion-mnist", "--image-size", "32",
+def shardtrain_accuracy(binary, name, size, epochs, lr, wd, seed, workdir):
+    out_dir = os.path.join(workdir, f"acc_{name}_{size}")
+    cmd = [binary, "train", "--model", name, "--dataset", "fashion-mnist", "--image-size", str(size),
            "--device", "cuda", "--batch-size", "256", "--epochs", str(epochs), "--lr", str(lr),
            "--weight-decay", str(wd), "--seed", str(seed), "--log-interval", "50", "--no-save",
            "--output-dir", out_dir]
@@ -272,20 +273,22 @@ def shardtrain_accuracy(binary, name, epochs, lr, wd, seed, workdir):
 
 
 def accuracy(args):
-    data = fashion_mnist(args.fashion_mnist, 32)
+    size = args.accuracy_size
+    data = fashion_mnist(args.fashion_mnist, size)
     results = []
     for name in args.models.split(","):
-        row = {"model": name, "epochs": args.epochs}
+        row = {"model": name, "epochs": args.epochs, "size": size}
         if "shardtrain" in args.frameworks:
-            row["shardtrain"] = shardtrain_accuracy(args.shardtrain, name, args.epochs, args.lr,
-                                                    args.weight_decay, args.seed, args.workdir)
+            row["shardtrain"] = shardtrain_accuracy(args.shardtrain, name, size, args.epochs,
+                                                    args.lr, args.weight_decay, args.seed,
+                                                    args.workdir)
         if "eager" in args.frameworks:
             top1, secs = torch_accuracy(name, data, args.epochs, args.lr, args.weight_decay,
                                         args.seed)
             row["pytorch"] = {"top1": top1, "wall_s": secs}
         results.append(row)
         st, pt = row.get("shardtrain", {}), row.get("pytorch", {})
-        print(f"{name:16s} {args.epochs} epochs | shardtrain "
+        print(f"{name:16s} {size}x{size} {args.epochs} epochs | shardtrain "
               f"{100 * st['top1']:.2f}% ({st.get('wall_s', 0):.0f} s)" if "top1" in st else
               f"{name:16s} shardtrain ERROR {st.get('error', '')[-600:]}", end="")
         print(f" | pytorch {100 * pt['top1']:.2f}% ({pt['wall_s']:.0f} s)" if pt else "", flush=True)
@@ -300,6 +303,8 @@ def main():
     ap.add_argument("--frameworks", default="shardtrain,eager,compile")
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--epochs", type=int, default=15)
+    ap.add_argument("--accuracy-size", type=int, default=32,
+                    help="--accuracy: Fashion-MNIST resized (bilinear) to this many pixels a side")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=1)
