@@ -1060,7 +1060,7 @@ class CudaBackend final : public Backend {
   }
   void deallocate(void* ptr) noexcept override {
     if (ptr == nullptr) return;
-    (void)cudaSetDevice(device_);
+    // Returning a block to the cache makes no CUDA call: no device to make current.
     alloc_->deallocate(ptr);
   }
   void* allocate_pinned(size_t bytes) override {
@@ -1578,8 +1578,15 @@ class CudaBackend final : public Backend {
     (void)cudaGetLastError();
   }
 
-  /// Makes this backend's GPU current for the calling thread (cheap when it already is).
-  void activate() const { ST_CUDA_CHECK(cudaSetDevice(device_)); }
+  /// Makes this backend's GPU current for the calling thread. Only a cudaGetDevice (a
+  /// thread-local read) when it already is: cudaSetDevice itself is not free, and the caching
+  /// allocator's callers reach this once per activation taken and returned (as PyTorch's
+  /// c10::cuda::MaybeSetDevice).
+  void activate() const {
+    int current = -1;
+    ST_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != device_) ST_CUDA_CHECK(cudaSetDevice(device_));
+  }
 
   static void* scratch_callback(void* self, size_t bytes) {
     return static_cast<CudaBackend*>(self)->grow_scratch(bytes);
