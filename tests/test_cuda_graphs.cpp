@@ -98,7 +98,7 @@ int64_t compare(Backend& be, const ImageModelSpec& spec, double tol) {
   }
   for (int k = 0; k < 6; ++k) {
     if (k == 3) {
-      // A larger evaluation batch regrows the activations: the graph must be captured again.
+      // A larger evaluation batch regrows the input buffers: the graph must be captured again.
       std::vector<float> big(static_cast<size_t>(3 * B * per));
       for (float& v : big) v = pixel(rng);
       EXPECT_LE(relative_difference(graphed.model->predict(big.data(), 3 * B),
