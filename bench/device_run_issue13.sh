@@ -21,8 +21,10 @@
 #             timeout and names the rank
 #   pipeline  bench/bench_pipeline_gpus.py: every schedule on 2 GPUs, gpt2-xl, M = 8 and 16
 #             micro-batches of 4 × 512, against torch.distributed.pipelining
+# GPUS=1 runs the zero3 and dp phases on one GPU (FSDP2 too): the 1-GPU rows, on a one-GPU kind.
 # Back in $OUT: summary.txt, JSON of the benches, traces and timeline pictures, logs.tgz.
 LOGS_NAME=i13logs
+GPUS=${GPUS:-2}
 source bench/device_run_common.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # st_run NAME GPUS STRATEGY MODEL BATCH STEPS [ENV=VALUE...]: a short training run, log in $LOGS
@@ -39,8 +41,8 @@ for phase in "$@"; do
   case $phase in
     zero3)
       for b in ${ZERO3_BATCHES:-4 16}; do
-        timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_multi_gpu.py --shardtrain $ST --gpus 2 \
-          --pairs zero3 --torch-gpus 2 --batch $b --budget ${BENCH_BUDGET:-280} \
+        timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_multi_gpu.py --shardtrain $ST --gpus $GPUS \
+          --pairs zero3 --torch-gpus $GPUS --batch $b --budget ${BENCH_BUDGET:-280} \
           --out $OUT/zero3_mb$b.json --workdir $LOGS/zero3_mb$b > $LOGS/zero3_mb$b.log 2>&1
         say "zero3 bench mb $b exit $?"; tail -n 12 $LOGS/zero3_mb$b.log | tee -a $SUM
       done ;;
@@ -50,12 +52,14 @@ for phase in "$@"; do
         python3 bench/comm_trace_summary.py $LOGS/z3trace_$m.rank*.json | tee -a $SUM
       done ;;
     dp)
-      timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_multi_gpu.py --shardtrain $ST --gpus 2 \
+      timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_multi_gpu.py --shardtrain $ST --gpus $GPUS \
         --pairs dp --torch-gpus none --budget ${BENCH_BUDGET:-280} --out $OUT/dp_scaling.json \
         --workdir $LOGS/dp > $LOGS/dp.log 2>&1
       say "dp bench exit $?"; tail -n 12 $LOGS/dp.log | tee -a $SUM
-      st_run dptrace 2 dp gpt2-medium 4 20 SHARDTRAIN_COMM_TRACE=$LOGS/dptrace
-      python3 bench/comm_trace_summary.py $LOGS/dptrace.rank*.json | tee -a $SUM ;;
+      if [ "$GPUS" -gt 1 ]; then
+        st_run dptrace 2 dp gpt2-medium 4 20 SHARDTRAIN_COMM_TRACE=$LOGS/dptrace
+        python3 bench/comm_trace_summary.py $LOGS/dptrace.rank*.json | tee -a $SUM
+      fi ;;
     breakdown)  # where 2-GPU zero3 and dp lose time against 1 GPU: phase times, and two suspects
       # (collectives that take SMs from the GEMMs; the copy-engine collectives vs NCCL's kernels)
       ST_EXTRA="--wall-clock-breakdown"
