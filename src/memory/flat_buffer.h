@@ -15,20 +15,13 @@ class FlatBuffer {
   /// Allocates `numel` zeroed elements of `dtype` on `backend`; nothing for numel 0 (an empty
   /// buffer: data() null). Throws RuntimeFailure (OOM).
   FlatBuffer(Backend& backend, DType dtype, int64_t numel)
-      : backend_(&backend),
-        view_(
-            numel > 0 ? backend.allocate(static_cast<size_t>(numel) * dtype_size(dtype)) : nullptr,
-            dtype, backend.kind(), {numel}) {}
+      : FlatBuffer(backend, dtype, numel,
+                   numel > 0 ? backend.allocate(bytes_of(dtype, numel)) : nullptr) {}
   /// As the constructor without the zero fill (Backend::allocate_uninitialized): for memory
   /// written before it is read (activations, gradients a pass overwrites).
   static FlatBuffer uninitialized(Backend& backend, DType dtype, int64_t numel) {
-    FlatBuffer b;
-    b.backend_ = &backend;
-    b.view_ = Tensor(
-        numel > 0 ? backend.allocate_uninitialized(static_cast<size_t>(numel) * dtype_size(dtype))
-                  : nullptr,
-        dtype, backend.kind(), {numel});
-    return b;
+    return FlatBuffer(backend, dtype, numel,
+                      numel > 0 ? backend.allocate_uninitialized(bytes_of(dtype, numel)) : nullptr);
   }
   FlatBuffer(const FlatBuffer&) = delete;
   FlatBuffer& operator=(const FlatBuffer&) = delete;
@@ -52,8 +45,24 @@ class FlatBuffer {
   size_t bytes() const { return view_.data ? view_.bytes() : 0; }
 
  private:
+  /// Owns `data` (from `backend`, numel elements of `dtype`; null for numel 0).
+  FlatBuffer(Backend& backend, DType dtype, int64_t numel, void* data)
+      : backend_(&backend), view_(data, dtype, backend.kind(), {numel}) {}
+  static size_t bytes_of(DType dtype, int64_t numel) {
+    return static_cast<size_t>(numel) * dtype_size(dtype);
+  }
+
   Backend* backend_ = nullptr;
   Tensor view_;
 };
+
+/// Makes `buf` hold at least `numel` elements of `dtype` on `be`: when it is smaller, its memory
+/// is returned first and a new zeroed buffer taken (the contents are not kept). Throws
+/// RuntimeFailure (OOM).
+inline void grow(Backend& be, FlatBuffer& buf, DType dtype, int64_t numel) {
+  if (buf.numel() >= numel) return;
+  buf = FlatBuffer();
+  buf = FlatBuffer(be, dtype, numel);
+}
 
 }  // namespace shardtrain

@@ -20,12 +20,6 @@ Tensor reshaped(const Tensor& t, std::initializer_list<int64_t> dims) {
   return Tensor(t.data, t.dtype, t.device, dims);
 }
 
-void grow(Backend& be, FlatBuffer& buf, DType dt, int64_t numel) {
-  if (buf.numel() >= numel) return;
-  buf = FlatBuffer();
-  buf = FlatBuffer(be, dt, numel);
-}
-
 /// Copies `src` into `dst` (same shape and dtype).
 void copy_tensor(Backend& be, const Tensor& dst, const Tensor& src) {
   ST_ASSERT(dst.numel() == src.numel() && dst.dtype == src.dtype);

@@ -28,12 +28,6 @@ Tensor shaped(const Tensor& t, const std::vector<int64_t>& shape) {
   return out;
 }
 
-void grow(Backend& be, FlatBuffer& buf, DType dt, int64_t numel) {
-  if (buf.numel() >= numel) return;
-  buf = FlatBuffer();
-  buf = FlatBuffer(be, dt, numel);
-}
-
 }  // namespace
 
 namespace {

@@ -408,14 +408,8 @@ void Sequential::backward(ModuleContext& ctx, const Tensor& in, const Tensor& do
   FlatBuffer g_buf;  // holds g unless g is dout
   Tensor g = dout;
   for (size_t k = children_.size(); k-- > 0;) {
-    Tensor target = din;
     FlatBuffer target_buf;
-    if (k > 0) {
-      const ImageShape& sh = shapes_[k];
-      target_buf = FlatBuffer::uninitialized(ctx.be, ctx.be.compute_dtype(), sh.numel());
-      target = Tensor(target_buf.data(), ctx.be.compute_dtype(), ctx.be.kind(),
-                      {sh.N, sh.C, sh.H, sh.W});
-    }
+    const Tensor target = k > 0 ? activation(ctx.be, target_buf, shapes_[k]) : din;
     children_[k]->backward(ctx, inputs_[k], g, target);
     if (k > 0) children_[k - 1]->release_output();
     g_buf = std::move(target_buf);
