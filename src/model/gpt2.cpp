@@ -222,6 +222,8 @@ double GPT2Model::slot_loss(int s) {
   return backend_.sum(sl.ctx.losses) / static_cast<double>(sl.ctx.B * sl.ctx.T);
 }
 
+Tensor GPT2Model::slot_losses(int s) { return slot(s).ctx.losses; }
+
 double GPT2Model::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
                           float grad_scale, bool for_backward, uint64_t dropout_seed) {
   prepare(0, tokens, targets, B, T, grad_scale, for_backward && targets != nullptr, dropout_seed);

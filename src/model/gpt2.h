@@ -189,6 +189,9 @@ class GPT2Model final : public Model {
   void backward_layers(int slot, int first, int last, BackwardPass pass);
   /// Mean per-token loss of the slot's last forward through the head (synchronizes).
   double slot_loss(int slot);
+  /// The per-token losses [B·T] fp32 of the slot's last forward through the head (no wait: a
+  /// view of the device buffer, valid until the slot's next forward).
+  Tensor slot_losses(int slot);
 
  private:
   /// One micro-batch's activations between layers: residual[i] is the input of layer i

@@ -9,13 +9,11 @@
 // backward, or W) once its sends completed, so a rank holds as many slots as the schedule keeps
 // micro-batches in flight (M for GPipe, ≤ P for 1F1B).
 //
-// Transfers never deadlock. Sends are nonblocking. Messages between two ranks are matched in
-// issue order (MPI without tags; NCCL), so a receiver posts its receives from a peer in the order
-// the peer sends them: it derives that order from the peer's own action list (a pure function of
-// the schedule) and, when it needs a message, posts every earlier one from that peer first, into
-// the slot it belongs to; then it waits for the one it needs. Whether a schedule can finish is
-// the simulator's check (a forward waits only for the previous stage's forward, a backward for
-// the next stage's backward): every schedule here passes it for every shape (tests).
+// Transfers never deadlock. The executor issues exactly pipeline_issue_order() (transfer_plan.h):
+// every directed pair of neighbouring ranks has its own channel (communicator, and on GPUs its own
+// NCCL stream), receives are posted in the sender's order, and at first use of a shape the orders
+// of all ranks are run through the NCCL-semantics model (nccl_order_deadlock), which must find no
+// wait cycle. Sends are nonblocking; a finished slot is reused once its sends completed.
 //
 // The tied embedding's gradient (pipeline_parallel.h) travels as one more message from the last
 // stage to the first: after the head's last weight-gradient pass of the step, and it is added to
@@ -32,6 +30,7 @@
 #include "model/gpt2.h"
 #include "parallel/pipeline/schedule.h"
 #include "parallel/pipeline/trace.h"
+#include "parallel/pipeline/transfer_plan.h"
 #include "parallel/strategy.h"
 #include "train/train_step.h"
 
@@ -45,14 +44,14 @@ struct ChunkLayers {
 class PipelineExecutor : public LayerHooks {
  public:
   /// `model`: this rank's stage model, its hooks set to `inner` (the strategy across replicas);
-  /// the executor puts itself in between. `activations`, `gradients`: two communicators over the
-  /// P ranks of this replica in stage order, one for each direction of travel (on GPUs each has
-  /// its own NCCL stream, so a send waiting for its receiver never holds up the other direction).
-  /// `chunks`: the layers of each of the V chunks. `dwte` (last stage without the embedding: the
-  /// head's wte gradient, sent to stage 0) may be empty.
-  PipelineExecutor(GPT2Model& model, Strategy& inner, Backend& backend, Communicator& activations,
-                   Communicator& gradients, PipelineSchedule schedule, int virtual_stages,
-                   std::vector<ChunkLayers> chunks, Tensor dwte);
+  /// the executor puts itself in between. `channels`: PipelineChannels::per_neighbour(P).count()
+  /// communicators over the P ranks of this replica in stage order (rank = stage), channel i
+  /// carrying what PipelineChannels::of assigns to i. `chunks`: the layers of each of the V
+  /// chunks. `dwte` (last stage without the embedding: the head's wte gradient, sent to stage 0)
+  /// may be empty.
+  PipelineExecutor(GPT2Model& model, Strategy& inner, Backend& backend,
+                   std::vector<Communicator*> channels, PipelineSchedule schedule,
+                   int virtual_stages, std::vector<ChunkLayers> chunks, Tensor dwte);
 
   /// Runs this rank's actions for M = `micro_batches` micro-batches of `batches`, each
   /// micro-batch's loss scaled by `grad_scale` per token. Returns the sum of the micro-batches'
@@ -84,12 +83,6 @@ class PipelineExecutor : public LayerHooks {
   void between_layers() override;
 
  private:
-  enum class Msg { kActivation, kGradient, kTiedGrad };
-  struct Key {
-    Msg msg;
-    int m, c;
-    auto operator<=>(const Key&) const = default;
-  };
   struct SlotState {
     int slot = -1;
     std::vector<std::unique_ptr<Work>> sends;
@@ -98,35 +91,26 @@ class PipelineExecutor : public LayerHooks {
   int slot_for(int m, int c);
   void release(int m, int c);
   void reclaim();
-  Tensor receive_buffer(const Key& k);
-  /// Posts the receives from `peer` up to `k` (in the peer's send order on k's communicator),
-  /// then waits for `k`; with post_ahead_, posts the peer's next message right away.
-  void receive(int peer, const Key& k);
-  /// Posts the next receive from `peer` on the activations' (or gradients') communicator in the
-  /// peer's order; false when every one of the step is posted.
-  bool post_next(int peer, bool activations);
-  /// The messages `peer` sends to this rank in one step on the communicator of `activations`
-  /// (else of gradients and the tied gradient), in its order.
-  std::vector<Key> messages_from(int peer, bool activations) const;
-  Communicator& comm_of(Msg m) { return m == Msg::kActivation ? act_comm_ : grad_comm_; }
-  /// Whether `a` (of rank `rank`) is the pass that completes the chunk's weight gradients for the
-  /// step given the passes counted so far.
-  static bool writes_weights(ActionType t) {
-    return t == ActionType::kBackward || t == ActionType::kBackwardWeight;
+  /// Where message `k` lands (a slot's chunk input or gradient, or the tied gradient).
+  Tensor receive_buffer(const PipelineMessage& k);
+  /// What a send of `op` reads.
+  Tensor send_buffer(const IssuedOp& op);
+  /// Runs a kCompute op: a pass, or a transfer to this same rank (a copy).
+  void compute(const PipelineAction& a, const MicroBatchSource& batches);
+  /// The micro-batch's dropout seed.
+  uint64_t dropout_seed(int m) const {
+    return micro_batch_dropout_seed(dropout_run_seed_, dropout_replica_, dropout_step_, m);
   }
   int virtual_stage(int c) const { return c * P_ + rank_; }
   int rank_of(int v) const { return v % P_; }
   int chunk_of(int v) const { return v / P_; }
-  uint64_t dropout_seed(int m) const {
-    return micro_batch_dropout_seed(dropout_run_seed_, dropout_replica_, dropout_step_, m);
-  }
 
   GPT2Model& model_;
   LayerHooks& inner_hooks_;
   Strategy& inner_;
   Backend& backend_;
-  Communicator& act_comm_;
-  Communicator& grad_comm_;
+  std::vector<Communicator*> channels_;
+  PipelineChannels channel_map_;
   PipelineSchedule schedule_;
   int P_, V_, rank_;
   uint64_t dropout_run_seed_ = 0;
@@ -134,9 +118,8 @@ class PipelineExecutor : public LayerHooks {
   int64_t dropout_step_ = 0;
   std::vector<ChunkLayers> chunks_;
   /// CPU (MPI): keep the next receive from each neighbour posted, so that a large (rendezvous)
-  /// transfer proceeds while this rank computes. GPU: post receives when needed — NCCL runs a
-  /// communicator's operations in order on one stream, where an early receive would hold up this
-  /// rank's sends queued behind it.
+  /// transfer proceeds while this rank computes. GPU: post receives when needed — an early
+  /// receive would wait for the compute enqueued before it, holding up the channel behind it.
   bool post_ahead_;
   Tensor dwte_;           ///< last stage: the head's wte gradient (sent)
   FlatBuffer tied_grad_;  ///< first stage: the received wte gradient
@@ -147,19 +130,20 @@ class PipelineExecutor : public LayerHooks {
   bool sync_receives_ = false;
 
   int M_ = 0;
-  std::vector<PipelineAction> actions_;  ///< this rank's, with transfers, for M_ micro-batches
+  std::vector<IssuedOp> order_;  ///< this rank's issue order for M_ micro-batches
   // Per run.
   int64_t B_ = 0, T_ = 0;
   float grad_scale_ = 1;
+  double loss_ = 0;
+  std::vector<int> weight_passes_;  ///< per chunk, weight-gradient passes run so far
+  /// Last stage: each micro-batch's per-token losses [M, B·T] fp32, summed once after the step
+  /// (reading a loss mid-step would make the host wait for the device).
+  FlatBuffer step_losses_;
   std::map<std::pair<int, int>, SlotState> live_;
   std::vector<SlotState> done_;  ///< finished slots whose sends may still be in flight
   std::vector<int> free_slots_;
   int next_slot_ = 0, peak_slots_ = 0;
-  /// Per (peer, activations?): the peer's messages to this rank (kept while M_ stays), and how
-  /// many of them this run has posted.
-  std::map<std::pair<int, bool>, std::vector<Key>> expected_;
-  std::map<std::pair<int, bool>, size_t> posted_;
-  std::map<Key, std::unique_ptr<Work>> pending_recv_;
+  std::map<PipelineMessage, std::unique_ptr<Work>> pending_recv_;
   std::vector<std::unique_ptr<Work>> other_sends_;
   std::vector<MeasuredAction> trace_;
 };

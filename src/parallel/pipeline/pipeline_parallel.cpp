@@ -32,13 +32,19 @@ PipelineParallel::PipelineParallel(const PipelineOptions& options, const Strateg
   std::vector<int> pipe_ranks, data_ranks;
   for (int s = 0; s < P_; ++s) pipe_ranks.push_back(s * D_ + replica_);
   for (int d = 0; d < D_; ++d) data_ranks.push_back(stage_ * D_ + d);
-  // Collective: every rank splits the same two ways (its own groups), in the same order.
+  // Collective: every rank splits the same ways (its own groups), in the same order: the pipeline
+  // group (collectives), one communicator per transfer channel (transfer_plan.h), the replicas.
   pipe_comm_ = world.split(pipe_ranks);
-  grad_comm_ = world.split(pipe_ranks);
+  channel_map_ = PipelineChannels::per_neighbour(P_);
+  for (int c = 0; c < channel_map_.count(); ++c) channels_.push_back(world.split(pipe_ranks));
   data_comm_ = world.split(data_ranks);
 }
 
 PipelineParallel::~PipelineParallel() = default;
+
+Communicator& PipelineParallel::channel(int src, int dst) {
+  return *channels_[static_cast<size_t>(channel_map_.of(src, dst, MessageKind::kActivation))];
+}
 
 // ---- setup -------------------------------------------------------------------------------------
 
@@ -158,8 +164,10 @@ void PipelineParallel::setup(Model& model, const std::vector<float>& init) {
     };
     chunks.push_back({pos(s.first), pos(s.last - 1) + 1});
   }
+  std::vector<Communicator*> channels;
+  for (auto& c : channels_) channels.push_back(c.get());
   executor_ =
-      std::make_unique<PipelineExecutor>(*stage_model_, *inner_, backend_, *pipe_comm_, *grad_comm_,
+      std::make_unique<PipelineExecutor>(*stage_model_, *inner_, backend_, std::move(channels),
                                          opt_.schedule, V, std::move(chunks), dwte);
   layer_names_.clear();
   for (const LayerSpan& s : spans_) {
@@ -172,8 +180,8 @@ void PipelineParallel::setup(Model& model, const std::vector<float>& init) {
 
 void PipelineParallel::sync_tied_weight() {
   if (P_ == 1) return;
-  if (stage_ == 0) pipe_comm_->send(stage_model_->embedding_weight(), P_ - 1)->wait();
-  if (stage_ == P_ - 1) pipe_comm_->recv(wte_copy_.view(), 0)->wait();
+  if (stage_ == 0) channel(0, P_ - 1).send(stage_model_->embedding_weight(), P_ - 1)->wait();
+  if (stage_ == P_ - 1) channel(0, P_ - 1).recv(wte_copy_.view(), 0)->wait();
 }
 
 // ---- 2bw weight versions
@@ -274,7 +282,7 @@ PipelineEvaluation PipelineParallel::evaluate(const PackedDataset& data, int64_t
         if (v > 0) {
           const int src = (v - 1) % P_;
           if (src != stage_)
-            pipe_comm_->recv(m.activation(0, ch.first), src)->wait();
+            channel(src, stage_).recv(m.activation(0, ch.first), src)->wait();
           else  // the previous chunk is on this rank (one stage, interleaved)
             backend_.copy(m.activation(0, ch.first).data,
                           m.activation(0, executor_->chunk(c - 1).last).data,
@@ -285,7 +293,7 @@ PipelineEvaluation PipelineParallel::evaluate(const PackedDataset& data, int64_t
           totals[0] += m.slot_loss(0) * static_cast<double>(b);
           totals[1] += static_cast<double>(b);
         } else if ((v + 1) % P_ != stage_) {
-          pipe_comm_->send(m.activation(0, ch.last), (v + 1) % P_)->wait();
+          channel(stage_, (v + 1) % P_).send(m.activation(0, ch.last), (v + 1) % P_)->wait();
         }
       }
     }

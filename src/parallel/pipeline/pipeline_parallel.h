@@ -35,6 +35,7 @@
 #include "parallel/pipeline/partition.h"
 #include "parallel/pipeline/schedule.h"
 #include "parallel/pipeline/trace.h"
+#include "parallel/pipeline/transfer_plan.h"
 #include "parallel/strategy.h"
 #include "train/train_step.h"
 
@@ -125,9 +126,13 @@ class PipelineParallel final : public Strategy {
   Backend& backend_;
   Communicator& world_;
   int P_, D_, stage_, replica_;
-  /// The P ranks of this replica: activations travel on pipe_comm_ (and wte after a step),
-  /// gradients on grad_comm_; data_comm_: the D replicas of this stage.
-  std::unique_ptr<Communicator> pipe_comm_, grad_comm_, data_comm_;
+  /// The P ranks of this replica (collectives); data_comm_: the D replicas of this stage.
+  std::unique_ptr<Communicator> pipe_comm_, data_comm_;
+  /// The transfer channels over the P ranks of this replica (transfer_plan.h), indexed as
+  /// channel_map_ says; channel(src, dst) is the one from stage src to its neighbour dst.
+  PipelineChannels channel_map_;
+  std::vector<std::unique_ptr<Communicator>> channels_;
+  Communicator& channel(int src, int dst);
   std::vector<LayerSpan> spans_;
   GPT2Config config_;
   const ParamLayout* whole_layout_ = nullptr;
