@@ -361,6 +361,21 @@ TEST(LaunchFailure, RankHangingInAPipelineTransferIsNamed) {
   fs::remove_all(dir);
 }
 
+TEST(LaunchFailure, RankHangingInAGradientReduceScatterIsNamed) {
+  const fs::path dir = temp_dir("hang_reduce_scatter");
+  // Rank 1 hangs before zero2's third gradient reduce-scatter (SHARDTRAIN_TEST_FAULT_NAME counts
+  // only collectives of that kind): rank 0's reduce-scatter times out naming rank 1.
+  const Result r =
+      run("launch --nproc-per-node 2 --comm-timeout 3 -- " + train_args(dir) + " --strategy zero2",
+          "SHARDTRAIN_TEST_HANG_RANK=1 SHARDTRAIN_TEST_FAULT_NAME=reduce_scatter "
+          "SHARDTRAIN_TEST_FAULT_OP=3");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("reduce_scatter #"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1 has not joined it"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
+  fs::remove_all(dir);
+}
+
 TEST(LaunchFailure, HangingRankIsNamedUnderMpirun) {
   const fs::path dir = temp_dir("hang_mpirun");
   const Result r =

@@ -76,7 +76,10 @@ inline std::string rank_list(const std::vector<int>& ranks) {
 /// 3600) without communicating, $SHARDTRAIN_TEST_EXIT_RANK exits with status 3, and
 /// $SHARDTRAIN_TEST_KILL_RANK kills itself with SIGKILL. With $SHARDTRAIN_TEST_FAULT_P2P = N set,
 /// the fault comes before the rank's N-th point-to-point operation (send or recv, 1-based: a
-/// pipeline transfer) instead of a collective. Unset variables inject nothing.
+/// pipeline transfer) instead of a collective; with $SHARDTRAIN_TEST_FAULT_NAME = OP (e.g.
+/// reduce_scatter, all_reduce) it comes before the communicator's FAULT_OP-th collective of that
+/// kind (a gradient reduction rather than whichever collective has that number). Unset variables
+/// inject nothing.
 class FaultInjection {
  public:
   /// Reads the variables for the process of world rank `world_rank`.
@@ -88,6 +91,7 @@ class FaultInjection {
     };
     f.op_ = num("SHARDTRAIN_TEST_FAULT_OP", 1);
     f.p2p_op_ = num("SHARDTRAIN_TEST_FAULT_P2P", 0);
+    if (const char* name = std::getenv("SHARDTRAIN_TEST_FAULT_NAME")) f.name_ = name;
     f.hang_s_ = static_cast<double>(num("SHARDTRAIN_TEST_HANG_SECONDS", 3600));
     if (num("SHARDTRAIN_TEST_HANG_RANK", -1) == world_rank) f.kind_ = kHang;
     if (num("SHARDTRAIN_TEST_EXIT_RANK", -1) == world_rank) f.kind_ = kExit;
@@ -95,8 +99,13 @@ class FaultInjection {
     return f;
   }
   /// Called before collective number `seq` (1-based) named `op` is issued.
-  void before_collective(int64_t seq, const char* op) const {
-    if (p2p_op_ == 0 && seq == op_) inject(seq, op);
+  void before_collective(int64_t seq, const char* op) {
+    if (p2p_op_ != 0) return;
+    if (name_.empty()) {
+      if (seq == op_) inject(seq, op);
+    } else if (name_ == op && ++named_ == op_) {
+      inject(seq, op);
+    }
   }
   /// Called before point-to-point operation number `seq` (1-based, sends and receives counted
   /// together) named `op` ("send", "recv") is issued.
@@ -123,6 +132,8 @@ class FaultInjection {
   Kind kind_ = kNone;
   long long op_ = 1;
   long long p2p_op_ = 0;  ///< > 0: fault before this point-to-point operation instead
+  std::string name_;      ///< non-empty: count only collectives of this kind
+  long long named_ = 0;   ///< collectives of kind name_ issued so far
   double hang_s_ = 3600;
 };
 
