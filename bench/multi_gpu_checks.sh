@@ -5,8 +5,8 @@
 #     bash bench/multi_gpu_checks.sh PHASE...
 #   nccltest     tests/mpi/test_nccl_comm on GPUS ranks (copy-engine collectives against NCCL)
 #   pipelines    every schedule on GPUS stages (interleaved with V = 2), M = 2, 4, 8, 16
-#                micro-batches (those the schedule allows), gpt2 at 4 × 256, 6 steps: exit status 0
-#                and the loss of step 6 below that of step 1
+#                micro-batches (those the schedule allows), gpt2 at 4 × 256, 6 steps, PAR (default
+#                4) jobs at a time: the run finishes and the loss of step 6 is below that of step 1
 #   faults       a rank hung and a rank killed inside a pipeline transfer and inside zero1's and
 #                zero2's gradient reduce-scatter: the job stops within --comm-timeout (10 s) plus
 #                start-up and names the rank
@@ -37,26 +37,37 @@ for phase in "$@"; do
         "exit $rc: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$LOGS/test_nccl_comm.log" | sort -u | tr '\n' ' ')"
       grep -E "FAILED|assert" "$LOGS/test_nccl_comm.log" | sort -u | head -20 | tee -a "$SUM" ;;
     pipelines)
+      # PAR jobs side by side (each on all GPUs, its own rendezvous port): correctness, not speed.
+      jobs=()
       for s in gpipe 1f1b interleaved-1f1b zb-h1 2bw; do
         for M in 2 4 8 16; do
-          extra=()
-          if [ $s = interleaved-1f1b ]; then
-            [ $((M % GPUS)) = 0 ] || continue
-            extra=(--virtual-stages 2)
-          fi
-          name=pipe_${s}_M$M
-          start=$(date +%s)
-          timeout 180 "$ST" launch --nproc-per-node "$GPUS" --comm-timeout 60 -- train --model gpt2 \
-            --dataset wikitext-2 --strategy pipeline --pipeline-stages "$GPUS" \
-            --pipeline-schedule $s "${extra[@]}" --gradient-accumulation-steps $M --batch-size 4 \
-            --max-length 256 --max-steps 6 --log-interval 1 --no-save --eval-samples 9 \
-            --output-dir "$LOGS/$name" > "$LOGS/$name.log" 2>&1
-          rc=$?
-          first=$(loss_at "$LOGS/$name.log" 1) last=$(loss_at "$LOGS/$name.log" 6)
-          ok=$(python3 -c "print(int($rc == 0 and '$first' != '' and '$last' != '' and float('${last:-0}') < float('${first:-0}')))")
-          verdict "$s M=$M ($GPUS stages)" "$ok" "exit $rc in $(( $(date +%s) - start )) s, loss $first → $last; $(grep -E '^validation' "$LOGS/$name.log" | cut -c1-80)"
-          [ "$ok" = 1 ] || tail -5 "$LOGS/$name.log" | tee -a "$SUM"
+          [ $s != interleaved-1f1b ] || [ $((M % GPUS)) = 0 ] && jobs+=("$s $M")
         done
+      done
+      i=0
+      for job in "${jobs[@]}"; do
+        read -r s M <<< "$job"
+        extra=()
+        [ $s != interleaved-1f1b ] || extra=(--virtual-stages 2)
+        name=pipe_${s}_M$M
+        timeout 240 "$ST" launch --nproc-per-node "$GPUS" --master-port $((29600 + i)) \
+          --comm-timeout 60 -- train --model gpt2 --dataset wikitext-2 --strategy pipeline \
+          --pipeline-stages "$GPUS" --pipeline-schedule $s "${extra[@]}" \
+          --gradient-accumulation-steps $M --batch-size 4 --max-length 256 --max-steps 6 \
+          --log-interval 1 --no-save --eval-samples 9 --output-dir "$LOGS/$name" \
+          > "$LOGS/$name.log" 2>&1 &
+        i=$((i + 1))
+        if [ $((i % ${PAR:-4})) = 0 ]; then wait; fi
+      done
+      wait
+      for job in "${jobs[@]}"; do
+        read -r s M <<< "$job"
+        name=pipe_${s}_M$M
+        first=$(loss_at "$LOGS/$name.log" 1) last=$(loss_at "$LOGS/$name.log" 6)
+        done_line=$(grep -E '^done' "$LOGS/$name.log" | cut -c1-60)
+        ok=$(python3 -c "print(int(bool('$done_line') and '$first' != '' and '$last' != '' and float('${last:-0}') < float('${first:-0}')))")
+        verdict "$s M=$M ($GPUS stages)" "$ok" "loss $first → $last; $(grep -E '^validation' "$LOGS/$name.log" | cut -c1-70)"
+        [ "$ok" = 1 ] || grep -E "error|Error" "$LOGS/$name.log" | head -5 | cut -c1-300 | tee -a "$SUM"
       done ;;
     faults)
       for f in HANG KILL; do
@@ -82,21 +93,28 @@ for phase in "$@"; do
         done
       done ;;
     uneven)
+      i=0
       for n in 9 10 11 12; do
-        name=uneven_zero3_$n
-        timeout 120 "$ST" launch --nproc-per-node "$GPUS" --comm-timeout 30 -- train --model gpt2 \
-          --dataset wikitext-2 --strategy zero3 --batch-size 2 --max-length 128 --max-steps 2 \
-          --no-save --eval-samples $n --output-dir "$LOGS/$name" > "$LOGS/$name.log" 2>&1
-        rc=$?
-        v=$(grep -E '^validation' "$LOGS/$name.log" | head -1)
-        verdict "zero3 validation of $n samples" $([ $rc = 0 ] && echo "$v" | grep -q " $n samples" && echo 1 || echo 0) "exit $rc: $v"
-        name=uneven_cnn_$n
-        timeout 120 "$ST" launch --nproc-per-node "$GPUS" --comm-timeout 30 -- train --model cnn \
-          --dataset fashion-mnist --strategy fsdp_stage3 --batch-size 4 --max-steps 2 \
-          --no-save --eval-samples $n --output-dir "$LOGS/$name" > "$LOGS/$name.log" 2>&1
-        rc=$?
-        v=$(grep -E '^validation' "$LOGS/$name.log" | head -1)
-        verdict "cnn fsdp_stage3 validation of $n samples" $([ $rc = 0 ] && echo "$v" | grep -q " $n " && echo 1 || echo 0) "exit $rc: $v"
+        timeout 120 "$ST" launch --nproc-per-node "$GPUS" --master-port $((29700 + i)) \
+          --comm-timeout 30 -- train --model gpt2 --dataset wikitext-2 --strategy zero3 \
+          --batch-size 2 --max-length 128 --max-steps 2 --no-save --eval-samples $n \
+          --output-dir "$LOGS/uneven_zero3_$n" > "$LOGS/uneven_zero3_$n.log" 2>&1 &
+        timeout 120 "$ST" launch --nproc-per-node "$GPUS" --master-port $((29750 + i)) \
+          --comm-timeout 30 -- train --model cnn --dataset fashion-mnist --strategy fsdp_stage3 \
+          --batch-size 4 --max-steps 2 --no-save --eval-samples $n \
+          --output-dir "$LOGS/uneven_cnn_$n" > "$LOGS/uneven_cnn_$n.log" 2>&1 &
+        i=$((i + 1))
+      done
+      wait
+      for n in 9 10 11 12; do
+        for what in zero3 cnn; do
+          v=$(grep -E '^validation' "$LOGS/uneven_${what}_$n.log" | head -1)
+          d=$(grep -E '^done' "$LOGS/uneven_${what}_$n.log" | head -1)
+          unit=$([ $what = cnn ] && echo images || echo samples)
+          verdict "$what validation of $n $unit on $GPUS ranks" \
+            $([ -n "$d" ] && echo "$v" | grep -q " $n $unit" && echo 1 || echo 0) "$v"
+          [ -n "$d" ] || tail -3 "$LOGS/uneven_${what}_$n.log" | cut -c1-300 | tee -a "$SUM"
+        done
       done ;;
     equivalence)
       timeout 540 bash tests/gpu/run_equivalence.sh "$OUT/equivalence.md" > "$LOGS/equivalence.log" 2>&1
