@@ -6,6 +6,14 @@
 // plans of every rank on host arrays. Plain C++, no CUDA. Header-only on purpose: shardtrain_cuda,
 // which runs the plans, links before shardtrain_lib and must not need its symbols (as
 // comm/comm_support.h).
+//
+// Every world size ≥ 2 and every element count has a plan: counts not divisible by the world size
+// or the piece size (the last chunk or piece is shorter), counts below the world size (the later
+// chunks are empty and their ranks only send), and 0 (barriers only). Shapes without a plan —
+// the NCCL communicator sends those collectives to NCCL instead — are sums whose staging share per
+// sender holds no whole 16-byte vector (never with kPeerStagingBytes and at most 8 ranks), and
+// world < 2 or a rank outside [0, world). Whether a plan exists never depends on the rank, so all
+// ranks take the same path.
 #pragma once
 
 #include <algorithm>
@@ -60,6 +68,17 @@ inline size_t peer_piece_elements(int world, size_t element_bytes, size_t stagin
   return staging_bytes / static_cast<size_t>(world - 1) / 16 * 16 / element_bytes;
 }
 
+namespace peer_detail {
+
+/// Elements of an all-reduce's chunks (the last ones shorter or empty): ⌈n / world⌉ rounded up to
+/// 64, so that chunks start on whole 16-byte vectors relative to the tensor.
+inline size_t chunk_elements(int world, size_t n) {
+  const size_t w = static_cast<size_t>(world);
+  return ((n + w - 1) / w + 63) / 64 * 64;
+}
+
+}  // namespace peer_detail
+
 /// Elements [first, first + count) of an array.
 struct PeerRange {
   size_t first = 0, count = 0;
@@ -69,8 +88,7 @@ struct PeerRange {
 /// others: c = ⌈n / world⌉ rounded up to 64 elements, chunk k = [k·c, (k + 1)·c) ∩ [0, n). The
 /// chunks are contiguous and in rank order; the last ones are empty when n < (world − 1)·c.
 inline PeerRange peer_all_reduce_chunk(int world, size_t n, int k) {
-  const size_t w = static_cast<size_t>(world);
-  const size_t c = ((n + w - 1) / w + 63) / 64 * 64;
+  const size_t c = peer_detail::chunk_elements(world, n);
   const size_t first = std::min(n, static_cast<size_t>(k) * c);
   return {first, std::min(n, first + c) - first};
 }
@@ -130,8 +148,7 @@ inline std::optional<PeerPlan> peer_all_reduce_plan(int world, int rank, size_t 
                                                     size_t element_bytes, size_t staging_bytes) {
   const size_t piece = peer_piece_elements(world, element_bytes, staging_bytes);
   if (piece == 0 || rank < 0 || rank >= world) return std::nullopt;
-  const size_t w = static_cast<size_t>(world);
-  const size_t c = ((n + w - 1) / w + 63) / 64 * 64;
+  const size_t c = peer_detail::chunk_elements(world, n);
   const PeerRange mine = peer_all_reduce_chunk(world, n, rank);
   PeerPlan plan;
   peer_detail::push_and_sum(
