@@ -11,7 +11,9 @@
 //    the other ranks (with CommOptions::abort_on_timeout false: aborts the communicator and
 //    throws CommTimeoutError);
 //  * collectives on buffers registered with register_buffers() run on the GPUs' copy engines
-//    when every rank is on one node with peer access (comm/peer_collectives.h).
+//    when every rank is on one node with peer access (comm/peer_collectives.h), unless
+//    PeerCollectives has no plan for them (another dtype or op, a shape comm/peer_chunks.h
+//    cannot split): those, like every other collective, go to NCCL.
 // Compiled only with the CUDA toolkit (shardtrain_cuda). It uses shardtrain_lib only through
 // header-only code and the Bootstrap interface (comm/comm_support.h).
 #include <cuda_runtime.h>
@@ -29,6 +31,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -540,9 +543,9 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Work> all_reduce(Tensor t, ReduceOp op) override {
     check_cuda_tensor(t, "all_reduce");
     const ncclRedOp_t rop = nccl_op(t.dtype, op, "all_reduce");
-    if (peers_ && peers_->covers(t) && peers_->can_sum(t, op))
+    if (auto plan = peers_ ? peers_->all_reduce_plan(t, op) : std::nullopt)
       return submit("all_reduce", true, -1, [&](cudaStream_t s) {
-        peers_->all_reduce(t, op, s);
+        peers_->run(*plan, t, t, op, s);
         return ncclSuccess;
       });
     const auto [type, n] = nccl_type(t);
@@ -560,9 +563,9 @@ class NcclCommunicator final : public Communicator {
         dtype_name(input.dtype), input.numel(), st_->size(), dtype_name(output.dtype),
         output.numel());
     const ncclRedOp_t rop = nccl_op(input.dtype, op, "reduce_scatter");
-    if (peers_ && peers_->covers(input) && peers_->can_sum(input, op))
+    if (auto plan = peers_ ? peers_->reduce_scatter_plan(output, input, op) : std::nullopt)
       return submit("reduce_scatter", true, -1, [&](cudaStream_t s) {
-        peers_->reduce_scatter(output, input, op, s);
+        peers_->run(*plan, input, output, op, s);
         return ncclSuccess;
       });
     const auto [type, n] = nccl_type(output);
@@ -580,9 +583,9 @@ class NcclCommunicator final : public Communicator {
         "the same count; pad uneven shards)",
         dtype_name(output.dtype), output.numel(), st_->size(), dtype_name(input.dtype),
         input.numel());
-    if (peers_ && peers_->covers(output))
+    if (auto plan = peers_ ? peers_->all_gather_plan(output, input) : std::nullopt)
       return submit("all_gather", true, -1, [&](cudaStream_t s) {
-        peers_->all_gather(output, input, s);
+        peers_->run(*plan, input, output, ReduceOp::kSum, s);
         return ncclSuccess;
       });
     const auto [type, n] = nccl_type(input);

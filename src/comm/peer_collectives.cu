@@ -6,7 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
+#include <optional>
 #include <string>
 
 #include "backend/cuda/cuda_common.h"  // bf16/fp16 <-> fp32 in kernels
@@ -317,81 +317,61 @@ void PeerCollectives::launch_sum_dt(void* out, const void* own, const void* stag
   }
 }
 
-void PeerCollectives::push_and_sum(void* out, const void* own, size_t n_own,
-                                   const std::function<const char*(int)>& send,
-                                   const std::function<size_t(int)>& count, size_t nominal,
-                                   DType dt, float scale, cudaStream_t stream) {
-  const Region& st = *staging_region();
-  const size_t esize = dtype_size(dt);
-  const size_t npeers = static_cast<size_t>(world_ - 1);
-  // Pieces of whole 16-byte vectors so every piece keeps the vector path; one slot per sender.
-  const size_t piece = (st.bytes / npeers) / 16 * 16 / esize;
-  const size_t pieces = std::max<size_t>(1, (nominal + piece - 1) / piece);  // same on every rank
-  for (size_t k = 0; k < pieces; ++k) {
-    const size_t begin = k * piece;
-    // Every rank's data is ready (first piece) / every receiver has summed the previous piece,
-    // so its staging is free.
-    barrier(stream);
-    for (int q = 0; q < world_; ++q) {
-      if (q == rank_) continue;
-      const size_t total = count(q);
-      if (begin >= total) continue;
-      const size_t slot = static_cast<size_t>(rank_ < q ? rank_ : rank_ - 1);
-      copy(st.peer[static_cast<size_t>(q)] + slot * piece * esize, send(q) + begin * esize,
-           std::min(piece, total - begin) * esize, stream);
+std::optional<PeerPlan> PeerCollectives::all_reduce_plan(const Tensor& t, ReduceOp op) const {
+  if (!covers(t) || !can_sum(t, op)) return std::nullopt;
+  return peer_all_reduce_plan(world_, rank_, static_cast<size_t>(t.numel()), dtype_size(t.dtype),
+                              staging_region()->bytes);
+}
+
+std::optional<PeerPlan> PeerCollectives::reduce_scatter_plan(const Tensor& output,
+                                                             const Tensor& input,
+                                                             ReduceOp op) const {
+  if (!covers(input) || !can_sum(input, op) || output.dtype != input.dtype ||
+      input.numel() != output.numel() * world_)
+    return std::nullopt;
+  return peer_reduce_scatter_plan(world_, rank_, static_cast<size_t>(output.numel()),
+                                  dtype_size(input.dtype), staging_region()->bytes);
+}
+
+std::optional<PeerPlan> PeerCollectives::all_gather_plan(const Tensor& output,
+                                                         const Tensor& input) const {
+  if (!covers(output) || output.dtype != input.dtype || output.numel() != input.numel() * world_)
+    return std::nullopt;
+  return peer_all_gather_plan(world_, rank_, static_cast<size_t>(input.numel()));
+}
+
+void PeerCollectives::run(const PeerPlan& plan, const Tensor& input, const Tensor& output,
+                          ReduceOp op, cudaStream_t stream) {
+  ST_CUDA_CHECK(cudaSetDevice(device_));
+  const size_t esize = dtype_size(input.dtype);
+  const float scale = op == ReduceOp::kAvg ? 1.0f / static_cast<float>(world_) : 1.0f;
+  const Region* staging = staging_region();
+  // This rank's address of element `offset` of array `a`.
+  const auto at = [&](PeerArray a, size_t offset) {
+    char* base = a == PeerArray::kInput    ? static_cast<char*>(input.data)
+                 : a == PeerArray::kOutput ? static_cast<char*>(output.data)
+                                           : (staging ? staging->base : nullptr);
+    ST_ASSERT(base != nullptr);
+    return base + offset * esize;
+  };
+  for (const PeerStep& s : plan) {
+    switch (s.kind) {
+      case PeerStep::Kind::kBarrier:
+        barrier(stream);
+        break;
+      case PeerStep::Kind::kCopy: {
+        const char* src = at(s.src, s.src_offset);
+        char* dst = at(s.dst, s.dst_offset);
+        if (s.peer != rank_) dst = static_cast<char*>(peer_address(dst, s.peer));
+        if (dst != src) copy(dst, src, s.count * esize, stream);  // in place: nothing to copy
+        break;
+      }
+      case PeerStep::Kind::kSum:
+        launch_sum_dt(at(PeerArray::kOutput, s.dst_offset), at(PeerArray::kInput, s.src_offset),
+                      at(PeerArray::kStaging, 0), s.stride, s.count, input.dtype, scale, stream);
+        break;
     }
-    barrier(stream);  // every push into this rank's staging has landed
-    if (begin < n_own)
-      launch_sum_dt(static_cast<char*>(out) + begin * esize,
-                    static_cast<const char*>(own) + begin * esize, st.base, piece,
-                    std::min(piece, n_own - begin), dt, scale, stream);
   }
-}
-
-void PeerCollectives::all_reduce(const Tensor& t, ReduceOp op, cudaStream_t stream) {
-  ST_CUDA_CHECK(cudaSetDevice(device_));
-  const size_t n = static_cast<size_t>(t.numel()), esize = dtype_size(t.dtype);
-  const size_t w = static_cast<size_t>(world_);
-  const size_t c = ((n + w - 1) / w + 63) / 64 * 64;
-  const auto first = [&](int k) { return std::min(n, static_cast<size_t>(k) * c); };
-  const auto count = [&](int k) { return std::min(n, first(k) + c) - first(k); };
-  const float scale = op == ReduceOp::kAvg ? 1.0f / static_cast<float>(world_) : 1.0f;
-  char* data = static_cast<char*>(t.data);
-  char* mine = data + first(rank_) * esize;
-  // Reduce-scatter: every rank pushes its chunk q to rank q, which sums it into its own chunk.
-  push_and_sum(
-      mine, mine, count(rank_), [&](int q) { return data + first(q) * esize; }, count, c, t.dtype,
-      scale, stream);
-  // All-gather: push the reduced chunk into every peer's copy. The peers finished reading their
-  // chunk `rank_` (their pushes above landed before the last barrier).
-  for (int q = 0; q < world_; ++q)
-    if (q != rank_ && count(rank_) > 0)
-      copy(peer_address(mine, q), mine, count(rank_) * esize, stream);
-  barrier(stream);  // every peer's chunk has landed here
-}
-
-void PeerCollectives::reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op,
-                                     cudaStream_t stream) {
-  ST_CUDA_CHECK(cudaSetDevice(device_));
-  const size_t n = static_cast<size_t>(output.numel()), esize = dtype_size(input.dtype);
-  const float scale = op == ReduceOp::kAvg ? 1.0f / static_cast<float>(world_) : 1.0f;
-  const char* in = static_cast<const char*>(input.data);
-  push_and_sum(
-      output.data, in + static_cast<size_t>(rank_) * n * esize, n,
-      [&](int q) { return in + static_cast<size_t>(q) * n * esize; }, [&](int) { return n; }, n,
-      input.dtype, scale, stream);
-}
-
-void PeerCollectives::all_gather(const Tensor& output, const Tensor& input, cudaStream_t stream) {
-  ST_CUDA_CHECK(cudaSetDevice(device_));
-  const size_t bytes = input.bytes();
-  char* slice = static_cast<char*>(output.data) + static_cast<size_t>(rank_) * bytes;
-  barrier(stream);  // every rank reached it: nothing reads the output slices being written
-  if (slice != input.data && bytes > 0)
-    ST_CUDA_CHECK(cudaMemcpyAsync(slice, input.data, bytes, cudaMemcpyDeviceToDevice, stream));
-  for (int q = 0; q < world_; ++q)
-    if (q != rank_ && bytes > 0) copy(peer_address(slice, q), slice, bytes, stream);
-  barrier(stream);  // every peer's slice has landed here
 }
 
 }  // namespace shardtrain

@@ -19,20 +19,23 @@
 // (NCCL's NCCL_WIN_COLL_SYMMETRIC contract). The strategies' flat buffers satisfy it: their
 // layouts are identical on every rank.
 //
-// Algorithms over W ranks, rank r, chunk k = elements [k·c, min(n, (k+1)·c)), c = ⌈n/W⌉ rounded
-// up to 64 elements. Data moves by pushes (the sender's copy engine writes into the peer's
-// buffer or staging). "barrier" = every rank signals every other rank's
-// flag and waits for theirs, a sequence number per barrier, by stream memory operations
-// (cuStreamWriteValue32 with its system-wide fence, cuStreamWaitValue32: run by the GPU's front
-// end, no SM):
+// Algorithms (the chunks, pieces and offsets of each step come from the pure host plans of
+// comm/peer_chunks.h; this file turns their offsets into addresses and runs them). Data moves by
+// pushes (the sender's copy engine writes into the peer's buffer or staging). "barrier" = every
+// rank signals every other rank's flag and waits for theirs, a sequence number per barrier, by
+// stream memory operations (cuStreamWriteValue32 with its system-wide fence, cuStreamWaitValue32:
+// run by the GPU's front end, no SM):
 //   reduce_scatter  per staging-sized piece: barrier (data ready, staging free); push slice q to
 //                   rank q's staging slot for this rank; barrier (pushes landed); sum own slice r
 //                   and the staged slices into the output.
-//   all_reduce      reduce-scatter into own chunk r as above; push chunk r into every peer's
-//                   chunk r; barrier.
+//   all_reduce      reduce-scatter of chunk k into rank k as above (chunk k = elements
+//                   [k·c, min(n, (k+1)·c)), c = ⌈n/W⌉ rounded up to 64 elements); push chunk r
+//                   into every peer's chunk r; barrier.
 //   all_gather      barrier; push own slice into every peer's slice r; barrier.
-// Sums accumulate in fp32 in rank order (own value first), so for W = 2 the result equals NCCL's
-// bit for bit.
+// Sums accumulate in fp32, the own value first and then the peers' in rank order, so for W = 2
+// the result equals NCCL's bit for bit; for W > 2 it differs from NCCL's (another order, and
+// bf16/fp16 NCCL rounds every partial sum) by summation-order rounding. Every rank holds the same
+// result of an all-reduce (rank k's sum of chunk k, copied).
 #pragma once
 
 #include <cuda.h>  // CUresult, CUstream: the stream memory operations
@@ -42,9 +45,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/peer_chunks.h"
 #include "core/tensor.h"
 
 namespace shardtrain {
@@ -79,20 +84,28 @@ class PeerCollectives {
 
   /// Whether `t` lies inside a registered buffer.
   bool covers(const Tensor& t) const;
-  /// Whether sums of `t` (its dtype, `op`) can go this way: fp32/bf16/fp16, kSum or kAvg, and
-  /// buffers are registered (their staging receives the peers' data).
-  bool can_sum(const Tensor& t, ReduceOp op) const;
 
-  /// The collectives, enqueued on `stream`. The communicator sends a collective this way when
-  /// the buffer the peers write into is registered: all_reduce: covers(t) and can_sum(t, op);
-  /// reduce_scatter: covers(input) and can_sum(input, op) (the peers write into the staging;
-  /// output anywhere on this GPU, or input's slice r); all_gather: covers(output) (input
-  /// anywhere on this GPU, or output's slice r).
-  void all_reduce(const Tensor& t, ReduceOp op, cudaStream_t stream);
-  /// `input` [W·n], `output` [n].
-  void reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, cudaStream_t stream);
-  /// `input` [n], `output` [W·n].
-  void all_gather(const Tensor& output, const Tensor& input, cudaStream_t stream);
+  /// The plans of the collectives this way, or nullopt when the collective must go to NCCL. Every
+  /// rank gets the same answer: it depends on whether the tensor the peers write into lies in a
+  /// registered buffer (at the same offset on every rank, by the registration contract), the
+  /// dtype, element count and `op`, the world size and the staging size — never on the rank.
+  ///   all_reduce      `t` [n] registered; fp32/bf16/fp16; kSum or kAvg.
+  ///   reduce_scatter  `input` [W·n] registered (the peers write into the staging); output [n]
+  ///                   anywhere on this GPU, or input's slice r; fp32/bf16/fp16; kSum or kAvg.
+  ///   all_gather      `output` [W·n] registered; input [n] anywhere on this GPU, or output's
+  ///                   slice r; any dtype.
+  /// Sums also need a registration's staging to hold a 16-byte vector per peer
+  /// (peer_piece_elements() > 0; always true of kPeerStagingBytes with W ≤ 8).
+  std::optional<PeerPlan> all_reduce_plan(const Tensor& t, ReduceOp op) const;
+  std::optional<PeerPlan> reduce_scatter_plan(const Tensor& output, const Tensor& input,
+                                              ReduceOp op) const;
+  std::optional<PeerPlan> all_gather_plan(const Tensor& output, const Tensor& input) const;
+
+  /// Enqueues `plan` (from the *_plan() function of the same tensors and op) on `stream`:
+  /// kInput/kOutput address `input`/`output` (all_reduce: both the tensor), kStaging the latest
+  /// registration's staging; kAvg sums are scaled by 1/W. Throws RuntimeFailure when CUDA fails.
+  void run(const PeerPlan& plan, const Tensor& input, const Tensor& output, ReduceOp op,
+           cudaStream_t stream);
 
  private:
   PeerCollectives(int rank, int world, int device);
@@ -107,16 +120,12 @@ class PeerCollectives {
   void copy(void* dst, const void* src, size_t bytes, cudaStream_t stream);
   /// The staging region of the latest registration (peers push into it), or null.
   const Region* staging_region() const;
+  /// Whether sums of `t` (its dtype, `op`) can go this way: fp32/bf16/fp16, kSum or kAvg, and
+  /// buffers are registered (their staging receives the peers' data).
+  bool can_sum(const Tensor& t, ReduceOp op) const;
   /// out[0, n) ← (own[0, n) + Σ over senders of their staged [0, n)) · scale.
   void launch_sum_dt(void* out, const void* own, const void* staged, size_t stride, size_t n,
                      DType dt, float scale, cudaStream_t stream);
-  /// Reduce-scatter by pushes: in pieces of the staging (`nominal` elements, the same on every
-  /// rank, decide their count), every rank copies its `count(q)` elements at `send(q)` into rank
-  /// q's staging, then sums its own `n_own` elements at `own` with what it received into `out`.
-  void push_and_sum(void* out, const void* own, size_t n_own,
-                    const std::function<const char*(int)>& send,
-                    const std::function<size_t(int)>& count, size_t nominal, DType dt, float scale,
-                    cudaStream_t stream);
 
   int rank_, world_, device_;
   uint64_t seq_ = 0;
