@@ -144,8 +144,13 @@ class Strategy : public LayerHooks {
   /// Host seconds of the last completed CPU optimizer step (0 without offload).
   virtual double host_step_seconds() const { return 0; }
   /// The whole buffer of compute-dtype parameters the model is bound to, when this rank holds
-  /// all of them (dp, zero1, zero2); empty otherwise (zero3). PipeDream-2BW versions it.
+  /// all of them (dp, zero1, zero2; current: waits as wait_for_parameters()); empty otherwise
+  /// (zero3). PipeDream-2BW versions it.
   virtual Tensor compute_parameters() { return {}; }
+  /// Orders work enqueued after this call after the arrival of the parameters the last step()
+  /// updated. zero1/zero2 all-gather them overlapped with the next forward, whose before_forward
+  /// hooks wait layer by layer; whoever reads parameters outside a forward calls this first.
+  virtual void wait_for_parameters() {}
   /// The pipeline strategy (parallel/pipeline/pipeline_parallel.h), or null.
   virtual PipelineParallel* as_pipeline() { return nullptr; }
 };

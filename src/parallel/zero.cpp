@@ -59,7 +59,10 @@ class Zero1 final : public ZeroStrategy {
  public:
   using ZeroStrategy::ZeroStrategy;
   std::string name() const override { return "zero1"; }
-  Tensor compute_parameters() override { return params_.view(); }
+  Tensor compute_parameters() override {
+    wait_for_parameters();
+    return params_.view();
+  }
 
   void zero_grad() override {
     gathered_bytes_ = 0;
@@ -134,7 +137,10 @@ class Zero2 final : public ZeroStrategy {
  public:
   using ZeroStrategy::ZeroStrategy;
   std::string name() const override { return "zero2"; }
-  Tensor compute_parameters() override { return params_.view(); }
+  Tensor compute_parameters() override {
+    wait_for_parameters();
+    return params_.view();
+  }
 
   void zero_grad() override {
     gathered_bytes_ = 0;

@@ -92,11 +92,18 @@ class ZeroStrategy : public Strategy {
     model.set_hooks(this);
   }
 
-  /// Makes every part's updated parameters visible to the model (offloaded updates: queued
-  /// copies, then the all-gathers).
+  /// Makes the updated parameters of the parts `layer` uses visible to it: waits for their
+  /// all-gathers (launched by step()) and, with offload, queues the host's update first.
   void before_forward(int layer) override {
-    if (!host_) return;
-    for (int u : model_->layout().uses(layer)) ensure_published(static_cast<size_t>(part_of(u)));
+    for (int u : model_->layout().uses(layer)) {
+      const auto i = static_cast<size_t>(part_of(u));
+      if (host_) ensure_published(i);
+      wait_gather(i);
+    }
+  }
+  void wait_for_parameters() override {
+    publish_all();
+    for (size_t i = 0; i < gathers_.size(); ++i) wait_gather(i);
   }
 
   double grad_norm(double scale) override {
@@ -108,16 +115,23 @@ class ZeroStrategy : public Strategy {
 
   void step(double lr, double grad_scale) override {
     ++steps_;
-    publish_all();  // offload: the last update is in place before this one (forward did it)
+    wait_for_parameters();  // the last update is in place before this one (forward did it)
     before_update();
     const bool separate_master = master_.numel() > 0;
-    for (size_t i = 0; i < parts_.size(); ++i) {
+    // In forward order: each part's all-gather leaves as soon as its update is done (no host
+    // offload), overlapping the updates after it and the next forward up to the first layer that
+    // reads the part (before_forward waits there: Megatron-LM's distributed optimizer overlaps
+    // its parameter all-gather with the forward the same way).
+    const bool gather_now = !host_;
+    gathers_.resize(parts_.size());
+    for (size_t i : forward_order_) {
       const int64_t g = on_device_[i];
       if (optimizers_[i]) {
         optimizers_[i]->step(master(i), grad_shard(i).slice1d(0, g),
                              separate_master ? own_params(i).slice1d(0, g) : Tensor(), lr,
                              grad_scale);
       }
+      if (gather_now) launch_gather(i);
     }
     if (host_) {
       // The host half: queued on the CPU worker, parts in forward order; each part is published
@@ -129,10 +143,7 @@ class ZeroStrategy : public Strategy {
       host_->step(lr, grad_scale, forward_order_, targets);
       pending_.assign(parts_.size(), true);
       sent_.assign(parts_.size(), false);
-      return;
     }
-    AllGatherWindow window(comm_, opt_.allgather_bucket_size);
-    for (size_t i = 0; i < parts_.size(); ++i) publish(i, window);
   }
 
   HostMemory host_memory() const override {
@@ -144,7 +155,7 @@ class ZeroStrategy : public Strategy {
 
   FullState gather_state() override {
     if (host_) host_->wait_all();
-    publish_all();
+    wait_for_parameters();
     const auto n = static_cast<size_t>(model_->layout().numel());
     FullState s;
     s.params.resize(n);
@@ -223,6 +234,7 @@ class ZeroStrategy : public Strategy {
   }
   void finish_load(int64_t optimizer_steps) final {
     if (host_) host_->wait_all();
+    for (size_t i = 0; i < gathers_.size(); ++i) wait_gather(i);
     pending_.clear();
     before_update();
     AllGatherWindow window(comm_, opt_.allgather_bucket_size);
@@ -343,6 +355,19 @@ class ZeroStrategy : public Strategy {
     if (target.empty()) return;
     window.add(target, own_params(i));
     gathered_bytes_ += static_cast<int64_t>(target.bytes());
+  }
+  /// Starts part `i`'s all-gather of its updated slices; wait_gather(i) orders what follows
+  /// after it.
+  void launch_gather(size_t i) {
+    const Tensor target = gather_target(i);
+    if (target.empty()) return;
+    gathers_[i] = comm_.all_gather(target, own_params(i));
+    gathered_bytes_ += static_cast<int64_t>(target.bytes());
+  }
+  void wait_gather(size_t i) {
+    if (i >= gathers_.size() || !gathers_[i]) return;
+    gathers_[i]->wait();
+    gathers_[i].reset();
   }
 
   /// Sets the state from full host arrays in the flat layout (exp_avg/exp_avg_sq may be null:
@@ -503,7 +528,10 @@ class ZeroStrategy : public Strategy {
   std::vector<size_t> forward_order_;    ///< parts by first layer
   std::unique_ptr<HostOptimizer> host_;  ///< offload: the host-stepped elements
   std::vector<bool> pending_;            ///< offload: part updated, not yet published
-  std::vector<bool> sent_;               ///< offload: part's gradient handed to the host
+  /// Per part: the all-gather of its updated slices launched by step(), until a forward (or
+  /// wait_for_parameters) waited for it.
+  std::vector<std::unique_ptr<Work>> gathers_;
+  std::vector<bool> sent_;  ///< offload: part's gradient handed to the host
   std::vector<std::unique_ptr<Optimizer>> optimizers_;  ///< per part; null where nothing is owned
   std::unique_ptr<ScalarAllReduce> norm_reduce_;        ///< for sum_over_ranks
   int64_t steps_ = 0;

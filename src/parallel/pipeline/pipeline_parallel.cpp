@@ -180,6 +180,7 @@ void PipelineParallel::setup(Model& model, const std::vector<float>& init) {
 
 void PipelineParallel::sync_tied_weight() {
   if (P_ == 1) return;
+  inner_->wait_for_parameters();
   if (stage_ == 0) channel(0, P_ - 1).send(stage_model_->embedding_weight(), P_ - 1)->wait();
   if (stage_ == P_ - 1) channel(0, P_ - 1).recv(wte_copy_.view(), 0)->wait();
 }
