@@ -294,6 +294,7 @@ def num(s):
 
 def shardtrain_job(a, name, model, gpus, micro, epochs, num_samples, eval_interval):
     out = os.path.join(a.workdir, name)
+    a.master_port += 1  # a fresh port per job: the last job's store may linger in TIME_WAIT
     cmd = [a.shardtrain, "launch", "--nproc-per-node", str(gpus), "--master-port",
            str(a.master_port), "--comm-timeout", str(a.comm_timeout), "--", "train",
            "--model", model, "--dataset", "fashion-mnist", "--data-dir", a.fashion_mnist,
