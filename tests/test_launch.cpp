@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "app/error_report.h"
 #include "test_support.h"
 
 namespace fs = std::filesystem;
@@ -427,5 +428,120 @@ TEST(LaunchFailure, RankErrorsNameTheRank) {
   EXPECT_NE(r.output.find("error: rank "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("/nonexistent"), std::string::npos) << r.output;
   EXPECT_LT(r.seconds, 60) << r.output;
+  fs::remove_all(dir);
+}
+
+// ---- one error, once -----------------------------------------------------------------------
+
+// An error of a job is reported once: rank 0 at once, every other rank only after a grace period
+// (5 s, below half the communication timeout) in which a launcher that saw rank 0 fail stops it.
+TEST(ErrorReport, RankZeroAtOnceOthersAfterTheGrace) {
+  using shardtrain::plan_error_report;
+  // A single process: no rank, no wait.
+  auto r = plan_error_report("error: ", "bad flag", true, 0, 1, 5);
+  EXPECT_EQ(r.text, "error: bad flag\n");
+  EXPECT_EQ(r.delay_s, 0);
+  r = plan_error_report("error: ", "bad flag", false, 0, 1, 5);
+  EXPECT_EQ(r.text, "error: bad flag\n");
+  // The same on every rank: rank 0 without a rank; others name theirs after the grace.
+  r = plan_error_report("error: ", "bad flag", true, 0, 4, 5);
+  EXPECT_EQ(r.text, "error: bad flag\n");
+  EXPECT_EQ(r.delay_s, 0);
+  r = plan_error_report("error: ", "bad flag", true, 3, 4, 5);
+  EXPECT_EQ(r.text, "error: rank 3: bad flag\n");
+  EXPECT_EQ(r.delay_s, 5);
+  // This rank's own: named on every rank.
+  r = plan_error_report("error: ", "no file", false, 0, 4, 5);
+  EXPECT_EQ(r.text, "error: rank 0: no file\n");
+  EXPECT_EQ(r.delay_s, 0);
+  r = plan_error_report("error: ", "no file", false, 2, 4, 1.5);
+  EXPECT_EQ(r.text, "error: rank 2: no file\n");
+  EXPECT_EQ(r.delay_s, 1.5);
+  // A message naming its rank already gets no second one; CLI11's text comes without a lead
+  // and keeps its own line ends.
+  r = plan_error_report("error: ", "rank 1: all_reduce #3 did not complete", false, 1, 2, 5);
+  EXPECT_EQ(r.text, "error: rank 1: all_reduce #3 did not complete\n");
+  r = plan_error_report("error: ", "ranked: x", false, 1, 2, 5);
+  EXPECT_EQ(r.text, "error: rank 1: ranked: x\n");
+  r = plan_error_report("", "Unknown flag\nRun with --help\n", true, 0, 2, 5);
+  EXPECT_EQ(r.text, "Unknown flag\nRun with --help\n");
+}
+
+namespace {
+
+/// A DeepSpeed config whose batch sizes do not add up on 4 ranks: 4 ≠ 2 × 1 × 4.
+fs::path bad_batch_json(const fs::path& dir) {
+  const fs::path p = dir / "ds.json";
+  std::ofstream(p) << R"({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+                          "gradient_accumulation_steps": 1})";
+  return p;
+}
+
+const std::string kBatchError =
+    "batch sizes do not add up: train_batch_size 4 != train_micro_batch_size_per_gpu 2 × "
+    "gradient_accumulation_steps 1 × world size 4 = 8: set train_batch_size to 8, or "
+    "train_micro_batch_size_per_gpu to 1 (flags: --train-batch-size, --batch-size, "
+    "--gradient-accumulation-steps)";
+
+/// Whether `line` is a whole line of `output`.
+bool has_line(const std::string& output, const std::string& line) {
+  return ("\n" + output).find("\n" + line + "\n") != std::string::npos;
+}
+
+}  // namespace
+
+// Every rank validates the same flags and JSON and fails the same way: the message appears once,
+// as a whole line of its own, naming no rank.
+TEST(LaunchFailure, SameErrorOnEveryRankIsPrintedOnce) {
+  const fs::path dir = temp_dir("same_error");
+  std::string args = train_args(dir);
+  args.replace(args.find("--batch-size 2"), 14,
+               "--deepspeed_config " + bad_batch_json(dir).string());
+  Result r = run("launch --nproc-per-node 4 -- " + args);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_EQ(count(r.output, "batch sizes do not add up"), 1u) << r.output;
+  EXPECT_TRUE(has_line(r.output, "error: " + kBatchError)) << r.output;
+  EXPECT_EQ(count(r.output, "error: rank "), 0u) << r.output;
+
+  // A bad flag: CLI11's message, once.
+  r = run("launch --nproc-per-node 4 -- " + train_args(dir) + " --no-such-flag");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_EQ(count(r.output, "--no-such-flag"), 1u) << r.output;
+
+  // Missing data on every rank: once, rank 0's (a data file may be missing on some ranks only,
+  // so it names the rank).
+  args = train_args(dir);
+  args.replace(args.find("--train-file ") + 13, 0, "/nonexistent");
+  r = run("launch --nproc-per-node 4 -- " + args);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_EQ(count(r.output, "not found: check --train-file"), 1u) << r.output;
+  EXPECT_EQ(count(r.output, "error: rank 0: /nonexistent"), 1u) << r.output;
+  fs::remove_all(dir);
+}
+
+// Errors that only some ranks raise still appear, naming the rank, also those that every rank
+// would raise the same way from the same flags (here rank 2 alone is given other flags: mpirun's
+// MPMD form). Rank 0 does not fail, so rank 2 prints after its grace.
+TEST(LaunchFailure, RankSpecificErrorNamesItsRank) {
+  const fs::path dir = temp_dir("rank2_error");
+  const std::string good = train_args(dir) + " --no-save";
+  std::string missing = good;
+  missing.replace(missing.find("--train-file ") + 13, 0, "/nonexistent");
+  std::string bad_json = good;
+  bad_json.replace(bad_json.find("--batch-size 2"), 14,
+                   "--deepspeed_config " + bad_batch_json(dir).string());
+  const std::string bin = SHARDTRAIN_BINARY;
+  for (const std::string& rank2 : {missing, bad_json}) {
+    const Result r =
+        run_shell(std::string("env OMP_NUM_THREADS=1 ") + SHARDTRAIN_MPIEXEC +
+                  " --oversubscribe --allow-run-as-root --bind-to none -np 2 " + bin + " " + good +
+                  " : -np 1 " + bin + " " + rank2 + " : -np 1 " + bin + " " + good);
+    EXPECT_NE(r.status, 0) << r.output;
+    const std::string line =
+        rank2 == missing ? "error: rank 2: /nonexistent" : "error: rank 2: " + kBatchError;
+    EXPECT_EQ(count(r.output, "error: "), 1u) << r.output;
+    EXPECT_EQ(count(r.output, line), 1u) << r.output;
+    EXPECT_LT(r.seconds, 60) << r.output;
+  }
   fs::remove_all(dir);
 }

@@ -4,9 +4,11 @@
 // from it (MPI on CPU, NCCL on GPU; docs/LAUNCHING.md).
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "app/commands.h"
+#include "app/error_report.h"
 #include "app/train_flags.h"
 #include "backend/backend.h"
 #include "comm/communicator.h"
@@ -48,31 +50,16 @@ void check_model_name(const std::string& name) {
       name, did_you_mean(name, names), join(gpt2_preset_names(), ", "), join(images, ", ")));
 }
 
-/// Runs `f`; in a job of several ranks, errors are rethrown with "rank R: " in front (same
-/// type, so the exit status stays), so the output of many ranks says which one failed.
+/// Runs `f`, which validates the configuration from the flags and the DeepSpeed JSON — the same
+/// on every rank, so a ConfigError it throws is marked same_on_every_rank (rank 0 alone reports
+/// it, app/error_report.h). Other errors pass unmarked.
 template <typename F>
-void with_rank_in_errors(int rank, int world, F&& f) {
-  if (world == 1) {
-    f();
-    return;
-  }
-  auto prefix = [rank](const std::exception& e) {
-    return fmt::format("rank {}: {}", rank, e.what());
-  };
+auto validating_configuration(F&& f) {
   try {
-    f();
-  } catch (const CommTimeoutError&) {
-    throw;  // names its rank already
-  } catch (const ConfigError& e) {
-    throw ConfigError(prefix(e));
-  } catch (const DataError& e) {
-    throw DataError(prefix(e));
-  } catch (const CheckpointError& e) {
-    throw CheckpointError(prefix(e));
-  } catch (const RuntimeFailure& e) {
-    throw RuntimeFailure(prefix(e));
-  } catch (const Error& e) {
-    throw Error(prefix(e));
+    return f();
+  } catch (ConfigError& e) {
+    e.mark_same_on_every_rank();
+    throw;
   }
 }
 
@@ -91,34 +78,38 @@ void register_train_command(CLI::App& app) {
   cmd->callback([cmd, cfg, comm_timeout]() {
     const DistributedEnv env = read_distributed_env();
     set_gpu_rank_environment(env, cfg->device);  // before the first CUDA call
-    with_rank_in_errors(env.rank, env.world_size, [&]() {
-      std::vector<std::string> warnings;
-      // --resume without --model: the checkpoint's own shape (a custom one needs no config.json).
-      // An image checkpoint names its model (the data set still comes from the flags).
-      if (!cfg->resume.empty() && cmd->count("--model") == 0) {
-        cfg->model.clear();
-        const CheckpointInfo info = read_checkpoint_info(cfg->resume);
-        if (info.image) cfg->model = info.image->name;
-      }
+    CommOptions options;
+    options.timeout_s =
+        validating_configuration([&] { return comm_timeout_seconds(*comm_timeout); });
+    // A rank other than 0 holds its error back for this long (app/error_report.h): less than
+    // rank 0 waits for it in a collective, so rank 0 cannot abort the job before it is printed.
+    set_error_report_grace(std::min(5.0, options.timeout_s / 2));
+    std::vector<std::string> warnings;
+    // --resume without --model: the checkpoint's own shape (a custom one needs no config.json).
+    // An image checkpoint names its model (the data set still comes from the flags).
+    if (!cfg->resume.empty() && cmd->count("--model") == 0) {
+      cfg->model.clear();
+      const CheckpointInfo info = read_checkpoint_info(cfg->resume);
+      if (info.image) cfg->model = info.image->name;
+    }
+    const TrainConfig final_cfg = validating_configuration([&] {
       // The model's context bounds --max-length (image models: none); an unknown model name
       // fails here, clearly.
       check_model_name(cfg->model);
       const int64_t context =
           is_image_model(cfg->model) ? 0 : resolve_train_model(*cfg).n_positions;
       cfg->world_size = env.world_size;  // before validation: the batch identity needs it
-      TrainConfig final_cfg = finalize_train_config(*cmd, *cfg, context, warnings);
-      if (env.rank == 0)
-        for (const auto& w : warnings) fmt::print(stderr, "warning: {}\n", w);
-      CommOptions options;
-      options.timeout_s = comm_timeout_seconds(*comm_timeout);
-      auto comm = make_world_communicator(env, job_device(final_cfg.device), nullptr, options);
-      if (is_image_model(final_cfg.model))
-        train_image_model(final_cfg, *comm);
-      else
-        train(final_cfg, *comm);
-      comm.reset();
-      finalize_mpi(options.timeout_s);
+      return finalize_train_config(*cmd, *cfg, context, warnings);
     });
+    if (env.rank == 0)
+      for (const auto& w : warnings) fmt::print(stderr, "warning: {}\n", w);
+    auto comm = make_world_communicator(env, job_device(final_cfg.device), nullptr, options);
+    if (is_image_model(final_cfg.model))
+      train_image_model(final_cfg, *comm);
+    else
+      train(final_cfg, *comm);
+    comm.reset();
+    finalize_mpi(options.timeout_s);
   });
 }
 

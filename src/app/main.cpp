@@ -5,8 +5,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <sstream>
 
 #include "app/commands.h"
+#include "app/error_report.h"
 #include "core/error.h"
 
 namespace {
@@ -49,28 +51,40 @@ int main(int argc, char** argv) {
   shardtrain::register_data_dir_command(app);
   shardtrain::register_compare_command(app);
   shardtrain::register_report_command(app);
+  // Errors end the program here, reported by report_fatal_error (app/error_report.h): one
+  // write() per message, and in a job of several ranks an error every rank raises the same way
+  // once (by rank 0), while one that differs by rank names its rank.
+  using shardtrain::report_fatal_error;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // Every rank parses the same command line: a parse error is the same on every rank.
+    std::ostringstream out, err;
+    const int status = app.exit(e, out, err);
+    if (!out.str().empty() && shardtrain::is_first_rank()) {  // --help, --version
+      std::fputs(out.str().c_str(), stdout);
+      std::fflush(stdout);
+    }
+    if (!err.str().empty()) report_fatal_error("", err.str(), true);
+    return status;
   } catch (const shardtrain::ConfigError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    report_fatal_error("error: ", e.what(), e.same_on_every_rank());
     return 2;
   } catch (const shardtrain::DataError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    report_fatal_error("error: ", e.what(), e.same_on_every_rank());
     return 2;
   } catch (const shardtrain::CheckpointError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    report_fatal_error("error: ", e.what(), e.same_on_every_rank());
     return 2;
   } catch (const shardtrain::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    report_fatal_error("error: ", e.what(), e.same_on_every_rank());
     return 1;
   } catch (const std::bad_alloc&) {
-    std::fprintf(stderr,
-                 "error: out of host memory; use a smaller model, --batch-size or --max-length\n");
+    report_fatal_error(
+        "error: ", "out of host memory; use a smaller model, --batch-size or --max-length", false);
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    report_fatal_error("error: ", e.what(), false);
     return 1;
   }
   return 0;

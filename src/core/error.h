@@ -2,8 +2,9 @@
 //
 // Every user-facing failure is an exception derived from shardtrain::Error whose
 // message names what is wrong and how to fix it. The CLI catches Error at the top
-// level, prints "error: <message>" and exits with status 2 (bad input) or 1 (runtime
-// failure). Internal invariant violations use ST_ASSERT and are reported as bugs.
+// level, prints "error: <message>" (in a job of several ranks once, app/error_report.h)
+// and exits with status 2 (bad input) or 1 (runtime failure). Internal invariant
+// violations use ST_ASSERT and are reported as bugs.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -20,6 +21,17 @@ namespace shardtrain {
 class Error : public std::runtime_error {
  public:
   explicit Error(const std::string& what) : std::runtime_error(what) {}
+
+  /// Whether every rank of a job raises this error identically — a configuration error found
+  /// while validating the flags and the DeepSpeed JSON, which every rank reads the same way — so
+  /// that rank 0 alone reports it, without naming a rank (app/error_report.h). False (the
+  /// default): it may be this rank's own (its data file, its GPU, its checkpoint shard).
+  bool same_on_every_rank() const { return same_on_every_rank_; }
+  /// Marks it so, where it is caught on its way out of such a validation (app/cmd_train.cpp).
+  void mark_same_on_every_rank() { same_on_every_rank_ = true; }
+
+ private:
+  bool same_on_every_rank_ = false;
 };
 
 /// Bad configuration: flags, DeepSpeed JSON, model/strategy names, numbers.

@@ -76,65 +76,6 @@ ImageData load_image_data(const TrainConfig& cfg) {
   return d;
 }
 
-/// The held-out set through predict(), divided over the ranks in contiguous ranges, the counts
-/// summed over the ranks (every rank returns the same evaluation). Collective.
-ImageEvaluation evaluate_images(ImageModel& model, const ImageSet& set,
-                                const ImageTransform& transform, int64_t batch,
-                                const Communicator& comm, ScalarAllReduce& reduce) {
-  const auto t0 = TrainClock::now();
-  const auto K = static_cast<size_t>(model.spec().num_classes);
-  // [loss sum, top-1, top-5, samples, per-class count K, confusion K×K]
-  std::vector<double> acc(4 + K + K * K, 0.0);
-  const size_t img = static_cast<size_t>(transform.channels * set.height * set.width);
-  std::vector<float> images;
-  std::vector<int32_t> labels;
-  std::vector<int64_t> idx;
-  for (const FlatRange& range : even_split(set.size(), comm.world_size(), comm.rank())) {
-    const int64_t end = range.offset + range.numel;
-    for (int64_t start = range.offset; start < end; start += batch) {
-      const int64_t b = std::min(batch, end - start);
-      idx.resize(static_cast<size_t>(b));
-      for (int64_t i = 0; i < b; ++i) idx[static_cast<size_t>(i)] = start + i;
-      images.resize(static_cast<size_t>(b) * img);
-      labels.resize(static_cast<size_t>(b));
-      make_image_batch(set, transform, idx.data(), b, false, 0, 0, images.data(), labels.data());
-      const std::vector<float> logits = model.predict(images.data(), b);
-      for (int64_t i = 0; i < b; ++i) {
-        const float* z = logits.data() + static_cast<size_t>(i) * K;
-        const auto y = static_cast<size_t>(labels[static_cast<size_t>(i)]);
-        const double zmax = *std::max_element(z, z + K);
-        double sum = 0;
-        size_t above = 0, argmax = 0;
-        for (size_t k = 0; k < K; ++k) {
-          sum += std::exp(static_cast<double>(z[k]) - zmax);
-          if (z[k] > z[y]) ++above;
-          if (z[k] > z[argmax]) argmax = k;
-        }
-        acc[0] += std::log(sum) + zmax - static_cast<double>(z[y]);
-        acc[1] += above == 0 ? 1 : 0;
-        acc[2] += above < 5 ? 1 : 0;
-        acc[3] += 1;
-        acc[4 + y] += 1;
-        acc[4 + K + y * K + argmax] += 1;
-      }
-    }
-  }
-  reduce.sum(acc);
-  ImageEvaluation ev;
-  ev.samples = static_cast<int64_t>(acc[3]);
-  const double n = std::max(acc[3], 1.0);
-  ev.loss = acc[0] / n;
-  ev.top1 = acc[1] / n;
-  ev.top5 = acc[2] / n;
-  ev.confusion.resize(K * K);
-  for (size_t i = 0; i < K * K; ++i) ev.confusion[i] = std::llround(acc[4 + K + i]);
-  for (size_t k = 0; k < K; ++k)
-    ev.class_accuracy.push_back(acc[4 + k] > 0 ? acc[4 + K + k * K + k] / acc[4 + k]
-                                               : std::numeric_limits<double>::quiet_NaN());
-  ev.seconds = seconds_since(t0);
-  return ev;
-}
-
 /// The smallest N for which `spec`'s model takes N×N images (larger inputs fit when smaller ones
 /// do: the layers only shrink them), or 0 when none up to 4096 does. For the message of an input
 /// too small for the network; builds the model about 2·log2(N) times.
@@ -211,6 +152,62 @@ StepResult profiled_image_step(ImageModel& model, TrainStep& train_step, Backend
 }
 
 }  // namespace
+
+ImageEvaluation evaluate_images(ImageModel& model, const ImageSet& set,
+                                const ImageTransform& transform, int64_t batch,
+                                const Communicator& comm, ScalarAllReduce& reduce) {
+  const auto t0 = TrainClock::now();
+  const auto K = static_cast<size_t>(model.spec().num_classes);
+  // [loss sum, top-1, top-5, samples, per-class count K, confusion K×K]
+  std::vector<double> acc(4 + K + K * K, 0.0);
+  const size_t img = static_cast<size_t>(transform.channels * set.height * set.width);
+  std::vector<float> images;
+  std::vector<int32_t> labels;
+  std::vector<int64_t> idx;
+  for (const EvalMicroBatch& mb :
+       eval_micro_batches(set.size(), batch, comm.world_size(), comm.rank())) {
+    const int64_t b = mb.count;
+    idx.resize(static_cast<size_t>(b));
+    for (int64_t i = 0; i < b; ++i) idx[static_cast<size_t>(i)] = mb.start + i;
+    images.resize(static_cast<size_t>(b) * img);
+    labels.resize(static_cast<size_t>(b));
+    make_image_batch(set, transform, idx.data(), b, false, 0, 0, images.data(), labels.data());
+    const std::vector<float> logits = model.predict(images.data(), b);
+    if (!mb.counted) continue;  // padding: only there to join the others' collectives
+    for (int64_t i = 0; i < b; ++i) {
+      const float* z = logits.data() + static_cast<size_t>(i) * K;
+      const auto y = static_cast<size_t>(labels[static_cast<size_t>(i)]);
+      const double zmax = *std::max_element(z, z + K);
+      double sum = 0;
+      size_t above = 0, argmax = 0;
+      for (size_t k = 0; k < K; ++k) {
+        sum += std::exp(static_cast<double>(z[k]) - zmax);
+        if (z[k] > z[y]) ++above;
+        if (z[k] > z[argmax]) argmax = k;
+      }
+      acc[0] += std::log(sum) + zmax - static_cast<double>(z[y]);
+      acc[1] += above == 0 ? 1 : 0;
+      acc[2] += above < 5 ? 1 : 0;
+      acc[3] += 1;
+      acc[4 + y] += 1;
+      acc[4 + K + y * K + argmax] += 1;
+    }
+  }
+  reduce.sum(acc);
+  ImageEvaluation ev;
+  ev.samples = static_cast<int64_t>(acc[3]);
+  const double n = std::max(acc[3], 1.0);
+  ev.loss = acc[0] / n;
+  ev.top1 = acc[1] / n;
+  ev.top5 = acc[2] / n;
+  ev.confusion.resize(K * K);
+  for (size_t i = 0; i < K * K; ++i) ev.confusion[i] = std::llround(acc[4 + K + i]);
+  for (size_t k = 0; k < K; ++k)
+    ev.class_accuracy.push_back(acc[4 + k] > 0 ? acc[4 + K + k * K + k] / acc[4 + k]
+                                               : std::numeric_limits<double>::quiet_NaN());
+  ev.seconds = seconds_since(t0);
+  return ev;
+}
 
 ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) {
   const bool rank0 = comm.rank() == 0;

@@ -13,6 +13,11 @@
 
 namespace shardtrain {
 
+class ImageModel;       // model/image/image_model.h
+struct ImageSet;        // data/image_dataset.h
+struct ImageTransform;  // data/image_dataset.h
+class ScalarAllReduce;  // comm/scalar_all_reduce.h
+
 struct ImageEvaluation {
   double loss = 0;  ///< mean cross-entropy (no label smoothing)
   double top1 = 0;  ///< fraction of images whose largest logit is the label
@@ -22,6 +27,20 @@ struct ImageEvaluation {
   std::vector<int64_t> confusion;      ///< [K × K] row = true class, column = predicted
   double seconds = 0;
 };
+
+/// `set` through model.predict() (running batch-norm statistics, no augmentation: `transform`
+/// with train = false), in micro-batches of up to `batch` images: the mean cross-entropy, top-1
+/// and top-5 over the images, per-class accuracy and the confusion matrix (K = the model's
+/// classes). The images are divided over the ranks of `comm` by eval_micro_batches
+/// (train/train_common.h): every image counted exactly once, and every rank runs the same number
+/// of forwards (ranks with fewer images run uncounted padding micro-batches), so collectives
+/// inside forward (ZeRO-3 / fsdp_stage3 all-gathers) match on every rank whatever set.size() and
+/// the rank count are. The per-rank sums are summed with `reduce` (a ScalarAllReduce over `comm`
+/// of at least 4 + K + K² values), so every rank returns the same evaluation. Collective over
+/// `comm`. Throws ConfigError when `transform` cannot make the model's channels from the set.
+ImageEvaluation evaluate_images(ImageModel& model, const ImageSet& set,
+                                const ImageTransform& transform, int64_t batch,
+                                const Communicator& comm, ScalarAllReduce& reduce);
 
 struct ImageTrainSummary {
   int64_t steps = 0;

@@ -3,6 +3,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string_view>
 #include <system_error>
@@ -294,6 +295,25 @@ void log_epoch(Console& out, MetricsWriter& metrics, Monitor& monitor, Backend& 
                    static_cast<double>(backend.peak_reserved_bytes()), e.step);
   }
   monitor.scalar("memory/host_peak_bytes", static_cast<double>(peak_rss_bytes()), e.step);
+}
+
+std::vector<EvalMicroBatch> eval_micro_batches(int64_t samples, int64_t batch, int world,
+                                               int rank) {
+  check<ConfigError>(samples >= 0 && batch >= 1 && world >= 1 && rank >= 0 && rank < world,
+                     "evaluation of {} samples in micro-batches of {} on rank {} of {}: needs "
+                     "samples >= 0, a micro-batch >= 1 and 0 <= rank < world",
+                     samples, batch, rank, world);
+  std::vector<EvalMicroBatch> out;
+  for (const FlatRange& range : even_split(samples, world, rank)) {
+    const int64_t end = range.offset + range.numel;
+    for (int64_t start = range.offset; start < end; start += batch)
+      out.push_back({start, std::min(batch, end - start), true});
+  }
+  // Rank 0's range is the longest (ceil(samples / world)): every rank runs its micro-batch count.
+  const int64_t longest = (samples + world - 1) / world;
+  const auto forwards = static_cast<size_t>((longest + batch - 1) / batch);
+  while (out.size() < forwards) out.push_back({0, 1, false});
+  return out;
 }
 
 LossHistory run_epochs(const EpochLoop& loop, TrainingProgress& progress) {

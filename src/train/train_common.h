@@ -150,6 +150,30 @@ struct EpochLoop {
   std::function<void()> after_step = {};
 };
 
+/// One forward of a rank's evaluation (eval_micro_batches): samples [start, start + count) of
+/// the held-out set, whose results count (`counted`) or are thrown away (a padding micro-batch).
+struct EvalMicroBatch {
+  int64_t start = 0;  ///< first sample index
+  int64_t count = 0;  ///< samples, ≥ 1
+  bool counted = true;
+  bool operator==(const EvalMicroBatch&) const = default;
+};
+
+/// The evaluation forwards of rank `rank` of `world` over a held-out set of `samples` samples, in
+/// micro-batches of up to `batch` samples. The samples are split into contiguous per-rank ranges
+/// (even_split: the first samples % world ranks one sample longer); the rank's range is cut into
+/// micro-batches of `batch` (the last one shorter), all counted. Every rank gets the same number
+/// of micro-batches — ceil(ceil(samples / world) / batch), the count of rank 0's range — because
+/// a strategy may run collectives inside forward (ZeRO-3 all-gathers each layer's parameters,
+/// offloaded ZeRO-1/2 publishes the last update in the first forward after a step): a rank that
+/// ran one forward fewer would miss collectives the others wait in (MPI crashes, NCCL hangs). A
+/// rank whose range needs fewer (or is empty: samples < world) is padded with uncounted
+/// micro-batches of one sample (sample 0), whose results the caller must drop. So the counted
+/// micro-batches of all ranks cover [0, samples) exactly once, in order. Empty when samples is 0
+/// (every rank). Throws ConfigError when batch < 1, world < 1, rank outside [0, world) or
+/// samples < 0.
+std::vector<EvalMicroBatch> eval_micro_batches(int64_t samples, int64_t batch, int world, int rank);
+
 /// Every step's loss run_epochs() ran, in order.
 struct LossHistory {
   double first = 0, last = 0;

@@ -48,33 +48,22 @@ int64_t largest_layer_numel(const ParamLayout& layout) {
   return largest;
 }
 
-struct Evaluation {
-  double loss = std::numeric_limits<double>::quiet_NaN();
-  int64_t samples = 0;
-  double seconds = 0;
-};
+}  // namespace
 
-/// Mean loss over the whole of `data`, the samples divided over the ranks in contiguous ranges
-/// (even_split: every sample counted exactly once, also when the split does not divide evenly),
-/// each rank running batches of up to `batch` samples; the per-sample loss sums and the sample
-/// counts are summed over the ranks (`reduce`), so every rank returns the same evaluation.
-/// Collective.
-Evaluation evaluate(GPT2Model& model, const PackedDataset& data, int64_t batch,
-                    const Communicator& comm, ScalarAllReduce& reduce) {
-  Evaluation ev;
+GPT2Evaluation evaluate_gpt2(GPT2Model& model, const PackedDataset& data, int64_t batch,
+                             const Communicator& comm, ScalarAllReduce& reduce) {
+  GPT2Evaluation ev;
   const auto t0 = Clock::now();
   const int64_t T = data.max_length();
   std::vector<int32_t> tokens, targets;
   double totals[2] = {0, 0};  // Σ per-sample mean losses, samples
-  for (const FlatRange& range : even_split(data.size(), comm.world_size(), comm.rank())) {
-    const int64_t end = range.offset + range.numel;
-    for (int64_t start = range.offset; start < end; start += batch) {
-      const int64_t b = std::min(batch, end - start);
-      data.batch(start, b, tokens, targets);
-      totals[0] +=
-          model.forward(tokens.data(), targets.data(), b, T, 1.0f, false) * static_cast<double>(b);
-      totals[1] += static_cast<double>(b);
-    }
+  for (const EvalMicroBatch& mb :
+       eval_micro_batches(data.size(), batch, comm.world_size(), comm.rank())) {
+    data.batch(mb.start, mb.count, tokens, targets);
+    const double loss = model.forward(tokens.data(), targets.data(), mb.count, T, 1.0f, false);
+    if (!mb.counted) continue;  // padding: only there to join the others' collectives
+    totals[0] += loss * static_cast<double>(mb.count);
+    totals[1] += static_cast<double>(mb.count);
   }
   reduce.sum(totals);
   ev.samples = static_cast<int64_t>(totals[1]);
@@ -82,8 +71,6 @@ Evaluation evaluate(GPT2Model& model, const PackedDataset& data, int64_t batch,
   ev.seconds = seconds_since(t0);
   return ev;
 }
-
-}  // namespace
 
 std::unique_ptr<Backend> make_backend(const std::string& device, int local_rank,
                                       Precision precision) {
@@ -339,7 +326,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   ScalarAllReduce rank_scalars(*backend, comm, 2);
   auto validate_now = [&](int64_t epoch) {
     if (!valid_data) return;
-    Evaluation ev;
+    GPT2Evaluation ev;
     if (pipeline) {
       const auto t0 = Clock::now();
       const PipelineEvaluation pe = pipeline->evaluate(*valid_data, B);
@@ -347,7 +334,7 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
       ev.loss = pe.samples ? pe.loss_sum / static_cast<double>(pe.samples) : ev.loss;
       ev.seconds = seconds_since(t0);
     } else {
-      ev = evaluate(model, *valid_data, B, comm, rank_scalars);
+      ev = evaluate_gpt2(model, *valid_data, B, comm, rank_scalars);
     }
     summary.val_loss = ev.loss;
     summary.val_ppl = std::exp(ev.loss);
