@@ -462,6 +462,11 @@ class Suite:
             self.define_gpt2_bf16()
         self.define_images()
         self.define_resume()
+        self.checks.append(Check(
+            "reader/consolidate",
+            f"the parameters this program reads from the shards of zero2 on {self.units(n)} vs "
+            "`shardtrain consolidate`'s model.safetensors (Conv1D weights transposed back)",
+            {"run": self.fp32_zero2}, self.eval_reader, needs=n))
         if cpu:
             self.checks.append(Check("gpt2-bf16/*", "bf16 loss curves", {}, None, gpu_only=True,
                                      why="bf16 needs a GPU"))
@@ -768,6 +773,37 @@ class Suite:
         end = param_diff(self.ckpt(c.runs["run"]), self.ckpt(c.runs["ref"]))
         return Row("FAIL" if problems else "PASS", f"{end['rel']:.2e} (info)", f"{dmean:.1e} (mean)",
                    "; ".join(problems + notes))
+
+    def eval_reader(self, c):
+        """The instrument: the flat parameters assembled from every rank's ranges must equal,
+        tensor by tensor, what `shardtrain consolidate` writes (Hugging Face layout)."""
+        run = self.reg.runs[c.runs["run"]]
+        out = os.path.join(run.dir, "consolidated")
+        cmd = [self.o.binary, "consolidate", run.dir, "--output", out]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            return Row("FAIL", note=f"{' '.join(cmd)} failed: {(r.stderr or r.stdout).strip()[-300:]}")
+        ck = self.ckpt(c.runs["run"])
+        path = os.path.join(out, "model.safetensors")
+        header, base = read_safetensors_header(path)
+        bad, worst = [], 0.0
+        for name, off, n in ck.tensors:
+            if name not in header:
+                bad.append(f"{name} missing")
+                continue
+            hf = read_tensor(path, name, header, base).reshape(header[name]["shape"])
+            mine = ck.params[off:off + n]
+            same = np.array_equal(mine, hf.reshape(-1)) or (
+                hf.ndim == 2 and np.array_equal(mine, hf.T.reshape(-1)))
+            if not same:
+                bad.append(name)
+        extra = [k for k in header if k != "__metadata__" and k not in {t[0] for t in ck.tensors}]
+        shutil.rmtree(out, ignore_errors=True)
+        note = (f"{len(ck.tensors)} tensors, {ck.numel:,} parameters bit-identical"
+                + (f"; also in model.safetensors: {', '.join(extra[:3])}" if extra else ""))
+        if bad:
+            return Row("FAIL", "", "", f"differ: {', '.join(bad[:5])}; {note}")
+        return Row("PASS", f"{worst:.2e}", "", note)
 
     def eval_resume(self, c):
         steps = range(self.k + 1, self.o.steps + 1)
