@@ -338,7 +338,9 @@ class Executor:
                     log(f"        reuse {k} (finished earlier, same command)")
                     order.remove(k)
                     on_done(spec)
-        pending = list(order)
+        # fewest devices first: one-device references pair up side by side on GPUs, and every
+        # comparison can be made as soon as its strategy run ends (a run waits for its source)
+        pending = sorted(order, key=lambda k: self.reg.runs[k].world)
         total = len(order)
         started = 0
         running = {}  # key -> (proc, log, t0, gpus)
