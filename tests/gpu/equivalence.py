@@ -1138,6 +1138,9 @@ def main():
     o.image_eval = o.image_eval or (512 if cpu else 1000)
     if o.steps < 2:
         sys.exit("equivalence: --steps must be at least 2")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not cpu and visible and len([x for x in visible.split(",") if x.strip()]) < o.n:
+        sys.exit(f"equivalence: --gpus {o.n} but CUDA_VISIBLE_DEVICES={visible} names fewer")
     suite = Suite(o)
     if o.list:
         for c in suite.selected():

@@ -4,8 +4,8 @@
 #
 #   tests/gpu/run_equivalence.sh REPORT.md [more equivalence.py flags, e.g. --only 'gpt2-fp32']
 #
-# GPUS=N         GPUs to use (default: every GPU that `nvidia-smi -L` lists; N >= 1, checks that
-#                need more are skipped and listed as such)
+# GPUS=N         GPUs to use (default: those CUDA_VISIBLE_DEVICES names, else every GPU that
+#                `nvidia-smi -L` lists; N >= 1, checks that need more are skipped and listed)
 # SHARDTRAIN=BIN the binary (default: build/shardtrain of this repository, else `shardtrain` on
 #                the PATH)
 # WORK=DIR       the suite's work directory: every run's command, log and metrics (default:
@@ -22,6 +22,8 @@ shift
 here=$(cd "$(dirname "$0")" && pwd)
 if [ -n "${GPUS:-}" ]; then
   gpus=$GPUS
+elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  gpus=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
 elif command -v nvidia-smi > /dev/null; then
   gpus=$(nvidia-smi -L | wc -l)
 else
@@ -36,6 +38,7 @@ for a in "$@"; do
 done
 work=${WORK:-${report%.md}.work}
 export PYTHONUNBUFFERED=1
+rm -f "$report"
 python3 "$here/equivalence.py" --device cuda --gpus "$gpus" --work-dir "$work" \
   --report "$report" "$@"
 status=$?
