@@ -346,8 +346,12 @@ def torch_job(a, name, model, gpus, micro, epochs, num_samples, eval_interval):
     rc, log, wall = run_job(cmd, a.job_timeout, os.path.join(a.workdir, name + ".log"), a.env)
     tagged = [l[len(RESULT_TAG):] for l in log.splitlines() if l.startswith(RESULT_TAG)]
     if rc != 0 or not tagged:
+        # the first rank's traceback, not torchrun's summary after it
+        at = log.find("Traceback")
+        detail = log[at:at + 3000] if at >= 0 else log[-1500:]
+        print(f"PyTorch job {name} failed:\n{detail}", flush=True)
         return {"command": " ".join(cmd), "wall_s": wall,
-                "error": ("timed out" if rc is None else f"exit {rc}") + ": " + log[-1500:]}
+                "error": ("timed out" if rc is None else f"exit {rc}") + ": " + detail}
     res = json.loads(tagged[-1])
     res.update(command=" ".join(cmd), wall_s=wall)
     return res

@@ -161,3 +161,29 @@ TEST(ImageTrain, TwoRanksValidateRankZerosStatistics) {
   EXPECT_LE(std::fabs(a - b), 2e-6 * std::fabs(b)) << a << " vs " << b;
   fs::remove_all(dir);
 }
+
+// --dropout sets an image model's classifier dropout (torchvision's dropout=): mobilenet_v2's
+// first-step loss moves with it (the same weights and samples, so only the masks differ).
+TEST(ImageTrain, DropoutFlagSetsTheClassifierDropout) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << "Fashion-MNIST is not installed";
+  const fs::path dir = fs::temp_directory_path() / "shardtrain_image_dropout";
+  std::vector<double> first;
+  for (const char* p : {"", " --dropout 0", " --dropout 0.5"}) {
+    fs::remove_all(dir);
+    const Result r = run(std::string("train --model mobilenet_v2 --dataset fashion-mnist ") +
+                         "--device cpu --image-size 32 --max-steps 1 --num-samples 16 " +
+                         "--eval-samples 16 --batch-size 8 --log-interval 1 --no-save " +
+                         "--output-dir " + dir.string() + p);
+    ASSERT_EQ(r.status, 0) << r.output;
+    for (const auto& rec : read_jsonl(dir / "metrics.jsonl"))
+      if (rec.contains("loss") && rec.contains("step")) {
+        first.push_back(rec["loss"].get<double>());
+        break;
+      }
+  }
+  ASSERT_EQ(first.size(), 3u);
+  EXPECT_NE(first[0], first[1]);
+  EXPECT_NE(first[1], first[2]);
+  EXPECT_NE(first[0], first[2]);
+  fs::remove_all(dir);
+}

@@ -292,7 +292,8 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  "dropout probability in [0, 1) for the embedding, the attention probabilities "
                  "and the residual branches (GPT-2's embd_pdrop, attn_pdrop, resid_pdrop: 0.1 in "
                  "Hugging Face's configs); overrides the model's own (default: the model's: 0 in "
-                 "the presets, a config.json's values)")
+                 "the presets, a config.json's values); image models: the classifier's dropout "
+                 "(torchvision's dropout=), 0 also turning stochastic depth off")
       ->type_name("P")
       ->check(number_in(0.0, false, 1.0, true));
 

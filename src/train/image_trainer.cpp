@@ -239,6 +239,11 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
   spec.height = data.train.height;
   spec.width = data.train.width;
   spec.num_classes = static_cast<int64_t>(data.train.classes.size());
+  // --dropout P: the classifier's dropout (0 also turns stochastic depth off).
+  if (cfg.dropout >= 0) {
+    spec.dropout = cfg.dropout > 0;
+    spec.classifier_dropout = static_cast<float>(cfg.dropout);
+  }
   std::unique_ptr<ImageModel> model;
   try {
     model = make_image_model(spec, *backend);

@@ -54,6 +54,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # ---- tolerances (the report states them) -------------------------------------------------
 
 PARAM_TOL = 1e-5        # ||a - b||_2 / ||b||_2 over all parameters, b the reference
+NOISE_FACTOR = 3        # GPU image rows: at most this × the reference's own run-to-run difference
 LOSS_DIGITS = 4         # losses compared as printed: "{:.4f}"
 STRADDLE_TOL = 1e-5     # printed digits may differ only across a rounding boundary: |Δ| <= this
 BF16_LOSS_TOL = 2e-2    # bf16: max |Δloss| over the steps
@@ -66,7 +67,7 @@ PEAK_LR = 6e-4          # the trainer's default, used by every run here
 # and dropout masks are drawn per rank (seed, rank, step, micro-step), so these models cannot
 # equal a run on another number of devices; they are compared for closeness only, and their
 # strategies exactly against ddp on the same devices.
-IMAGE_DROPOUT_ALWAYS_ON = {"mobilenet_v2"}
+IMAGE_DROPOUT_ALWAYS_ON = set()  # --dropout 0 turns every image model's dropout off
 
 
 def log(msg):
@@ -207,8 +208,9 @@ def compare_losses(a, ref, steps):
 # ---- runs ----------------------------------------------------------------------------------
 
 class RunSpec:
-    def __init__(self, key, world, args, ds=None, resume=None, label=""):
+    def __init__(self, key, world, args, ds=None, resume=None, label="", env=None):
         self.key = key
+        self.env = dict(env or {})  # extra environment variables of this run
         self.world = world
         self.args = [str(x) for x in args]
         self.ds = ds
@@ -222,7 +224,7 @@ class RunSpec:
         self.consumers = 0
 
     def signature(self):
-        return json.dumps([self.world, self.args, self.ds, self.resume], sort_keys=True)
+        return json.dumps([self.world, self.args, self.ds, self.resume, self.env], sort_keys=True)
 
     def deps(self):
         return [self.resume[0]] if self.resume else []
@@ -306,8 +308,10 @@ class Executor:
             env.setdefault("OMP_NUM_THREADS", "1")
         else:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        env.update(spec.env)
         with open(os.path.join(d, "command.txt"), "w") as f:
             extra = "" if self.cpu else f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} "
+            extra += "".join(f"{k}={v} " for k, v in sorted(spec.env.items()))
             f.write(extra + " ".join(cmd) + "\n")
         logf = open(os.path.join(d, "train.log"), "w")
         p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
@@ -483,8 +487,8 @@ class Suite:
                 "--eval-samples", 16, "--precision", precision,
                 "--batch-size", b, "--gradient-accumulation-steps", a, *extra]
 
-    def add_run(self, key, world, args, ds=None, resume=None):
-        return self.reg.add(RunSpec(key, world, args, ds, resume))
+    def add_run(self, key, world, args, ds=None, resume=None, env=None):
+        return self.reg.add(RunSpec(key, world, args, ds, resume, env=env))
 
     def nvme(self, key):
         return os.path.join(self.work, "nvme", key)
@@ -589,8 +593,7 @@ class Suite:
     def image_args(self, model, b, a, extra=()):
         o = self.o
         g = o.image_batch * o.n
-        # --dropout 0: image models do not honour it yet (IMAGE_DROPOUT_ALWAYS_ON); kept so that
-        # their runs become comparable once they do
+        # --dropout 0: no classifier dropout or stochastic depth (their masks are drawn per rank)
         return ["--model", model, "--dataset", "fashion-mnist", "--image-size", 32, "--precision", "fp32",
                 "--max-steps", o.image_steps, "--num-samples", o.image_steps * g,
                 "--eval-samples", o.image_eval, "--warmup-steps", 2, "--seed", 1234, "--dropout", 0,
@@ -606,6 +609,18 @@ class Suite:
         for model in ("cnn", "mobilenet_v2"):
             ref_g = self.add_run(f"image-{model}-ref-global", 1, self.image_args(model, bi * n, 1))
             ref_l = self.add_run(f"image-{model}-ref-local", 1, self.image_args(model, bi, n))
+            # The floor: the reference against itself with another summation order — on GPUs the
+            # same command again (cuDNN's algorithms add in a varying order), on CPUs with 2
+            # OpenMP threads instead of 1.
+            again = self.add_run(f"image-{model}-ref-global-again", 1,
+                                 self.image_args(model, bi * n, 1),
+                                 env={"OMP_NUM_THREADS": "2"} if self.o.device == "cpu"
+                                 else {"SHARDTRAIN_EQUIVALENCE_RERUN": "1"})
+            self.checks.append(Check(
+                f"image/{model}-noise", f"{model} dp on 1 {self.unit}, run again "
+                + ("with 2 OpenMP threads" if self.o.device == "cpu" else "(the same command)"),
+                {"run": again, "ref": ref_g}, self.eval_image_noise, needs=1))
+            noise = {"noise": again, "noise_ref": ref_g}
             dropout = model in IMAGE_DROPOUT_ALWAYS_ON
             for sync in (True, False):
                 tag = "syncbn" if sync else "localbn"
@@ -623,7 +638,7 @@ class Suite:
                                 f"({bi}x{n}x1: batch norm over one rank's micro-batch)")
                     self.checks.append(Check(
                         f"image/{model}-{strat}-{tag}", f"{what} vs dp on 1 {self.unit} {ref_text}, {how}",
-                        {"run": key, "ref": ref_g if sync else ref_l},
+                        {"run": key, "ref": ref_g if sync else ref_l, **noise},
                         self.eval_image_close if dropout else self.eval_image_exact, needs=n))
                     if strat == "ddp":
                         ddp = key
@@ -632,7 +647,7 @@ class Suite:
                             f"image/{model}-{strat}-{tag}-vs-ddp",
                             f"{what} vs ddp{' --sync-batchnorm' if sync else ''} on {self.units(n)}, "
                             f"equal through step {e}, close over {o.image_steps} steps",
-                            {"run": key, "ref": ddp}, self.eval_image_exact, needs=n))
+                            {"run": key, "ref": ddp, **noise}, self.eval_image_exact, needs=n))
                     if not sync:
                         self.checks.append(Check(
                             f"image/{model}-{strat}-localbn-vs-global",
@@ -675,17 +690,18 @@ class Suite:
     def metrics(self, key):
         return read_metrics(self.reg.runs[key].dir)
 
-    def exact_parts(self, c, steps, step=None, element_bar=True, val=True):
-        """Parameters (at `step`, default the last) and printed losses over `steps` of the run
-        against its reference: the problems that fail the row, and notes."""
+    def exact_parts(self, c, steps, step=None, element_bar=True, val=True, tol=PARAM_TOL):
+        """Parameters (at `step`, default the last; relative difference ≤ `tol`) and printed
+        losses over `steps` of the run against its reference: the problems that fail the row, and
+        notes."""
         run, ref = c.runs["run"], c.runs["ref"]
         pd = param_diff(self.ckpt(run, step), self.ckpt(ref, step))
         la, va = self.metrics(run)
         lb, vb = self.metrics(ref)
         cl = compare_losses(la, lb, steps)
         problems = []
-        if not pd["rel"] <= PARAM_TOL:
-            problems.append(f"parameters differ by {pd['rel']:.2e} > {PARAM_TOL:g}")
+        if not pd["rel"] <= tol:
+            problems.append(f"parameters differ by {pd['rel']:.2e} > {tol:.2g}")
         bar = ELEMENT_TOL_LR * PEAK_LR
         if element_bar and not pd["max_abs"] <= bar:
             problems.append(f"an element differs by {pd['max_abs']:.1e} > {ELEMENT_TOL_LR:g} lr ({bar:.0e})")
@@ -753,12 +769,48 @@ class Suite:
                          + (" (per-rank by design)" if per_rank else ""))
         return notes
 
+    def image_tolerance(self, c):
+        """PARAM_TOL, or NOISE_FACTOR × the parameter difference of the model's 1-device
+        reference from its own rerun with another summation order at the exact step, when that
+        is larger: a change of rounding grows through batch norm and AdamW's normalized updates of
+        near-zero gradients (mobilenet_v2's 1-rank run with 2 OpenMP threads instead of 1 prints a
+        different loss from step 3 on), so that is the scale on which two runs can agree."""
+        if "noise" not in c.runs:
+            return PARAM_TOL, None
+        e = self.image_exact_step()
+        noise = param_diff(self.ckpt(c.runs["noise"], e), self.ckpt(c.runs["noise_ref"], e))["rel"]
+        return max(PARAM_TOL, NOISE_FACTOR * noise), noise
+
     def eval_image_exact(self, c):
         e = self.image_exact_step()
+        tol, noise = self.image_tolerance(c)
         pd, cl, problems, notes = self.exact_parts(c, range(1, e + 1), step=e, element_bar=False,
-                                                   val=False)
+                                                   val=False, tol=tol)
+        close_tol = IMAGE_CLOSE_TOL
+        if noise is not None:
+            notes.append(f"bound {tol:.2g} = max({PARAM_TOL:g}, {NOISE_FACTOR:g} × the reference's "
+                         f"own difference from its rerun, {noise:.2e})")
+            # Printed losses and the run's mean loss are held to the same scale: a step whose
+            # printed loss differs is a problem only where the rerun's differs NOISE_FACTOR times
+            # less, and the mean over the last half within NOISE_FACTOR × the rerun's.
+            la, _ = self.metrics(c.runs["run"])
+            lb, _ = self.metrics(c.runs["ref"])
+            ln, _ = self.metrics(c.runs["noise"])
+            lr, _ = self.metrics(c.runs["noise_ref"])
+            allowed = [s_ for s_ in cl["mismatch"] if s_ in ln and s_ in lr and
+                       abs(la[s_] - lb[s_]) <= NOISE_FACTOR * abs(ln[s_] - lr[s_])]
+            if allowed:
+                problems = [p_ for p_ in problems if not p_.startswith("printed losses differ")]
+                rest = [s_ for s_ in cl["mismatch"] if s_ not in allowed]
+                if rest:
+                    problems.append(f"printed losses differ at step(s) {rest} beyond the rerun's")
+                notes.append(f"printed losses at steps {allowed} differ as the rerun's do")
+            pseudo = Check(c.name + "/noise", "", {"run": c.runs["noise"], "ref": c.runs["noise_ref"]},
+                           None)
+            _, _, noise_mean = self.closeness(pseudo, float("inf"))
+            close_tol = max(IMAGE_CLOSE_TOL, NOISE_FACTOR * abs(noise_mean))
         notes = [f"step {e}: " + ", ".join(notes)]
-        more, close_notes, _ = self.closeness(c, IMAGE_CLOSE_TOL)
+        more, close_notes, _ = self.closeness(c, close_tol)
         notes.append(f"over {self.o.image_steps} steps: "
                      + ", ".join(close_notes + self.image_end_notes(c)))
         return Row("FAIL" if problems + more else "PASS", f"{pd['rel']:.2e} @{e}",
@@ -865,13 +917,22 @@ class Suite:
                    "; ".join(problems + notes))
 
     def eval_local_vs_global(self, c):
+        """The stated difference (per-rank batch-norm statistics against the global batch's):
+        measured and reported, not held to a bound."""
         problems, notes, dmean = self.closeness(c, LOCAL_BN_TOL)
         pd = param_diff(self.ckpt(c.runs["run"]), self.ckpt(c.runs["ref"]))
         bd = buffer_diff(self.ckpt(c.runs["run"]), self.ckpt(c.runs["ref"]))
         if bd is not None:
             notes.append(f"running statistics {bd:.1e} apart")
-        return Row("FAIL" if problems else "PASS", f"{pd['rel']:.2e} (info)", f"{dmean:.1e} (mean)",
-                   "; ".join(problems + notes))
+        notes = [p.replace(" > ", " (informative bound ") + ")" for p in problems] + notes
+        return Row("INFO", f"{pd['rel']:.2e} (info)", f"{dmean:.1e} (mean)", "; ".join(notes))
+
+    def eval_image_noise(self, c):
+        """The 1-GPU reference against its own rerun: the floor the image rows are held to."""
+        e = self.image_exact_step()
+        pd = param_diff(self.ckpt(c.runs["run"], e), self.ckpt(c.runs["ref"], e))
+        return Row("INFO", f"{pd['rel']:.2e} @{e}", "", "run-to-run difference of the 1-GPU "
+                   "reference (same command twice)")
 
     # -- selection and running
     def skip_reason(self, c):
@@ -1116,7 +1177,7 @@ def main():
     p.add_argument("--run-timeout", type=float, default=600, help="seconds one run may take")
     p.add_argument("--comm-timeout", type=float, default=120)
     p.add_argument("--master-port", type=int, default=29600)
-    p.add_argument("--model", default=None, help="GPT-2 model (default gpt2-mini on GPUs, gpt2-tiny on CPU)")
+    p.add_argument("--model", default=None, help="GPT-2 model (default gpt2-tiny)")
     p.add_argument("--max-length", type=int, default=None, help="tokens per sample (default 128 GPU, 64 CPU)")
     p.add_argument("--steps", type=int, default=8, help="fp32 GPT-2 steps (default 8)")
     p.add_argument("--bf16-steps", type=int, default=20)
@@ -1131,7 +1192,7 @@ def main():
         o.n = 2 if cpu else count_gpus()
     if o.n < 1:
         sys.exit("equivalence: no GPU found (nvidia-smi -L): give --gpus N, or --device cpu")
-    o.model = o.model or ("gpt2-tiny" if cpu else "gpt2-mini")
+    o.model = o.model or "gpt2-tiny"  # 4 blocks: 2 stages × 2 virtual stages divide them
     o.max_length = o.max_length or (64 if cpu else 128)
     o.image_steps = o.image_steps or (60 if cpu else 200)
     o.image_batch = o.image_batch or (8 if cpu else 32)

@@ -25,6 +25,14 @@ struct ImageModelSpec {
   /// Build with the architecture's dropout and stochastic depth (false: p = 0 everywhere, e.g.
   /// for parity tests against a reference with them off).
   bool dropout = true;
+  /// When ≥ 0 (and `dropout`): the classifier's dropout probability instead of the
+  /// architecture's (torchvision's `dropout=` argument; --dropout).
+  float classifier_dropout = -1;
+  /// The classifier's dropout probability: 0 without `dropout`, else classifier_dropout when
+  /// set, else the architecture's `p`.
+  float classifier_dropout_or(float p) const {
+    return !dropout ? 0.0f : classifier_dropout >= 0 ? classifier_dropout : p;
+  }
 };
 
 class ImageModel final : public Model {

@@ -101,7 +101,7 @@ std::vector<ModulePtr> build_mobilenet_v2(const ImageModelSpec& s, const std::st
   layers.push_back(
       conv_bn(p + fmt::format("features.{}", index), in, last, 1, 1, 1, Activation::kRelu6));
   layers.push_back(make_adaptive_avgpool2d(p + "avgpool", 1, 1));
-  layers.push_back(make_dropout(p + "classifier.0", s.dropout ? 0.2f : 0.0f));
+  layers.push_back(make_dropout(p + "classifier.0", s.classifier_dropout_or(0.2f)));
   layers.push_back(make_linear(p + "classifier.1", last, s.num_classes, 0.01f));
   return layers;
 }
@@ -149,7 +149,7 @@ std::vector<ModulePtr> build_efficientnet_b0(const ImageModelSpec& s, const std:
   layers.push_back(conv_bn(p + fmt::format("features.{}", std::size(settings) + 1), last_in, last,
                            1, 1, 1, Activation::kSilu));
   layers.push_back(make_adaptive_avgpool2d(p + "avgpool", 1, 1));
-  layers.push_back(make_dropout(p + "classifier.0", s.dropout ? 0.2f : 0.0f));
+  layers.push_back(make_dropout(p + "classifier.0", s.classifier_dropout_or(0.2f)));
   layers.push_back(
       make_linear(p + "classifier.1", last, s.num_classes, 0.0f,
                   static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.num_classes)))));
@@ -177,7 +177,7 @@ std::vector<ModulePtr> build_vgg_bn(const ImageModelSpec& s, const std::string& 
     in = v;
     index += 3;
   }
-  const float drop = s.dropout ? 0.5f : 0.0f;
+  const float drop = s.classifier_dropout_or(0.5f);
   layers.push_back(make_adaptive_avgpool2d(p + "avgpool", 7, 7));
   layers.push_back(make_linear(p + "classifier.0", in * 7 * 7, 4096, 0.01f));
   layers.push_back(make_activation(p + "classifier.1", Activation::kRelu));
