@@ -466,6 +466,7 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--phases", default="parity,early")
     ap.add_argument("--models", default="cnn,mobilenet_v2")
+    ap.add_argument("--model", default="", help="(worker) the model of this PyTorch job")
     ap.add_argument("--frameworks", default="shardtrain,pytorch")
     ap.add_argument("--epochs", type=int, default=15)
     ap.add_argument("--global-batch", type=int, default=256)

@@ -5,14 +5,16 @@
 #     bash bench/multi_gpu_checks.sh PHASE...
 #   nccltest     tests/mpi/test_nccl_comm on GPUS ranks (copy-engine collectives against NCCL)
 #   pipelines    every schedule on GPUS stages (interleaved with V = 2), M = 2, 4, 8, 16
-#                micro-batches (those the schedule allows), gpt2 at 4 × 256, 6 steps, PAR (default
-#                4) jobs at a time: the run finishes and the loss of step 6 is below that of step 1
+#                micro-batches (those the schedule allows), PIPE_MODEL (default gpt2; its blocks must
+#                divide into GPUS × 2 chunks: gpt2-medium for 4 GPUs) at 4 × 256, 6 steps, PAR
+#                (default 4) jobs at a time: the run finishes and the loss of step 6 is below step 1's
 #   faults       a rank hung and a rank killed inside a pipeline transfer and inside zero1's and
 #                zero2's gradient reduce-scatter: the job stops within --comm-timeout (10 s) plus
 #                start-up and names the rank
 #   uneven       validation with sample counts that do not divide over the ranks: zero3 (GPT-2)
 #                and fsdp_stage3 (cnn) with every remainder
-#   equivalence  tests/gpu/run_equivalence.sh (every strategy against 1-GPU dp)
+#   equivalence  tests/gpu/run_equivalence.sh (every strategy against 1-GPU dp; EQ_ARGS: more
+#                flags of tests/gpu/equivalence.py, e.g. --only image/)
 #   image-parity bench/image_accuracy_multi_gpu.py (ddp against PyTorch DDP, same recipe)
 # What comes back in $OUT: summary.txt (each check's line and verdict), the reports, logs.tgz.
 LOGS_NAME=checklogs
@@ -51,7 +53,7 @@ for phase in "$@"; do
         [ $s != interleaved-1f1b ] || extra=(--virtual-stages 2)
         name=pipe_${s}_M$M
         timeout 240 "$ST" launch --nproc-per-node "$GPUS" --master-port $((29600 + i)) \
-          --comm-timeout 60 -- train --model gpt2 --dataset wikitext-2 --strategy pipeline \
+          --comm-timeout 60 -- train --model "${PIPE_MODEL:-gpt2}" --dataset wikitext-2 --strategy pipeline \
           --pipeline-stages "$GPUS" --pipeline-schedule $s "${extra[@]}" \
           --gradient-accumulation-steps $M --batch-size 4 --max-length 256 --max-steps 6 \
           --log-interval 1 --no-save --eval-samples 9 --output-dir "$LOGS/$name" \
@@ -117,7 +119,8 @@ for phase in "$@"; do
         done
       done ;;
     equivalence)
-      timeout 540 bash tests/gpu/run_equivalence.sh "$OUT/equivalence.md" > "$LOGS/equivalence.log" 2>&1
+      timeout 540 bash tests/gpu/run_equivalence.sh "$OUT/equivalence.md" ${EQ_ARGS:-} \
+        > "$LOGS/equivalence.log" 2>&1
       rc=$?
       verdict "GPU equivalence suite" $([ $rc = 0 ] && echo 1 || echo 0) "exit $rc"
       tail -n 60 "$LOGS/equivalence.log" | tee -a "$SUM" ;;
