@@ -43,7 +43,10 @@ for phase in "$@"; do
       jobs=()
       for s in gpipe 1f1b interleaved-1f1b zb-h1 2bw; do
         for M in 2 4 8 16; do
-          [ $s != interleaved-1f1b ] || [ $((M % GPUS)) = 0 ] && jobs+=("$s $M")
+          # interleaved needs M a multiple of the stages, 2bw M >= stages (configuration errors)
+          [ $s = interleaved-1f1b ] && [ $((M % GPUS)) != 0 ] && continue
+          [ $s = 2bw ] && [ "$M" -lt "$GPUS" ] && continue
+          jobs+=("$s $M")
         done
       done
       i=0
