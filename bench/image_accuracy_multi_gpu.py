@@ -53,8 +53,6 @@ import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 
@@ -261,31 +259,13 @@ def default_fashion_mnist():
 
 
 def run_job(cmd, timeout, log_path, env):
-    """Runs cmd in its own process group, output to log_path: (exit code or None on timeout,
-    the log's text, wall seconds)."""
+    """bench_multi_gpu.run_job (cmd in its own process group, output to log_path, stopped with
+    its ranks on timeout) timed: (exit code or None on timeout, the log's text, wall seconds)."""
+    sys.path.insert(0, HERE)
+    from bench_multi_gpu import run_job as run_logged
     t0 = time.time()
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-            for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-                try:
-                    os.killpg(p.pid, sig)  # the launcher and its ranks
-                except ProcessLookupError:
-                    break
-                try:
-                    p.wait(timeout=grace)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-    wall = time.time() - t0
-    with open(log_path) as f:
-        return rc, f.read(), wall
+    rc, text = run_logged(cmd, timeout, log_path, env)
+    return rc, text, time.time() - t0
 
 
 def num(s):
