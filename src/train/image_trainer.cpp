@@ -461,8 +461,9 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
     // One model is validated: every rank takes rank 0's batch-norm running statistics first,
     // as PyTorch DDP does (broadcast_buffers=True: rank 0's buffers before each forward).
     // Training normalizes with the batch's statistics, so it is unaffected; with
-    // --sync-batchnorm the ranks' statistics are equal already.
-    if (comm.world_size() > 1 && model->buffers().numel() > 0)
+    // --sync-batchnorm the ranks' statistics are equal already. Nothing to validate: nothing
+    // taken.
+    if (comm.world_size() > 1 && model->buffers().numel() > 0 && data.held_out.size() > 0)
       comm.broadcast(model->buffers(), 0)->wait();
     ImageEvaluation ev = evaluate_images(*model, data.held_out, transform,
                                          std::max<int64_t>(B, 256), comm, rank_scalars);
