@@ -82,6 +82,11 @@ void PipelineExecutor::release(int m, int c) {
   live_.erase(it);
 }
 
+void PipelineExecutor::gradient_sent(int m, int c) {
+  // Fused backward: the slot is done once its gradient left (W passes release it later).
+  if (schedule_ != PipelineSchedule::kZBH1) release(m, c);
+}
+
 void PipelineExecutor::reclaim() {
   // A finished slot is reused once its sends completed (never waited for here: the receiver may
   // post its receive only after this rank's next message).
@@ -145,8 +150,7 @@ void PipelineExecutor::compute(const PipelineAction& a, const MicroBatchSource& 
       Tensor g = model_.activation_grad(slot_for(m, c));
       Tensor into = model_.activation_grad(slot_for(m, chunk_of(v - 1)));
       backend_.copy(into.data, g.data, g.bytes());
-      // Fused backward: the slot is done once its gradient left (W passes release it later).
-      if (schedule_ != PipelineSchedule::kZBH1) release(m, c);
+      gradient_sent(m, c);
       break;
     }
     case ActionType::kForward: {
@@ -261,9 +265,7 @@ double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches,
           break;
         }
         live_[{a.micro_batch, a.chunk}].sends.push_back(std::move(work));
-        // Fused backward: the slot is done once its gradient left (W passes release it later).
-        if (a.type == ActionType::kSendGradient && schedule_ != PipelineSchedule::kZBH1)
-          release(a.micro_batch, a.chunk);
+        if (a.type == ActionType::kSendGradient) gradient_sent(a.micro_batch, a.chunk);
         break;
       }
       case IssueType::kCompute:

@@ -90,6 +90,8 @@ class PipelineExecutor : public LayerHooks {
 
   int slot_for(int m, int c);
   void release(int m, int c);
+  /// The input gradient of (m, c) left this chunk (to a peer or a chunk of this rank).
+  void gradient_sent(int m, int c);
   void reclaim();
   /// Where message `k` lands (a slot's chunk input or gradient, or the tied gradient).
   Tensor receive_buffer(const PipelineMessage& k);
