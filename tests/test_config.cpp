@@ -616,12 +616,8 @@ TEST_F(ConfigTest, PipelineModelChecks) {
   cfg.pipeline.virtual_stages = 2;
   validate(cfg, 1024);
   EXPECT_NO_THROW(check_pipeline_model(cfg, 8));
-  msg = config_error([&] { check_pipeline_model(cfg, 6); });
-  EXPECT_CONTAINS(msg, "virtual stages that do not divide the layers");
-  EXPECT_CONTAINS(msg, "6 transformer blocks");
-  EXPECT_CONTAINS(msg, "--pipeline-stages 2 × --virtual-stages 2 = 4 model chunks");
-  EXPECT_CONTAINS(msg, "a multiple of 4");
-  EXPECT_CONTAINS(msg, "use --virtual-stages 3 with 2 stages");
+  // Chunks of unequal block counts (the partition method balances their cost).
+  EXPECT_NO_THROW(check_pipeline_model(cfg, 6));
   msg = config_error([&] { check_pipeline_model(cfg, 3); });
   EXPECT_CONTAINS(msg,
                   "more stages than layers: --pipeline-stages 2 × --virtual-stages 2 = 4 "

@@ -197,6 +197,40 @@ TEST(CudaGraphsOff, HooksThatActKeepEveryOp) {
   EXPECT_EQ(hooks.after, 3 * m.model->num_layers());
 }
 
+/// Hooks that act in backward until allow_capture() moves their work after the replay (as dp does
+/// with several ranks).
+struct DeferringHooks final : LayerHooks {
+  bool in_backward = true;
+  int after = 0;
+  void after_backward(int) override {
+    if (in_backward) ++after;
+  }
+  bool capturable() const override { return !in_backward; }
+  bool allow_capture() override {
+    in_backward = false;
+    return true;
+  }
+};
+
+TEST(CudaGraphsOn, HooksThatAllowCaptureAreAsked) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  auto be = make_cuda_backend(0, DType::kBF16);
+  Bound m({"cnn", 1, 28, 28, 10}, *be, 1);
+  m.model->set_cuda_graphs(true);
+  DeferringHooks hooks;
+  m.model->set_hooks(&hooks);
+  EXPECT_FALSE(m.model->cuda_graphs_usable());
+  m.model->prepare_cuda_graphs();
+  EXPECT_TRUE(m.model->cuda_graphs_usable());
+  std::vector<float> images(8 * 28 * 28, 0.5f);
+  std::vector<int32_t> targets(8, 3);
+  for (int k = 0; k < 3; ++k)
+    m.model->train_micro_batch({.batch = 8, .images = images.data(), .targets = targets.data()},
+                               0.125f);
+  EXPECT_EQ(m.model->graph_replays(), 2);  // eager, captured, replayed
+  EXPECT_EQ(hooks.after, 0);
+}
+
 TEST(CudaGraphsOff, CpuRunsEagerly) {
   auto be = make_cpu_backend();
   EXPECT_EQ(compare(*be, {"cnn", 1, 28, 28, 10, true}, 1e-6), 0);

@@ -394,9 +394,10 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                "default: each rank's own micro-batch)");
   cmd.add_flag("--cuda-graphs,!--no-cuda-graphs", cfg.cuda_graphs,
                "image models on CUDA: capture each micro-batch's forward and backward once as a "
-               "CUDA graph and replay it, one launch instead of one per op (default: on; not "
-               "used where a strategy reduces gradients during backward or with "
-               "--sync-batchnorm)");
+               "CUDA graph and replay it, one launch instead of one per op (default: on; with "
+               "ddp on several ranks the gradients are all-reduced after the step's last "
+               "replay instead of during backward; not used with ZeRO strategies, which gather "
+               "or reduce during the passes, or with --sync-batchnorm)");
   cmd.add_option("--cache-dir", cfg.cache_dir,
                  "directory for token caches (default: $SHARDTRAIN_CACHE_DIR or "
                  "~/.cache/shardtrain)")

@@ -1837,19 +1837,6 @@ void check_pipeline_model(const TrainConfig& cfg, int n_layer) {
         cut, cfg.model.empty() ? "of the checkpoint" : cfg.model, n_layer, n_layer,
         interleaved ? "chunks (stages × virtual stages)" : "stages"));
   }
-  if (interleaved && n_layer % parts != 0) {
-    std::vector<std::string> fits;
-    for (int v = 2; v <= n_layer / p.stages; ++v) {
-      if (n_layer % (p.stages * v) == 0) fits.push_back(std::to_string(v));
-    }
-    throw ConfigError(fmt::format(
-        "virtual stages that do not divide the layers: interleaved-1f1b cuts the {} transformer "
-        "blocks of model '{}' into {}, which needs n_layer to be a multiple of {}: {}",
-        n_layer, cfg.model.empty() ? "of the checkpoint" : cfg.model, cut, parts,
-        fits.empty()
-            ? fmt::format("use fewer stages, or a model whose n_layer is a multiple of {}", parts)
-            : fmt::format("use --virtual-stages {} with {} stages", join(fits, " or "), p.stages)));
-  }
 }
 
 void validate(TrainConfig& cfg, int64_t model_context) {

@@ -365,9 +365,8 @@ void check_partition_method(const std::string& method);
 
 /// The pipeline checks that need the model's number of transformer blocks `n_layer` (after
 /// validate()); nothing for other strategies. stages × virtual_stages must be at most n_layer
-/// (each virtual stage holds at least one block) and, for interleaved-1f1b, divide it (equal
-/// chunks). Throws ConfigError naming the numbers and the fix. The trainer calls it once the
-/// model's shape is known.
+/// (each virtual stage holds at least one block). Throws ConfigError naming the numbers and the
+/// fix. The trainer calls it once the model's shape is known.
 void check_pipeline_model(const TrainConfig& cfg, int n_layer);
 
 /// Warnings about settings that are valid but do not do what they are meant to for this model,

@@ -33,6 +33,11 @@ class LayerHooks {
   /// model could skip: then a model may record its forward and backward once into a device graph
   /// and replay it without calling them (Backend::capture).
   virtual bool capturable() const { return false; }
+  /// Asked by a model that records its micro-steps into device graphs (ImageModel with CUDA
+  /// graphs) while capturable() is false: the hooks may give up what makes them uncapturable — a
+  /// data-parallel strategy then all-reduces the gradients in finish_gradients, right after the
+  /// last micro-step's replay, instead of during backward. Returns capturable() afterwards.
+  virtual bool allow_capture() { return capturable(); }
 
   // ---- tied-embedding gradient hand-off ------------------------------------------------------
   // A model whose last layer reads its first layer's token embedding (GPT-2's LM head is tied to

@@ -60,7 +60,7 @@ class DataParallel final : public Strategy {
   }
 
   void after_backward(int layer) override {
-    if (!last_micro_ || comm_.world_size() == 1 || !opt_.overlap_comm) return;
+    if (!last_micro_ || comm_.world_size() == 1 || !reduce_in_backward_) return;
     // The tied wte, complete but for the embedding's rows: reduced on its own from here.
     if (tied_.active() && layer == tied_.reader_layer())
       pending_.push_back(comm_.all_reduce(tied_grad(), ReduceOp::kSum));
@@ -71,14 +71,19 @@ class DataParallel final : public Strategy {
   // after_backward reduces nothing on one rank, or when the reduction waits for
   // finish_gradients; the tied embedding (GPT-2) is not the image models' concern but is checked.
   bool capturable() const override {
-    return (comm_.world_size() == 1 || !opt_.overlap_comm) && !tied_.active();
+    return (comm_.world_size() == 1 || !reduce_in_backward_) && !tied_.active();
+  }
+  // A graph of the whole micro-step: every bucket is all-reduced after the replay.
+  bool allow_capture() override {
+    if (!tied_.active()) reduce_in_backward_ = false;
+    return capturable();
   }
 
   bool take_tied_embedding_grad(int64_t rows) override { return last_micro_ && tied_.take(rows); }
   void tied_embedding_grad(Tensor dx, Tensor tokens) override { tied_.gather(dx, tokens); }
 
   void finish_gradients() override {
-    if (!opt_.overlap_comm && comm_.world_size() > 1)
+    if (!reduce_in_backward_ && comm_.world_size() > 1)
       for (size_t b = 0; b < buckets_.size(); ++b) reduce(b);
     for (auto& w : pending_) w->wait();
     pending_.clear();
@@ -192,6 +197,8 @@ class DataParallel final : public Strategy {
   TiedEmbeddingGrad tied_;  ///< the early wte reduction and the embedding's rows
   std::vector<std::unique_ptr<Work>> pending_;
   bool last_micro_ = true;
+  /// Buckets all-reduced from after_backward (overlap_comm), or all in finish_gradients.
+  bool reduce_in_backward_ = opt_.overlap_comm;
   RegisteredBuffers registered_;  ///< grads_ for the copy-engine all-reduce; destroyed first
 };
 

@@ -336,6 +336,7 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
       }
     }
     strategy->setup(*model, init);
+    model->prepare_cuda_graphs();
   }
   TrainingProgress progress;
   progress.seed = cfg.seed;
@@ -372,12 +373,16 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
       cfg.sync_batchnorm && comm.world_size() > 1 ? "synchronized over the ranks"
                                                   : "each rank's micro-batch");
   out.line("  CUDA graphs: {}",
-           model->cuda_graphs_usable()
-               ? "on (each micro-batch's forward and backward replayed as one graph)"
-           : !cfg.cuda_graphs ? "off (--no-cuda-graphs)"
-           : backend->kind() != DeviceKind::kCUDA
-               ? "off (CPU)"
-               : "off (the strategy reduces gradients during backward, or --sync-batchnorm)");
+           !model->cuda_graphs_usable()
+               ? (!cfg.cuda_graphs ? "off (--no-cuda-graphs)"
+                  : backend->kind() != DeviceKind::kCUDA
+                      ? "off (CPU)"
+                      : "off (the strategy gathers parameters or reduces gradients during "
+                        "backward, or --sync-batchnorm)")
+           : comm.world_size() > 1
+               ? "on (each micro-batch's forward and backward replayed as one graph; the "
+                 "gradients all-reduced after the step's last replay)"
+               : "on (each micro-batch's forward and backward replayed as one graph)");
   out.line(
       "  steps: {} ({} per epoch{}), warmup {}, {} schedule, {}, clip {:g}, label smoothing {:g}",
       total_steps, steps_per_epoch,

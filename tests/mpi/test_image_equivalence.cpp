@@ -81,8 +81,11 @@ st::TrainConfig config(st::StrategyKind kind, bool sgd = false) {
 
 /// The cnn trained kSteps steps with strategy `kind` on `comm`; its full parameters after.
 /// `sync_batchnorm`: batch norm's statistics summed over the ranks of `comm` (SyncBatchNorm).
+/// `reduce_after_backward`: the strategy's hooks are asked to allow device-graph capture
+/// (LayerHooks::allow_capture, as ImageModel::prepare_cuda_graphs does on CUDA): dp then
+/// all-reduces every bucket after the backward instead of during it.
 std::vector<float> train(st::StrategyKind kind, st::Communicator& comm, bool sync_batchnorm = false,
-                         bool sgd = false) {
+                         bool sgd = false, bool reduce_after_backward = false) {
   auto backend = st::make_cpu_backend();
   std::unique_ptr<st::ImageModel> model = st::make_image_model(spec(), *backend);
   if (sync_batchnorm)
@@ -94,6 +97,11 @@ std::vector<float> train(st::StrategyKind kind, st::Communicator& comm, bool syn
   std::unique_ptr<st::Strategy> strategy =
       st::make_strategy(st::strategy_options(config(kind, sgd)), *backend, comm);
   strategy->setup(*model, init);
+  if (reduce_after_backward) {
+    EXPECT_EQ(model->hooks()->capturable(), comm.world_size() == 1);
+    EXPECT_TRUE(model->hooks()->allow_capture());
+    EXPECT_TRUE(model->hooks()->capturable());
+  }
   st::LossScaler scaler{st::LossScaleConfig{}, false};
   st::TrainStep train_step(*model, *strategy, comm, *backend, scaler,
                            st::TrainStepOptions{kAccum, kClip, 7});
@@ -151,6 +159,20 @@ TEST_F(ImageEquivalence, ZeroStagesAndOffloadEqualDp) {
                  comm->world_size(), d);
     EXPECT_LE(d, kTolerance) << st::to_string(kind);
   }
+}
+
+// dp as it runs under CUDA graphs on several ranks (ImageModel::prepare_cuda_graphs): the buckets
+// all-reduced after the backward, not during it — the same sums of the same gradients.
+TEST_F(ImageEquivalence, DpReducingAfterBackwardEqualsDp) {
+  ASSERT_EQ(kMicroSamples % comm->world_size(), 0);
+  const std::vector<float> dp = train(st::StrategyKind::kDataParallel, *comm);
+  const std::vector<float> after =
+      train(st::StrategyKind::kDataParallel, *comm, false, false, true);
+  const double d = norm_rel(after, dp);
+  if (comm->rank() == 0)
+    fmt::print("dp reducing after backward on {} ranks vs dp: ‖a − b‖/‖b‖ = {:.3g}\n",
+               comm->world_size(), d);
+  EXPECT_LE(d, 1e-7);
 }
 
 // The same under SGD (momentum 0.9, Nesterov, L2 weight decay): the momentum buffer lives in each

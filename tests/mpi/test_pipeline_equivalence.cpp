@@ -323,6 +323,9 @@ TEST_F(PipelineMpi, TwoStagesEverySchedule) {
   check_case({.schedule = S::kGPipe});
   check_case({.schedule = S::k1F1B});
   check_case({.schedule = S::kInterleaved, .virtual_stages = 2});
+  // Chunks of unequal block counts: 5 blocks in 4 chunks, cut by parameters and by time.
+  check_case({.schedule = S::kInterleaved, .virtual_stages = 2, .layers = 5});
+  check_case({.schedule = S::kInterleaved, .virtual_stages = 2, .layers = 5, .partition = "time"});
   check_case({.schedule = S::kZBH1});
   check_case({.schedule = S::k1F1B, .M = 1});  // the naive pipeline
   check_case({.schedule = S::k1F1B, .M = 8, .partition = "uniform"});

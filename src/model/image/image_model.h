@@ -70,11 +70,18 @@ class ImageModel final : public Model {
   /// is captured as one graph of the whole forward and backward, and later ones replay it after
   /// uploading their images, targets and dropout seed into the same device buffers — the host
   /// enqueues one launch instead of hundreds of kernels. Falls back to forward() + backward()
-  /// when the hooks are not capturable (a strategy reducing during backward), with synchronized
-  /// batch norm, and for good (with a warning) when a capture fails. Same results as eager.
+  /// when the hooks are not capturable (a strategy gathering parameters or reducing gradients
+  /// during backward; see prepare_cuda_graphs), with synchronized batch norm, and for good (with
+  /// a warning) when a capture fails. Same results as eager.
   double train_micro_batch(const ModelInput& input, float grad_scale) override;
   /// Whether train_micro_batch may use device graphs (default off).
   void set_cuda_graphs(bool on) { graphs_ = on; }
+  /// After the strategy has bound its hooks, with set_cuda_graphs(true): asks hooks that are not
+  /// capturable to allow capture (LayerHooks::allow_capture — data parallelism then all-reduces
+  /// the gradients right after the step's last replay instead of during backward).
+  void prepare_cuda_graphs() {
+    if (graphs_ && hooks_ && !hooks_->capturable()) hooks_->allow_capture();
+  }
   /// Whether train_micro_batch replays device graphs: set_cuda_graphs(true), no failed capture
   /// so far, capturable hooks (or none) and no synchronized batch norm.
   bool cuda_graphs_usable() const {

@@ -53,7 +53,7 @@ std::vector<double> PipelineParallel::layer_costs(const GPT2Model& whole) {
   const int n = layout.num_layers();
   std::vector<double> costs(static_cast<size_t>(n), 1.0);
   costs.front() = costs.back() = 0;
-  if (opt_.virtual_stages > 1 || opt_.partition == PartitionMethod::kUniform) return costs;
+  if (opt_.partition == PartitionMethod::kUniform) return costs;
   if (opt_.partition == PartitionMethod::kParameters) {
     for (int l = 0; l < n; ++l) {
       double& c = costs[static_cast<size_t>(l)] = 0;
@@ -312,8 +312,7 @@ std::vector<std::string> PipelineParallel::describe() const {
       "{}, {} partition, {} across replicas",
       P_, P_ == 1 ? "" : "s", D_, D_ == 1 ? "" : "s", D_, to_string(opt_.schedule),
       opt_.virtual_stages > 1 ? fmt::format(" with {} virtual stages", opt_.virtual_stages) : "",
-      opt_.virtual_stages > 1 ? std::string("uniform") : to_string(opt_.partition),
-      inner_ ? inner_->name() : std::string("?")));
+      to_string(opt_.partition), inner_ ? inner_->name() : std::string("?")));
   std::string stages;
   for (size_t v = 0; v < layer_names_.size(); ++v)
     stages += fmt::format("{}{}: {}", v ? " | " : "", v, layer_names_[v]);
