@@ -129,6 +129,54 @@ TEST(PipelineSchedule, BubbleFractions) {
   for (int r = 0; r < 4; ++r) EXPECT_NEAR(naive.utilization(r), 0.25, 1e-12);
 }
 
+// PipeDream-2BW without a flush (arXiv 2006.09503 §3): consecutive steps run every pass of every
+// micro-batch once on every rank, a forward before its backward, the look-ahead forwards of step
+// k being step k + 1's first; a step that fills and drains is 1F1B; and a steady step idles less
+// than 1F1B's flushed one.
+TEST(PipelineSchedule, TwoBWWithoutFlush) {
+  for (int P : {2, 3, 4}) {
+    for (int M : {P, 8}) {
+      const PipelineShape flushed{P, M, 1};
+      for (int r = 0; r < P; ++r)
+        EXPECT_EQ(pipeline_compute_actions(PipelineSchedule::k2BW, flushed, r),
+                  pipeline_compute_actions(PipelineSchedule::k1F1B, flushed, r));
+      constexpr int kSteps = 3;
+      for (int r = 0; r < P; ++r) {
+        std::map<std::pair<int, int>, int> seen;  // (type, global micro-batch) -> position
+        int pos = 0;
+        for (int k = 0; k < kSteps; ++k) {
+          const PipelineShape s{P, M, 1, k == 0, k + 1 == kSteps};
+          for (const PipelineAction& a : pipeline_compute_actions(PipelineSchedule::k2BW, s, r)) {
+            const int m = k * M + a.micro_batch;
+            EXPECT_TRUE(seen.emplace(std::pair{static_cast<int>(a.type), m}, pos++).second)
+                << "twice: rank " << r << " micro-batch " << m;
+          }
+        }
+        for (int m = 0; m < kSteps * M; ++m) {
+          const auto f = seen.find({static_cast<int>(ActionType::kForward), m});
+          const auto b = seen.find({static_cast<int>(ActionType::kBackward), m});
+          ASSERT_TRUE(f != seen.end() && b != seen.end()) << "rank " << r << " micro-batch " << m;
+          EXPECT_LT(f->second, b->second);
+        }
+        EXPECT_EQ(seen.size(), static_cast<size_t>(2 * kSteps * M));
+      }
+      // Backward twice the forward: a steady step idles (P−1)·B at the start of the earlier
+      // stages' backwards, against (P−1)·(F+B) for the flushed 1F1B step.
+      const PipelineOpTimes t{1, 1, 1};
+      const double one = simulate_pipeline(PipelineSchedule::k1F1B, flushed, t).bubble_fraction();
+      const PipelineTimeline steady =
+          simulate_pipeline(PipelineSchedule::k2BW, {P, M, 1, false, false}, t);
+      EXPECT_LT(steady.bubble_fraction(), one) << P << " " << M;
+      EXPECT_NEAR(steady.makespan, 3.0 * M + 2.0 * (P - 1), 1e-9) << P << " " << M;
+      // Each rank holds its look-ahead forwards on top of 1F1B's in-flight micro-batches.
+      for (int r = 0; r < P; ++r)
+        EXPECT_LE(steady.peak_in_flight[static_cast<size_t>(r)], P - r) << P << " " << M;
+    }
+  }
+  EXPECT_THROW(check_pipeline_shape(PipelineSchedule::k1F1B, {2, 4, 1, false, true}), ConfigError);
+  EXPECT_THROW(check_pipeline_shape(PipelineSchedule::k2BW, {4, 3, 1, true, false}), ConfigError);
+}
+
 // Per-virtual-stage op times all equal to `times`: exactly the single-times simulation.
 TEST(PipelineSchedule, PerStageTimesEqualToOneTimesSimulateTheSame) {
   const PipelineOpTimes times{1, 1.5, 0.5};

@@ -33,14 +33,37 @@ std::vector<PipelineShape> shapes_for(PipelineSchedule s) {
   std::vector<PipelineShape> out;
   for (int P = 2; P <= 8; ++P)
     for (int M : std::set<int>{P, 2 * P, 8, 16})
-      for (int V : {1, 2, 3}) {
-        const PipelineShape shape{P, M, V};
-        try {
-          check_pipeline_shape(s, shape);
-          out.push_back(shape);
-        } catch (const ConfigError&) {
+      for (int V : {1, 2, 3})
+        for (int flush = 0; flush < 4; ++flush) {  // 2bw: with and without fill and drain
+          const PipelineShape shape{P, M, V, (flush & 1) == 0, (flush & 2) == 0};
+          try {
+            check_pipeline_shape(s, shape);
+            out.push_back(shape);
+          } catch (const ConfigError&) {
+          }
         }
+  return out;
+}
+
+/// `steps` consecutive 2bw steps of `shape` (the first fills, the last drains), each rank's orders
+/// concatenated with step k's micro-batch m renamed k·M + m — so a look-ahead micro-batch M + j
+/// of step k is micro-batch j of step k + 1, as the executor carries it.
+std::vector<std::vector<IssuedOp>> consecutive_2bw(PipelineShape shape, int steps,
+                                                   const PipelineChannels& channels) {
+  std::vector<std::vector<IssuedOp>> out(static_cast<size_t>(shape.stages));
+  for (int k = 0; k < steps; ++k) {
+    shape.fill = k == 0;
+    shape.drain = k + 1 == steps;
+    for (int r = 0; r < shape.stages; ++r)
+      for (IssuedOp op : pipeline_issue_order(PipelineSchedule::k2BW, shape, r, channels, false)) {
+        op.action.micro_batch += k * shape.micro_batches;
+        if (op.message.kind != MessageKind::kTiedGradient)
+          op.message.micro_batch += k * shape.micro_batches;
+        else
+          op.message.micro_batch = k;  // one per step
+        out[static_cast<size_t>(r)].push_back(op);
       }
+  }
   return out;
 }
 
@@ -133,6 +156,18 @@ TEST(NcclOrderModel, PerNeighbourChannelsNeverDeadlock) {
 
 // Each rank uses a channel for one peer and one direction; on each channel a sender's messages
 // and its receiver's posted receives are the same list in the same order.
+// 2bw without a flush: the look-ahead activations a step sends are received in that step, and
+// consecutive steps run as one stream without a wait cycle.
+TEST(NcclOrderModel, TwoBWStepsWithoutFlushChain) {
+  for (int P = 2; P <= 6; ++P)
+    for (int M : std::set<int>{P, P + 1, 8}) {
+      const PipelineShape shape{P, M, 1};
+      const std::string cycle =
+          nccl_order_deadlock(consecutive_2bw(shape, 4, PipelineChannels::per_neighbour(P)));
+      EXPECT_EQ(cycle, "") << "P=" << P << " M=" << M;
+    }
+}
+
 TEST(NcclOrderModel, ChannelsHaveOneSenderAndOneReceiver) {
   for (int P = 2; P <= 9; ++P) {
     const PipelineChannels ch = PipelineChannels::per_neighbour(P);

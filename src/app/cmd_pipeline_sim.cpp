@@ -26,6 +26,7 @@ struct SimFlags {
   std::string times = "1,2,0";
   std::string stage_times;  ///< "F,B[,W];F,B[,W];…": one group per virtual stage (empty: --times)
   std::string output;
+  bool flushed = false;  ///< 2bw: simulate a step that fills and drains (default: the steady one)
 };
 
 /// "F,B" or "F,B,W" (op times of one micro-batch through one stage; B alone when W is absent).
@@ -71,7 +72,10 @@ std::vector<PipelineOpTimes> parse_stage_times(const std::string& text, const Pi
 
 void run_sim(const SimFlags& f) {
   const PipelineSchedule schedule = parse_pipeline_schedule(f.schedule);
-  const PipelineShape shape{f.stages, f.micro_batches, f.virtual_stages};
+  PipelineShape shape{f.stages, f.micro_batches, f.virtual_stages};
+  // 2bw runs without a flush: its steady step neither fills nor drains the pipeline.
+  if (schedule == PipelineSchedule::k2BW && !f.flushed && f.micro_batches >= f.stages)
+    shape.fill = shape.drain = false;
   check_pipeline_shape(schedule, shape);
   const bool per_stage = !f.stage_times.empty();
   const std::vector<PipelineOpTimes> times =
@@ -104,10 +108,11 @@ void run_sim(const SimFlags& f) {
     write_file_atomic(
         f.output,
         timeline_svg(
-            t,
-            fmt::format(
-                "{}: {} stages, {} micro-batches{}", to_string(schedule), f.stages, f.micro_batches,
-                f.virtual_stages > 1 ? fmt::format(", {} virtual stages", f.virtual_stages) : "")));
+            t, fmt::format(
+                   "{}: {} stages, {} micro-batches{}{}", to_string(schedule), f.stages,
+                   f.micro_batches,
+                   f.virtual_stages > 1 ? fmt::format(", {} virtual stages", f.virtual_stages) : "",
+                   shape.fill ? "" : ", a steady step (no flush)")));
     // A PNG copy next to it when a renderer (rsvg-convert, ImageMagick) is installed.
     std::filesystem::path png(f.output);
     png.replace_extension(".png");
@@ -140,6 +145,10 @@ void register_pipeline_sim_command(CLI::App& app) {
                   "virtual stage v = chunk·P + stage, P·V groups separated by ';' (e.g. "
                   "\"1,2;1,2;1,2;3,6\": the last of 4 stages 3x slower); instead of --times")
       ->excludes(times);
+  cmd->add_flag("--flushed", f->flushed,
+                "2bw: simulate a step that fills and drains the pipeline (the first and last of a "
+                "run, or one before an evaluation; default: the steady step, whose look-ahead "
+                "forwards of the next step fill the drain)");
   cmd->add_option("--output", f->output,
                   "write the timeline picture as SVG (and a .png beside it when rsvg-convert or "
                   "ImageMagick is installed)");

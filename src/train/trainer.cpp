@@ -406,8 +406,8 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                  .seq_len = T};
   loop.step = [&](int64_t epoch, double lr) {
     // This rank's micro-batch k of the step, from the sampler.
-    const MicroBatchSource batch = [&](int64_t k) {
-      const auto idx = sampler.micro_batch_indices(epoch, progress.step_in_epoch, k);
+    const auto micro_batch = [&](int64_t ep, int64_t step_in_epoch, int64_t k) {
+      const auto idx = sampler.micro_batch_indices(ep, step_in_epoch, k);
       for (int64_t i = 0; i < B; ++i) {
         train_data.sample(idx[static_cast<size_t>(i)], sample.data());
         std::copy(sample.begin(), sample.end() - 1, tokens.begin() + i * T);
@@ -415,6 +415,16 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
       }
       return MicroBatch{tokens.data(), targets.data(), B, T};
     };
+    const MicroBatchSource batch = [&](int64_t k) {
+      return micro_batch(epoch, progress.step_in_epoch, k);
+    };
+    // The next step's micro-batches (2bw runs their first forwards at the end of this step).
+    const bool epoch_ends = progress.step_in_epoch + 1 >= steps_per_epoch;
+    const MicroBatchSource next_batch = [&](int64_t k) {
+      return epoch_ends ? micro_batch(epoch + 1, 0, k)
+                        : micro_batch(epoch, progress.step_in_epoch + 1, k);
+    };
+    const bool has_next = progress.step + 1 < total_steps;
     // FLOPs profiler: this step with every layer timed and the phases marked.
     const bool profile_now = profile_enabled && progress.step + 1 == profile.profile_step;
     LayerHooks* const strategy_hooks = model.hooks();
@@ -432,7 +442,8 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
     }
     StepResult r =
         pipeline ? pipeline->run_step(progress.step, lr, batch, scaler,
-                                      TrainStepOptions{accum, cfg.gradient_clipping, cfg.seed})
+                                      TrainStepOptions{accum, cfg.gradient_clipping, cfg.seed},
+                                      has_next ? &next_batch : nullptr)
                  : train_step.run(progress.step, lr, batch);
     if (profile_now) {
       model.set_hooks(strategy_hooks);

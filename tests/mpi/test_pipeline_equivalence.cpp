@@ -151,8 +151,13 @@ Reference run_reference(int layers, int64_t M, int64_t steps, bool two_bw, float
     for (int64_t k = 0; k < M; ++k) {
       const st::MicroBatch mb = batches.get(step, k);
       strategy->begin_micro_step(k, M);
-      loss += model.forward(mb.tokens, mb.targets, mb.batch, mb.seq_len,
-                            1.0f / static_cast<float>(mb.batch * mb.seq_len), true);
+      const st::ModelInput input{
+          .batch = mb.batch,
+          .seq_len = mb.seq_len,
+          .tokens = mb.tokens,
+          .targets = mb.targets,
+          .dropout_seed = st::micro_batch_dropout_seed(kRunSeed, 0, step, k)};
+      loss += model.forward(input, 1.0f / static_cast<float>(mb.batch * mb.seq_len), true);
       model.backward();
     }
     strategy->finish_gradients();
@@ -199,14 +204,15 @@ struct Case {
   int layers = 4;
   std::string partition = "parameters";
   bool checkpointing = false;
-  float dropout = 0.0f;  ///< the model's embd/attn/resid_pdrop
+  float dropout = 0.0f;    ///< the model's embd/attn/resid_pdrop
+  bool flushless = false;  ///< 2bw: each step but the last runs the next step's first forwards
 };
 
 std::string describe(const Case& c, int D) {
-  return fmt::format("{} P={} V={} D={} M={} zero{} {}{}{}", st::to_string(c.schedule), c.stages,
-                     c.virtual_stages, D, c.M, c.zero_stage, c.partition,
-                     c.checkpointing ? " checkpointing" : "",
-                     c.dropout > 0 ? fmt::format(" dropout {}", c.dropout) : "");
+  return fmt::format(
+      "{} P={} V={} D={} M={} zero{} {}{}{}{}", st::to_string(c.schedule), c.stages,
+      c.virtual_stages, D, c.M, c.zero_stage, c.partition, c.checkpointing ? " checkpointing" : "",
+      c.dropout > 0 ? fmt::format(" dropout {}", c.dropout) : "", c.flushless ? " no flush" : "");
 }
 
 class PipelineMpi : public ::testing::Test {
@@ -258,10 +264,18 @@ class PipelineMpi : public ::testing::Test {
   void train(Run& run, const Case& c, int64_t first, int64_t count) {
     const int D = comm->world_size() / c.stages;
     Batches batches{c.M, D, run.pipe->replica(), {}, {}};
+    Batches next_batches{c.M, D, run.pipe->replica(), {}, {}};
     for (int64_t step = first; step < first + count; ++step) {
+      const st::MicroBatchSource next = [&](int64_t k) { return next_batches.get(step + 1, k); };
+      const bool lookahead = c.flushless && step + 1 < first + count;
       const auto r = run.pipe->run_step(
           step, learning_rate(step), [&](int64_t k) { return batches.get(step, k); }, run.scaler,
-          st::TrainStepOptions{c.M, kClip, kRunSeed});
+          st::TrainStepOptions{c.M, kClip, kRunSeed}, lookahead ? &next : nullptr);
+      if (c.flushless) {  // the steps between the first and the last neither fill nor drain
+        const st::PipelineShape& shape = run.pipe->last_step_shape();
+        EXPECT_EQ(shape.fill, step == first) << "step " << step;
+        EXPECT_EQ(shape.drain, step + 1 == first + count) << "step " << step;
+      }
       run.losses.push_back(r.loss);
       run.norms.push_back(r.grad_norm);
     }
@@ -333,6 +347,9 @@ TEST_F(PipelineMpi, TwoStagesEverySchedule) {
   check_case({.schedule = S::k1F1B, .checkpointing = true});
   check_case({.schedule = S::kZBH1, .checkpointing = true});
   check_case({.schedule = S::k2BW});
+  check_case({.schedule = S::k2BW, .flushless = true});
+  check_case({.schedule = S::k2BW, .M = 2, .flushless = true});
+  check_case({.schedule = S::k2BW, .checkpointing = true, .flushless = true});
 }
 
 // Dropout (p = 0.1): each micro-batch's masks are drawn from (run seed, replica, step, micro-batch
@@ -345,6 +362,8 @@ TEST_F(PipelineMpi, TwoStagesWithDropoutMatchDataParallel) {
   check_case({.schedule = S::kInterleaved, .virtual_stages = 2, .dropout = 0.1f});
   check_case({.schedule = S::kZBH1, .dropout = 0.1f});
   check_case({.schedule = S::k1F1B, .checkpointing = true, .dropout = 0.1f});
+  // 2bw's look-ahead forwards draw the next step's masks.
+  check_case({.schedule = S::k2BW, .dropout = 0.1f, .flushless = true});
 }
 
 TEST_F(PipelineMpi, FourStagesEverySchedule) {
@@ -354,6 +373,7 @@ TEST_F(PipelineMpi, FourStagesEverySchedule) {
   check_case({.schedule = S::kInterleaved, .stages = 4, .virtual_stages = 2, .layers = 8});
   check_case({.schedule = S::kZBH1, .stages = 4, .M = 8, .layers = 8});
   check_case({.schedule = S::k2BW, .stages = 4, .layers = 8});
+  check_case({.schedule = S::k2BW, .stages = 4, .layers = 8, .flushless = true});
 }
 
 TEST_F(PipelineMpi, TwoStagesTimesTwoReplicas) {
@@ -364,6 +384,7 @@ TEST_F(PipelineMpi, TwoStagesTimesTwoReplicas) {
   check_case({.schedule = S::kGPipe, .zero_stage = 2});
   check_case({.schedule = S::kInterleaved, .virtual_stages = 2, .zero_stage = 2});
   check_case({.schedule = S::kZBH1, .zero_stage = 1});
+  check_case({.schedule = S::k2BW, .zero_stage = 2, .flushless = true});
 }
 
 TEST_F(PipelineMpi, CheckpointResumesAsDataParallel) {

@@ -154,10 +154,11 @@ void PipelineExecutor::compute(const PipelineAction& a, const MicroBatchSource& 
       break;
     }
     case ActionType::kForward: {
+      use_weights_of(m);
       const int s = slot_for(m, c);
       const bool embed = v == 0, head = v == last_v;
       if (embed || head) {
-        const MicroBatch mb = batches(m);
+        const MicroBatch mb = m < M_ ? batches(m) : lookahead_->next_batches(m - M_);
         check<ConfigError>(mb.batch == B_ && mb.seq_len == T_,
                            "pipeline: micro-batch {} is [{}, {}] but micro-batch 0 was [{}, {}]: "
                            "every micro-batch of a step must have the same shape",
@@ -176,6 +177,7 @@ void PipelineExecutor::compute(const PipelineAction& a, const MicroBatchSource& 
     case ActionType::kBackward:
     case ActionType::kBackwardInput:
     case ActionType::kBackwardWeight: {
+      use_weights_of(m);
       const int s = slot_for(m, c);
       if (a.type != ActionType::kBackwardInput) {
         int& k = weight_passes_[static_cast<size_t>(c)];
@@ -197,33 +199,55 @@ void PipelineExecutor::compute(const PipelineAction& a, const MicroBatchSource& 
   }
 }
 
+void PipelineExecutor::use_weights_of(int m) {
+  if (lookahead_ == nullptr || (m >= M_) == using_next_) return;
+  using_next_ = m >= M_;
+  lookahead_->use_weights(using_next_);
+}
+
+void PipelineExecutor::discard_lookahead() {
+  for (auto& [key, slot] : live_) {
+    for (auto& w : slot.sends) w->wait();
+    free_slots_.push_back(slot.slot);
+  }
+  live_.clear();
+  held_lookahead_ = false;
+}
+
 // ---- one step ----------------------------------------------------------------------------------
 
 double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches, double loss_scale,
-                             bool trace) {
-  if (micro_batches != M_ || order_.empty()) {
-    M_ = micro_batches;
-    const PipelineShape shape{P_, M_, V_};
-    order_ = pipeline_issue_order(schedule_, shape, rank_, channel_map_, post_ahead_);
+                             bool trace, const PipelineLookahead* lookahead) {
+  ST_ASSERT(lookahead == nullptr || schedule_ == PipelineSchedule::k2BW);
+  if (held_lookahead_ && micro_batches != M_) discard_lookahead();
+  M_ = micro_batches;
+  shape_ = PipelineShape{P_, M_, V_, !held_lookahead_, lookahead == nullptr};
+  const auto key = std::make_tuple(M_, shape_.fill, shape_.drain);
+  auto found = orders_.find(key);
+  if (found == orders_.end()) {
     // Every rank checks the orders of all (pure functions of the shape) under NCCL's semantics
     // before the first transfer, so a wait cycle is an error here and never a hang.
     std::vector<std::vector<IssuedOp>> all;
     for (int r = 0; r < P_; ++r)
-      all.push_back(pipeline_issue_order(schedule_, shape, r, channel_map_, post_ahead_));
+      all.push_back(pipeline_issue_order(schedule_, shape_, r, channel_map_, post_ahead_));
     const std::string cycle = nccl_order_deadlock(all);
     check<RuntimeFailure>(cycle.empty(),
                           "pipeline: internal error: the {} order for {} stages × {} "
                           "micro-batches can deadlock: {}",
                           to_string(schedule_), P_, M_, cycle);
+    found = orders_.emplace(key, std::move(all[static_cast<size_t>(rank_)])).first;
   }
+  const std::vector<IssuedOp>& order = found->second;
   {
     const MicroBatch first = batches(0);
     B_ = first.batch;
     T_ = first.seq_len;
   }
   grad_scale_ = static_cast<float>(loss_scale / static_cast<double>(B_ * T_));
-  ST_ASSERT(live_.empty() && pending_recv_.empty());
-  trace_.clear();
+  ST_ASSERT(pending_recv_.empty() && (held_lookahead_ || live_.empty()));
+  lookahead_ = lookahead;
+  using_next_ = false;
+  if (trace) trace_.clear();
   const bool head_here = rank_of(P_ * V_ - 1) == rank_;
   if (head_here && step_losses_.numel() < M_ * B_ * T_)
     step_losses_ = FlatBuffer(backend_, DType::kF32, M_ * B_ * T_);
@@ -235,7 +259,7 @@ double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches,
   const auto t0 = Clock::now();
   const auto now = [&]() { return std::chrono::duration<double>(Clock::now() - t0).count(); };
 
-  for (const IssuedOp& op : order_) {
+  for (const IssuedOp& op : order) {
     const double start = trace ? now() : 0;
     const PipelineAction& a = op.action;
     bool traced = true;
@@ -279,8 +303,9 @@ double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches,
       trace_.push_back({a, start, now()});
     }
   }
-  // Every slot is done; wait for the sends still in flight.
-  ST_ASSERT(live_.empty() && pending_recv_.empty());
+  // Every slot is done but the look-ahead ones; wait for the sends still in flight (the
+  // look-ahead activations' receivers posted theirs in this step).
+  ST_ASSERT(pending_recv_.empty());
   for (SlotState& s : done_) {
     for (auto& w : s.sends) w->wait();
     free_slots_.push_back(s.slot);
@@ -288,6 +313,19 @@ double PipelineExecutor::run(int micro_batches, const MicroBatchSource& batches,
   done_.clear();
   for (auto& w : other_sends_) w->wait();
   other_sends_.clear();
+  // The look-ahead micro-batches M.. are the next step's 0..
+  std::map<std::pair<int, int>, SlotState> carried;
+  for (auto& [mc, slot] : live_) {
+    ST_ASSERT(mc.first >= M_);
+    for (auto& w : slot.sends) w->wait();
+    slot.sends.clear();
+    carried[{mc.first - M_, mc.second}] = std::move(slot);
+  }
+  live_ = std::move(carried);
+  held_lookahead_ = !shape_.drain;
+  if (using_next_) lookahead_->use_weights(false);
+  using_next_ = false;
+  lookahead_ = nullptr;
   // The sum of the micro-batches' mean losses, in micro-batch order.
   double loss = 0;
   if (head_here)

@@ -1,7 +1,9 @@
 // The pipeline executor: runs one rank's schedule (schedule.h) for one optimizer step on its
 // stage model, any schedule — forwards, fused backwards, input- and weight-gradient passes,
 // and the point-to-point transfers between neighbouring stages (Megatron-LM's habit: schedules
-// apart from p2p communication).
+// apart from p2p communication). 2bw runs without a flush: a step may end with the next step's
+// look-ahead forwards, whose slots (micro-batches M..M+w−1) carry over to the next run as its
+// micro-batches 0..w−1.
 //
 // Activation slots. Each (micro-batch, chunk) in flight holds a slot of the stage model
 // (GPT2Model::prepare): its input, what backward needs, its residual gradient. A slot is taken at
@@ -22,8 +24,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -39,6 +43,16 @@ namespace shardtrain {
 /// Local layers [first, last) of the stage model that one chunk runs.
 struct ChunkLayers {
   int first = 0, last = 0;
+};
+
+/// 2bw without a flush (schedule.h, PipelineShape::fill/drain): what a step that runs the next
+/// step's look-ahead forwards needs.
+struct PipelineLookahead {
+  /// The next step's micro-batches (the first stage reads the first P − 1).
+  const MicroBatchSource& next_batches;
+  /// Makes the stage compute with the next step's weights (true) or this step's (false): the
+  /// look-ahead forwards use the next step's (PipeDream-2BW's second weight version).
+  std::function<void(bool next)> use_weights;
 };
 
 class PipelineExecutor : public LayerHooks {
@@ -57,7 +71,19 @@ class PipelineExecutor : public LayerHooks {
   /// micro-batch's loss scaled by `grad_scale` per token. Returns the sum of the micro-batches'
   /// mean losses on the last stage (0 elsewhere). Collective over `pipe`. With `trace`, records
   /// each action's start and end (synchronizing the device after each).
-  double run(int micro_batches, const MicroBatchSource& batches, double loss_scale, bool trace);
+  /// 2bw: `lookahead` set, the step ends with the next step's look-ahead forwards (it does not
+  /// drain) and their activations stay in their slots for the next run; a run after one that
+  /// did not drain does not fill. Every rank must pass the same.
+  double run(int micro_batches, const MicroBatchSource& batches, double loss_scale, bool trace,
+             const PipelineLookahead* lookahead = nullptr);
+  /// Forgets the look-ahead forwards of the last run (their slots freed): the next run fills the
+  /// pipeline again and recomputes them. For whatever needs the slots or the weights between two
+  /// steps (evaluation, loading a checkpoint). Collective only in that every rank must call it.
+  void discard_lookahead();
+  /// Whether the last run left look-ahead forwards (the next run does not fill).
+  bool holds_lookahead() const { return held_lookahead_; }
+  /// The shape of the last run (2bw: whether it filled and drained).
+  const PipelineShape& shape() const { return shape_; }
   /// The next run()'s dropout: micro-batch m draws its masks from
   /// micro_batch_dropout_seed(run_seed, replica, step, m) (model/gpt2.h) in its forward, its
   /// recompute and its backward, whatever the order the schedule runs them in.
@@ -97,11 +123,16 @@ class PipelineExecutor : public LayerHooks {
   Tensor receive_buffer(const PipelineMessage& k);
   /// What a send of `op` reads.
   Tensor send_buffer(const IssuedOp& op);
+  /// 2bw without a flush: switches to the weights micro-batch `m` computes with (the next step's
+  /// for a look-ahead micro-batch m ≥ M).
+  void use_weights_of(int m);
   /// Runs a kCompute op: a pass, or a transfer to this same rank (a copy).
   void compute(const PipelineAction& a, const MicroBatchSource& batches);
-  /// The micro-batch's dropout seed.
+  /// The micro-batch's dropout seed (a look-ahead micro-batch m ≥ M: the next step's m − M).
   uint64_t dropout_seed(int m) const {
-    return micro_batch_dropout_seed(dropout_run_seed_, dropout_replica_, dropout_step_, m);
+    return m < M_ ? micro_batch_dropout_seed(dropout_run_seed_, dropout_replica_, dropout_step_, m)
+                  : micro_batch_dropout_seed(dropout_run_seed_, dropout_replica_, dropout_step_ + 1,
+                                             m - M_);
   }
   int virtual_stage(int c) const { return c * P_ + rank_; }
   int rank_of(int v) const { return v % P_; }
@@ -132,7 +163,12 @@ class PipelineExecutor : public LayerHooks {
   bool sync_receives_ = false;
 
   int M_ = 0;
-  std::vector<IssuedOp> order_;  ///< this rank's issue order for M_ micro-batches
+  PipelineShape shape_;  ///< of the current (last) run
+  /// This rank's issue order for each (M, fill, drain) run so far.
+  std::map<std::tuple<int, bool, bool>, std::vector<IssuedOp>> orders_;
+  const PipelineLookahead* lookahead_ = nullptr;  ///< of the current run
+  bool using_next_ = false;      ///< the stage computes with the next step's weights now
+  bool held_lookahead_ = false;  ///< the last run left look-ahead forwards in their slots
   // Per run.
   int64_t B_ = 0, T_ = 0;
   float grad_scale_ = 1;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 
 #include "comm/scalar_all_reduce.h"
 #include "core/error.h"
@@ -199,6 +200,15 @@ void PipelineParallel::swap_in_previous_weights() {
   if (wte_copy_.numel() > 0) swap_in(wte_copy_.view(), prev_wte_, spare_wte_);
 }
 
+void PipelineParallel::use_weight_version(bool next) {
+  if (!have_prev_) return;  // step 0: W(-1) = W(0), one version
+  const auto use = [&](Tensor live, FlatBuffer& version) {
+    backend_.copy(live.data, version.data(), live.bytes());
+  };
+  use(inner_->compute_parameters(), next ? spare_params_ : prev_params_);
+  if (wte_copy_.numel() > 0) use(wte_copy_.view(), next ? spare_wte_ : prev_wte_);
+}
+
 void PipelineParallel::restore_current_weights() {
   const auto restore = [&](Tensor live, FlatBuffer& prev, FlatBuffer& spare) {
     if (!have_prev_) {  // step 0: W(-1) = W(0)
@@ -236,9 +246,17 @@ void PipelineParallel::step(double lr, double grad_scale) {
 
 StepResult PipelineParallel::run_step(int64_t step_index, double lr,
                                       const MicroBatchSource& batches, LossScaler& scaler,
-                                      const TrainStepOptions& options) {
+                                      const TrainStepOptions& options,
+                                      const MicroBatchSource* next) {
   const int64_t M = options.accumulation_steps;
   const bool two_bw = opt_.schedule == PipelineSchedule::k2BW;
+  std::optional<PipelineLookahead> lookahead;
+  if (two_bw && next != nullptr && P_ > 1)
+    lookahead.emplace(
+        PipelineLookahead{*next, [this](bool use_next) { use_weight_version(use_next); }});
+  // --trace keeps a 2bw step that neither fills nor drains once there is one (the steady state).
+  const bool steady = lookahead && executor_->holds_lookahead();
+  const bool trace = !opt_.trace_dir.empty() && (steady || !steady_traced_);
   StepResult r;
   r.loss_scale = scaler.scale();
   if (two_bw && have_prev_) swap_in_previous_weights();
@@ -246,9 +264,13 @@ StepResult PipelineParallel::run_step(int64_t step_index, double lr,
   // Dropout seeds from (run seed, replica, step, micro-batch): the masks data parallelism over
   // D ranks draws for the same micro-batches.
   executor_->set_dropout_step(options.dropout_seed, replica_, step_index);
-  const double loss =
-      executor_->run(static_cast<int>(M), batches, r.loss_scale, !opt_.trace_dir.empty());
-  traced_step_ = step_index;
+  const double loss = executor_->run(static_cast<int>(M), batches, r.loss_scale, trace,
+                                     lookahead ? &*lookahead : nullptr);
+  if (trace) {
+    traced_step_ = step_index;
+    traced_shape_ = executor_->shape();
+    steady_traced_ = steady_traced_ || steady;
+  }
   inner_->finish_gradients();
   if (two_bw) restore_current_weights();
   // Gradients hold Σ over micro-batches and replicas of ∂(loss_scale · mean loss)/∂θ.
@@ -265,7 +287,10 @@ StepResult PipelineParallel::run_step(int64_t step_index, double lr,
   return r;
 }
 
+const PipelineShape& PipelineParallel::last_step_shape() const { return executor_->shape(); }
+
 PipelineEvaluation PipelineParallel::evaluate(const PackedDataset& data, int64_t batch) {
+  executor_->discard_lookahead();  // 2bw: the slots are needed (the next step fills again)
   const int64_t T = data.max_length();
   const int V = opt_.virtual_stages, last_v = P_ * V - 1;
   std::vector<int32_t> tokens, targets;
@@ -321,7 +346,8 @@ std::vector<std::string> PipelineParallel::describe() const {
     out.push_back(
         "  PipeDream-2BW (arXiv 2006.09503): each step's gradient is computed on the weights of "
         "the step before (one step stale): W(t+1) = W(t) − lr·adamw(∇f(W(t−1))); two weight "
-        "versions per stage");
+        "versions per stage; no flush between steps (each step ends with the next one's first "
+        "forwards; the pipeline drains only before an evaluation and at the end)");
   return out;
 }
 
@@ -331,9 +357,7 @@ std::vector<std::string> PipelineParallel::finish_trace() {
     write_stage_trace(opt_.trace_dir, stage_, static_cast<int>(traced_step_), executor_->trace());
   world_.barrier();
   if (world_.rank() != 0) return {};
-  const MeasuredPipeline m =
-      merge_pipeline_trace(opt_.trace_dir, opt_.schedule,
-                           PipelineShape{P_, executor_->micro_batches(), opt_.virtual_stages});
+  const MeasuredPipeline m = merge_pipeline_trace(opt_.trace_dir, opt_.schedule, traced_shape_);
   std::vector<std::string> out{format_measured_summary(m)};
   std::string files;
   for (const auto& f : m.files) files += (files.empty() ? "" : ", ") + f.string();
@@ -420,6 +444,7 @@ void PipelineParallel::write_state(StateTensor q, int64_t offset, int64_t numel,
 void PipelineParallel::finish_load(int64_t optimizer_steps) {
   inner_->finish_load(optimizer_steps);
   have_prev_ = false;  // 2bw: the loaded weights are both versions
+  executor_->discard_lookahead();
   sync_tied_weight();
 }
 

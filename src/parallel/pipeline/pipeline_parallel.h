@@ -19,7 +19,9 @@
 // stage's, summed over the world; the gradient norm sums the stages' squared norms; clipping and
 // the fp16 loss scale act as in TrainStep. PipeDream-2BW (arXiv 2006.09503 §3.1) computes step t's
 // gradient on the weights of step t-1 (W(t+1) = W(t) − η·∇f(W(t−1))): the stage keeps the
-// previous version of its compute weights and swaps it in for the step's passes.
+// previous version of its compute weights and swaps it in for the step's passes. Without a flush
+// (§3: run_step's `next`), a step also runs the next step's look-ahead forwards, on W(t): the
+// stage switches versions around them (two copies of its compute weights per look-ahead run).
 //
 // Checkpoints are written in the whole model's flat layout (each stage's ranges mapped to it), so
 // a pipeline checkpoint loads into dp/zero runs and back, and consolidates to Hugging Face format.
@@ -78,13 +80,19 @@ class PipelineParallel final : public Strategy {
   void setup(Model& model, const std::vector<float>& init_params) override;
 
   /// One optimizer step over `accumulation` micro-batches (M) — the same contract as
-  /// TrainStep::run. Collective over the world.
+  /// TrainStep::run. Collective over the world. 2bw: with `next` (the next step's micro-batches,
+  /// the same on every rank's call: set or not), the step does not drain — it ends with the
+  /// next step's look-ahead forwards (PipeDream-2BW without a flush, arXiv 2006.09503 §3) — and
+  /// the next step does not fill; the results equal the flushed ones. Without `next` (the last
+  /// step, or before an evaluation) it drains.
   StepResult run_step(int64_t step, double lr, const MicroBatchSource& batches, LossScaler& scaler,
-                      const TrainStepOptions& options);
+                      const TrainStepOptions& options, const MicroBatchSource* next = nullptr);
   /// Forward-only pass over this replica's share of `data` in batches of up to `batch`
   /// (validation). Collective over the world; the result is the world's sum.
   PipelineEvaluation evaluate(const PackedDataset& data, int64_t batch);
 
+  /// The shape the last run_step ran (2bw: whether it filled and drained the pipeline).
+  const PipelineShape& last_step_shape() const;
   int stage() const { return stage_; }
   int replica() const { return replica_; }
   int data_parallel_size() const { return D_; }
@@ -119,6 +127,9 @@ class PipelineParallel final : public Strategy {
   void sync_tied_weight();
   void swap_in_previous_weights();
   void restore_current_weights();
+  /// 2bw without a flush, between swap_in_previous_weights and restore_current_weights: the
+  /// stage computes with the next step's weights W(t) (`next`) or this step's W(t−1).
+  void use_weight_version(bool next);
   std::vector<double> layer_costs(const GPT2Model& whole);
 
   PipelineOptions opt_;
@@ -144,7 +155,9 @@ class PipelineParallel final : public Strategy {
   /// 2bw: the previous version of the compute weights (and of the wte copy), and scratch.
   FlatBuffer prev_params_, prev_wte_, spare_params_, spare_wte_;
   bool have_prev_ = false;
-  int64_t traced_step_ = 0;  ///< the step the executor's trace holds
+  int64_t traced_step_ = 0;     ///< the step the executor's trace holds
+  PipelineShape traced_shape_;  ///< its shape (2bw: whether it filled and drained)
+  bool steady_traced_ = false;  ///< 2bw: a step that neither filled nor drained was traced
   std::vector<std::string> layer_names_;
 };
 

@@ -37,6 +37,22 @@ std::vector<PipelineAction> one_f_one_b(const PipelineShape& s, int r) {
   return out;
 }
 
+/// PipeDream-2BW (arXiv 2006.09503 §3): 1F1B's order run without a flush between steps. With
+/// `fill`, the warm-up forwards; then for each of the step's M backwards, first the forward w
+/// places ahead of it — in a step that does not drain, the last w of those are the look-ahead
+/// forwards of the next step's micro-batches 0..w−1 (numbered M..M+w−1).
+std::vector<PipelineAction> two_bw(const PipelineShape& s, int r) {
+  const int M = s.micro_batches, w = two_bw_lookahead(s, r);
+  std::vector<PipelineAction> out;
+  if (s.fill)
+    for (int m = 0; m < w; ++m) out.push_back(F(m));
+  for (int i = 0; i < M; ++i) {
+    if (i + w < M || !s.drain) out.push_back(F(i + w));
+    out.push_back(BW(i));
+  }
+  return out;
+}
+
 /// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", arXiv 2401.10241 §3): 1F1B's order of
 /// forwards and input-gradient passes B (the backward split: B is on the critical path to the
 /// previous stage, W — the weight gradient — is needed only by the optimizer step), with every W
@@ -191,6 +207,16 @@ void check_pipeline_shape(PipelineSchedule schedule, const PipelineShape& s) {
                      s.micro_batches);
   check<ConfigError>(s.virtual_stages >= 1, "--virtual-stages {} is not valid: use 1 or more",
                      s.virtual_stages);
+  if (!s.fill || !s.drain) {
+    check<ConfigError>(schedule == PipelineSchedule::k2BW,
+                       "{}: every step fills and drains the pipeline (only 2bw runs without a "
+                       "flush)",
+                       to_string(schedule));
+    check<ConfigError>(s.micro_batches >= s.stages,
+                       "2bw without a flush needs at least as many micro-batches per step ({}) "
+                       "as pipeline stages ({})",
+                       s.micro_batches, s.stages);
+  }
   if (schedule != PipelineSchedule::kInterleaved) {
     check<ConfigError>(s.virtual_stages == 1,
                        "--virtual-stages {} needs --pipeline-schedule interleaved-1f1b ({} runs "
@@ -221,8 +247,9 @@ std::vector<PipelineAction> pipeline_compute_actions(PipelineSchedule schedule,
       return out;
     }
     case PipelineSchedule::k1F1B:
-    case PipelineSchedule::k2BW:
       return one_f_one_b(s, rank);
+    case PipelineSchedule::k2BW:
+      return two_bw(s, rank);
     case PipelineSchedule::kInterleaved:
       return interleaved(s, rank);
     case PipelineSchedule::kZBH1:
@@ -234,12 +261,15 @@ std::vector<PipelineAction> pipeline_compute_actions(PipelineSchedule schedule,
 std::vector<PipelineAction> with_transfers(const std::vector<PipelineAction>& compute,
                                            const PipelineShape& s, int rank) {
   const int last = s.stages * s.virtual_stages - 1;
+  // 2bw without fill: the first forward's input arrived at the end of the step before.
+  const int received = s.fill ? -1 : two_bw_lookahead(s, rank);
   std::vector<PipelineAction> out;
   for (const PipelineAction& a : compute) {
     const int v = virtual_stage(s, rank, a.chunk);
     switch (a.type) {
       case ActionType::kForward:
-        if (v > 0) out.push_back({ActionType::kRecvActivation, a.micro_batch, a.chunk});
+        if (v > 0 && a.micro_batch != received)
+          out.push_back({ActionType::kRecvActivation, a.micro_batch, a.chunk});
         out.push_back(a);
         if (v < last) out.push_back({ActionType::kSendActivation, a.micro_batch, a.chunk});
         break;
@@ -253,6 +283,10 @@ std::vector<PipelineAction> with_transfers(const std::vector<PipelineAction>& co
         out.push_back(a);
     }
   }
+  // 2bw without drain: the input of the next step's first forward here (the previous rank's last
+  // look-ahead forward) is received within this step.
+  if (!s.drain && rank > 0)
+    out.push_back({ActionType::kRecvActivation, s.micro_batches + two_bw_lookahead(s, rank), 0});
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "core/error.h"
@@ -92,6 +93,9 @@ void finish_timeline(PipelineTimeline& t) {
   t.busy.assign(P, 0.0);
   t.peak_in_flight.assign(P, 0);
   std::vector<int> in_flight(P, 0);
+  // 2bw without fill: the look-ahead forwards of the step before are held from the start.
+  if (!t.shape.fill)
+    for (size_t r = 0; r < P; ++r) in_flight[r] = two_bw_lookahead(t.shape, static_cast<int>(r));
   for (const TimelineEntry& e : t.entries) {
     const auto r = static_cast<size_t>(e.rank);
     ST_ASSERT(r < P);
@@ -138,6 +142,11 @@ PipelineTimeline simulate_pipeline(PipelineSchedule schedule, const PipelineShap
   t.schedule = schedule;
   t.shape = s;
   std::map<PassKey, double> done;  // pass → end time
+  // 2bw without fill: a pass no rank runs in this step ran in the step before (ready at 0).
+  std::set<PassKey> in_step;
+  for (int r = 0; r < P; ++r)
+    for (const PipelineAction& a : actions[static_cast<size_t>(r)])
+      in_step.insert({pass_kind(a.type), a.micro_batch, virtual_stage(s, r, a.chunk)});
   std::vector<size_t> next(static_cast<size_t>(P), 0);
   std::vector<double> free_at(static_cast<size_t>(P), 0.0);
   size_t remaining = 0;
@@ -156,7 +165,7 @@ PipelineTimeline simulate_pipeline(PipelineSchedule schedule, const PipelineShap
           dep = v < last ? PassKey{1, a.micro_batch, v + 1} : PassKey{0, a.micro_batch, v};
         if (kind == 2) dep = {1, a.micro_batch, v};
         double ready = 0;
-        if (std::get<0>(dep) >= 0) {
+        if (std::get<0>(dep) >= 0 && in_step.count(dep)) {
           const auto it = done.find(dep);
           if (it == done.end()) break;  // blocked on a receive
           ready = it->second;
@@ -218,10 +227,17 @@ std::string format_timeline_summary(const PipelineTimeline& t) {
         r, 100.0 * t.utilization(r), t.peak_in_flight[static_cast<size_t>(r)],
         s.virtual_stages > 1 ? " chunks" : "es");
   if (t.schedule == PipelineSchedule::k2BW)
-    out +=
+    out += fmt::format(
         "  weights (PipeDream-2BW, arXiv 2006.09503): every forward and backward of step t "
         "uses W(t−1) (the\n  stashed copy); the update W(t+1) = W(t) − η·∇f(W(t−1)) applies "
-        "after step t's last backward: one step stale, two versions held\n";
+        "after step t's last backward: one step stale, two versions held\n"
+        "  {}\n",
+        s.fill && s.drain ? "this step fills and drains the pipeline (a flush, as 1F1B)"
+        : !s.fill && !s.drain
+            ? "steady state (no flush): the previous step's look-ahead forwards are in flight at "
+              "the start, the next step's run at the end"
+        : !s.fill ? "no fill (the previous step's look-ahead forwards in flight), then a drain"
+                  : "a fill, then the next step's look-ahead forwards instead of a drain");
   return out;
 }
 

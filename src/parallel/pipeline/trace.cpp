@@ -105,10 +105,12 @@ StageTrace read_stage_trace(const std::filesystem::path& dir, int stage,
                         a.at("micro_batch").get<int>(), a.at("chunk").get<int>()},
                        a.at("start").get<double>(),
                        a.at("end").get<double>()};
-      if (m.action.micro_batch < 0 || m.action.micro_batch >= shape.micro_batches ||
-          m.action.chunk < 0 || m.action.chunk >= shape.virtual_stages)
+      // 2bw without drain: the look-ahead forwards are numbered M..2M−1.
+      const int micro_batches = shape.micro_batches * (shape.drain ? 1 : 2);
+      if (m.action.micro_batch < 0 || m.action.micro_batch >= micro_batches || m.action.chunk < 0 ||
+          m.action.chunk >= shape.virtual_stages)
         throw corrupt(fmt::format("action {} {} chunk {} is outside {} micro-batches × {} chunks",
-                                  type, m.action.micro_batch, m.action.chunk, shape.micro_batches,
+                                  type, m.action.micro_batch, m.action.chunk, micro_batches,
                                   shape.virtual_stages));
       if (!std::isfinite(m.start) || !std::isfinite(m.end) || m.end < m.start)
         throw corrupt(fmt::format("action {} {} ends ({}) before it starts ({})", type,
@@ -168,8 +170,12 @@ json chrome_trace(const PipelineShape& shape, const std::vector<StageTrace>& sta
 }
 
 std::string shape_text(PipelineSchedule schedule, const PipelineShape& s) {
-  return fmt::format("{}, P={}, M={}, V={}", to_string(schedule), s.stages, s.micro_batches,
-                     s.virtual_stages);
+  return fmt::format("{}, P={}, M={}, V={}{}", to_string(schedule), s.stages, s.micro_batches,
+                     s.virtual_stages,
+                     s.fill && s.drain     ? ""
+                     : !s.fill && !s.drain ? ", steady (no flush)"
+                     : !s.fill             ? ", no fill"
+                                           : ", no drain");
 }
 
 }  // namespace
