@@ -251,6 +251,7 @@ def main():
             "first_loss": first_loss, "last_loss": last_loss,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}), flush=True)
+    dist.barrier()  # no rank tears down while rank 0 still reports (gloo aborted in teardown)
     dist.destroy_process_group()
 
 
