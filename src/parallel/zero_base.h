@@ -306,15 +306,8 @@ class ZeroStrategy : public Strategy {
   }
   /// Allocates the parameter storage (stages 1/2: every parameter, padded buckets).
   virtual void allocate_params() { params_ = FlatBuffer(backend_, dtype_, padded_numel_); }
-  /// The parameter buffers registered for the copy-engine collectives. Stages 1/2 on the device
-  /// all-gather each part's updated parameters while the optimizer updates the next parts: there
-  /// NCCL's all-gather takes less memory bandwidth from the (memory-bound) AdamW kernels than the
-  /// copy engines' (2 H100s, gpt2-medium, micro-batch 16: the optimizer phase 2.6 ms against
-  /// 3.7 ms), so without offload params_ stays unregistered and the all-gather runs on NCCL.
-  virtual std::vector<Tensor> param_buffers() const {
-    if (!host_) return {};
-    return {params_.view()};
-  }
+  /// The parameter buffers registered for the copy-engine collectives.
+  virtual std::vector<Tensor> param_buffers() const { return {params_.view()}; }
   virtual size_t param_bytes() const { return params_.bytes(); }
   /// This rank's slice of part `i` in compute dtype [shard], padding included.
   virtual Tensor own_params(size_t i) const {
