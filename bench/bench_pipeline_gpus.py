@@ -60,7 +60,7 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from multi_gpu_common import (COMM_TIMEOUT, HERE, Budget, bench_env, human,  # noqa: E402
+from multi_gpu_common import (COMM_TIMEOUT, HERE, Budget, bench_env, free_port, human,  # noqa: E402
                               parse_banner, prepare_paths, report_problem, result_header,
                               run_cell, run_tagged_job, run_train_job, torchrun)
 
@@ -312,12 +312,11 @@ def run(a, budget, env, save=None):
         if ours in a.wanted:
             parts = a.inter_parts if ours == "interleaved-1f1b" else [a.partition]
             rows += [(ours, extra, theirs, p) for p in parts]
-    port = 29500 + (os.getpid() + 250) % 1000  # a fresh rendezvous port per shardtrain job
     steps, warmup = a.steps, a.warmup
     for M in a.Ms:
         torch_runs = {}  # PyTorch schedule -> its result for this M
         for ours, extra, theirs, part in rows:
-            port += 1
+            port = free_port()
             row = {"shardtrain": ours, "partition": part, "torch": theirs, "M": M,
                    "steps": steps, "warmup": warmup}
             row["ours"] = run_cell(budget, limit, lambda t: run_shardtrain(

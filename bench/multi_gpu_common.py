@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,15 @@ PRECISION_RE = re.compile(r"^\s+precision: (\w+)", re.M)
 CUDA_GRAPHS_RE = re.compile(r"^\s+CUDA graphs: (.*)$", re.M)
 MIN_LEFT_S = 15  # a job is not started with less of --budget left
 
+
+
+def free_port():
+    """A TCP port no process listens on now (the kernel's pick for a bound, then closed, socket):
+    each shardtrain job's rendezvous port, so that benches running side by side (one per pair of
+    GPUs) do not collide."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 def run_job(cmd, timeout, log_path, env):
     """Runs cmd in its own process group, output to log_path; returns (rc or None on timeout,

@@ -5,8 +5,8 @@ bench_multi_gpu.py's docstring for what each number means."""
 import os
 
 from image_accuracy_multi_gpu import default_fashion_mnist
-from multi_gpu_common import (COMM_TIMEOUT, HERE, fmt, human, parse_banner, report_problem,
-                              run_cell, run_tagged_job, run_train_job, torchrun)
+from multi_gpu_common import (COMM_TIMEOUT, HERE, fmt, free_port, human, parse_banner,
+                              report_problem, run_cell, run_tagged_job, run_train_job, torchrun)
 
 WORKER = os.path.join(HERE, "torch_image_worker.py")
 MODELS = "mobilenet_v2,efficientnet_b0,vgg16_bn"
@@ -120,7 +120,6 @@ def run(a, budget, env, save=None):
     limit = a.cell_timeout or CELL_TIMEOUT
     res = {"models": a.image_models.split(","), "gpus": n, "fashion_mnist": a.fashion_mnist,
            "nographs": a.image_nographs, "rows": []}
-    port = 29500 + (os.getpid() + 500) % 1000
     for size, batch, dataset in a.image_shape_list:
         steps, warmup, _ = plan(a, size)
         for model in res["models"]:
@@ -133,7 +132,7 @@ def run(a, budget, env, save=None):
                     jobs.append((f"st_{n}gpu_nographs", n, False))
             row["jobs"] = jr = {}  # job name -> its result
             for key, g, graphs in jobs:
-                port += 1
+                port = free_port()
                 jr[key] = run_cell(budget, limit, lambda t: run_shardtrain(
                     a, model, size, batch, dataset, g, graphs, port, t, env))
             if n > 1:

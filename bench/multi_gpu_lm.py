@@ -6,9 +6,9 @@ collectives move, against the bus bandwidth the `bus` suite measured. See bench_
 docstring for what each number means."""
 import os
 
-from multi_gpu_common import (COMM_TIMEOUT, WORKER, fmt, human, human_bytes10, parse_banner,
-                              ratio, report_problem, run_cell, run_estimate, run_tagged_job,
-                              run_train_job, torch_runs, torchrun)
+from multi_gpu_common import (COMM_TIMEOUT, WORKER, fmt, free_port, human, human_bytes10,
+                              parse_banner, ratio, report_problem, run_cell, run_estimate,
+                              run_tagged_job, run_train_job, torch_runs, torchrun)
 
 PAIRS = [("dp", "ddp"), ("zero1", "zero"), ("zero2", "fsdp2"), ("zero3", "fsdp2-reshard")]
 # PyTorch sides that are torch_dist_worker.py strategies with extra flags
@@ -149,7 +149,6 @@ def run(a, budget, env, busbw=None, save=None, busbw_source=None):
            "pairs": [p[0] for p in pairs], "breakdown": not a.no_breakdown,
            "busbw_GBps": busbw, "busbw_source": busbw_source if busbw else None,
            "rows": []}
-    port = 29500 + os.getpid() % 1000  # a fresh rendezvous port per shardtrain job
     for model in res["models"]:
         steps, warmup = plan(a, model)
         limit = a.cell_timeout or CELL_TIMEOUT.get(model, 90)
@@ -172,7 +171,7 @@ def run(a, budget, env, busbw=None, save=None, busbw_source=None):
                        "warmup": warmup,
                        "estimate": est.get(ours)
                        or {"error": est.get("error", "no row for " + ours)}}
-                port += 1
+                port = free_port()
                 row["ours"] = run_cell(budget, limit, lambda t: run_shardtrain(
                     a, ours, model, batch, g, steps, warmup, port, t, env))
                 if torch_runs(a.torch_gpus, g):
