@@ -213,15 +213,28 @@ __global__ void embedding_dwte_kernel(T* dwte, const T* dout, const int32_t* sor
   if (token < 0 || token >= V) return;
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
-  float acc = 0.0f;
-  for (int32_t j = i; j < N && sorted_tok[j] == token; ++j) {
+  const auto term = [&](int32_t j) {
     const int64_t e = static_cast<int64_t>(sorted_row[j]) * C + c;
     if constexpr (kDrop) {
-      if (drop.keep(static_cast<uint64_t>(e), thresh)) acc += to_float(dout[e]) * keep_scale;
+      return drop.keep(static_cast<uint64_t>(e), thresh) ? to_float(dout[e]) * keep_scale : 0.0f;
     } else {
-      acc += to_float(dout[e]);
+      return to_float(dout[e]);
     }
+  };
+  // A frequent token's run is long (hundreds of rows in a micro-batch of text): load 8 rows at a
+  // time so their loads are in flight together, then add them in order (the same sum as one at a
+  // time). sorted_tok is sorted, so sorted_tok[j + 7] == token means all 8 are in the run.
+  constexpr int32_t kUnroll = 8;
+  float acc = 0.0f;
+  int32_t j = i;
+  for (; j + kUnroll <= N && sorted_tok[j + kUnroll - 1] == token; j += kUnroll) {
+    float v[kUnroll];
+#pragma unroll
+    for (int32_t u = 0; u < kUnroll; ++u) v[u] = term(j + u);
+#pragma unroll
+    for (int32_t u = 0; u < kUnroll; ++u) acc += v[u];
   }
+  for (; j < N && sorted_tok[j] == token; ++j) acc += term(j);
   T* dst = dwte + token * C + c;
   *dst = from_float<T>(to_float(*dst) + acc);
 }
