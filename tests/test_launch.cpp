@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "app/error_report.h"
+#include "comm/launch.h"
 #include "test_support.h"
 
 namespace fs = std::filesystem;
@@ -287,6 +288,87 @@ TEST(LaunchTrain, RanksLogTheGlobalLossAndTheWholeValidation) {
     EXPECT_LE(rel_diff(logs[i].val_loss, one.val_loss), 1e-5)
         << ranks << " ranks: " << logs[i].val_loss << " vs " << one.val_loss;
   }
+  fs::remove_all(dir);
+}
+
+// Elastic restarts (`launch --max-restarts`, torchrun's flag): rank 1 is killed once, in step 3
+// (after the checkpoint of step 2) or in step 1 (before any checkpoint); the launcher stops rank 0,
+// restarts the job — resuming from the latest checkpoint, or from the start — and it ends with
+// the uninterrupted run's losses, every step in metrics.jsonl once. A job that fails on its input
+// is not restarted.
+TEST(LaunchTrain, MaxRestartsResumeFromTheLatestCheckpoint) {
+  const fs::path dir = temp_dir("restarts");
+  const std::string common =
+      std::string("train --model gpt2-micro --device cpu --train-file ") +
+      SHARDTRAIN_TEST_DATA_DIR +
+      "/wikitext-2/wiki.valid.tokens --num-samples 128 --max-length 32 --batch-size 2 "
+      "--max-steps 6 --save-interval 2 --log-interval 1 --cache-dir " +
+      (dir / "cache").string() + " --output-dir " + (dir / "out").string();
+  const auto steps_of = [](const fs::path& metrics) {
+    std::vector<int64_t> steps;
+    std::ifstream in(metrics);
+    for (std::string line; std::getline(in, line);) {
+      const auto rec = nlohmann::json::parse(line);
+      if (rec.contains("loss") && rec.contains("grad_norm")) steps.push_back(rec["step"]);
+    }
+    return steps;
+  };
+  const Result plain = run("launch --nproc-per-node 2 -- " + common);
+  ASSERT_EQ(plain.status, 0) << plain.output;
+  const RunLog want = read_run_log(dir / "out" / "metrics.jsonl");
+  ASSERT_EQ(want.losses.size(), 6u);
+  const std::vector<int64_t> all_steps = {1, 2, 3, 4, 5, 6};
+  // Fault 24: rank 1's 24th collective, in step 3; fault 12: in step 1 (2 ranks, gpt2-micro, dp).
+  for (const auto& [op, from] : {std::pair{24, std::string("from the latest checkpoint of")},
+                                 std::pair{12, std::string("from the start")}}) {
+    fs::remove_all(dir / "out");
+    fs::remove(dir / "fired");
+    const Result r =
+        run("launch --nproc-per-node 2 --max-restarts 1 -- " + common,
+            "SHARDTRAIN_TEST_KILL_RANK=1 SHARDTRAIN_TEST_FAULT_OP=" + std::to_string(op) +
+                " SHARDTRAIN_TEST_FAULT_ONCE=" + (dir / "fired").string());
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_TRUE(fs::exists(dir / "fired")) << "the fault did not fire\n" << r.output;
+    EXPECT_NE(r.output.find("restart 1 of 1, " + from), std::string::npos) << r.output;
+    if (op == 24) {
+      EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+    }
+    EXPECT_EQ(steps_of(dir / "out" / "metrics.jsonl"), all_steps) << r.output;
+    const RunLog got = read_run_log(dir / "out" / "metrics.jsonl");
+    ASSERT_EQ(got.losses.size(), want.losses.size());
+    for (size_t i = 0; i < want.losses.size(); ++i)
+      EXPECT_LE(rel_diff(got.losses[i], want.losses[i]), 1e-6)
+          << "fault " << op << ", step " << i + 1;
+  }
+  // Without --max-restarts the job fails; a rank that rejects its input is not restarted.
+  fs::remove(dir / "fired");
+  Result r = run("launch --nproc-per-node 2 -- " + common,
+                 "SHARDTRAIN_TEST_KILL_RANK=1 SHARDTRAIN_TEST_FAULT_OP=24 "
+                 "SHARDTRAIN_TEST_FAULT_ONCE=" +
+                     (dir / "fired").string());
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.find("launch: the job failed"), std::string::npos) << r.output;
+  r = run("launch --nproc-per-node 2 --max-restarts 3 -- " + common + " --lr -1");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.find("launch: the job failed"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
+TEST(Launch, RestartCommandResumesTrainFromItsOutputDirectory) {
+  namespace st = shardtrain;
+  const fs::path dir = temp_dir("restart_command");
+  const std::vector<std::string> cmd = {"train", "--output-dir", (dir / "o").string(), "--resume",
+                                        "elsewhere"};
+  std::string why;
+  EXPECT_EQ(st::restart_command(cmd, &why), cmd) << "no checkpoint yet: the same command";
+  EXPECT_NE(why.find("from the start"), std::string::npos) << why;
+  fs::create_directories(dir / "o");
+  std::ofstream(dir / "o" / "latest") << "checkpoint-000002\n";
+  const std::vector<std::string> want = {"train", "--output-dir", (dir / "o").string(), "--resume",
+                                         (dir / "o").string()};
+  EXPECT_EQ(st::restart_command(cmd, &why), want);
+  const std::vector<std::string> other = {"generate", "--output-dir", (dir / "o").string()};
+  EXPECT_EQ(st::restart_command(other), other);
   fs::remove_all(dir);
 }
 

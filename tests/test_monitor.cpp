@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "io/metrics.h"
 #include "io/monitor.h"
 #include "io/tensorboard.h"
 #include "io/tensorboard_event.pb.h"
@@ -134,6 +135,66 @@ TEST(TensorBoardWriter, EventsReadBackWithTheirValues) {
     EXPECT_GE(ev.wall_time(), events[0].wall_time());
   }
   fs::remove_all(dir.parent_path());
+}
+
+// A resumed run's Monitor writes a SessionLog START at the step it continues from (TensorFlow's
+// event.proto field 7, status 1): TensorBoard then drops what earlier event files of the
+// directory logged from that step on.
+TEST(TensorBoardWriter, SessionStartMarksWhereAResumedRunContinues) {
+  const fs::path dir = make_temp_dir("shardtrain_test_tensorboard_resume") / "run";
+  MonitorConfig cfg;
+  cfg.tensorboard_dir = dir.string();
+  {
+    Monitor m(cfg, 0);
+    m.restart_at(5);
+    m.scalar("train/loss", 7.25, 5);
+  }
+  const auto files = event_files(dir);
+  ASSERT_EQ(files.size(), 1u);
+  const auto events = read_events(files[0]);
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_TRUE(events[1].has_session_log());
+  EXPECT_EQ(events[1].session_log().status(), tb::SessionLog::START);
+  EXPECT_EQ(events[1].step(), 5);
+  EXPECT_EQ(events[2].summary().value(0).tag(), "train/loss");
+  // On the wire: field 7 (session_log), length-delimited, holding field 1 (status) = 1.
+  tb::Event only;
+  only.set_step(5);
+  only.mutable_session_log()->set_status(tb::SessionLog::START);
+  EXPECT_NE(only.SerializeAsString().find(std::string("\x3a\x02\x08\x01", 4)), std::string::npos);
+  fs::remove_all(dir.parent_path());
+}
+
+// metrics.jsonl of a run resumed from a checkpoint of step 2: the records logged before the first
+// one of step 3 stay (an epoch summary and a validation of step 2 among them), the rest go — the
+// later steps, the summary after them, a line a crash cut short.
+TEST(MetricsFile, KeepThroughAStepDropsWhatCameLater) {
+  const fs::path dir = make_temp_dir("shardtrain_test_metrics_keep");
+  const fs::path file = dir / "metrics.jsonl";
+  {
+    std::ofstream out(file);
+    out << R"({"step": 1, "loss": 9.5})"
+        << "\n"
+        << R"({"step": 2, "loss": 9.0})"
+        << "\n"
+        << R"({"epoch": 1, "tokens_per_s": 100})"
+        << "\n"
+        << R"({"step": 2, "val_loss": 8.5})"
+        << "\n"
+        << R"({"step": 3, "loss": 8.0})"
+        << "\n"
+        << R"({"epoch": 2, "tokens_per_s": 100})"
+        << "\n"
+        << R"({"step": 4, "lo)";
+  }
+  keep_metrics_through(file, 2);
+  EXPECT_EQ(slurp(file), std::string(R"({"step": 1, "loss": 9.5})") + "\n" +
+                             R"({"step": 2, "loss": 9.0})" + "\n" +
+                             R"({"epoch": 1, "tokens_per_s": 100})" + "\n" +
+                             R"({"step": 2, "val_loss": 8.5})" + "\n");
+  keep_metrics_through(dir / "absent.jsonl", 2);  // nothing to do
+  EXPECT_FALSE(fs::exists(dir / "absent.jsonl"));
+  fs::remove_all(dir);
 }
 
 TEST(CsvMonitor, OneFilePerTagWithStepAndValue) {

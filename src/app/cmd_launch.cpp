@@ -6,7 +6,8 @@
 //  * CPU jobs of several ranks: mpirun starts the ranks (the CPU communicator is MPI).
 //  * --hostfile: one `shardtrain launch` per host (ssh; directly for this host) for GPU jobs, or
 //    one mpirun over all hosts for CPU jobs.
-// When a rank fails, the others are stopped and launch exits with that rank's status.
+// When a rank fails, the others are stopped and launch exits with that rank's status, or with
+// --max-restarts N runs the job again (a train command resuming from its latest checkpoint).
 #include <fmt/core.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -33,6 +35,7 @@ struct LaunchOptions {
   std::string hostfile;
   std::string device;  ///< --device given to launch: passed on to the training command
   double grace_s = 10;
+  int max_restarts = 0;  ///< --max-restarts: restarts of the whole job after a failure
   bool watch_stdin = false;
   bool dry_run = false;
   CLI::Option* nproc = nullptr;
@@ -63,22 +66,22 @@ void print_plan(const std::vector<ChildSpec>& children) {
   }
 }
 
-int run(const std::vector<ChildSpec>& children, const LaunchOptions& o, const std::string& unit,
-        bool describe = true) {
+MonitorResult run(const std::vector<ChildSpec>& children, const LaunchOptions& o,
+                  const std::string& unit, bool describe = true) {
   if (o.dry_run) {
     print_plan(children);
-    return 0;
+    return {};
   }
   MonitorOptions m;
   m.grace_s = o.grace_s;
   m.watch_stdin = o.watch_stdin;
   m.unit = unit;
   m.describe_failure = describe;
-  return run_processes(children, m).status;
+  return run_processes(children, m);
 }
 
 /// Runs a CPU job through mpirun; `hosts` empty: this node only.
-int run_mpirun(const LaunchOptions& o, const std::vector<HostSlots>& hosts) {
+MonitorResult run_mpirun(const LaunchOptions& o, const std::vector<HostSlots>& hosts) {
   const char* override_path = std::getenv("SHARDTRAIN_MPIRUN");
   const std::string mpirun = find_on_path(override_path ? override_path : "mpirun");
   check<ConfigError>(!mpirun.empty(),
@@ -95,15 +98,36 @@ int run_mpirun(const LaunchOptions& o, const std::vector<HostSlots>& hosts) {
   ChildSpec c;
   c.label = "mpirun";
   c.argv = mpirun_command(o.plan, hosts, mpirun, self_exe());
-  const int status = run({c}, o, "process", false);
-  if (status != 0 && !o.dry_run) {
+  const MonitorResult r = run({c}, o, "process", false);
+  if (r.status != 0 && !o.dry_run) {
     std::fprintf(stderr,
                  "error: the job failed (mpirun exited with status %d): the messages above name "
                  "the rank that failed first (mpirun writes 'process rank N' or 'Process name: "
                  "[[job,1],N]')\n",
-                 status);
+                 r.status);
   }
-  return status;
+  return r;
+}
+
+/// Runs `attempt` (the whole job) and, after a failure, again up to --max-restarts times (as
+/// torchrun's --max-restarts): every rank was stopped, and a `train` command resumes from the
+/// latest complete checkpoint of its output directory (restart_command). The ranks see the
+/// restart's number in SHARDTRAIN_RESTART_COUNT (as TORCHELASTIC_RESTART_COUNT). A launcher
+/// stopped by a signal does not restart, nor a job whose rank rejected its input: exit status 2
+/// (configuration, data or checkpoint errors) or 100–127 (the command line) would come again.
+int with_restarts(LaunchOptions& o, const std::function<MonitorResult()>& attempt) {
+  for (int k = 1;; ++k) {
+    const MonitorResult r = attempt();
+    const bool bad_input = r.status == 2 || (r.status >= 100 && r.status < 128);
+    if (r.status == 0 || r.interrupted || bad_input || o.dry_run || k > o.max_restarts)
+      return r.status;
+    std::string why;
+    if (!o.plan.exec) o.plan.command = restart_command(o.plan.command, &why);
+    std::fprintf(stderr, "launch: the job failed (status %d); restart %d of %d, %s\n", r.status, k,
+                 o.max_restarts, why.empty() ? "the same command" : why.c_str());
+    std::fflush(stderr);
+    setenv("SHARDTRAIN_RESTART_COUNT", std::to_string(k).c_str(), 1);
+  }
 }
 
 int launch(LaunchOptions& o) {
@@ -144,14 +168,15 @@ int launch(LaunchOptions& o) {
         if (gethostname(name, sizeof name - 1) == 0) plan.master_addr = name;
       }
     }
-    if (!plan.exec && !gpu_job) return run_mpirun(o, hosts);
+    if (!plan.exec && !gpu_job) return with_restarts(o, [&] { return run_mpirun(o, hosts); });
     const char* ssh_env = std::getenv("SHARDTRAIN_SSH");
     std::vector<std::string> ssh;
     std::istringstream words(ssh_env ? ssh_env : "ssh -o BatchMode=yes");
     for (std::string w; words >> w;) ssh.push_back(w);
     std::error_code ec;
     const std::string cwd = std::filesystem::current_path(ec).string();
-    return run(node_processes(plan, hosts, self_exe(), cwd, ssh), o, "node");
+    return with_restarts(
+        o, [&] { return run(node_processes(plan, hosts, self_exe(), cwd, ssh), o, "node"); });
   }
 
   check<ConfigError>(plan.node_rank < plan.nnodes, "--node-rank {} must be below --nnodes {}",
@@ -180,9 +205,9 @@ int launch(LaunchOptions& o) {
     check<ConfigError>(plan.nnodes == 1,
                        "CPU jobs over several nodes start through mpirun: pass --hostfile (lines "
                        "'HOST slots=N') instead of --nnodes, or run mpirun / srun yourself");
-    return run_mpirun(o, {});
+    return with_restarts(o, [&] { return run_mpirun(o, {}); });
   }
-  return run(rank_processes(plan, self_exe()), o, "rank");
+  return with_restarts(o, [&] { return run(rank_processes(plan, self_exe()), o, "rank"); });
 }
 
 }  // namespace
@@ -225,6 +250,12 @@ void register_launch_command(CLI::App& app) {
   cmd->add_option("--stop-grace", o->grace_s,
                   "seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-restarts", o->max_restarts,
+                  "restart the whole job up to N times when a rank (or a node) fails: every rank "
+                  "is stopped, and a train command resumes from the latest complete checkpoint "
+                  "of its --output-dir (from the start if there is none yet), its metrics.jsonl "
+                  "and TensorBoard continuing without repeated steps (default 0, as torchrun)")
+      ->check(CLI::Range(0, 1000));
   cmd->add_flag("--dry-run", o->dry_run, "print the commands it would run, and exit");
   // Set by a --hostfile launch for the launches it starts on each host.
   cmd->add_option("--rank-offset", p.rank_offset)->group("")->check(CLI::Range(0, 1 << 24));

@@ -78,8 +78,10 @@ inline std::string rank_list(const std::vector<int>& ranks) {
 /// the fault comes before the rank's N-th point-to-point operation (send or recv, 1-based: a
 /// pipeline transfer) instead of a collective; with $SHARDTRAIN_TEST_FAULT_NAME = OP (e.g.
 /// reduce_scatter, all_reduce) it comes before the communicator's FAULT_OP-th collective of that
-/// kind (a gradient reduction rather than whichever collective has that number). Unset variables
-/// inject nothing.
+/// kind (a gradient reduction rather than whichever collective has that number). With
+/// $SHARDTRAIN_TEST_FAULT_ONCE = FILE the fault fires only while FILE does not exist, and creates
+/// it (a job restarted by `launch --max-restarts` then runs through). Unset variables inject
+/// nothing.
 class FaultInjection {
  public:
   /// Reads the variables for the process of world rank `world_rank`.
@@ -96,6 +98,7 @@ class FaultInjection {
     if (num("SHARDTRAIN_TEST_HANG_RANK", -1) == world_rank) f.kind_ = kHang;
     if (num("SHARDTRAIN_TEST_EXIT_RANK", -1) == world_rank) f.kind_ = kExit;
     if (num("SHARDTRAIN_TEST_KILL_RANK", -1) == world_rank) f.kind_ = kKill;
+    if (const char* once = std::getenv("SHARDTRAIN_TEST_FAULT_ONCE")) f.once_ = once;
     return f;
   }
   /// Called before collective number `seq` (1-based) named `op` is issued.
@@ -116,6 +119,13 @@ class FaultInjection {
  private:
   void inject(int64_t seq, const char* op) const {
     if (kind_ == kNone) return;
+    if (!once_.empty()) {  // at most once per job, whatever restarts it: the file says it fired
+      if (std::FILE* f = std::fopen(once_.c_str(), "r")) {
+        std::fclose(f);
+        return;
+      }
+      if (std::FILE* f = std::fopen(once_.c_str(), "w")) std::fclose(f);
+    }
     if (kind_ == kHang) {
       std::this_thread::sleep_for(std::chrono::duration<double>(hang_s_));
     } else if (kind_ == kExit) {
@@ -133,6 +143,7 @@ class FaultInjection {
   long long op_ = 1;
   long long p2p_op_ = 0;  ///< > 0: fault before this point-to-point operation instead
   std::string name_;      ///< non-empty: count only collectives of this kind
+  std::string once_;      ///< non-empty: inject only if this file does not exist (then create it)
   long long named_ = 0;   ///< collectives of kind name_ issued so far
   double hang_s_ = 3600;
 };

@@ -93,6 +93,9 @@ struct MonitorResult {
   int status = 0;           ///< the exit status for the launcher: 0, the failed one's, 128+signal
   std::string failed;       ///< label of the first process that failed ("" when none)
   std::string description;  ///< "rank 3 (pid 123) exited with status 1; stopped the other 3 ranks"
+  /// Stopped by a signal to the launcher or by the loss of its starting node (not a failure of
+  /// the job itself: `launch --max-restarts` does not restart it).
+  bool interrupted = false;
 };
 
 /// Starts `children` and waits for them. When one exits with a non-zero status or is killed, the
@@ -102,5 +105,13 @@ struct MonitorResult {
 /// RuntimeFailure when a process cannot be started (fork or pipe failure; a program that cannot
 /// be executed exits with status 127 and a message).
 MonitorResult run_processes(const std::vector<ChildSpec>& children, const MonitorOptions& options);
+
+/// The command a restarted job runs (`launch --max-restarts`): a `train` command resumes from the
+/// latest complete checkpoint of its output directory (its --output-dir, else "out") when that
+/// directory has one — `--resume DIR` replaces any --resume it had — and otherwise starts over
+/// unchanged; other commands are unchanged. `why` (may be null) receives what was chosen, for the
+/// launcher's message.
+std::vector<std::string> restart_command(const std::vector<std::string>& command,
+                                         std::string* why = nullptr);
 
 }  // namespace shardtrain

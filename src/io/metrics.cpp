@@ -2,10 +2,35 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
 
 #include "core/error.h"
+#include "io/atomic_file.h"
 
 namespace shardtrain {
+
+void keep_metrics_through(const std::filesystem::path& path, int64_t step) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return;
+  std::ifstream in(path);
+  check<RuntimeFailure>(static_cast<bool>(in), "cannot read {}: {}", path.string(),
+                        std::strerror(errno));
+  // Records are in the order they were logged: the first one of a later step, and everything
+  // after it (an epoch summary of those steps, a line cut short by a crash), go.
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const nlohmann::json rec = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (rec.is_discarded() ||
+        (rec.is_object() && rec.contains("step") && rec["step"].is_number_integer() &&
+         rec["step"].get<int64_t>() > step))
+      break;
+    kept += line + "\n";
+  }
+  write_file_atomic(path, kept);
+}
 
 MetricsWriter::MetricsWriter(const std::filesystem::path& path) {
   file_ = std::fopen(path.c_str(), "a");

@@ -1,12 +1,20 @@
 // metrics.jsonl: one JSON object per line, flushed as written, for dashboards and scripts.
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <utility>
 
 namespace shardtrain {
+
+/// Keeps the records of `path` logged before the first one whose "step" exceeds `step`, dropping
+/// that one and every later one (and a line that is not JSON, cut short by a crash): a run
+/// resumed from a checkpoint of `step` logs the later steps again. Rewritten atomically; nothing
+/// happens when the file does not exist. Throws RuntimeFailure naming the path when it cannot be
+/// read or written.
+void keep_metrics_through(const std::filesystem::path& path, int64_t step);
 
 class MetricsWriter {
  public:

@@ -60,6 +60,10 @@ Monitor::Monitor(const MonitorConfig& cfg, int rank, std::string_view config_tex
 
 Monitor::~Monitor() = default;
 
+void Monitor::restart_at(int64_t step) {
+  if (tensorboard_) tensorboard_->add_session_start(step);
+}
+
 void Monitor::scalar(std::string_view tag, double value, int64_t step) {
   if (tensorboard_) tensorboard_->add_scalar(tag, value, step);
   if (csv_) csv_->add_scalar(tag, value, step);

@@ -48,6 +48,10 @@ class Monitor {
 
   bool active() const { return tensorboard_ || csv_; }
   void scalar(std::string_view tag, double value, int64_t step);
+  /// The run continues at `step` (resumed, or restarted from the start: 0): TensorBoard drops
+  /// what earlier runs in the directory logged from `step` on (TensorBoardWriter::
+  /// add_session_start).
+  void restart_at(int64_t step);
   const TensorBoardWriter* tensorboard() const { return tensorboard_.get(); }
 
  private:

@@ -152,6 +152,14 @@ void TensorBoardWriter::add_text(std::string_view tag, std::string_view text, in
   write_event(ev.SerializeAsString());
 }
 
+void TensorBoardWriter::add_session_start(int64_t step) {
+  tb::Event ev;
+  ev.set_wall_time(wall_time_now());
+  ev.set_step(step);
+  ev.mutable_session_log()->set_status(tb::SessionLog::START);
+  write_event(ev.SerializeAsString());
+}
+
 void TensorBoardWriter::write_event(const std::string& serialized_event) {
   const std::string rec = tfrecord_frame(serialized_event);
   if (std::fwrite(rec.data(), 1, rec.size(), file_) != rec.size() || std::fflush(file_) != 0)

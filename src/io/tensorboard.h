@@ -43,6 +43,10 @@ class TensorBoardWriter {
   /// Markdown) at `step`.
   void add_text(std::string_view tag, std::string_view text, int64_t step);
 
+  /// A SessionLog START at `step`: TensorBoard drops what earlier event files of the directory
+  /// logged at `step` or later (a run resumed from a checkpoint of step − 1 logs those again).
+  void add_session_start(int64_t step);
+
   const std::filesystem::path& path() const { return path_; }
 
  private:

@@ -344,9 +344,11 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
     progress = resume_from(*resume, model->layout(), *strategy, comm, scaler, total_steps);
     load_model_buffers(*resume, *model, comm.rank());
   }
-  MetricsWriter metrics = open_run_metrics(cfg, rank0);
+  const std::optional<int64_t> continue_after =
+      logs_continue_after(resume.has_value(), progress.step);
+  MetricsWriter metrics = open_run_metrics(cfg, rank0, continue_after);
   const json snapshot = config_snapshot(cfg);
-  Monitor monitor = open_run_monitor(cfg, comm.rank(), snapshot.dump(2));
+  Monitor monitor = open_run_monitor(cfg, comm.rank(), snapshot.dump(2), continue_after);
 
   // ---- banner ----
   const int64_t params = model->layout().num_parameters();

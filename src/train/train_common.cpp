@@ -211,20 +211,32 @@ nlohmann::json config_snapshot(const TrainConfig& c) {
             {"csv_monitor", c.monitor.csv_dir}}}};
 }
 
-MetricsWriter open_run_metrics(const TrainConfig& cfg, bool rank0) {
+std::optional<int64_t> logs_continue_after(bool resumed, int64_t step) {
+  if (resumed) return step;
+  const char* restarts = std::getenv("SHARDTRAIN_RESTART_COUNT");
+  if (restarts != nullptr && std::atoi(restarts) > 0) return 0;
+  return std::nullopt;
+}
+
+MetricsWriter open_run_metrics(const TrainConfig& cfg, bool rank0,
+                               std::optional<int64_t> continue_after) {
   if (!rank0) return MetricsWriter();
   const fs::path out_dir = cfg.output_dir;
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   check<ConfigError>(!ec, "cannot create --output-dir {}: {}", out_dir.string(), ec.message());
+  if (continue_after) keep_metrics_through(out_dir / "metrics.jsonl", *continue_after);
   return MetricsWriter(out_dir / "metrics.jsonl");
 }
 
-Monitor open_run_monitor(const TrainConfig& cfg, int rank, const std::string& config_json) {
+Monitor open_run_monitor(const TrainConfig& cfg, int rank, const std::string& config_json,
+                         std::optional<int64_t> continue_after) {
   if (rank != 0 && !cfg.monitor.tensorboard_all_ranks) return Monitor();
   std::string config_text = "    ";  // Markdown: indented = preformatted
   for (const char c : config_json) config_text += c == '\n' ? "\n    " : std::string(1, c);
-  return Monitor(cfg.monitor, rank, config_text);
+  Monitor monitor(cfg.monitor, rank, config_text);
+  if (continue_after) monitor.restart_at(*continue_after + 1);
+  return monitor;
 }
 
 /// The epoch summary: a console line and a metrics.jsonl record with throughput, peak memory

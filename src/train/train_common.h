@@ -207,11 +207,19 @@ nlohmann::json config_snapshot(const TrainConfig& c);
 std::string describe_optimizer(const TrainConfig& c);
 
 /// Rank 0: creates cfg.output_dir and opens its metrics.jsonl (other ranks: a closed writer).
-MetricsWriter open_run_metrics(const TrainConfig& cfg, bool rank0);
+MetricsWriter open_run_metrics(const TrainConfig& cfg, bool rank0,
+                               std::optional<int64_t> continue_after = std::nullopt);
 
 /// TensorBoard / CSV scalars (rank 0; --tensorboard-all-ranks: every rank's own events), with
 /// `config_json` (the run's configuration) first, as text.
-Monitor open_run_monitor(const TrainConfig& cfg, int rank, const std::string& config_json);
+Monitor open_run_monitor(const TrainConfig& cfg, int rank, const std::string& config_json,
+                         std::optional<int64_t> continue_after = std::nullopt);
+/// Where this run's logs continue: after `step` when it resumed from a checkpoint of that step;
+/// from the start (0) when `launch --max-restarts` restarted the job before its first checkpoint
+/// ($SHARDTRAIN_RESTART_COUNT > 0); nullopt for a first run, whose records are appended. With a
+/// value, open_run_metrics drops the metrics.jsonl records of later steps and open_run_monitor
+/// tells TensorBoard to drop earlier runs' events from step + 1 on: no step is logged twice.
+std::optional<int64_t> logs_continue_after(bool resumed, int64_t step);
 
 /// Points `comm`'s collectives at the backend's stream for its lifetime, and away from it after.
 class ComputeStreamScope {

@@ -233,8 +233,11 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   if (resume) progress = resume_from(*resume, model.layout(), *strategy, comm, scaler, total_steps);
 
   const fs::path out_dir = cfg.output_dir;
-  MetricsWriter metrics = open_run_metrics(cfg, rank0);
-  Monitor monitor = open_run_monitor(cfg, comm.rank(), config_snapshot(cfg).dump(2));
+  const std::optional<int64_t> continue_after =
+      logs_continue_after(resume.has_value(), progress.step);
+  MetricsWriter metrics = open_run_metrics(cfg, rank0, continue_after);
+  Monitor monitor =
+      open_run_monitor(cfg, comm.rank(), config_snapshot(cfg).dump(2), continue_after);
 
   // ---- banner ----
   out.line("shardtrain {} | train {} ({} parameters) | strategy {} | {} × {} rank{}",
