@@ -229,6 +229,14 @@ TEST_F(ConfigTest, StrategyAndZeroStageFlagsMustAgree) {
   EXPECT_CONTAINS(msg, "--strategy zero2 and --zero-stage 1 contradict");
 }
 
+TEST_F(ConfigTest, HierarchicalAllReduceIsForDataParallelism) {
+  EXPECT_TRUE(finalize({"--strategy", "dp", "--hierarchical-all-reduce"}).hierarchical_all_reduce);
+  const std::string msg = config_error([&] {
+    finalize({"--strategy", "zero2", "--hierarchical-all-reduce"});
+  });
+  EXPECT_CONTAINS(msg, "--hierarchical-all-reduce applies to --strategy dp");
+}
+
 TEST_F(ConfigTest, UnknownStrategyFlagFailsWhileParsing) {
   try {
     finalize({"--strategy", "zero4"});

@@ -99,6 +99,7 @@ void register_train_command(CLI::App& app) {
       const int64_t context =
           is_image_model(cfg->model) ? 0 : resolve_train_model(*cfg).n_positions;
       cfg->world_size = env.world_size;  // before validation: the batch identity needs it
+      cfg->ranks_per_node = env.local_world_size;
       return finalize_train_config(*cmd, *cfg, context, warnings);
     });
     if (env.rank == 0)

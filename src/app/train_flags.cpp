@@ -389,6 +389,11 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  "image models: label smoothing of the training loss in [0, 1) (default: 0)")
       ->type_name("EPS")
       ->check(number_in(0.0, false, 1.0, true));
+  cmd.add_flag("--hierarchical-all-reduce", cfg.hierarchical_all_reduce,
+               "dp across nodes: sum each gradient bucket within the node (reduce-scatter), "
+               "across nodes 1/k of it per rank (all-reduce; k = ranks per node), then gather it "
+               "within the node — each GPU sends 1/k of the gradients over the network (default: "
+               "off, one all-reduce over all ranks)");
   cmd.add_flag("--sync-batchnorm", cfg.sync_batchnorm,
                "image models: batch norm's training statistics over all ranks (SyncBatchNorm; "
                "default: each rank's own micro-batch)");

@@ -514,11 +514,11 @@ class NcclCommunicator final : public Communicator {
  public:
   explicit NcclCommunicator(std::shared_ptr<NcclState> state) : st_(std::move(state)) {}
 
-  /// Sets up the copy-engine path for registered buffers (collective; see PeerCollectives::create)
-  /// unless SHARDTRAIN_PEER_COLLECTIVES=0.
-  void enable_peer_collectives() {
+  /// Sets up the copy-engine path for registered buffers (collective; see PeerCollectives::create:
+  /// only when every rank is on this `node`) unless SHARDTRAIN_PEER_COLLECTIVES=0.
+  void enable_peer_collectives(int node) {
     if (!peer_collectives_wanted() || st_->size() < 2) return;
-    peers_ = PeerCollectives::create(st_->rank(), st_->size(), st_->device(), exchange());
+    peers_ = PeerCollectives::create(st_->rank(), st_->size(), st_->device(), node, exchange());
   }
 
   size_t registration_staging_bytes() const override { return peers_ ? kPeerStagingBytes : 0; }
@@ -758,7 +758,7 @@ std::unique_ptr<Communicator> make_nccl_communicator(const DistributedEnv& env, 
   auto communicator = std::make_unique<NcclCommunicator>(std::make_shared<NcclState>(
       comm, std::move(ranks), env.rank, env.local_rank, static_cast<cudaStream_t>(cuda_stream),
       options, std::move(bootstrap), true));
-  communicator->enable_peer_collectives();
+  communicator->enable_peer_collectives(env.node_rank);
   return communicator;
 }
 

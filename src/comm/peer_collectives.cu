@@ -94,11 +94,13 @@ CUdeviceptr device_ptr(const void* p) {
 struct HostId {
   char host[64];
   char bus[32];
+  int node;  ///< the launcher's node index (emulated nodes share a host name)
 };
 
-/// The host and PCI bus id of `device`.
-HostId host_id(int device) {
+/// The host, node and PCI bus id of `device`.
+HostId host_id(int device, int node) {
   HostId id{};
+  id.node = node;
   gethostname(id.host, sizeof id.host - 1);
   ST_CUDA_CHECK(cudaDeviceGetPCIBusId(id.bus, sizeof id.bus, device));
   return id;
@@ -129,11 +131,11 @@ struct PeerCollectives::Mapping {
 PeerCollectives::PeerCollectives(int rank, int world, int device)
     : rank_(rank), world_(world), device_(device) {}
 
-std::unique_ptr<PeerCollectives> PeerCollectives::create(int rank, int world, int device,
+std::unique_ptr<PeerCollectives> PeerCollectives::create(int rank, int world, int device, int node,
                                                          const ByteAllGather& exchange) {
   // Every rank takes part in every exchange below and decides from the same data, so all agree.
   std::vector<HostId> ids(static_cast<size_t>(world));
-  const HostId mine = host_id(device);
+  const HostId mine = host_id(device, node);
   exchange(&mine, sizeof mine, ids.data());
   const StreamValue32Fn write_value = driver_entry("cuStreamWriteValue32");
   const StreamValue32Fn wait_value = driver_entry("cuStreamWaitValue32");
@@ -142,7 +144,7 @@ std::unique_ptr<PeerCollectives> PeerCollectives::create(int rank, int world, in
     if (q == rank) continue;
     const HostId& id = ids[static_cast<size_t>(q)];
     int peer_device = -1, can = 0;
-    ok = std::strncmp(id.host, mine.host, sizeof id.host) == 0 &&
+    ok = std::strncmp(id.host, mine.host, sizeof id.host) == 0 && id.node == mine.node &&
          cudaDeviceGetByPCIBusId(&peer_device, id.bus) == cudaSuccess &&
          cudaDeviceCanAccessPeer(&can, device, peer_device) == cudaSuccess && can == 1;
     (void)cudaGetLastError();

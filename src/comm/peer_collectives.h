@@ -63,11 +63,12 @@ class PeerCollectives {
   using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
   /// Collective over the W ranks. Returns null (on every rank alike) when W > 8, the ranks are
-  /// not all on one host, some GPU cannot access another's memory (cudaDeviceCanAccessPeer), or
-  /// the driver lacks the stream memory operations. A barrier waits without a deadline: the
-  /// communicator's watchdog ends the process when a peer never arrives. Throws RuntimeFailure
-  /// when CUDA fails.
-  static std::unique_ptr<PeerCollectives> create(int rank, int world, int device,
+  /// not all on one node — one host name and one `node` index (the launcher's GROUP_RANK: nodes
+  /// emulated on one host are nodes too) — some GPU cannot access another's memory
+  /// (cudaDeviceCanAccessPeer), or the driver lacks the stream memory operations. A barrier waits
+  /// without a deadline: the communicator's watchdog ends the process when a peer never arrives.
+  /// Throws RuntimeFailure when CUDA fails.
+  static std::unique_ptr<PeerCollectives> create(int rank, int world, int device, int node,
                                                  const ByteAllGather& exchange);
   ~PeerCollectives();
   PeerCollectives(const PeerCollectives&) = delete;

@@ -1456,6 +1456,10 @@ void check_strategy(const TrainConfig& c) {
   const std::string file = c.deepspeed_config.empty() ? std::string("the DeepSpeed config")
                                                       : fmt::format("'{}'", c.deepspeed_config);
   check_pipeline_settings(c, file);
+  check<ConfigError>(!c.hierarchical_all_reduce || c.strategy == StrategyKind::kDataParallel,
+                     "--hierarchical-all-reduce applies to --strategy dp (ddp for image models), "
+                     "not to {}: drop it or switch strategies",
+                     to_string(c.strategy));
   if (c.zero.stage < 0 || c.zero.stage > 3) {
     throw ConfigError(fmt::format(
         "ZeRO stage {} (--zero-stage / zero_optimization.stage) does not exist: use stage 0 "

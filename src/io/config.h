@@ -187,6 +187,10 @@ struct TrainConfig {
   int64_t gradient_accumulation_steps = 1;
   int64_t train_batch_size = 0;  ///< global batch in samples; derived after validate()
   int world_size = 1;            ///< ranks (set by the launcher); pipeline: stages × replicas
+  int ranks_per_node = 1;        ///< ranks on each node (the launcher's LOCAL_WORLD_SIZE)
+  /// dp: sum the gradients within each node, across nodes 1/k of them per rank, then gather
+  /// within the node (--hierarchical-all-reduce; parallel/hierarchical_all_reduce.h).
+  bool hierarchical_all_reduce = false;
   /// Whether micro_batch_size / gradient_accumulation_steps were given explicitly (flag or
   /// DeepSpeed JSON). validate() derives the ones not given from train_batch_size, as DeepSpeed.
   bool micro_batch_set = false;

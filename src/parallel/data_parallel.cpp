@@ -2,8 +2,9 @@
 // in mixed precision, ZeRO paper §5); gradients are all-reduced in buckets of whole layers,
 // launched from the backward hook of the last micro-step as soon as a bucket's layers are done,
 // so communication overlaps the rest of backward (Li et al., "PyTorch Distributed", VLDB 2020,
-// §3.2.3). GPT-2's tied wte is reduced early, after the LM head's backward, and the embedding's
-// part of its gradient exchanged as rows (parallel/tied_embedding_grad.h).
+// §3.2.3); across nodes optionally in three steps (parallel/hierarchical_all_reduce.h). GPT-2's
+// tied wte is reduced early, after the LM head's backward, and the embedding's part of its gradient
+// exchanged as rows (parallel/tied_embedding_grad.h).
 #include "parallel/data_parallel.h"
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 
 #include "core/error.h"
 #include "parallel/buckets.h"
+#include "parallel/hierarchical_all_reduce.h"
 #include "parallel/registered_buffers.h"
 #include "parallel/tied_embedding_grad.h"
 
@@ -50,6 +52,9 @@ class DataParallel final : public Strategy {
     readiness_ = BucketReadiness(buckets_, model.num_layers());
     tied_ = TiedEmbeddingGrad(backend_, comm_, layout, opt_.overlap_comm);
     registered_ = RegisteredBuffers(comm_, backend_, {grads_.view()});
+    const int k = opt_.hierarchical_ranks_per_node;
+    if (k > 0 && comm_.world_size() > 1)
+      hierarchical_ = std::make_unique<HierarchicalAllReduce>(comm_, k);
   }
 
   void zero_grad() override { backend_.fill_zero(grads_.view()); }
@@ -66,6 +71,7 @@ class DataParallel final : public Strategy {
       pending_.push_back(comm_.all_reduce(tied_grad(), ReduceOp::kSum));
     const int b = readiness_.layer_done(layer);
     if (b >= 0) reduce(static_cast<size_t>(b));
+    if (hierarchical_) hierarchical_->progress();  // the later steps of the buckets in flight
   }
 
   // after_backward reduces nothing on one rank, or when the reduction waits for
@@ -179,8 +185,10 @@ class DataParallel final : public Strategy {
       offset += tied_.numel();
       numel -= tied_.numel();
     }
-    if (numel > 0)
-      pending_.push_back(comm_.all_reduce(grads_.slice(offset, numel), ReduceOp::kSum));
+    if (numel <= 0) return;
+    const Tensor g = grads_.slice(offset, numel);
+    pending_.push_back(hierarchical_ ? hierarchical_->start(g)
+                                     : comm_.all_reduce(g, ReduceOp::kSum));
   }
   /// wte's gradient [V·C] in grads_.
   Tensor tied_grad() const { return grads_.slice(tied_.offset(), tied_.numel()); }
@@ -199,6 +207,8 @@ class DataParallel final : public Strategy {
   bool last_micro_ = true;
   /// Buckets all-reduced from after_backward (overlap_comm), or all in finish_gradients.
   bool reduce_in_backward_ = opt_.overlap_comm;
+  /// --hierarchical-all-reduce: the buckets' sums within nodes, then across them.
+  std::unique_ptr<HierarchicalAllReduce> hierarchical_;
   RegisteredBuffers registered_;  ///< grads_ for the copy-engine all-reduce; destroyed first
 };
 

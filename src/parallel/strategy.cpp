@@ -28,6 +28,7 @@ StrategyOptions strategy_options(const TrainConfig& cfg) {
   o.delayed_update = cfg.zero.offload_delayed_update;
   o.nvme_path = cfg.zero.nvme_path;
   o.aio = cfg.aio;
+  if (cfg.hierarchical_all_reduce) o.hierarchical_ranks_per_node = cfg.ranks_per_node;
   return o;
 }
 

@@ -45,6 +45,9 @@ struct StrategyOptions {
   int64_t max_reuse_distance = 1'000'000'000;
   /// Offloaded optimizer: ZeRO-Offload's one-step delayed parameter update (host_optimizer.h).
   bool delayed_update = false;
+  /// dp across nodes: > 0 sums gradients hierarchically over nodes of this many consecutive
+  /// ranks (parallel/hierarchical_all_reduce.h); 0: one all-reduce over all ranks.
+  int hierarchical_ranks_per_node = 0;
   /// NVMe offload: the directory of the swap files and DeepSpeed's aio settings.
   std::string nvme_path;
   AioConfig aio;

@@ -150,6 +150,8 @@ nlohmann::json config_snapshot(const TrainConfig& c) {
   const ZeroConfig& z = c.zero;
   return {{"model", c.model},
           {"strategy", to_string(c.strategy)},
+          {"hierarchical_all_reduce", c.hierarchical_all_reduce},
+          {"ranks_per_node", c.ranks_per_node},
           {"plan",
            {{"zero_stage", c.plan.zero_stage},
             {"optimizer_offload", to_string(c.plan.optimizer_offload)},

@@ -304,6 +304,28 @@ TEST_F(ZeroEquivalence, SameParametersAsOneRank) {
   }
 }
 
+// dp summing its gradients hierarchically (parallel/hierarchical_all_reduce.h), the world taken as
+// nodes of k consecutive ranks — on 4 ranks 2 nodes × 2 and 1 × 4 and 4 × 1, on 2 ranks 2 × 1 and
+// 1 × 2 — with buckets whose sizes k does not always divide and several buckets in flight at
+// once: the same parameters as one rank.
+TEST_F(ZeroEquivalence, HierarchicalAllReduceMatchesOneRank) {
+  const Reference& ref = reference();
+  for (int k = 1; k <= world(); ++k) {
+    if (world() % k != 0 || world() == 1) continue;
+    for (int64_t bucket : {int64_t{10'001}, int64_t{500'000'000}}) {
+      st::StrategyOptions o = st::strategy_options(config(st::StrategyKind::kDataParallel, bucket));
+      o.hierarchical_ranks_per_node = k;
+      o.reduce_bucket_size_set = true;  // several buckets (dp would take DDP's default size)
+      const std::string what = fmt::format(
+          "dp, hierarchical all-reduce, {} nodes × {} ranks, "
+          "reduce_bucket_size {}",
+          world() / k, k, bucket);
+      Trainee run(o, *comm, ref.init);
+      train_and_expect_reference(what, run);
+    }
+  }
+}
+
 /// zero3's options: layers under `persistence` parameters stay replicated; prefetch window and
 /// reuse distance in elements (0: no prefetch / release every layer right after use).
 st::StrategyOptions zero3_options(int64_t persistence, int64_t prefetch, int64_t reuse) {
