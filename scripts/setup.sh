@@ -7,7 +7,8 @@
 # is skipped when it is missing. gnuplot-nox draws the pictures of `shardtrain compare` and
 # `shardtrain report` (SHARDTRAIN_GNUPLOT names another gnuplot; without one they are skipped).
 # libpng, libturbojpeg and zlib decode image data (PNG, JPEG, gzip'd IDX); dataset-fashion-mnist
-# is Fashion-MNIST (--dataset fashion-mnist).
+# is Fashion-MNIST (--dataset fashion-mnist). slurm-wlm and munge host the one-host SLURM cluster
+# on which the tests run examples/slurm's batch scripts (scripts/slurm_single_host.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""
@@ -19,7 +20,7 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   libopenblas-dev libopenblas-openmp-dev libpcre2-dev nlohmann-json3-dev libcli11-dev libfmt-dev \
   libgtest-dev libopenmpi-dev openmpi-bin librsvg2-bin libprotobuf-dev protobuf-compiler \
   gnuplot-nox libpng-dev libturbojpeg0-dev zlib1g-dev dataset-fashion-mnist \
-  python3 python3-pip >/dev/null
+  slurm-wlm munge python3 python3-pip >/dev/null
 # Debian 12 marks its Python as externally managed: --break-system-packages lets pip install there.
 python3 -m pip install --quiet --break-system-packages tensorboard ||
   echo "warning: pip could not install tensorboard: the TensorBoard reader test will be skipped" >&2
