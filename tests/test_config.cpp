@@ -237,6 +237,19 @@ TEST_F(ConfigTest, HierarchicalAllReduceIsForDataParallelism) {
   EXPECT_CONTAINS(msg, "--hierarchical-all-reduce applies to --strategy dp");
 }
 
+TEST_F(ConfigTest, HybridShardingIsForZeroThree) {
+  EXPECT_EQ(
+      finalize({"--strategy", "zero3", "--zero-hpz-partition-size", "2"}).zero.hpz_partition_size,
+      2);
+  EXPECT_EQ(apply_json(R"({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}})")
+                .zero.hpz_partition_size,
+            8);
+  const std::string msg = config_error([&] {
+    finalize({"--strategy", "zero2", "--zero-hpz-partition-size", "2"});
+  });
+  EXPECT_CONTAINS(msg, "it needs --strategy zero3");
+}
+
 TEST_F(ConfigTest, UnknownStrategyFlagFailsWhileParsing) {
   try {
     finalize({"--strategy", "zero4"});

@@ -389,6 +389,14 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  "image models: label smoothing of the training loss in [0, 1) (default: 0)")
       ->type_name("EPS")
       ->check(number_in(0.0, false, 1.0, true));
+  cmd.add_option("--zero-hpz-partition-size", cfg.zero.hpz_partition_size,
+                 "zero3 hybrid sharding (DeepSpeed ZeRO++'s zero_hpz_partition_size, FSDP2's "
+                 "HSDP): shard parameters, gradients and optimizer state within groups of N "
+                 "consecutive ranks (the GPUs of a node) and replicate them across groups, so "
+                 "the layers' all-gathers stay in the group; the gradient shards are then "
+                 "all-reduced across groups (default 1: shard over every rank)")
+      ->type_name("N")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd.add_flag("--hierarchical-all-reduce", cfg.hierarchical_all_reduce,
                "dp across nodes: sum each gradient bucket within the node (reduce-scatter), "
                "across nodes 1/k of it per rank (all-reduce; k = ranks per node), then gather it "

@@ -149,6 +149,7 @@ const KeyList kZeroHonoured = {
     "stage3_gather_16bit_weights_on_model_save",
     "gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save",
+    "zero_hpz_partition_size",
 };
 
 // zero_optimization booleans that are on by default and cannot be turned off here: ZeRO keeps
@@ -202,7 +203,6 @@ const KeyList kZeroIgnored = {
     "log_trace_cache_warnings",
     "enable_sanity_checks",
     "save_muon_momentum_buffer_in_memory",
-    "zero_hpz_partition_size",
     "zero_quantized_weights",
     "zero_quantized_nontrainable_weights",
     "zero_quantized_gradients",
@@ -1042,6 +1042,10 @@ class DeepSpeedReader {
         if (auto v = get_int(z, key, prefix, s.min, s.expected)) zc.*s.field = *v;
       }
     }
+    if (auto v = get_int(z, "zero_hpz_partition_size", prefix, 1,
+                         "an integer >= 1 (ranks that share one copy of the sharded model "
+                         "states, e.g. the GPUs of a node; 1 = shard over every rank)"))
+      zc.hpz_partition_size = *v;
     if (const char* key =
             stage3_key(z, "stage3_gather_16bit_weights_on_model_save",
                        {"gather_16bit_weights_on_model_save",
@@ -1456,6 +1460,15 @@ void check_strategy(const TrainConfig& c) {
   const std::string file = c.deepspeed_config.empty() ? std::string("the DeepSpeed config")
                                                       : fmt::format("'{}'", c.deepspeed_config);
   check_pipeline_settings(c, file);
+  check<ConfigError>(
+      c.zero.hpz_partition_size <= 1 || c.strategy == StrategyKind::kZero3,
+      "zero_hpz_partition_size {} (--zero-hpz-partition-size) shards ZeRO-3 within groups of "
+      "ranks: it needs --strategy zero3 (or zero_optimization.stage 3), not {}",
+      c.zero.hpz_partition_size, to_string(c.strategy));
+  check<ConfigError>(c.zero.hpz_partition_size <= 1 || (c.zero.offload_optimizer_device.empty() ||
+                                                        c.zero.offload_optimizer_device == "none"),
+                     "zero_hpz_partition_size {} does not run with offload_optimizer: drop one",
+                     c.zero.hpz_partition_size);
   check<ConfigError>(!c.hierarchical_all_reduce || c.strategy == StrategyKind::kDataParallel,
                      "--hierarchical-all-reduce applies to --strategy dp (ddp for image models), "
                      "not to {}: drop it or switch strategies",

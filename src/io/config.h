@@ -69,6 +69,10 @@ struct ZeroConfig {
   int64_t stage3_max_live_parameters = 1'000'000'000;
   /// A gathered layer needed again within this many elements of parameters is kept. >= 0.
   int64_t stage3_max_reuse_distance = 1'000'000'000;
+  /// Hybrid sharding (zero_hpz_partition_size, DeepSpeed ZeRO++'s key; FSDP2's HSDP): > 1 shards
+  /// ZeRO-3's parameters, gradients and optimizer state within groups of this many consecutive
+  /// ranks (a node) and replicates them across the groups; 1 = shard over every rank.
+  int64_t hpz_partition_size = 1;
   /// Checkpoints also carry a consolidated 16-bit model.safetensors (rank 0 streams it).
   /// (Deprecated spelling: stage3_gather_fp16_weights_on_model_save.)
   bool stage3_gather_16bit_weights_on_model_save = false;

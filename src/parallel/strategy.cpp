@@ -29,6 +29,7 @@ StrategyOptions strategy_options(const TrainConfig& cfg) {
   o.nvme_path = cfg.zero.nvme_path;
   o.aio = cfg.aio;
   if (cfg.hierarchical_all_reduce) o.hierarchical_ranks_per_node = cfg.ranks_per_node;
+  o.hpz_partition_size = cfg.zero.hpz_partition_size;
   return o;
 }
 

@@ -45,6 +45,9 @@ struct StrategyOptions {
   int64_t max_reuse_distance = 1'000'000'000;
   /// Offloaded optimizer: ZeRO-Offload's one-step delayed parameter update (host_optimizer.h).
   bool delayed_update = false;
+  /// zero3: > 1 shards within groups of this many consecutive ranks, replicated across groups
+  /// (hybrid sharding; ZeroConfig::hpz_partition_size).
+  int64_t hpz_partition_size = 1;
   /// dp across nodes: > 0 sums gradients hierarchically over nodes of this many consecutive
   /// ranks (parallel/hierarchical_all_reduce.h); 0: one all-reduce over all ranks.
   int hierarchical_ranks_per_node = 0;

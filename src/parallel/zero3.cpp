@@ -41,15 +41,27 @@
 
 #include "memory/host_buffer.h"
 #include "parallel/device_arena.h"
+#include "parallel/hierarchical_all_reduce.h"
 #include "parallel/zero3_schedule.h"
 #include "parallel/zero_base.h"
 
 namespace shardtrain {
 namespace {
 
+/// Hybrid sharding's groups (ZeRO++ hpZ, arXiv 2306.10209 §3.2; FSDP2's HSDP): ZeRO-3 runs over
+/// `shard` (this rank's group of consecutive ranks); `replica` holds the ranks with the same
+/// place in the other groups, over which the gradient shards are summed.
+struct HybridGroups {
+  std::unique_ptr<Communicator> shard, replica;
+};
+
 class Zero3 final : public ZeroStrategy {
  public:
-  using ZeroStrategy::ZeroStrategy;
+  Zero3(const StrategyOptions& options, Backend& backend, Communicator& comm,
+        std::shared_ptr<HybridGroups> hybrid)
+      : ZeroStrategy(options, backend, hybrid ? *hybrid->shard : comm), hybrid_(std::move(hybrid)) {
+    if (hybrid_) saves_state_ = hybrid_->replica->rank() == 0;
+  }
   std::string name() const override { return "zero3"; }
 
   void zero_grad() override {
@@ -82,6 +94,8 @@ class Zero3 final : public ZeroStrategy {
 
   void finish_gradients() override {
     drain_reductions();
+    // Hybrid sharding: each group's shards hold its ranks' sum; add the other groups'.
+    if (hybrid_) hybrid_->replica->all_reduce(grad_shard_.view(), ReduceOp::kSum)->wait();
     offload_remaining_gradients();
   }
 
@@ -370,6 +384,7 @@ class Zero3 final : public ZeroStrategy {
   int64_t grad_numel_ = 0;           ///< elements of full gradient buffers held now
   size_t peak_transient_bytes_ = 0;  ///< elements of gathered (non-resident) units held now
   std::deque<Reduction> reductions_;
+  std::shared_ptr<HybridGroups> hybrid_;  ///< hybrid sharding's groups (null: over every rank)
 };
 
 }  // namespace
@@ -386,7 +401,20 @@ std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options, Ba
                      "must be >= 0",
                      options.max_reuse_distance, options.prefetch_bucket_size,
                      options.param_persistence_threshold);
-  return std::make_unique<Zero3>(options, backend, comm);
+  std::shared_ptr<HybridGroups> hybrid;
+  const int64_t g = options.hpz_partition_size;
+  if (g > 1 && g < comm.world_size()) {
+    // Collective: every rank splits the world the same way.
+    const NodeGroups groups = NodeGroups::of(comm.world_size(), comm.rank(), static_cast<int>(g));
+    hybrid = std::make_shared<HybridGroups>();
+    hybrid->shard = comm.split(groups.node);
+    hybrid->replica = comm.split(groups.across);
+  } else {
+    check<ConfigError>(g <= comm.world_size(),
+                       "zero_hpz_partition_size {} exceeds the {} ranks of the job", g,
+                       comm.world_size());
+  }
+  return std::make_unique<Zero3>(options, backend, comm, std::move(hybrid));
 }
 
 }  // namespace shardtrain

@@ -203,7 +203,14 @@ class ZeroStrategy : public Strategy {
                s.optimizer_steps);
   }
 
+  /// The owned ranges; empty where another replica group writes them (hybrid sharding).
   std::vector<FlatRange> save_ranges() const final {
+    return saves_state_ ? owned_ranges() : std::vector<FlatRange>{};
+  }
+  std::vector<FlatRange> load_ranges() const final { return owned_ranges(); }
+
+ private:
+  std::vector<FlatRange> owned_ranges() const {
     std::vector<FlatRange> out;
     for (size_t i = 0; i < parts_.size(); ++i) {
       const BucketPartition& p = parts_[i];
@@ -216,8 +223,8 @@ class ZeroStrategy : public Strategy {
               [](const FlatRange& x, const FlatRange& y) { return x.offset < y.offset; });
     return out;
   }
-  std::vector<FlatRange> load_ranges() const final { return save_ranges(); }
 
+ public:
   void read_state(StateTensor q, int64_t offset, int64_t numel, float* host) final {
     if (host_) host_->wait_all();
     if (const auto [i, at] = host_range_of(offset, numel); i >= 0)
@@ -511,6 +518,9 @@ class ZeroStrategy : public Strategy {
   Communicator& comm_;
   Model* model_ = nullptr;
   int world_ = 1, rank_ = 0;
+  /// Whether this rank writes its owned ranges to checkpoints (hybrid sharding: only the first
+  /// replica group does; every group loads them).
+  bool saves_state_ = true;
   DType dtype_ = DType::kF32;
   std::vector<GradBucket> buckets_;     ///< backward order; parts_[i] partitions buckets_[i]
   std::vector<BucketPartition> parts_;  ///< this rank's view of each bucket's partition

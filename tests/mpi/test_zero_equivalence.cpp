@@ -46,7 +46,9 @@
 #include "backend/backend.h"
 #include "comm/communicator.h"
 #include "core/rng.h"
+#include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
+#include "mpi_test_support.h"
 #include "optim/loss_scaler.h"
 #include "parallel/buckets.h"
 #include "parallel/strategy.h"
@@ -334,6 +336,36 @@ st::StrategyOptions zero3_options(int64_t persistence, int64_t prefetch, int64_t
   o.prefetch_bucket_size = prefetch;
   o.max_reuse_distance = reuse;
   return o;
+}
+
+// zero3 with hybrid sharding (zero_hpz_partition_size, HSDP): sharded within groups of 2 ranks,
+// replicated across groups, the gradient shards summed across the groups — the same parameters
+// as one rank, less model state per rank than dp, and a sharded checkpoint (written by the first
+// group only) holding the whole state.
+TEST_F(ZeroEquivalence, HybridShardingMatchesOneRank) {
+  if (world() < 4) GTEST_SKIP() << "2 groups of 2 need 4 ranks";
+  const Reference& ref = reference();
+  for (const int64_t persistence : {int64_t{0}, int64_t{100'000}}) {
+    st::StrategyOptions o = zero3_options(persistence, 4'000, 0);
+    o.hpz_partition_size = 2;
+    const std::string what = fmt::format(
+        "zero3, hybrid sharding in groups of 2 of {} ranks, persistence {}", world(), persistence);
+    Trainee run(o, *comm, ref.init);
+    train_and_expect_reference(what, run);
+    Trainee dp(st::StrategyKind::kDataParallel, *comm, 500'000'000, ref.init);
+    EXPECT_LT(run.strategy->model_state_bytes(), dp.strategy->model_state_bytes()) << what;
+    const std::filesystem::path dir = st::test_support::job_temp_dir("shardtrain_hpz");
+    st::CheckpointInfo info;
+    info.model = run.model.config();
+    info.progress.step = kSteps;
+    st::save_sharded_checkpoint(dir, "hpz", run.model.layout(), *run.strategy, *comm, info);
+    expect_state(
+        what + ", its sharded checkpoint",
+        st::load_full_state(st::read_checkpoint_info(dir / "hpz"), run.model.layout(), true),
+        ref.at_checkpoint);
+    comm->barrier();
+    if (rank() == 0) std::filesystem::remove_all(dir);
+  }
 }
 
 // ZeRO-3 with every combination of its options that changes what happens when: persistence off
