@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Multi-GPU speed benchmarks: shardtrain on N GPUs of one host (any N; N = --gpus) against
 PyTorch doing the same work, in suites chosen with --suite (a comma list, default lm; `all` =
-bus,lm,pipeline,image; they run in that order, whatever the order given):
+bus,lm,pipeline,image,nodes; they run in that order, whatever the order given):
 
   bus       the NCCL bus bandwidth of the N GPUs, measured with PyTorch (torch.distributed)
   lm        GPT-2 data parallelism: shardtrain dp / zero1 / zero2 / zero3 against PyTorch DDP /
@@ -9,6 +9,10 @@ bus,lm,pipeline,image; they run in that order, whatever the order given):
             with the 1-GPU dp baseline, where the step goes and what its collectives move
   pipeline  shardtrain's pipeline schedules against torch.distributed.pipelining, N stages
   image     image classifiers, shardtrain ddp on 1 and N GPUs against PyTorch DDP on N GPUs
+  nodes     GPT-2 across --nodes emulated on this host (a launcher per node, its share of the GPUs
+            and its own NCCL_HOSTID): the cross-node NCCL bus bandwidth, then dp / zero2 / zero3
+            against DDP / FSDP2 / FSDP2 resharding, dp --hierarchical-all-reduce, gradient
+            accumulation and the same strategies on one node, against the step's lower bound
 
 Usage (GPU machine, after `source bench/device_env.sh`). A job is mostly start-up (10-30 s), so
 the defaults take long: lm about 40 jobs (2 models × 2 micro-batches × 10), pipeline 20, image 18
@@ -23,14 +27,31 @@ the defaults take long: lm about 40 jobs (2 models × 2 micro-batches × 10), pi
         --workdir $OUT/multi_gpu                      # and again with --micro-batches 16
     python3 bench/bench_multi_gpu.py --shardtrain .device/shardtrain --gpus 2 --suite image \\
         --image-nographs --out $OUT/image.json --workdir $OUT/multi_gpu
+nodes: 14 jobs per model and micro-batch (56 with the defaults; gpt2-xl's take about a minute
+each), so one command per model and micro-batch (gpt2-xl: and --pairs dp, then zero2,zero3), the
+later ones reusing the first one's bus bandwidths (--bus-json). On 2 GPUs, 2 nodes × 1 GPU:
+    python3 bench/bench_multi_gpu.py --shardtrain .device/shardtrain --gpus 2 --suite bus,nodes \\
+        --nodes 2 --models gpt2-medium --batches 4 --budget 540 \\
+        --out $OUT/nodes_medium_mb4.json --workdir $OUT/multi_gpu
+    python3 bench/bench_multi_gpu.py --shardtrain .device/shardtrain --gpus 2 --suite nodes \\
+        --nodes 2 --models gpt2-xl --batches 4 --pairs dp --budget 540 \\
+        --bus-json $OUT/nodes_medium_mb4.json --out $OUT/nodes_xl_mb4_dp.json \\
+        --workdir $OUT/multi_gpu
+On 4 GPUs, 2 nodes × 2 GPUs (the same with --gpus 4 --gpus-per-node 2):
+    python3 bench/bench_multi_gpu.py --shardtrain .device/shardtrain --gpus 4 --suite bus,nodes \\
+        --nodes 2 --gpus-per-node 2 --models gpt2-medium --batches 4 --budget 540 \\
+        --out $OUT/nodes2x2_medium_mb4.json --workdir $OUT/multi_gpu
 (`bus` takes half a minute; `--suite lm --bus-json FILE` instead reuses the bus bandwidth of an
 earlier --out JSON. Where the checkout has no git history, --commit names the commit.)
 CPU smoke test of the script itself (every suite: shardtrain --device cpu, its ranks under mpirun
-through `shardtrain launch`; PyTorch on gloo; tiny models and images, a few steps; about 3 minutes
-on 2 cores; a Python with torch, torchvision and transformers; set SHARDTRAIN_DATA_DIR when the
-binary is not in its build tree):
+through `shardtrain launch`; PyTorch on gloo; tiny models and images, a few steps; about 4 minutes
+on 2 cores, nodes alone 1; a Python with torch, torchvision and transformers; set
+SHARDTRAIN_DATA_DIR when the binary is not in its build tree):
     PY_WITH_TORCH bench/bench_multi_gpu.py --smoke --gpus 2 --suite all \\
         --shardtrain build/shardtrain
+In smoke mode the nodes suite runs shardtrain's node cells as ONE `launch --nproc-per-node N·G`
+CPU job (`launch --nnodes` refuses CPU jobs: they start through mpirun with a hostfile), so
+shardtrain's side does not emulate nodes there (its table says so); PyTorch's does (gloo).
 
 Every job (a cell) runs in its own process group with a timeout (--cell-timeout, else per suite);
 a failed or timed-out cell is recorded as an error and the rest still run. --budget seconds bound
@@ -85,6 +106,37 @@ image: each model in --image-models and shape in --image-shapes (32² micro-batc
   60 steps (20 untimed) up to 64², else 30 (10). images/s per GPU (shardtrain: metrics.jsonl's
   images_per_s, its data pipeline included), scaling = shardtrain per GPU on N ÷ on 1 GPU,
   shardtrain ÷ PyTorch on N GPUs, and whether shardtrain's banner said "CUDA graphs: on".
+nodes (bench/multi_gpu_nodes.py): N = --nodes (default 2) emulated nodes of G = --gpus-per-node
+  GPUs (default: the visible GPUs ÷ N); node n gets GPUs n·G … n·G+G−1 in CUDA_VISIBLE_DEVICES
+  and NCCL_HOSTID=node<n>, so NCCL takes them for separate hosts (its network transport between
+  them: sockets over this host's interfaces, or InfiniBand where it has some; NVLink within one).
+  A job is one launcher per node, all started together, each in its own process group: `shardtrain
+  launch --nnodes N --node-rank n --nproc-per-node G --master-addr 127.0.0.1 --master-port P --
+  train ...` or `python -m torch.distributed.run --nnodes N --node-rank n ...`; when one fails
+  the others are stopped; one timeout per cell (--cell-timeout, else 150 s, gpt2-xl 240 s; × 1.5
+  with accumulation). First the link: bench/torch_bus_worker.py (as in `bus`, --bus-sizes: 1 MiB
+  for latency, 64 and 512 MiB) across the N × G ranks, and within node 0's G GPUs when G > 1.
+  Then per --models (default gpt2-medium,gpt2-xl) and --batches (default 4,16): 1-GPU dp (the
+  compute time); each --pairs strategy (default dp,zero2,zero3) across the nodes against PyTorch
+  across the same nodes (DDP, FSDP2, FSDP2 resharding after forward; torch_dist_worker.py as in
+  lm); and as --node-variants chooses (default all): dp --hierarchical-all-reduce (reduce-scatter
+  within the node, all-reduce of each GPU's 1/G across the nodes, all-gather within the node),
+  each strategy with --gradient-accumulation-steps --node-accum (default 4; PyTorch not run so),
+  each strategy by one launcher on N·G GPUs of one node (flat). Steps and warmup as lm (with
+  accumulation: warmup 5 and 1/A of the timed steps, at least 5). Per row: tokens/s per GPU (as
+  lm), step ms (wall time per optimizer step), st ÷ pt, st ÷ flat; the bytes that must cross the
+  nodes per GPU and optimizer step, counted as nccl-tests counts bus bytes, S = Ψ × 2 (bf16; Ψ from
+  the log banner), n = N·G: dp an all-reduce, 2(n−1)/n·S; hierarchical only its cross-node
+  all-reduce, 2(N−1)/N·S/G; zero1 a reduce-scatter and an all-gather, (n−1)/n·S each; zero2 the
+  reduce-scatter in every micro-batch's backward, the all-gather once per step; zero3 two
+  all-gathers and a reduce-scatter every micro-batch (so with accumulation A, dp's gradients
+  cross once per A micro-batches). comm ms = those bytes ÷ the measured cross-node busbw of each
+  collective (its best size), taking every GPU to have its own path across (where a node's GPUs
+  share one, hierarchical's true time is up to G× more); compute ms = the 1-GPU dp step of the
+  same model and micro-batch (accumulation A: + (A−1) × its forward + backward); bound = max(comm,
+  compute) as tokens/s per GPU; st (pt) ÷ bound = the share of it reached. The flat rows' comm ms
+  uses the bus bandwidth of N·G GPUs of one node, when `bus` ran with --gpus N·G (or --bus-json
+  has it).
 """
 import argparse
 import json
@@ -103,6 +155,7 @@ import bench_pipeline_gpus as pipeline_suite  # noqa: E402
 import multi_gpu_bus as bus_suite  # noqa: E402
 import multi_gpu_image as image_suite  # noqa: E402
 import multi_gpu_lm as lm_suite  # noqa: E402
+import multi_gpu_nodes as nodes_suite  # noqa: E402
 from multi_gpu_lm import PAIRS  # noqa: E402,F401  (the lm pairs, for older callers)
 
 __all__ = ["COMM_TIMEOUT", "PAIRS", "RESULT_TAG", "UNITS", "WORKER", "bench_env", "describe",
@@ -110,18 +163,19 @@ __all__ = ["COMM_TIMEOUT", "PAIRS", "RESULT_TAG", "UNITS", "WORKER", "bench_env"
            "result_header", "run_estimate", "run_job", "run_tagged_job", "run_train_job",
            "torch_runs", "main"]
 
-SUITES = ("bus", "lm", "pipeline", "image")
+SUITES = ("bus", "lm", "pipeline", "image", "nodes")
 TITLES = {"bus": "NCCL bus bandwidth (PyTorch)",
           "lm": "GPT-2 data parallelism: shardtrain against PyTorch",
           "pipeline": "Pipeline schedules: shardtrain against torch.distributed.pipelining",
-          "image": "Image classifiers, data parallel: shardtrain against PyTorch DDP"}
+          "image": "Image classifiers, data parallel: shardtrain against PyTorch DDP",
+          "nodes": "Across emulated nodes"}
 
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="lm",
-                    help="comma list of bus, lm, pipeline, image, or all (default lm)")
+                    help="comma list of bus, lm, pipeline, image, nodes, or all (default lm)")
     ap.add_argument("--shardtrain", default="./build/shardtrain")
     ap.add_argument("--gpus", type=int, default=2,
                     help="N: the GPUs (ranks) of the multi-GPU cells (default 2)")
@@ -129,7 +183,7 @@ def parse_args():
                     help="the Python with torch (transformers, torchvision) for the PyTorch jobs")
     ap.add_argument("--cell-timeout", type=float, default=None,
                     help="seconds per job (default: lm 90, gpt2-xl 150; pipeline 150 for gpt2-xl, "
-                         "else 90; image 120; bus 120)")
+                         "else 90; image 120; bus 120; nodes 150, gpt2-xl 240, its link 180)")
     ap.add_argument("--budget", type=float, default=500,
                     help="seconds for the whole run: later jobs are skipped, the tables printed")
     ap.add_argument("--smoke", action="store_true",
@@ -142,6 +196,7 @@ def parse_args():
     bus_suite.add_arguments(ap)
     pipeline_suite.add_arguments(ap, unified=True)
     image_suite.add_arguments(ap)
+    nodes_suite.add_arguments(ap)
     a = ap.parse_args()
     wanted = SUITES if a.suite == "all" else tuple(a.suite.split(","))
     unknown = set(wanted) - set(SUITES)
@@ -154,6 +209,10 @@ def parse_args():
         ap.error("the bus and pipeline suites need --gpus 2 or more")
     a.device = "cpu" if a.smoke else "cuda"
     prepare_paths(ap, a)
+    a.node_suite = None
+    if "nodes" in a.suites:  # its own namespace, taken before lm fills in its defaults
+        a.node_suite = argparse.Namespace(**vars(a))
+        nodes_suite.configure(ap, a.node_suite)
     if "lm" in a.suites:
         lm_suite.configure(ap, a)
     if "bus" in a.suites:
@@ -217,15 +276,24 @@ def main():
             r = lm_suite.run(a, budget, env, busbw, save, source)
         elif name == "pipeline":
             r = pipeline_suite.run(a.pipe, budget, env, save)
+        elif name == "nodes":  # the flat rows' bound: the bus bandwidth of N·G GPUs, if known
+            flat, flat_source = busbw, source
+            if flat is None and a.bus_json:
+                flat, flat_source = nodes_suite.from_json(a.bus_json)[0], "from " + a.bus_json
+            if a.gpus != a.node_suite.gpus_per_node * a.nodes:
+                flat = None
+            r = nodes_suite.run(a.node_suite, budget, env, save, flat, flat_source)
         else:
             r = image_suite.run(a, budget, env, save)
         save(r)
 
-    modules = {"bus": bus_suite, "lm": lm_suite, "pipeline": pipeline_suite, "image": image_suite}
+    modules = {"bus": bus_suite, "lm": lm_suite, "pipeline": pipeline_suite, "image": image_suite,
+               "nodes": nodes_suite}
     for name in a.suites:  # problems first, then the tables, so the output ends with the tables
         modules[name].print_problems(res["suites"][name])
     for name in a.suites:
-        print_context(ctx, TITLES[name] + f", {a.gpus} GPUs")
+        print_context(ctx, TITLES[name] + (nodes_suite.layout_title(a.node_suite)
+                                           if name == "nodes" else f", {a.gpus} GPUs"))
         modules[name].print_tables(res["suites"][name])
         if a.smoke and name != "pipeline":  # the pipeline's table says it itself
             print("smoke mode (CPU): every number is a CPU process's; they mean nothing.")

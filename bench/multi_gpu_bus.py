@@ -20,7 +20,8 @@ def add_arguments(ap):
                    help="timed calls per collective and size (default: 200 small, 20 large; "
                         "smoke 5)")
     g.add_argument("--bus-json", default=None,
-                   help="lm without bus: take the bus bandwidth from this earlier --out JSON")
+                   help="lm without bus: take the bus bandwidth from this earlier --out JSON "
+                        "(nodes: its cross-node link, and the bus bandwidth for the flat rows)")
 
 
 def configure(ap, a):

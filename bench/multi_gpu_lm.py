@@ -40,9 +40,10 @@ def bus_factor(op, n):
 def add_arguments(ap):
     g = ap.add_argument_group("lm suite (GPT-2 data parallelism)")
     g.add_argument("--models", default=None, help="default gpt2-medium,gpt2-xl (smoke: gpt2-micro)")
-    g.add_argument("--pairs", default="dp,zero1,zero2,zero3",
+    g.add_argument("--pairs", default=None,
                    help="shardtrain strategies to run on N GPUs (dp, zero1, zero2, zero3), each "
-                        "against its PyTorch match; 1-GPU dp always runs as the baseline")
+                        "against its PyTorch match; 1-GPU dp always runs as the baseline "
+                        "(default: all four; the nodes suite: dp,zero2,zero3)")
     g.add_argument("--batches", default=None,
                    help="micro-batches per GPU, comma-separated (default 4,16; smoke 2)")
     g.add_argument("--batch", type=int, default=None,
@@ -65,6 +66,7 @@ def configure(ap, a):
     a.batches = [a.batch] if a.batch else [
         int(b) for b in (a.batches or ("2" if a.smoke else "4,16")).split(",")]
     a.seq = a.seq or (64 if a.smoke else 512)
+    a.pairs = a.pairs or ",".join(p[0] for p in PAIRS)
     unknown = set(a.pairs.split(",")) - {p[0] for p in PAIRS}
     if unknown:
         ap.error(f"--pairs: unknown strategies {sorted(unknown)}")
