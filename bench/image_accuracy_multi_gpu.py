@@ -70,8 +70,6 @@ DONE = re.compile(r"^done \| (\d+) steps \| ([\d.]+) s")
 # ---------------------------------------------------------------------------------------------
 
 def worker(a):
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -82,20 +80,10 @@ def worker(a):
 
     sys.path.insert(0, HERE)
     import bench_image_models as bim  # build(), decay_groups(), read_idx(): the 1-GPU bench's
+    from torch_dist_worker import init_process_group
 
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"),
-                 ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(k, v)  # one process without torchrun: a world of one
+    dev, rank, world = init_process_group(a.device, a.comm_timeout, port="29511")
     local = int(os.environ["LOCAL_RANK"])
-    timeout = timedelta(seconds=a.comm_timeout)
-    if a.device == "cuda":
-        torch.cuda.set_device(local)
-        dev = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=dev, timeout=timeout)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-    rank, world = dist.get_rank(), dist.get_world_size()
     S = a.image_size
     micro = a.micro_batch if a.micro_batch > 0 else a.global_batch // world
     if a.micro_batch <= 0 and a.global_batch % world:

@@ -20,11 +20,14 @@ Rank 0 prints one line "BENCH_RESULT {json}" with a row per (collective, size).
 import argparse
 import json
 import os
+import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_dist_worker import init_process_group  # noqa: E402
 
 RESULT_TAG = "BENCH_RESULT "
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -62,19 +65,7 @@ def main():
         ap.error(f"--ops: one or more of {', '.join(OPS)}")
 
     cuda = a.device == "cuda"
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"),
-                 ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(k, v)  # one process without torchrun: a world of one
-    timeout = timedelta(seconds=a.comm_timeout)
-    if cuda:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        dev = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=dev, timeout=timeout)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-    rank, n = dist.get_rank(), dist.get_world_size()
+    dev, rank, n = init_process_group(a.device, a.comm_timeout)
     dtype = DTYPES[a.dtype]
     esize = torch.tensor([], dtype=dtype).element_size()
 

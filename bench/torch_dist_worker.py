@@ -74,6 +74,26 @@ class StepClock:
         self.timed_s, self.total_s = t_end - t0, t_end - t_all
 
 
+
+def init_process_group(device, comm_timeout, port="29500"):
+    """Joins this worker's torch.distributed process group: NCCL on GPU LOCAL_RANK (set before
+    the group, as NCCL binds it) for device "cuda", gloo for "cpu". Started without torchrun it
+    is a world of one (MASTER_ADDR 127.0.0.1, MASTER_PORT `port`, RANK 0, WORLD_SIZE 1 unless
+    set). Returns (torch.device, rank, world size)."""
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("RANK", "0"),
+                 ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    timeout = timedelta(seconds=comm_timeout)
+    if device == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=dev, timeout=timeout)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return dev, dist.get_rank(), dist.get_world_size()
+
 def build_model(model_name, device, shape=None):
     from transformers import GPT2Config, GPT2LMHeadModel
     L, H, C = shape or SHAPES[model_name]
@@ -139,17 +159,7 @@ def main():
         ap.error("--shape: n_layer,n_head,n_embd")
 
     cuda = a.device == "cuda"
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"),
-                 ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)  # a single process without torchrun: a world of one
-    if cuda:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)  # before the process group: NCCL binds this GPU
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=a.comm_timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, rank, world = init_process_group(a.device, a.comm_timeout)
 
     def sync():
         if cuda:

@@ -21,14 +21,13 @@ import json
 import os
 import resource
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_dist_worker import RESULT_TAG, StepClock  # noqa: E402
+from torch_dist_worker import RESULT_TAG, StepClock, init_process_group  # noqa: E402
 
 
 def main():
@@ -48,19 +47,7 @@ def main():
     import bench_image_models as bim  # torchvision and the cnn twins
 
     cuda = a.device == "cuda"
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"),
-                 ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(k, v)  # one process without torchrun: a world of one
-    timeout = timedelta(seconds=a.comm_timeout)
-    if cuda:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        dev = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=dev, timeout=timeout)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    dev, rank, world = init_process_group(a.device, a.comm_timeout)
 
     def sync():
         if cuda:

@@ -43,14 +43,14 @@ import json
 import os
 import resource
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_dist_worker import RESULT_TAG, SHAPES, VOCAB, StepClock, build_model  # noqa: E402
+from torch_dist_worker import (RESULT_TAG, SHAPES, VOCAB, StepClock, build_model,  # noqa: E402
+                               init_process_group)
 
 # schedule -> (torch.distributed.pipelining class name, virtual stages per rank)
 SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
@@ -137,17 +137,7 @@ def main():
     import torch.distributed.pipelining as pp
     cls_name, V = SCHEDULES[a.schedule]
     cuda = a.device == "cuda"
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"),
-                 ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
-    if cuda:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=a.comm_timeout))
-    rank, P = dist.get_rank(), dist.get_world_size()
+    device, rank, P = init_process_group(a.device, a.comm_timeout)
     n_chunks = P * V
     L = SHAPES[a.model][0]
     if L % n_chunks:
