@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,6 +35,29 @@ def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def shardtrain_job(a, name, gpus, port):
+    """A shardtrain job of the benches: its run directory WORKDIR/NAME (emptied: shardtrain
+    appends to metrics.jsonl), that directory's metrics.jsonl, and the command's start —
+    `shardtrain launch` of `gpus` ranks on rendezvous port `port`, stopping by itself when a
+    collective hangs (COMM_TIMEOUT), up to `train`. Returns (out_dir, metrics_path, argv)."""
+    out = os.path.join(a.workdir, name)
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [a.shardtrain, "launch", "--nproc-per-node", str(gpus), "--master-port", str(port),
+           "--comm-timeout", str(COMM_TIMEOUT), "--stop-grace", "5", "--", "train"]
+    return out, os.path.join(out, "metrics.jsonl"), cmd
+
+
+def gpt2_shape_defaults(ap, a):
+    """--models, --batch / --batches and --seq of the GPT-2 suites, defaults filled in (the smoke
+    test: gpt2-micro, micro-batch 2, 64 tokens; else gpt2-medium and gpt2-xl, 4 and 16, 512)."""
+    a.models = a.models or ("gpt2-micro" if a.smoke else "gpt2-medium,gpt2-xl")
+    if a.batch and a.batches:
+        ap.error("--batch and --batches: give one")
+    a.batches = [a.batch] if a.batch else [
+        int(b) for b in (a.batches or ("2" if a.smoke else "4,16")).split(",")]
+    a.seq = a.seq or (64 if a.smoke else 512)
 
 def run_job(cmd, timeout, log_path, env):
     """Runs cmd in its own process group, output to log_path; returns (rc or None on timeout,

@@ -6,7 +6,8 @@ import os
 
 from image_accuracy_multi_gpu import default_fashion_mnist
 from multi_gpu_common import (COMM_TIMEOUT, HERE, fmt, free_port, human, parse_banner,
-                              report_problem, run_cell, run_tagged_job, run_train_job, torchrun)
+                              report_problem, run_cell, run_tagged_job, run_train_job,
+                              shardtrain_job, torchrun)
 
 WORKER = os.path.join(HERE, "torch_image_worker.py")
 MODELS = "mobilenet_v2,efficientnet_b0,vgg16_bn"
@@ -68,13 +69,8 @@ def plan(a, size):
 def run_shardtrain(a, model, size, batch, dataset, gpus, graphs, port, timeout, env):
     steps, warmup, log_every = plan(a, size)
     name = f"img_{model}_{size}_mb{batch}_st_{gpus}gpu" + ("" if graphs else "_nographs")
-    out = os.path.join(a.workdir, name)
-    metrics = os.path.join(out, "metrics.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)  # shardtrain appends to it
-    cmd = [a.shardtrain, "launch", "--nproc-per-node", str(gpus), "--master-port", str(port),
-           "--comm-timeout", str(COMM_TIMEOUT), "--stop-grace", "5", "--",
-           "train", "--model", model, "--dataset", dataset, "--image-size", str(size),
+    out, metrics, cmd = shardtrain_job(a, name, gpus, port)
+    cmd += ["--model", model, "--dataset", dataset, "--image-size", str(size),
            "--device", a.device, "--strategy", "ddp", "--batch-size", str(batch),
            "--max-steps", str(steps), "--log-interval", str(log_every), "--warmup-steps", "5",
            "--eval-samples", str(batch), "--no-save", "--output-dir", out]

@@ -6,9 +6,10 @@ collectives move, against the bus bandwidth the `bus` suite measured. See bench_
 docstring for what each number means."""
 import os
 
-from multi_gpu_common import (COMM_TIMEOUT, WORKER, fmt, free_port, human, human_bytes10,
-                              parse_banner, ratio, report_problem, run_cell, run_estimate,
-                              run_tagged_job, run_train_job, torch_runs, torchrun)
+from multi_gpu_common import (COMM_TIMEOUT, WORKER, fmt, free_port, gpt2_shape_defaults, human,
+                              human_bytes10, parse_banner, ratio, report_problem, run_cell,
+                              run_estimate, run_tagged_job, run_train_job, shardtrain_job,
+                              torch_runs, torchrun)
 
 PAIRS = [("dp", "ddp"), ("zero1", "zero"), ("zero2", "fsdp2"), ("zero3", "fsdp2-reshard")]
 # PyTorch sides that are torch_dist_worker.py strategies with extra flags
@@ -60,12 +61,7 @@ def add_arguments(ap):
 
 
 def configure(ap, a):
-    a.models = a.models or ("gpt2-micro" if a.smoke else "gpt2-medium,gpt2-xl")
-    if a.batch and a.batches:
-        ap.error("--batch and --batches: give one")
-    a.batches = [a.batch] if a.batch else [
-        int(b) for b in (a.batches or ("2" if a.smoke else "4,16")).split(",")]
-    a.seq = a.seq or (64 if a.smoke else 512)
+    gpt2_shape_defaults(ap, a)
     a.pairs = a.pairs or ",".join(p[0] for p in PAIRS)
     unknown = set(a.pairs.split(",")) - {p[0] for p in PAIRS}
     if unknown:
@@ -83,13 +79,8 @@ def plan(a, model):
 
 def run_shardtrain(a, strategy, model, batch, gpus, steps, warmup, port, timeout, env):
     name = f"{model}_mb{batch}_{strategy}_{gpus}gpu"
-    out = os.path.join(a.workdir, name)
-    metrics = os.path.join(out, "metrics.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)  # shardtrain appends to it
-    cmd = [a.shardtrain, "launch", "--nproc-per-node", str(gpus), "--master-port", str(port),
-           "--comm-timeout", str(COMM_TIMEOUT), "--stop-grace", "5", "--",
-           "train", "--model", model, "--dataset", "wikitext-2", "--device", a.device,
+    out, metrics, cmd = shardtrain_job(a, name, gpus, port)
+    cmd += ["--model", model, "--dataset", "wikitext-2", "--device", a.device,
            "--strategy", strategy, "--batch-size", str(batch), "--max-length", str(a.seq),
            "--max-steps", str(steps), "--log-interval", str(LOG_INTERVAL), "--warmup-steps", "5",
            "--eval-samples", str(batch), "--no-save", "--output-dir", out]

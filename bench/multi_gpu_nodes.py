@@ -19,8 +19,8 @@ import time
 import multi_gpu_bus as bus_suite
 import multi_gpu_lm as lm_suite
 from multi_gpu_common import (COMM_TIMEOUT, RESULT_TAG, WORKER, describe, fmt, free_port,
-                              human_bytes10, parse_banner, parse_metrics, report_problem,
-                              run_cell, torch_runs)
+                              gpt2_shape_defaults, human_bytes10, parse_banner, parse_metrics,
+                              report_problem, run_cell, torch_runs)
 
 DEFAULT_PAIRS = "dp,zero2,zero3"
 VARIANTS = ("hierarchical", "accum", "flat")
@@ -53,12 +53,7 @@ def add_arguments(ap):
 
 def configure(ap, a):
     """Fills the suite's defaults into `a`, a namespace of its own (lm's defaults differ)."""
-    a.models = a.models or ("gpt2-micro" if a.smoke else "gpt2-medium,gpt2-xl")
-    if a.batch and a.batches:
-        ap.error("--batch and --batches: give one")
-    a.batches = [a.batch] if a.batch else [
-        int(b) for b in (a.batches or ("2" if a.smoke else "4,16")).split(",")]
-    a.seq = a.seq or (64 if a.smoke else 512)
+    gpt2_shape_defaults(ap, a)
     wanted = (a.pairs or DEFAULT_PAIRS).split(",")
     unknown = set(wanted) - {p[0] for p in lm_suite.PAIRS}
     if unknown:
