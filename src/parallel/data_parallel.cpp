@@ -57,7 +57,13 @@ class DataParallel final : public Strategy {
       hierarchical_ = std::make_unique<HierarchicalAllReduce>(comm_, k);
   }
 
-  void zero_grad() override { backend_.fill_zero(grads_.view()); }
+  void zero_grad() override {
+    backend_.fill_zero(grads_.view());
+    if (hierarchical_) network_at_step_start_ = hierarchical_->network_bytes();
+  }
+  int64_t cross_node_bytes_last_step() const override {
+    return hierarchical_ ? hierarchical_->network_bytes() - network_at_step_start_ : 0;
+  }
 
   void begin_micro_step(int64_t index, int64_t count) override {
     last_micro_ = index + 1 == count;
@@ -209,7 +215,8 @@ class DataParallel final : public Strategy {
   bool reduce_in_backward_ = opt_.overlap_comm;
   /// --hierarchical-all-reduce: the buckets' sums within nodes, then across them.
   std::unique_ptr<HierarchicalAllReduce> hierarchical_;
-  RegisteredBuffers registered_;  ///< grads_ for the copy-engine all-reduce; destroyed first
+  int64_t network_at_step_start_ = 0;  ///< hierarchical_->network_bytes() at zero_grad
+  RegisteredBuffers registered_;       ///< grads_ for the copy-engine all-reduce; destroyed first
 };
 
 }  // namespace

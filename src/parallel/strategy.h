@@ -142,6 +142,10 @@ class Strategy : public LayerHooks {
   /// Bytes of parameters all-gathered by this rank during the last optimizer step (ZeRO-3's
   /// per-layer gathers and every strategy's after-step all-gathers); 0 for dp.
   virtual int64_t gathered_bytes_last_step() const { return 0; }
+  /// Bytes of the buffers this rank all-reduced across nodes during the last optimizer step, for
+  /// the strategies that know which of their collectives cross nodes (dp's hierarchical
+  /// all-reduce, zero3's hybrid sharding); 0 otherwise.
+  virtual int64_t cross_node_bytes_last_step() const { return 0; }
   /// The most bytes this rank has held at once, since setup, in buffers that exist only while
   /// a layer runs: ZeRO-3's gathered parameters and per-layer gradient buffers; 0 for others.
   virtual size_t peak_transient_bytes() const { return 0; }

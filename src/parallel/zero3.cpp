@@ -100,6 +100,10 @@ class Zero3 final : public ZeroStrategy {
   }
 
   size_t peak_transient_bytes() const override { return peak_transient_bytes_; }
+  int64_t cross_node_bytes_last_step() const override {
+    return hybrid_ && hybrid_->replica->world_size() > 1 ? static_cast<int64_t>(grad_shard_.bytes())
+                                                         : 0;
+  }
 
   double grad_norm(double scale) override {
     // One pass over the whole gradient shard: padding elements hold zero gradients.

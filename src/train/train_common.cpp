@@ -243,7 +243,8 @@ Monitor open_run_monitor(const TrainConfig& cfg, int rank, const std::string& co
 
 /// The epoch summary: a console line and a metrics.jsonl record with throughput, peak memory
 /// (the GPU's peak allocated bytes, or the process's peak resident set on CPU) of every rank, and
-/// the parameter bytes all-gathered per step. Collective (the ranks' peaks are gathered).
+/// the parameter bytes all-gathered and the bytes all-reduced across nodes per step. Collective
+/// (the ranks' peaks are gathered).
 void log_epoch(Console& out, MetricsWriter& metrics, Monitor& monitor, Backend& backend,
                ScalarAllReduce& reduce, const EpochStats& e, const HostMemory& host) {
   const bool on_gpu = backend.kind() == DeviceKind::kCUDA;
@@ -266,6 +267,9 @@ void log_epoch(Console& out, MetricsWriter& metrics, Monitor& monitor, Backend& 
   const double gathered_per_step = e.gathered_bytes / static_cast<double>(e.steps);
   if (gathered_per_step > 0)
     mem += fmt::format(" | all-gathered {} per step", human_bytes(gathered_per_step));
+  const double cross_node_per_step = e.cross_node_bytes / static_cast<double>(e.steps);
+  if (cross_node_per_step > 0)
+    mem += fmt::format(" | all-reduced across nodes {} per step", human_bytes(cross_node_per_step));
   if (host.pinned + host.pageable + host.nvme > 0)
     mem += fmt::format(" | host {} pinned, {} pageable, NVMe {}",
                        human_bytes(static_cast<double>(host.pinned)),
@@ -294,6 +298,7 @@ void log_epoch(Console& out, MetricsWriter& metrics, Monitor& monitor, Backend& 
                   {"device_peak_reserved_bytes", backend.peak_reserved_bytes()},
                   {"peak_memory_bytes_per_rank", peaks},
                   {"gathered_bytes_per_step", gathered_per_step},
+                  {"cross_node_bytes_per_step", cross_node_per_step},
                   {"host_pinned_bytes", host.pinned},
                   {"host_pageable_bytes", host.pageable},
                   {"nvme_bytes", host.nvme},
@@ -338,7 +343,7 @@ LossHistory run_epochs(const EpochLoop& loop, TrainingProgress& progress) {
     const int64_t epoch = progress.epoch;
     const auto t_epoch = TrainClock::now();
     loop.backend.reset_peak_memory();
-    double epoch_loss = 0, epoch_gathered = 0;
+    double epoch_loss = 0, epoch_gathered = 0, epoch_cross_node = 0;
     int64_t epoch_steps = 0;
     while (progress.step_in_epoch < loop.steps_per_epoch && progress.step < loop.total_steps) {
       const auto t_step = TrainClock::now();
@@ -354,6 +359,7 @@ LossHistory run_epochs(const EpochLoop& loop, TrainingProgress& progress) {
       losses.last = r.loss;
       epoch_loss += r.loss;
       epoch_gathered += static_cast<double>(loop.strategy.gathered_bytes_last_step());
+      epoch_cross_node += static_cast<double>(loop.strategy.cross_node_bytes_last_step());
       ++epoch_steps;
       loop.out.bar(progress.step, loop.total_steps, r.loss,
                    static_cast<double>(loop.units_per_step) / dt, loop.bar_unit);
@@ -373,7 +379,7 @@ LossHistory run_epochs(const EpochLoop& loop, TrainingProgress& progress) {
       log_epoch(loop.out, loop.metrics, loop.monitor, loop.backend, loop.reduce,
                 {epoch, complete, epoch_steps, epoch_loss, seconds_since(t_epoch),
                  static_cast<double>(epoch_steps * loop.samples_per_step), loop.seq_len,
-                 loop.scaler.skipped_steps(), epoch_gathered, progress.step},
+                 loop.scaler.skipped_steps(), epoch_gathered, epoch_cross_node, progress.step},
                 loop.strategy.host_memory());
       if (cfg.eval_interval == 0 && !evaluated_at_end) {
         loop.evaluate(epoch);

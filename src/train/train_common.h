@@ -113,12 +113,15 @@ struct EpochStats {
   int64_t seq_len = 0;        ///< T (0: images; the summary gives images/s, not tokens/s)
   int64_t skipped_steps = 0;  ///< fp16 overflows so far
   double gathered_bytes = 0;  ///< Σ over the steps of the parameter bytes this rank all-gathered
-  int64_t step = 0;           ///< the optimizer step at the epoch's end (the monitors' step)
+  /// Σ over the steps of the bytes this rank all-reduced across nodes (where the strategy knows).
+  double cross_node_bytes = 0;
+  int64_t step = 0;  ///< the optimizer step at the epoch's end (the monitors' step)
 };
 
 /// The epoch summary: a console line and a metrics.jsonl record with throughput, peak memory
 /// (the GPU's peak allocated bytes, or the process's peak resident set on CPU) of every rank, and
-/// the parameter bytes all-gathered per step. Collective (the ranks' peaks are gathered).
+/// the parameter bytes all-gathered and the bytes all-reduced across nodes per step. Collective
+/// (the ranks' peaks are gathered).
 void log_epoch(Console& out, MetricsWriter& metrics, Monitor& monitor, Backend& backend,
                ScalarAllReduce& reduce, const EpochStats& e, const HostMemory& host);
 

@@ -324,6 +324,11 @@ TEST_F(ZeroEquivalence, HierarchicalAllReduceMatchesOneRank) {
           world() / k, k, bucket);
       Trainee run(o, *comm, ref.init);
       train_and_expect_reference(what, run);
+      // Reported for the epoch summary: the chunks all-reduced across nodes in the last step.
+      if (world() / k > 1)
+        EXPECT_GT(run.strategy->cross_node_bytes_last_step(), 0) << what;
+      else
+        EXPECT_EQ(run.strategy->cross_node_bytes_last_step(), 0) << what;
     }
   }
 }
@@ -354,6 +359,7 @@ TEST_F(ZeroEquivalence, HybridShardingMatchesOneRank) {
     train_and_expect_reference(what, run);
     Trainee dp(st::StrategyKind::kDataParallel, *comm, 500'000'000, ref.init);
     EXPECT_LT(run.strategy->model_state_bytes(), dp.strategy->model_state_bytes()) << what;
+    EXPECT_GT(run.strategy->cross_node_bytes_last_step(), 0) << what;
     const std::filesystem::path dir = st::test_support::job_temp_dir("shardtrain_hpz");
     st::CheckpointInfo info;
     info.model = run.model.config();
