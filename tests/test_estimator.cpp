@@ -206,6 +206,36 @@ TEST(Estimator, RejectsBadOptionsAndPrintsTable) {
     EXPECT_NE(table.find(needle), std::string::npos) << needle << "\n" << table;
 }
 
+// Hybrid sharding (zero_hpz_partition_size G): zero3's row as if on G GPUs — 16Ψ/G of model
+// states and G GPUs' gathered layers — named zero3-hybrid; no row when G is 1 or every GPU, and
+// an error when G does not divide the GPUs.
+TEST(Estimator, HybridShardingRow) {
+  MemoryEstimateOptions o;
+  o.model = gpt2_preset("gpt2-xl");
+  o.gpus = 8;
+  const auto row = [](const MemoryEstimate& e, const std::string& name) {
+    for (const StrategyEstimate& s : e.strategies)
+      if ((s.name.empty() ? to_string(s.strategy) : s.name) == name) return s;
+    return StrategyEstimate{};
+  };
+  EXPECT_TRUE(row(estimate_memory(o), "zero3-hybrid").formula.empty());
+  o.hpz_partition_size = 2;
+  const MemoryEstimate e = estimate_memory(o);
+  const StrategyEstimate h = row(e, "zero3-hybrid");
+  EXPECT_EQ(h.formula, "16Ψ/G");
+  EXPECT_DOUBLE_EQ(h.model_states, 16.0 * static_cast<double>(e.parameters) / 2);
+  MemoryEstimateOptions two = o;
+  two.gpus = 2;
+  two.hpz_partition_size = 1;
+  const double gathered_on_two =
+      row(estimate_memory(two), "zero3").buffers - kPeerStagingBytes;  // NCCL within the group
+  EXPECT_DOUBLE_EQ(h.buffers, gathered_on_two);
+  EXPECT_NE(format_memory_estimate(e, o).find("zero3-hybrid (zero_hpz_partition_size G = 2)"),
+            std::string::npos);
+  o.hpz_partition_size = 3;
+  EXPECT_THROW(estimate_memory(o), ConfigError);
+}
+
 // zero3 on one GPU gathers nothing (every layer is its own shard) and holds dp's 16Ψ; on several
 // GPUs it holds 16Ψ/N plus the gathered layers, fewer of them the shorter the reuse distance.
 TEST(Estimator, Zero3TransientBuffers) {

@@ -62,6 +62,10 @@ void register_estimate_command(CLI::App& app) {
                   "offloaded plans: fraction r of the optimizer state on the host (default 1)");
   cmd->add_flag("--offload-delayed-update", o.delayed_update,
                 "offloaded plans: the delayed update's second pinned gradient buffer");
+  cmd->add_option("--zero-hpz-partition-size", o.hpz_partition_size,
+                  "zero3 hybrid sharding: add the row zero3-hybrid, sharded within groups of G "
+                  "GPUs (e.g. a node's) and replicated across them (default 1: no such row)")
+      ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--stage3-param-persistence-threshold", o.persistence_threshold,
                   "zero3: layers with fewer parameters stay replicated (default 100,000)");
   cmd->callback([f]() { run_estimate(*f); });

@@ -172,6 +172,22 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
                 (o.gpus > 1 ? static_cast<double>(kPeerStagingBytes) : 0.0);
     e.strategies.push_back(s);
   }
+  // Hybrid sharding: zero3 over groups of g GPUs (NCCL within them: no copy-engine staging).
+  if (const int g = o.hpz_partition_size; g > 1 && g < o.gpus) {
+    check<ConfigError>(o.gpus % g == 0,
+                       "zero_hpz_partition_size {} does not divide the {} GPUs: use a divisor "
+                       "(the GPUs of a node)",
+                       g, o.gpus);
+    StrategyEstimate s;
+    s.strategy = StrategyKind::kZero3;
+    s.name = "zero3-hybrid";
+    s.formula = fmt::format("{}Ψ/G", 4 + K);
+    s.model_states = zero_model_state_bytes(StrategyKind::kZero3, e.parameters, g, K);
+    s.activations = e.activations.total();
+    s.buffers = zero3_transient_bytes(o.model, g, o.zero3, o.persistence_threshold) +
+                kCublasWorkspaceBytes + kCudaContextBytes;
+    e.strategies.push_back(s);
+  }
   // Offloaded plans: r of the fp32 state (K bytes per element) and its step on the host; the
   // gradients of those elements staged in pinned memory (bf16, twice with the delayed update).
   const double psi = static_cast<double>(e.parameters), n = o.gpus, r = o.offload_ratio;
@@ -254,6 +270,13 @@ std::string format_memory_estimate(const MemoryEstimate& e, const MemoryEstimate
       o.optimizer == OptimizerKind::kSGD ? "fp32 master weights and momentum buffer"
                                          : "fp32 master weights, m and v",
       optimizer_state_bytes_per_parameter(o.optimizer));
+  if (o.hpz_partition_size > 1 && o.hpz_partition_size < o.gpus)
+    out += fmt::format(
+        "zero3-hybrid (zero_hpz_partition_size G = {}): zero3 partitioned within groups of G "
+        "GPUs and\n  replicated over the {} groups; each step every GPU all-reduces its gradient "
+        "shard, 2Ψ/G = {},\n  with the other groups — the only traffic between them\n",
+        o.hpz_partition_size, o.gpus / o.hpz_partition_size,
+        gib(kBf16 * static_cast<double>(e.parameters) / o.hpz_partition_size));
   out += fmt::format(
       "activations (as GPT2Model allocates them on the CUDA backend, bf16): blocks {} ({}),\n  "
       "residual stream {}, head {} (logits [B·T, V padded to 64]), backward scratch {}, "

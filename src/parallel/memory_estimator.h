@@ -49,6 +49,9 @@ struct MemoryEstimateOptions {
   /// AdamW: K = 12 bytes of optimizer state per parameter (fp32 master, m, v); SGD: K = 8
   /// (fp32 master, momentum buffer).
   OptimizerKind optimizer = OptimizerKind::kAdamW;
+  /// zero_hpz_partition_size: > 1 (and < gpus, dividing it) adds the row "zero3-hybrid", zero3
+  /// sharded within groups of this many GPUs and replicated across the groups.
+  int hpz_partition_size = 1;
 };
 
 /// The ZeRO paper's K (bytes of fp32 optimizer state per parameter) of `k`: 12 or 8.
@@ -125,10 +128,12 @@ double gradient_bucket_bytes(StrategyKind s, const GPT2Config& model, int gpus,
 double zero3_transient_bytes(const GPT2Config& model, int gpus, const Zero3Limits& limits,
                              int64_t persistence_threshold, bool params_offloaded = false);
 
-/// Everything above for dp, zero1, zero2 and zero3, then the offloaded plans: offload (zero2 +
+/// Everything above for dp, zero1, zero2 and zero3 (and zero3-hybrid, with hpz_partition_size),
+/// then the offloaded plans: offload (zero2 +
 /// optimizer on the CPU), zero3-offload (zero3 + optimizer and parameters on the CPU) and infinity
 /// (zero3 + optimizer on NVMe, parameters on the CPU), with their host and NVMe bytes. Throws
-/// ConfigError for gpus, micro_batch < 1 or a max_length outside [1, n_positions].
+/// ConfigError for gpus, micro_batch < 1, a max_length outside [1, n_positions] or an
+/// hpz_partition_size that does not divide gpus.
 MemoryEstimate estimate_memory(const MemoryEstimateOptions& options);
 
 /// The table `shardtrain estimate` prints, with its assumptions.
