@@ -70,7 +70,7 @@ class Zero3 final : public ZeroStrategy {
     backend_.fill_zero(grad_shard_.view());
   }
 
-  void begin_micro_step(int64_t, int64_t) override {}
+  void begin_micro_step(int64_t index, int64_t count) override { last_micro_ = index + 1 == count; }
 
   void before_forward(int layer) override {
     if (layer == 0) release_all();
@@ -94,8 +94,8 @@ class Zero3 final : public ZeroStrategy {
 
   void finish_gradients() override {
     drain_reductions();
-    // Hybrid sharding: each group's shards hold its ranks' sum; add the other groups'.
-    if (hybrid_) hybrid_->replica->all_reduce(grad_shard_.view(), ReduceOp::kSum)->wait();
+    for (auto& w : replica_reductions_) w->wait();
+    replica_reductions_.clear();
     offload_remaining_gradients();
   }
 
@@ -234,6 +234,7 @@ class Zero3 final : public ZeroStrategy {
     int layer;
     Tensor own;
     std::unique_ptr<Work> work;
+    bool last_micro;  ///< of the step's last micro-step: the unit's shard is then complete
   };
 
   Unit& unit(int layer) { return units_[static_cast<size_t>(layer)]; }
@@ -344,7 +345,8 @@ class Zero3 final : public ZeroStrategy {
     const BucketPartition& p = partition(layer);
     Tensor own = x.grad.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
     while (reductions_.size() >= kZero3ReductionsInFlight) complete_reduction();
-    reductions_.push_back({layer, own, comm_.reduce_scatter(own, x.grad.view(), ReduceOp::kSum)});
+    reductions_.push_back(
+        {layer, own, comm_.reduce_scatter(own, x.grad.view(), ReduceOp::kSum), last_micro_});
     x.reducing = true;
     if (!opt_.overlap_comm) complete_reduction();
   }
@@ -357,6 +359,10 @@ class Zero3 final : public ZeroStrategy {
     const BucketPartition& p = partition(r.layer);
     Tensor dst = grad_shard_.slice(p.shard_offset, p.shard);
     backend_.add(dst, dst, r.own);
+    // Hybrid sharding: the unit's shard holds the group's sum of the whole step; add the other
+    // groups' while backward goes on (in unit order, the same on every rank of the group).
+    if (hybrid_ && r.last_micro)
+      replica_reductions_.push_back(hybrid_->replica->all_reduce(dst, ReduceOp::kSum));
     Unit& x = unit(r.layer);
     grad_numel_ -= x.grad.numel();
     x.grad = ArenaBuffer();
@@ -389,6 +395,8 @@ class Zero3 final : public ZeroStrategy {
   size_t peak_transient_bytes_ = 0;  ///< elements of gathered (non-resident) units held now
   std::deque<Reduction> reductions_;
   std::shared_ptr<HybridGroups> hybrid_;  ///< hybrid sharding's groups (null: over every rank)
+  std::vector<std::unique_ptr<Work>> replica_reductions_;  ///< hybrid: across groups, in flight
+  bool last_micro_ = true;  ///< the micro-step under way is the step's last
 };
 
 }  // namespace
