@@ -492,6 +492,58 @@ TEST_P(CudaOpTest, GeluForwardBackwardAddScale) {
   }
 }
 
+// ==== blockwise int8 quantization (ZeRO++'s qgZ)
+// ==================================================
+
+// The CPU backend's: each element within half a quantization step of its block (max |x| / 127),
+// an all-zero block exactly zero, and dequantize_add adding onto what is there.
+TEST(CpuQuantize, Int8BlocksRoundTrip) {
+  auto cpu = make_cpu_backend();
+  const int64_t n = 3 * kQuantBlock + 17;  // a short last block
+  std::vector<float> x(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    x[static_cast<size_t>(i)] = i < kQuantBlock ? 0.0f : std::sin(0.37f * i) * (1 + i % 7);
+  const int64_t blocks = 4;
+  std::vector<uint8_t> q(static_cast<size_t>(n));
+  std::vector<float> scales(static_cast<size_t>(blocks)), back(static_cast<size_t>(n), 1.0f);
+  cpu->quantize_int8(Tensor(q.data(), DType::kU8, DeviceKind::kCPU, {n}),
+                     Tensor(scales.data(), DType::kF32, DeviceKind::kCPU, {blocks}),
+                     Tensor(x.data(), DType::kF32, DeviceKind::kCPU, {n}));
+  cpu->dequantize_add_int8(Tensor(back.data(), DType::kF32, DeviceKind::kCPU, {n}),
+                           Tensor(q.data(), DType::kU8, DeviceKind::kCPU, {n}),
+                           Tensor(scales.data(), DType::kF32, DeviceKind::kCPU, {blocks}));
+  EXPECT_EQ(scales[0], 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = scales[static_cast<size_t>(i / kQuantBlock)];
+    EXPECT_LE(std::fabs(back[static_cast<size_t>(i)] - 1.0f - x[static_cast<size_t>(i)]),
+              0.5f * s + 1e-6f)
+        << i;
+  }
+}
+
+// The CUDA kernels give the CPU's codes and scales for the same values (division, round to
+// nearest even, on both) and the same dequantized sums.
+TEST_P(CudaOpTest, QuantizeInt8MatchesCpu) {
+  const int64_t n = 5 * kQuantBlock + 99, blocks = 6;
+  const auto x = rounded(randu(n, 21, 3.0f)), acc = rounded(randu(n, 22));
+  FlatBuffer gx = up(x), gacc = up(acc), gq(*gpu, DType::kU8, n), gs(*gpu, DType::kF32, blocks);
+  gpu->quantize_int8(gq.view(), gs.view(), gx.view());
+  gpu->dequantize_add_int8(gacc.view(), gq.view(), gs.view());
+  std::vector<float> xs = x, out = acc, scales(static_cast<size_t>(blocks));
+  std::vector<uint8_t> q(static_cast<size_t>(n));
+  cpu->quantize_int8(Tensor(q.data(), DType::kU8, DeviceKind::kCPU, {n}), host(scales, {blocks}),
+                     host(xs, {n}));
+  cpu->dequantize_add_int8(host(out, {n}), Tensor(q.data(), DType::kU8, DeviceKind::kCPU, {n}),
+                           host(scales, {blocks}));
+  std::vector<uint8_t> gq_h(static_cast<size_t>(n));
+  std::vector<float> gs_h(static_cast<size_t>(blocks));
+  gpu->copy_to_host(gq_h.data(), gq.data(), gq_h.size());
+  gpu->copy_to_host(gs_h.data(), gs.data(), gs_h.size() * sizeof(float));
+  EXPECT_EQ(gq_h, q);
+  EXPECT_EQ(gs_h, scales);
+  expect_close(down(gacc), out, rtol(1e-6), atol(1e-6), "dequantize_add_int8");
+}
+
 // ==== embedding ==================================================================================
 
 TEST_P(CudaOpTest, EmbeddingForwardBackwardRepeatedTokensDeterministic) {

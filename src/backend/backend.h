@@ -27,6 +27,9 @@
 
 namespace shardtrain {
 
+/// Elements per scale of Backend::quantize_int8.
+inline constexpr int64_t kQuantBlock = 256;
+
 /// Extra work fused into a matmul's output.
 enum class Epilogue { kNone, kGelu };
 
@@ -240,6 +243,15 @@ class Backend {
   virtual double sum(Tensor x) = 0;
   /// x *= s.
   virtual void scale(Tensor x, float s) = 0;
+
+  // ---- blockwise int8 quantization (ZeRO++'s qgZ, arXiv 2306.10209 §3.3) -----------------------
+  /// Symmetric int8 per block of kQuantBlock elements of `x` [n] (fp32, bf16 or fp16): scales[b]
+  /// = max |x| over block b / 127 (fp32 [ceil(n / kQuantBlock)]; 0 for an all-zero block) and
+  /// q[i] = round(x[i] / scales[b]) in [−127, 127], stored as int8 in `q` [n] (DType::kU8 bytes).
+  virtual void quantize_int8(Tensor q, Tensor scales, Tensor x) = 0;
+  /// out[i] += q[i] · scales[i / kQuantBlock] (out fp32, bf16 or fp16; q and scales as
+  /// quantize_int8 writes them).
+  virtual void dequantize_add_int8(Tensor out, Tensor q, Tensor scales) = 0;
 
   /// AdamW step on one contiguous range (Loshchilov & Hutter, arXiv 1711.05101, Algorithm 2):
   ///   g = grad * grad_scale; m = β1 m + (1-β1) g; v = β2 v + (1-β2) g²;

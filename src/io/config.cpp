@@ -150,6 +150,7 @@ const KeyList kZeroHonoured = {
     "gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save",
     "zero_hpz_partition_size",
+    "zero_quantized_gradients",
 };
 
 // zero_optimization booleans that are on by default and cannot be turned off here: ZeRO keeps
@@ -205,7 +206,6 @@ const KeyList kZeroIgnored = {
     "save_muon_momentum_buffer_in_memory",
     "zero_quantized_weights",
     "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients",
     "stage3_model_persistence_threshold",
     "model_persistence_threshold",
     "stage3_module_granularity_threshold",
@@ -1046,6 +1046,7 @@ class DeepSpeedReader {
                          "an integer >= 1 (ranks that share one copy of the sharded model "
                          "states, e.g. the GPUs of a node; 1 = shard over every rank)"))
       zc.hpz_partition_size = *v;
+    if (auto v = get_bool(z, "zero_quantized_gradients", prefix)) zc.quantized_gradients = *v;
     if (const char* key =
             stage3_key(z, "stage3_gather_16bit_weights_on_model_save",
                        {"gather_16bit_weights_on_model_save",
@@ -1469,6 +1470,10 @@ void check_strategy(const TrainConfig& c) {
                                                         c.zero.offload_optimizer_device == "none"),
                      "zero_hpz_partition_size {} does not run with offload_optimizer: drop one",
                      c.zero.hpz_partition_size);
+  check<ConfigError>(!c.zero.quantized_gradients || c.hierarchical_all_reduce,
+                     "zero_quantized_gradients (--quantized-gradients) quantizes the cross-node "
+                     "step of --hierarchical-all-reduce (dp): add that flag (zero3's hybrid "
+                     "sharding sends its cross-node gradients unquantized in this release)");
   check<ConfigError>(!c.hierarchical_all_reduce || c.strategy == StrategyKind::kDataParallel,
                      "--hierarchical-all-reduce applies to --strategy dp (ddp for image models), "
                      "not to {}: drop it or switch strategies",

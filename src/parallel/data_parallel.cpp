@@ -54,7 +54,8 @@ class DataParallel final : public Strategy {
     registered_ = RegisteredBuffers(comm_, backend_, {grads_.view()});
     const int k = opt_.hierarchical_ranks_per_node;
     if (k > 0 && comm_.world_size() > 1)
-      hierarchical_ = std::make_unique<HierarchicalAllReduce>(comm_, k);
+      hierarchical_ = std::make_unique<HierarchicalAllReduce>(
+          comm_, k, opt_.quantized_gradients ? &backend_ : nullptr);
   }
 
   void zero_grad() override {

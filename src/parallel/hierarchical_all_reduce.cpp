@@ -1,6 +1,9 @@
 #include "parallel/hierarchical_all_reduce.h"
 
 #include <utility>
+#include <vector>
+
+#include "memory/flat_buffer.h"
 
 namespace shardtrain {
 
@@ -21,7 +24,9 @@ struct HierarchicalAllReduce::Job {
   Tensor chunk;  ///< [c]: this rank's chunk of main
   /// 1, 2, 3: that step issued (reduce-scatter, all-reduce across nodes, all-gather); 4: done.
   int step = 0;
-  std::unique_ptr<Work> work;  ///< the step in flight
+  std::vector<std::unique_ptr<Work>> work;  ///< the step in flight (two all-gathers: quantized)
+  /// Quantized step 2: this rank's int8 chunk and scales, and every node's.
+  FlatBuffer q, scales, q_all, scales_all;
   std::unique_ptr<Work> rest;  ///< the world all-reduce of the elements past k·c
 };
 
@@ -43,8 +48,9 @@ class HierarchicalAllReduce::JobWork final : public Work {
   std::shared_ptr<Job> job_;
 };
 
-HierarchicalAllReduce::HierarchicalAllReduce(Communicator& world, int ranks_per_node)
-    : world_(world) {
+HierarchicalAllReduce::HierarchicalAllReduce(Communicator& world, int ranks_per_node,
+                                             Backend* quantize)
+    : world_(world), quantize_(quantize) {
   const NodeGroups g = NodeGroups::of(world.world_size(), world.rank(), ranks_per_node);
   k_ = ranks_per_node;
   nodes_ = world.world_size() / k_;
@@ -65,7 +71,7 @@ std::unique_ptr<Work> HierarchicalAllReduce::start(Tensor t) {
   } else {
     job->main = t.slice1d(0, c * k_);
     job->chunk = job->main.slice1d(local_ * c, c);
-    job->work = node_scatter_->reduce_scatter(job->chunk, job->main, ReduceOp::kSum);
+    job->work.push_back(node_scatter_->reduce_scatter(job->chunk, job->main, ReduceOp::kSum));
     job->step = 1;
   }
   jobs_.push_back(job);
@@ -78,22 +84,54 @@ bool HierarchicalAllReduce::advance(Job& j, bool block) {
   // each communicator sees the jobs' steps in start() order.
   for (size_t i = 0; i < jobs_.size() && jobs_[i].get() != &j; ++i)
     if (jobs_[i]->step < 4 && jobs_[i]->step <= j.step) return false;
-  if (!block && !j.work->completed()) return false;
-  j.work->wait();
+  for (auto& w : j.work)
+    if (!block && !w->completed()) return false;
+  for (auto& w : j.work) w->wait();
+  j.work.clear();
   switch (j.step) {
     case 1:
-      j.work = across_->all_reduce(j.chunk, ReduceOp::kSum);
-      if (nodes_ > 1) network_bytes_ += static_cast<int64_t>(j.chunk.bytes());
+      if (quantize_) {
+        issue_quantized(j);
+      } else {
+        j.work.push_back(across_->all_reduce(j.chunk, ReduceOp::kSum));
+        if (nodes_ > 1) network_bytes_ += static_cast<int64_t>(j.chunk.bytes());
+      }
       break;
     case 2:
-      j.work = node_gather_->all_gather(j.main, j.chunk);  // in place: chunk is this rank's slot
+      if (quantize_) sum_quantized(j);
+      j.work.push_back(node_gather_->all_gather(j.main, j.chunk));  // in place: this rank's slot
       break;
     default:
-      j.work.reset();
       break;
   }
   ++j.step;
   return true;
+}
+
+void HierarchicalAllReduce::issue_quantized(Job& j) {
+  Backend& be = *quantize_;
+  const int64_t c = j.chunk.numel(), blocks = (c + kQuantBlock - 1) / kQuantBlock;
+  j.q = FlatBuffer::uninitialized(be, DType::kU8, c);
+  j.scales = FlatBuffer::uninitialized(be, DType::kF32, blocks);
+  j.q_all = FlatBuffer::uninitialized(be, DType::kU8, c * nodes_);
+  j.scales_all = FlatBuffer::uninitialized(be, DType::kF32, blocks * nodes_);
+  be.quantize_int8(j.q.view(), j.scales.view(), j.chunk);
+  j.work.push_back(across_->all_gather(j.q_all.view(), j.q.view()));
+  j.work.push_back(across_->all_gather(j.scales_all.view(), j.scales.view()));
+  if (nodes_ > 1) network_bytes_ += static_cast<int64_t>(j.q.bytes() + j.scales.bytes());
+}
+
+void HierarchicalAllReduce::sum_quantized(Job& j) {
+  Backend& be = *quantize_;
+  const int64_t c = j.chunk.numel(), blocks = j.scales.numel();
+  be.fill_zero(j.chunk);
+  for (int n = 0; n < nodes_; ++n)  // node order: every rank the same sum
+    be.dequantize_add_int8(j.chunk, j.q_all.slice(n * c, c),
+                           j.scales_all.slice(n * blocks, blocks));
+  j.q = FlatBuffer();
+  j.scales = FlatBuffer();
+  j.q_all = FlatBuffer();
+  j.scales_all = FlatBuffer();
 }
 
 void HierarchicalAllReduce::progress() {

@@ -7,6 +7,12 @@
 //   3. all-gather within the node: every rank holds the sum of every chunk.
 // Elements past the last multiple of k (fewer than k) are all-reduced over the world.
 //
+// Quantized (ZeRO++'s qgZ, arXiv 2306.10209 §3.3, `zero_quantized_gradients`): step 2 sends the
+// chunk as int8 with one fp32 scale per kQuantBlock elements (Backend::quantize_int8) — all-gathers
+// of every node's int8 chunk and scales — and each rank sums the nodes' dequantized chunks in node
+// order, so every rank gets the same sum, from about a quarter (fp32) or half (bf16) of the bytes
+// across nodes. The error per element is at most half a quantization step of each node's block.
+//
 // Issue order. Collectives must be issued in the same order on every rank of a communicator.
 // start() issues step 1 (and the remainder) where the caller is — a backward hook, the same point
 // on every rank — but steps 2 and 3 are issued later, when step 1 (2) of that reduction is seen to
@@ -19,6 +25,7 @@
 #include <deque>
 #include <memory>
 
+#include "backend/backend.h"
 #include "comm/communicator.h"
 
 namespace shardtrain {
@@ -35,8 +42,9 @@ struct NodeGroups {
 class HierarchicalAllReduce {
  public:
   /// Splits `world` (collective: every rank at the same point) into its node's group (twice: the
-  /// reduce-scatter and the all-gather each get their own) and its cross-node group.
-  HierarchicalAllReduce(Communicator& world, int ranks_per_node);
+  /// reduce-scatter and the all-gather each get their own) and its cross-node group. `quantize`:
+  /// the backend of the buffers, to send step 2 as int8 (null: in the buffers' dtype).
+  HierarchicalAllReduce(Communicator& world, int ranks_per_node, Backend* quantize = nullptr);
   HierarchicalAllReduce(const HierarchicalAllReduce&) = delete;
   HierarchicalAllReduce& operator=(const HierarchicalAllReduce&) = delete;
   ~HierarchicalAllReduce();
@@ -62,8 +70,13 @@ class HierarchicalAllReduce {
   bool advance(Job& j, bool block);
   /// Drives every job up to and including `j` to completion.
   void finish(Job& j);
+  /// Quantized step 2: quantizes j's chunk and all-gathers every node's int8 chunk and scales.
+  void issue_quantized(Job& j);
+  /// After those: j's chunk = Σ over nodes, in node order, of the dequantized chunks.
+  void sum_quantized(Job& j);
 
   Communicator& world_;
+  Backend* quantize_ = nullptr;
   int k_ = 1, nodes_ = 1, local_ = 0;
   std::unique_ptr<Communicator> node_scatter_, across_, node_gather_;
   std::deque<std::shared_ptr<Job>>

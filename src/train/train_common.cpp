@@ -151,6 +151,7 @@ nlohmann::json config_snapshot(const TrainConfig& c) {
   return {{"model", c.model},
           {"strategy", to_string(c.strategy)},
           {"hierarchical_all_reduce", c.hierarchical_all_reduce},
+          {"quantized_gradients", c.zero.quantized_gradients},
           {"ranks_per_node", c.ranks_per_node},
           {"plan",
            {{"zero_stage", c.plan.zero_stage},

@@ -39,6 +39,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -78,6 +79,16 @@ std::vector<int32_t> sample_tokens(int64_t s) {
   return out;
 }
 
+/// A learnable sample: a random start, then t[i + 1] = (7·t[i] + 3) mod 97 (a bigram the model
+/// can learn, so that the loss falls far below the uniform entropy ln 97).
+std::vector<int32_t> pattern_tokens(int64_t s) {
+  st::SplitMix64 rng{0x7a77e700u + static_cast<uint64_t>(s)};
+  std::vector<int32_t> out(kT + 1);
+  out[0] = static_cast<int32_t>(rng.next() % 97);
+  for (size_t i = 1; i < out.size(); ++i) out[i] = (7 * out[i - 1] + 3) % 97;
+  return out;
+}
+
 constexpr double kLr = 6e-4;  ///< TrainConfig's default
 double learning_rate(int64_t step) { return kLr * (1.0 - 0.05 * static_cast<double>(step)); }
 
@@ -109,8 +120,8 @@ struct Trainee {
   }
 
   /// Optimizer steps [first, first + count) with the global batches of those steps, through the
-  /// trainer's TrainStep.
-  void train(int64_t first, int64_t count) {
+  /// trainer's TrainStep; at learning_rate(step), or at `fixed_lr` when given.
+  void train(int64_t first, int64_t count, std::optional<double> fixed_lr = std::nullopt) {
     const int W = comm.world_size(), r = comm.rank();
     const int64_t B = kMicroSamples / W;
     std::vector<int32_t> tokens(static_cast<size_t>(B * kT)), targets(tokens.size());
@@ -119,13 +130,14 @@ struct Trainee {
     for (int64_t step = first; step < first + count; ++step) {
       const st::MicroBatchSource batch = [&](int64_t k) {
         for (int64_t i = 0; i < B; ++i) {
-          const auto s = sample_tokens(step * kGlobal + k * kMicroSamples + r * B + i);
+          const auto s = data(step * kGlobal + k * kMicroSamples + r * B + i);
           std::copy(s.begin(), s.end() - 1, tokens.begin() + i * kT);
           std::copy(s.begin() + 1, s.end(), targets.begin() + i * kT);
         }
         return st::MicroBatch{tokens.data(), targets.data(), B, kT};
       };
-      const st::StepResult res = train_step.run(step, learning_rate(step), batch);
+      const st::StepResult res =
+          train_step.run(step, fixed_lr.value_or(learning_rate(step)), batch);
       norms.push_back(res.grad_norm);
       losses.push_back(res.loss);
     }
@@ -150,6 +162,8 @@ struct Trainee {
   std::unique_ptr<st::Strategy> strategy;
   std::vector<double> norms;
   std::vector<double> losses;  ///< per step, mean over the global batch (TrainStep)
+  /// The samples trained on (sample_tokens: uniform random tokens).
+  std::vector<int32_t> (*data)(int64_t) = sample_tokens;
 };
 
 struct Diff {
@@ -341,6 +355,42 @@ st::StrategyOptions zero3_options(int64_t persistence, int64_t prefetch, int64_t
   o.prefetch_bucket_size = prefetch;
   o.max_reuse_distance = reuse;
   return o;
+}
+
+// The hierarchical all-reduce's cross-node step in int8 with per-block scales (ZeRO++'s qgZ): on
+// 4 ranks as 2 nodes × 2 (2 ranks: 2 × 1), 500 steps of a learnable pattern at a constant
+// learning rate (the loss falls from ~4.6 to ~0.2), the mean loss of the last 50 steps within 1%
+// of the unquantized run's (measured: 0.06%) — and not equal to it (the quantization acts).
+TEST_F(ZeroEquivalence, QuantizedCrossNodeGradientsKeepTheLossCurve) {
+  if (world() < 2) GTEST_SKIP() << "needs 2 nodes";
+  const Reference& ref = reference();
+  const int k = world() / 2;
+  constexpr int64_t kLongSteps = 500;
+  std::vector<double> last;
+  for (const bool quantized : {false, true}) {
+    st::StrategyOptions o = st::strategy_options(config(st::StrategyKind::kDataParallel, 10'001));
+    o.reduce_bucket_size_set = true;
+    o.hierarchical_ranks_per_node = k;
+    o.quantized_gradients = quantized;
+    Trainee run(o, *comm, ref.init);
+    run.data = pattern_tokens;
+    run.train(0, kLongSteps, kLr);
+    EXPECT_LT(run.losses.back(), 0.5 * run.losses.front()) << "the model learned the pattern";
+    double sum = 0;
+    for (int64_t s = kLongSteps - 50; s < kLongSteps; ++s)
+      sum += run.losses[static_cast<size_t>(s)];
+    last.push_back(sum / 50);
+    if (quantized) {
+      EXPECT_GT(run.strategy->cross_node_bytes_last_step(), 0);
+    }
+  }
+  if (rank() == 0)
+    std::printf(
+        "  2 nodes × %d ranks, 500 steps: mean loss of the last 50 %.5f (fp32 across nodes) vs "
+        "%.5f (int8 across nodes), %+.3f%%\n",
+        k, last[0], last[1], 100.0 * (last[1] - last[0]) / last[0]);
+  EXPECT_LE(std::fabs(last[1] - last[0]) / last[0], 0.01);
+  EXPECT_NE(last[1], last[0]);
 }
 
 // zero3 with hybrid sharding (zero_hpz_partition_size, HSDP): sharded within groups of 2 ranks,

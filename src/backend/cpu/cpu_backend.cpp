@@ -618,6 +618,37 @@ class CpuBackend final : public Backend {
     const float* p = x.f32();
     return ordered_sum(x.numel(), [p](int64_t i) { return static_cast<double>(p[i]); });
   }
+  void quantize_int8(Tensor q, Tensor scales, Tensor x) override {
+    ST_ASSERT(x.dtype == DType::kF32 && q.dtype == DType::kU8 && scales.dtype == DType::kF32);
+    const int64_t n = x.numel(), blocks = (n + kQuantBlock - 1) / kQuantBlock;
+    ST_ASSERT(q.numel() == n && scales.numel() == blocks);
+    const float* in = x.f32();
+    auto* out = static_cast<int8_t*>(q.data);
+    float* sc = scales.f32();
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t lo = b * kQuantBlock, hi = std::min(n, lo + kQuantBlock);
+      float amax = 0;
+      for (int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(in[i]));
+      const float s = amax / 127.0f;
+      sc[b] = s;
+      for (int64_t i = lo; i < hi; ++i)
+        out[i] = static_cast<int8_t>(s > 0 ? std::clamp(std::nearbyint(in[i] / s), -127.0f, 127.0f)
+                                           : 0.0f);
+    }
+  }
+
+  void dequantize_add_int8(Tensor out, Tensor q, Tensor scales) override {
+    ST_ASSERT(out.dtype == DType::kF32 && q.dtype == DType::kU8 && scales.dtype == DType::kF32);
+    const int64_t n = out.numel();
+    ST_ASSERT(q.numel() == n && scales.numel() == (n + kQuantBlock - 1) / kQuantBlock);
+    float* o = out.f32();
+    const auto* in = static_cast<const int8_t*>(q.data);
+    const float* sc = scales.f32();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) o[i] += static_cast<float>(in[i]) * sc[i / kQuantBlock];
+  }
+
   void scale(Tensor x, float s) override {
     float* p = x.f32();
     const int64_t n = x.numel();

@@ -1447,6 +1447,22 @@ class CudaBackend final : public Backend {
   double sum_squares(Tensor x) override { return reduce(x, true); }
   double sum(Tensor x) override { return reduce(x, false); }
 
+  void quantize_int8(Tensor q, Tensor scales, Tensor x) override {
+    require_float("quantize_int8", "x", x);
+    require_dtype("quantize_int8", "q", q, DType::kU8);
+    require_dtype("quantize_int8", "scales", scales, DType::kF32);
+    activate();
+    cuda::quantize_int8(ctx_, q, scales, x);
+  }
+
+  void dequantize_add_int8(Tensor out, Tensor q, Tensor scales) override {
+    require_float("dequantize_add_int8", "out", out);
+    require_dtype("dequantize_add_int8", "q", q, DType::kU8);
+    require_dtype("dequantize_add_int8", "scales", scales, DType::kF32);
+    activate();
+    cuda::dequantize_add_int8(ctx_, out, q, scales);
+  }
+
   void scale(Tensor x, float s) override {
     require_float("scale", "x", x);
     const int64_t n = x.numel();

@@ -15,8 +15,8 @@ namespace shardtrain::cuda {
 void matmul_forward(const CudaContext& ctx, Tensor out, Tensor inp, Tensor weight, Tensor bias,
                     Epilogue epilogue, Tensor pre_gelu);
 
-void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor dbias,
-                     Tensor dout, Tensor inp, Tensor weight, Tensor dinp_gelu_input);
+void matmul_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                     Tensor inp, Tensor weight, Tensor dinp_gelu_input);
 
 /// saved.probs [B,NH,T,T] in the compute dtype (this implementation materializes the causal
 /// softmax probabilities; a flash-attention kernel would save saved.lse instead).
@@ -42,5 +42,10 @@ void flash_attention_forward(const CudaContext& ctx, Tensor out, Tensor lse, Ten
 /// qkv, out and lse; dqkv must not overlap qkv, dout or out. Deterministic (no atomics).
 void flash_attention_backward(const CudaContext& ctx, Tensor dqkv, Tensor dout, Tensor qkv,
                               Tensor out, Tensor lse, int num_heads, const Dropout& dropout);
+
+/// Backend::quantize_int8 / dequantize_add_int8 (cuda_quantize.cu): one thread block per
+/// kQuantBlock elements.
+void quantize_int8(const CudaContext& ctx, Tensor q, Tensor scales, Tensor x);
+void dequantize_add_int8(const CudaContext& ctx, Tensor out, Tensor q, Tensor scales);
 
 }  // namespace shardtrain::cuda
