@@ -121,13 +121,14 @@ nodes (bench/multi_gpu_nodes.py): N = --nodes (default 2) emulated nodes of G = 
   across the same nodes (DDP, FSDP2, FSDP2 resharding after forward; torch_dist_worker.py as in
   lm); and as --node-variants chooses (default all): dp --hierarchical-all-reduce (reduce-scatter
   within the node, all-reduce of each GPU's 1/G across the nodes, all-gather within the node),
+  the same with --quantized-gradients (that 1/G crosses as int8 with a scale per 256 elements),
   each strategy with --gradient-accumulation-steps --node-accum (default 4; PyTorch not run so),
   each strategy by one launcher on N·G GPUs of one node (flat). Steps and warmup as lm (with
   accumulation: warmup 5 and 1/A of the timed steps, at least 5). Per row: tokens/s per GPU (as
   lm), step ms (wall time per optimizer step), st ÷ pt, st ÷ flat; the bytes that must cross the
   nodes per GPU and optimizer step, counted as nccl-tests counts bus bytes, S = Ψ × 2 (bf16; Ψ from
   the log banner), n = N·G: dp an all-reduce, 2(n−1)/n·S; hierarchical only its cross-node
-  all-reduce, 2(N−1)/N·S/G; zero1 a reduce-scatter and an all-gather, (n−1)/n·S each; zero2 the
+  all-reduce, 2(N−1)/N·S/G (int8: an all-gather of (N−1)·Ψ/G·(1 + 4/256)); zero1 a reduce-scatter and an all-gather, (n−1)/n·S each; zero2 the
   reduce-scatter in every micro-batch's backward, the all-gather once per step; zero3 two
   all-gathers and a reduce-scatter every micro-batch (so with accumulation A, dp's gradients
   cross once per A micro-batches). comm ms = those bytes ÷ the measured cross-node busbw of each

@@ -4,8 +4,8 @@ with its G GPUs in CUDA_VISIBLE_DEVICES and NCCL_HOSTID=node<n>, so that NCCL tr
 hosts (its network transport between them, NVLink within one). First the cross-node link (NCCL
 bus bandwidth through PyTorch, bench/torch_bus_worker.py over the same N × G layout, and within
 one node when G > 1); then, per model and micro-batch, the 1-GPU dp step (the compute time), every
---pairs strategy across the nodes against its PyTorch match, dp with --hierarchical-all-reduce,
-each strategy with gradient accumulation, and each on N·G GPUs of one node (flat), with the lower
+--pairs strategy across the nodes against its PyTorch match, dp with --hierarchical-all-reduce
+(and with --quantized-gradients too), each strategy with gradient accumulation, and each on N·G GPUs of one node (flat), with the lower
 bound of the step from the bytes that must cross the nodes at the measured bus bandwidth. See
 bench_multi_gpu.py's docstring for what each number means."""
 import json
@@ -23,7 +23,7 @@ from multi_gpu_common import (COMM_TIMEOUT, RESULT_TAG, WORKER, describe, fmt, f
                               report_problem, run_cell, torch_runs)
 
 DEFAULT_PAIRS = "dp,zero2,zero3"
-VARIANTS = ("hierarchical", "accum", "flat")
+VARIANTS = ("hierarchical", "quantized", "accum", "flat")
 # seconds per job, others 150, × 1.5 with accumulation (--cell-timeout overrides them all)
 CELL_TIMEOUT = {"gpt2-xl": 240}
 LINK_TIMEOUT = 180  # seconds per bus bandwidth job
@@ -44,9 +44,10 @@ def add_arguments(ap):
                    help="G: GPUs of each node (default: the visible GPUs ÷ N; smoke: --gpus ÷ N)")
     g.add_argument("--node-variants", default=",".join(VARIANTS),
                    help="shardtrain rows besides each --pairs strategy across the nodes, comma "
-                        "list: hierarchical (dp --hierarchical-all-reduce), accum (every strategy "
-                        "with --node-accum), flat (every strategy on N·G GPUs of one node); "
-                        "default all three, `none` for none")
+                        "list: hierarchical (dp --hierarchical-all-reduce), quantized (the same "
+                        "with --quantized-gradients), accum (every strategy with --node-accum), "
+                        "flat (every strategy on N·G GPUs of one node); default all four, `none` "
+                        "for none")
     g.add_argument("--node-accum", type=int, default=4,
                    help="micro-batches per optimizer step of the accum rows (default 4)")
 
@@ -258,6 +259,8 @@ def train_args(a, cell, model, batch, steps, out):
         cmd += ["--gradient-accumulation-steps", str(cell["accum"])]
     if cell["hier"]:
         cmd.append("--hierarchical-all-reduce")
+    if cell.get("quant"):
+        cmd.append("--quantized-gradients")
     if not a.no_breakdown:
         cmd.append("--wall-clock-breakdown")
     return cmd
@@ -333,13 +336,14 @@ def cells(a):
     N, G = a.nodes, a.gpus_per_node
     n = N * G
 
-    def cell(layout, strategy, hier=False, accum=1):
+    def cell(layout, strategy, hier=False, accum=1, quant=False):
         gpus = 1 if layout == "1gpu" else n
-        label = strategy + (" hierarchical" if hier else "") + \
+        label = strategy + (" hierarchical" if hier else "") + (" int8" if quant else "") + \
             (f" accum {accum}" if accum > 1 else "")
         name = label.replace(" ", "_") + {"1gpu": "_1gpu", "flat": f"_flat{n}",
                                           "nodes": f"_{N}x{G}"}[layout]
-        return {"layout": layout, "strategy": strategy, "hier": hier, "accum": accum,
+        return {"layout": layout, "strategy": strategy, "hier": hier, "quant": quant,
+                "accum": accum,
                 "gpus": gpus, "label": label, "name": name}
 
     out = [(cell("1gpu", "dp"), None)]
@@ -347,6 +351,8 @@ def cells(a):
         out.append((cell("nodes", ours), theirs))
         if ours == "dp" and "hierarchical" in a.variants:
             out.append((cell("nodes", "dp", hier=True), None))
+        if ours == "dp" and "quantized" in a.variants:
+            out.append((cell("nodes", "dp", hier=True, quant=True), None))
         if "accum" in a.variants and a.node_accum > 1:
             out.append((cell("nodes", ours, accum=a.node_accum), None))
         if "flat" in a.variants:
@@ -356,16 +362,20 @@ def cells(a):
 
 # --- the bound ------------------------------------------------------------------------------------
 
-def crossing(strategy, params, elem, N, G, hier, accum):
+def crossing(strategy, params, elem, N, G, hier, accum, quant=False):
     """The collectives of one optimizer step (A = accum micro-batches) whose bytes cross the
     nodes, per GPU, as nccl-tests counts bus bytes (S = Ψ × elem, n = N·G ranks): [(collective,
     calls per step, bus bytes per GPU per call)]. dp: one all-reduce, 2(n−1)/n·S (hierarchical:
     only its cross-node step crosses, 2(N−1)/N·S/G); zero1: reduce-scatter + all-gather,
     (n−1)/n·S each; zero2: the reduce-scatter in every micro-batch's backward, the all-gather once;
-    zero3: all-gather in forward and in backward and reduce-scatter, every micro-batch."""
+    zero3: all-gather in forward and in backward and reduce-scatter, every micro-batch. Quantized
+    (dp hierarchical --quantized-gradients): every node's int8 slice and its fp32 scales (one per
+    256 elements) gathered across the nodes, (N−1)/N of N·Ψ/G·(1 + 4/256) bytes."""
     S, n = params * elem, N * G
     f = (n - 1) / n
     if strategy == "dp":
+        if hier and quant:
+            return [("all_gather", 1, (N - 1) * params / G * (1 + 4 / 256))]
         if hier:
             return [("all_reduce", 1, 2 * (N - 1) / N * S / G)]
         return [("all_reduce", 1, 2 * f * S)]
@@ -397,7 +407,8 @@ def add_bounds(res):
         if params:
             elem = lm_suite.DTYPE_BYTES.get(o.get("precision") or one.get("precision"), 2)
             items = crossing(r["strategy"], params, elem, 1 if r["layout"] == "flat" else N,
-                             N * G if r["layout"] == "flat" else G, r["hier"], A)
+                             N * G if r["layout"] == "flat" else G, r["hier"], A,
+                             r.get("quant", False))
             ms = [k * b / ((bw or {}).get(op) or math.nan) / 1e6 for op, k, b in items]
             r["comm"] = {"params": params, "elem_bytes": elem,
                          "collectives": [{"op": op, "calls": k, "bus_bytes": b}
@@ -498,7 +509,8 @@ def run(a, budget, env, save=None, flat_busbw=None, flat_source=None):
                     1.5 if cell["accum"] > 1 else 1)
                 row = {"key": f"{model}/mb{batch}/{cell['name']}", "model": model,
                        "batch": batch, **{k: cell[k] for k in ("layout", "strategy", "hier",
-                                                                 "accum", "gpus", "label")},
+                                                                 "quant", "accum", "gpus",
+                                                                 "label")},
                        "torch": theirs, "steps": steps, "warmup": warmup}
                 if a.smoke and cell["layout"] == "flat":
                     row["ours"] = {"skipped": "smoke: the node cells already ran as one launch"}
