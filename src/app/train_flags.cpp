@@ -398,9 +398,10 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->type_name("N")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd.add_flag("--quantized-gradients", cfg.zero.quantized_gradients,
-               "with --hierarchical-all-reduce: the gradients cross nodes as int8 with one scale "
-               "per 256 elements (DeepSpeed ZeRO++'s zero_quantized_gradients, qgZ), a quarter "
-               "(fp32) or half (bf16) of the bytes (default: off)");
+               "with --hierarchical-all-reduce (dp) or --zero-hpz-partition-size (zero3): the "
+               "gradients cross nodes as int8 with one scale per 256 elements (DeepSpeed ZeRO++'s "
+               "zero_quantized_gradients, qgZ), a quarter (fp32) or half (bf16) of the bytes "
+               "(default: off)");
   cmd.add_flag("--hierarchical-all-reduce", cfg.hierarchical_all_reduce,
                "dp across nodes: sum each gradient bucket within the node (reduce-scatter), "
                "across nodes 1/k of it per rank (all-reduce; k = ranks per node), then gather it "

@@ -1470,10 +1470,11 @@ void check_strategy(const TrainConfig& c) {
                                                         c.zero.offload_optimizer_device == "none"),
                      "zero_hpz_partition_size {} does not run with offload_optimizer: drop one",
                      c.zero.hpz_partition_size);
-  check<ConfigError>(!c.zero.quantized_gradients || c.hierarchical_all_reduce,
-                     "zero_quantized_gradients (--quantized-gradients) quantizes the cross-node "
-                     "step of --hierarchical-all-reduce (dp): add that flag (zero3's hybrid "
-                     "sharding sends its cross-node gradients unquantized in this release)");
+  check<ConfigError>(
+      !c.zero.quantized_gradients || c.hierarchical_all_reduce || c.zero.hpz_partition_size > 1,
+      "zero_quantized_gradients (--quantized-gradients) quantizes the gradients that cross "
+      "nodes: of dp's --hierarchical-all-reduce or of zero3's hybrid sharding "
+      "(--zero-hpz-partition-size); add one of them");
   check<ConfigError>(!c.hierarchical_all_reduce || c.strategy == StrategyKind::kDataParallel,
                      "--hierarchical-all-reduce applies to --strategy dp (ddp for image models), "
                      "not to {}: drop it or switch strategies",

@@ -73,8 +73,9 @@ struct ZeroConfig {
   /// ZeRO-3's parameters, gradients and optimizer state within groups of this many consecutive
   /// ranks (a node) and replicates them across the groups; 1 = shard over every rank.
   int64_t hpz_partition_size = 1;
-  /// zero_quantized_gradients (ZeRO++'s qgZ): the cross-node step of dp's hierarchical
-  /// all-reduce sends int8 with per-block scales (parallel/hierarchical_all_reduce.h).
+  /// zero_quantized_gradients (ZeRO++'s qgZ): the gradients that cross nodes — dp's
+  /// hierarchical all-reduce, zero3's hybrid sharding — go as int8 with per-block scales
+  /// (parallel/hierarchical_all_reduce.h).
   bool quantized_gradients = false;
   /// Checkpoints also carry a consolidated 16-bit model.safetensors (rank 0 streams it).
   /// (Deprecated spelling: stage3_gather_fp16_weights_on_model_save.)

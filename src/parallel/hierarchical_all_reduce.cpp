@@ -49,9 +49,14 @@ class HierarchicalAllReduce::JobWork final : public Work {
 };
 
 HierarchicalAllReduce::HierarchicalAllReduce(Communicator& world, int ranks_per_node,
-                                             Backend* quantize)
+                                             Backend* quantize, const std::vector<int>& members)
     : world_(world), quantize_(quantize) {
-  const NodeGroups g = NodeGroups::of(world.world_size(), world.rank(), ranks_per_node);
+  NodeGroups g = NodeGroups::of(world.world_size(), world.rank(), ranks_per_node);
+  if (!members.empty()) {
+    ST_ASSERT(static_cast<int>(members.size()) == world.world_size());
+    for (std::vector<int>* v : {&g.node, &g.across})
+      for (int& r : *v) r = members[static_cast<size_t>(r)];
+  }
   k_ = ranks_per_node;
   nodes_ = world.world_size() / k_;
   local_ = world.rank() % k_;

@@ -24,6 +24,7 @@
 
 #include <deque>
 #include <memory>
+#include <vector>
 
 #include "backend/backend.h"
 #include "comm/communicator.h"
@@ -44,7 +45,10 @@ class HierarchicalAllReduce {
   /// Splits `world` (collective: every rank at the same point) into its node's group (twice: the
   /// reduce-scatter and the all-gather each get their own) and its cross-node group. `quantize`:
   /// the backend of the buffers, to send step 2 as int8 (null: in the buffers' dtype).
-  HierarchicalAllReduce(Communicator& world, int ranks_per_node, Backend* quantize = nullptr);
+  /// `members`: the job's rank numbers of `world`'s ranks, in order, when `world` is a group
+  /// split from the job's (split() names global ranks); empty: `world` is the job's.
+  HierarchicalAllReduce(Communicator& world, int ranks_per_node, Backend* quantize = nullptr,
+                        const std::vector<int>& members = {});
   HierarchicalAllReduce(const HierarchicalAllReduce&) = delete;
   HierarchicalAllReduce& operator=(const HierarchicalAllReduce&) = delete;
   ~HierarchicalAllReduce();

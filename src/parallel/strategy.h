@@ -51,7 +51,8 @@ struct StrategyOptions {
   /// dp across nodes: > 0 sums gradients hierarchically over nodes of this many consecutive
   /// ranks (parallel/hierarchical_all_reduce.h); 0: one all-reduce over all ranks.
   int hierarchical_ranks_per_node = 0;
-  /// With it: the cross-node step in int8 with per-block scales (ZeRO++'s qgZ).
+  /// The gradients that cross nodes (hierarchical all-reduce, zero3 hybrid sharding) in int8
+  /// with per-block scales (ZeRO++'s qgZ).
   bool quantized_gradients = false;
   /// NVMe offload: the directory of the swap files and DeepSpeed's aio settings.
   std::string nvme_path;

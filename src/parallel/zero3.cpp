@@ -53,6 +53,9 @@ namespace {
 /// place in the other groups, over which the gradient shards are summed.
 struct HybridGroups {
   std::unique_ptr<Communicator> shard, replica;
+  /// zero_quantized_gradients: the cross-group sums in int8 (a hierarchical all-reduce over the
+  /// replica group with one rank per "node": its quantized cross-node step alone).
+  std::unique_ptr<HierarchicalAllReduce> quantized;
 };
 
 class Zero3 final : public ZeroStrategy {
@@ -66,6 +69,7 @@ class Zero3 final : public ZeroStrategy {
 
   void zero_grad() override {
     drain_reductions();
+    if (hybrid_ && hybrid_->quantized) network_at_step_start_ = hybrid_->quantized->network_bytes();
     gathered_bytes_ = 0;
     backend_.fill_zero(grad_shard_.view());
   }
@@ -101,8 +105,9 @@ class Zero3 final : public ZeroStrategy {
 
   size_t peak_transient_bytes() const override { return peak_transient_bytes_; }
   int64_t cross_node_bytes_last_step() const override {
-    return hybrid_ && hybrid_->replica->world_size() > 1 ? static_cast<int64_t>(grad_shard_.bytes())
-                                                         : 0;
+    if (!hybrid_ || hybrid_->replica->world_size() == 1) return 0;
+    if (hybrid_->quantized) return hybrid_->quantized->network_bytes() - network_at_step_start_;
+    return static_cast<int64_t>(grad_shard_.bytes());
   }
 
   double grad_norm(double scale) override {
@@ -362,7 +367,10 @@ class Zero3 final : public ZeroStrategy {
     // Hybrid sharding: the unit's shard holds the group's sum of the whole step; add the other
     // groups' while backward goes on (in unit order, the same on every rank of the group).
     if (hybrid_ && r.last_micro)
-      replica_reductions_.push_back(hybrid_->replica->all_reduce(dst, ReduceOp::kSum));
+      replica_reductions_.push_back(hybrid_->quantized
+                                        ? hybrid_->quantized->start(dst)
+                                        : hybrid_->replica->all_reduce(dst, ReduceOp::kSum));
+    if (hybrid_ && hybrid_->quantized) hybrid_->quantized->progress();
     Unit& x = unit(r.layer);
     grad_numel_ -= x.grad.numel();
     x.grad = ArenaBuffer();
@@ -396,7 +404,8 @@ class Zero3 final : public ZeroStrategy {
   std::deque<Reduction> reductions_;
   std::shared_ptr<HybridGroups> hybrid_;  ///< hybrid sharding's groups (null: over every rank)
   std::vector<std::unique_ptr<Work>> replica_reductions_;  ///< hybrid: across groups, in flight
-  bool last_micro_ = true;  ///< the micro-step under way is the step's last
+  bool last_micro_ = true;             ///< the micro-step under way is the step's last
+  int64_t network_at_step_start_ = 0;  ///< hybrid_->quantized->network_bytes() at zero_grad
 };
 
 }  // namespace
@@ -421,6 +430,9 @@ std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options, Ba
     hybrid = std::make_shared<HybridGroups>();
     hybrid->shard = comm.split(groups.node);
     hybrid->replica = comm.split(groups.across);
+    if (options.quantized_gradients)
+      hybrid->quantized =
+          std::make_unique<HierarchicalAllReduce>(*hybrid->replica, 1, &backend, groups.across);
   } else {
     check<ConfigError>(g <= comm.world_size(),
                        "zero_hpz_partition_size {} exceeds the {} ranks of the job", g,
