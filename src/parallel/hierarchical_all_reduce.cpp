@@ -60,9 +60,11 @@ HierarchicalAllReduce::HierarchicalAllReduce(Communicator& world, int ranks_per_
   k_ = ranks_per_node;
   nodes_ = world.world_size() / k_;
   local_ = world.rank() % k_;
-  node_scatter_ = world.split(g.node);
+  // One rank per node (the cross-group sums of zero3's hybrid sharding, or nodes of one GPU):
+  // steps 1 and 3 are nothing to do, and their groups are not made.
+  if (k_ > 1) node_scatter_ = world.split(g.node);
   across_ = world.split(g.across);
-  node_gather_ = world.split(g.node);
+  if (k_ > 1) node_gather_ = world.split(g.node);
 }
 
 HierarchicalAllReduce::~HierarchicalAllReduce() = default;
@@ -76,7 +78,8 @@ std::unique_ptr<Work> HierarchicalAllReduce::start(Tensor t) {
   } else {
     job->main = t.slice1d(0, c * k_);
     job->chunk = job->main.slice1d(local_ * c, c);
-    job->work.push_back(node_scatter_->reduce_scatter(job->chunk, job->main, ReduceOp::kSum));
+    if (node_scatter_)
+      job->work.push_back(node_scatter_->reduce_scatter(job->chunk, job->main, ReduceOp::kSum));
     job->step = 1;
   }
   jobs_.push_back(job);
@@ -104,7 +107,8 @@ bool HierarchicalAllReduce::advance(Job& j, bool block) {
       break;
     case 2:
       if (quantize_) sum_quantized(j);
-      j.work.push_back(node_gather_->all_gather(j.main, j.chunk));  // in place: this rank's slot
+      if (node_gather_)  // in place: chunk is this rank's slot of main
+        j.work.push_back(node_gather_->all_gather(j.main, j.chunk));
       break;
     default:
       break;

@@ -82,6 +82,7 @@ class HierarchicalAllReduce {
   Communicator& world_;
   Backend* quantize_ = nullptr;
   int k_ = 1, nodes_ = 1, local_ = 0;
+  /// Steps 1, 2, 3's groups (node_scatter_ and node_gather_ null with one rank per node).
   std::unique_ptr<Communicator> node_scatter_, across_, node_gather_;
   std::deque<std::shared_ptr<Job>>
       jobs_;  ///< in start() order; finished ones popped from the front
