@@ -131,6 +131,7 @@ class ThreadComm : public Communicator {
   std::unique_ptr<Work> all_reduce(Tensor, ReduceOp) override { unused(); }
   std::unique_ptr<Work> reduce_scatter(Tensor, Tensor, ReduceOp) override { unused(); }
   std::unique_ptr<Work> all_gather(Tensor, Tensor) override { unused(); }
+  std::unique_ptr<Work> all_to_all(Tensor, Tensor) override { unused(); }
   std::unique_ptr<Work> broadcast(Tensor, int) override { unused(); }
   std::unique_ptr<Work> send(Tensor, int) override { unused(); }
   std::unique_ptr<Work> recv(Tensor, int) override { unused(); }

@@ -229,12 +229,15 @@ TEST_F(ConfigTest, StrategyAndZeroStageFlagsMustAgree) {
   EXPECT_CONTAINS(msg, "--strategy zero2 and --zero-stage 1 contradict");
 }
 
-TEST_F(ConfigTest, HierarchicalAllReduceIsForDataParallelism) {
-  EXPECT_TRUE(finalize({"--strategy", "dp", "--hierarchical-all-reduce"}).hierarchical_all_reduce);
+TEST_F(ConfigTest, HierarchicalAllReduceIsForDataParallelismAndZeroOneAndTwo) {
+  for (const char* s : {"dp", "zero1", "zero2"})
+    EXPECT_TRUE(finalize({"--strategy", s, "--hierarchical-all-reduce"}).hierarchical_all_reduce)
+        << s;
   const std::string msg = config_error([&] {
-    finalize({"--strategy", "zero2", "--hierarchical-all-reduce"});
+    finalize({"--strategy", "zero3", "--hierarchical-all-reduce"});
   });
-  EXPECT_CONTAINS(msg, "--hierarchical-all-reduce applies to --strategy dp");
+  EXPECT_CONTAINS(msg, "--hierarchical-all-reduce applies to the gradient reductions of");
+  EXPECT_CONTAINS(msg, "not to zero3 (zero3 across nodes: --zero-hpz-partition-size");
 }
 
 TEST_F(ConfigTest, HybridShardingIsForZeroThree) {

@@ -398,15 +398,17 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->type_name("N")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd.add_flag("--quantized-gradients", cfg.zero.quantized_gradients,
-               "with --hierarchical-all-reduce (dp) or --zero-hpz-partition-size (zero3): the "
+               "with --hierarchical-all-reduce (dp, zero1, zero2) or --zero-hpz-partition-size "
+               "(zero3): the "
                "gradients cross nodes as int8 with one scale per 256 elements (DeepSpeed ZeRO++'s "
                "zero_quantized_gradients, qgZ), a quarter (fp32) or half (bf16) of the bytes "
                "(default: off)");
   cmd.add_flag("--hierarchical-all-reduce", cfg.hierarchical_all_reduce,
-               "dp across nodes: sum each gradient bucket within the node (reduce-scatter), "
-               "across nodes 1/k of it per rank (all-reduce; k = ranks per node), then gather it "
-               "within the node — each GPU sends 1/k of the gradients over the network (default: "
-               "off, one all-reduce over all ranks)");
+               "dp, zero1 and zero2 across nodes: sum each gradient bucket within the node "
+               "(reduce-scatter), across nodes 1/k of it per rank (k = ranks per node; dp: "
+               "all-reduce then gather within the node, zero1/zero2: reduce-scatter) — each GPU "
+               "sends 1/k of the gradients over the network (default: off, one collective over "
+               "all ranks)");
   cmd.add_flag("--sync-batchnorm", cfg.sync_batchnorm,
                "image models: batch norm's training statistics over all ranks (SyncBatchNorm; "
                "default: each rank's own micro-batch)");

@@ -62,6 +62,10 @@ class Communicator {
   /// `input` [n] from each rank, concatenated in rank order into `output` [world·n].
   virtual std::unique_ptr<Work> all_gather(Tensor output, Tensor input) = 0;
   virtual std::unique_ptr<Work> broadcast(Tensor t, int root) = 0;
+  /// `input` [world·n]: chunk r goes to rank r, which receives it as chunk `rank()` of its
+  /// `output` [world·n] (MPI_Alltoall; grouped sends and receives on NCCL). `output` and `input`
+  /// must not overlap. Throws RuntimeFailure for mismatched sizes or dtypes.
+  virtual std::unique_ptr<Work> all_to_all(Tensor output, Tensor input) = 0;
   virtual std::unique_ptr<Work> send(Tensor t, int peer) = 0;
   virtual std::unique_ptr<Work> recv(Tensor t, int peer) = 0;
   virtual void barrier() = 0;

@@ -28,6 +28,11 @@ class LocalCommunicator final : public Communicator {
     if (output.data != input.data) std::memmove(output.data, input.data, input.bytes());
     return done();
   }
+  std::unique_ptr<Work> all_to_all(Tensor output, Tensor input) override {
+    ST_ASSERT(output.bytes() == input.bytes());
+    std::memmove(output.data, input.data, input.bytes());
+    return done();
+  }
   std::unique_ptr<Work> broadcast(Tensor, int root) override {
     check<ConfigError>(root == 0, "broadcast root {} is outside a group of one rank", root);
     return done();

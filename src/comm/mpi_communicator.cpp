@@ -580,6 +580,24 @@ class MpiCommunicator final : public Communicator {
     return w;
   }
 
+  std::unique_ptr<Work> all_to_all(Tensor output, Tensor input) override {
+    check_cpu(output, "all_to_all");
+    check_cpu(input, "all_to_all");
+    check<RuntimeFailure>(output.dtype == input.dtype && output.numel() == input.numel() &&
+                              input.numel() % st_->size == 0 && !overlaps(output, input),
+                          "all_to_all: input {} {} and output {} {} must be distinct buffers of "
+                          "the same dtype and size, a multiple of the world size {}",
+                          dtype_name(input.dtype), input.numel(), dtype_name(output.dtype),
+                          output.numel(), st_->size);
+    auto w = start_collective("all_to_all");
+    const Tensor chunk = input.slice1d(0, input.numel() / st_->size);
+    const int n = count_of(chunk, "all_to_all");
+    const MPI_Datatype type = mpi_type(input.dtype);
+    mpi_check(MPI_Ialltoall(input.data, n, type, output.data, n, type, st_->comm, w->request()),
+              "MPI_Ialltoall");
+    return w;
+  }
+
   std::unique_ptr<Work> broadcast(Tensor t, int root) override {
     check_cpu(t, "broadcast");
     check<ConfigError>(root >= 0 && root < st_->size, "broadcast: root {} is outside [0, {})", root,

@@ -594,6 +594,32 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  std::unique_ptr<Work> all_to_all(Tensor output, Tensor input) override {
+    check_cuda_tensor(output, "all_to_all");
+    check_cuda_tensor(input, "all_to_all");
+    const int w = st_->size();
+    check<RuntimeFailure>(output.dtype == input.dtype && output.numel() == input.numel() &&
+                              input.numel() % w == 0 && output.data != input.data,
+                          "all_to_all: input {} {} and output {} {} must be distinct buffers of "
+                          "the same dtype and size, a multiple of the world size {}",
+                          dtype_name(input.dtype), input.numel(), dtype_name(output.dtype),
+                          output.numel(), w);
+    const int64_t c = input.numel() / w;
+    const auto [type, n] = nccl_type(input.slice1d(0, c));
+    // NCCL's all-to-all: one send and one receive per peer in a group (its docs, "Point-to-point
+    // communication: all-to-all").
+    return submit("all_to_all", true, -1, [&](cudaStream_t s) {
+      ncclResult_t r = ncclGroupStart();
+      for (int p = 0; p < w && r == ncclSuccess; ++p) {
+        r = ncclSend(input.slice1d(p * c, c).data, n, type, p, st_->comm(), s);
+        if (r == ncclSuccess)
+          r = ncclRecv(output.slice1d(p * c, c).data, n, type, p, st_->comm(), s);
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+  }
+
   std::unique_ptr<Work> broadcast(Tensor t, int root) override {
     check_cuda_tensor(t, "broadcast");
     check<ConfigError>(root >= 0 && root < st_->size(), "broadcast: root {} is outside [0, {})",

@@ -75,7 +75,7 @@ struct ZeroConfig {
   int64_t hpz_partition_size = 1;
   /// zero_quantized_gradients (ZeRO++'s qgZ): the gradients that cross nodes — dp's
   /// hierarchical all-reduce, zero3's hybrid sharding — go as int8 with per-block scales
-  /// (parallel/hierarchical_all_reduce.h).
+  /// (parallel/hierarchical_reduction.h).
   bool quantized_gradients = false;
   /// Checkpoints also carry a consolidated 16-bit model.safetensors (rank 0 streams it).
   /// (Deprecated spelling: stage3_gather_fp16_weights_on_model_save.)
@@ -196,8 +196,9 @@ struct TrainConfig {
   int64_t train_batch_size = 0;  ///< global batch in samples; derived after validate()
   int world_size = 1;            ///< ranks (set by the launcher); pipeline: stages × replicas
   int ranks_per_node = 1;        ///< ranks on each node (the launcher's LOCAL_WORLD_SIZE)
-  /// dp: sum the gradients within each node, across nodes 1/k of them per rank, then gather
-  /// within the node (--hierarchical-all-reduce; parallel/hierarchical_all_reduce.h).
+  /// dp, zero1, zero2: sum the gradients within each node, then across nodes 1/k of them per
+  /// rank (dp: then gather within the node; --hierarchical-all-reduce;
+  /// parallel/hierarchical_reduction.h).
   bool hierarchical_all_reduce = false;
   /// Whether micro_batch_size / gradient_accumulation_steps were given explicitly (flag or
   /// DeepSpeed JSON). validate() derives the ones not given from train_batch_size, as DeepSpeed.

@@ -2,7 +2,7 @@
 // in mixed precision, ZeRO paper §5); gradients are all-reduced in buckets of whole layers,
 // launched from the backward hook of the last micro-step as soon as a bucket's layers are done,
 // so communication overlaps the rest of backward (Li et al., "PyTorch Distributed", VLDB 2020,
-// §3.2.3); across nodes optionally in three steps (parallel/hierarchical_all_reduce.h). GPT-2's
+// §3.2.3); across nodes optionally in three steps (parallel/hierarchical_reduction.h). GPT-2's
 // tied wte is reduced early, after the LM head's backward, and the embedding's part of its gradient
 // exchanged as rows (parallel/tied_embedding_grad.h).
 #include "parallel/data_parallel.h"
@@ -12,7 +12,7 @@
 
 #include "core/error.h"
 #include "parallel/buckets.h"
-#include "parallel/hierarchical_all_reduce.h"
+#include "parallel/hierarchical_reduction.h"
 #include "parallel/registered_buffers.h"
 #include "parallel/tied_embedding_grad.h"
 
@@ -54,8 +54,8 @@ class DataParallel final : public Strategy {
     registered_ = RegisteredBuffers(comm_, backend_, {grads_.view()});
     const int k = opt_.hierarchical_ranks_per_node;
     if (k > 0 && comm_.world_size() > 1)
-      hierarchical_ = std::make_unique<HierarchicalAllReduce>(
-          comm_, k, opt_.quantized_gradients ? &backend_ : nullptr);
+      hierarchical_ =
+          std::make_unique<HierarchicalReduction>(comm_, k, backend_, opt_.quantized_gradients);
   }
 
   void zero_grad() override {
@@ -194,7 +194,7 @@ class DataParallel final : public Strategy {
     }
     if (numel <= 0) return;
     const Tensor g = grads_.slice(offset, numel);
-    pending_.push_back(hierarchical_ ? hierarchical_->start(g)
+    pending_.push_back(hierarchical_ ? hierarchical_->all_reduce(g)
                                      : comm_.all_reduce(g, ReduceOp::kSum));
   }
   /// wte's gradient [V·C] in grads_.
@@ -215,7 +215,7 @@ class DataParallel final : public Strategy {
   /// Buckets all-reduced from after_backward (overlap_comm), or all in finish_gradients.
   bool reduce_in_backward_ = opt_.overlap_comm;
   /// --hierarchical-all-reduce: the buckets' sums within nodes, then across them.
-  std::unique_ptr<HierarchicalAllReduce> hierarchical_;
+  std::unique_ptr<HierarchicalReduction> hierarchical_;
   int64_t network_at_step_start_ = 0;  ///< hierarchical_->network_bytes() at zero_grad
   RegisteredBuffers registered_;       ///< grads_ for the copy-engine all-reduce; destroyed first
 };

@@ -49,7 +49,7 @@ struct StrategyOptions {
   /// (hybrid sharding; ZeroConfig::hpz_partition_size).
   int64_t hpz_partition_size = 1;
   /// dp across nodes: > 0 sums gradients hierarchically over nodes of this many consecutive
-  /// ranks (parallel/hierarchical_all_reduce.h); 0: one all-reduce over all ranks.
+  /// ranks (parallel/hierarchical_reduction.h); 0: one all-reduce over all ranks.
   int hierarchical_ranks_per_node = 0;
   /// The gradients that cross nodes (hierarchical all-reduce, zero3 hybrid sharding) in int8
   /// with per-block scales (ZeRO++'s qgZ).

@@ -38,6 +38,10 @@
 // every tied source's gradients live in a persistent buffer of their own, always bound, zeroed
 // before its first user's backward and reduce-scattered after its own backward.
 //
+// Across nodes (--hierarchical-all-reduce): every reduce-scatter above goes in two steps, within
+// the node and then across nodes with 1/k of the bucket, optionally in int8
+// (parallel/hierarchical_reduction.h); the slices rank r owns are the same.
+//
 // Gradient norm: the sum of squares of the owned reduced gradients, summed over ranks in rank
 // order in double precision (each rank contributes its sum as a pair of floats: all_gather), so
 // every rank gets the same bits. Checkpoints: gather_state() all-gathers master weights, m and v
@@ -66,6 +70,7 @@ class Zero1 final : public ZeroStrategy {
 
   void zero_grad() override {
     gathered_bytes_ = 0;
+    start_cross_node_count();
     backend_.fill_zero(grads_.view());
     readiness_.reset();
   }
@@ -79,6 +84,7 @@ class Zero1 final : public ZeroStrategy {
     if (!last_micro_ || !opt_.overlap_comm) return;
     const int b = readiness_.layer_done(layer);
     if (b >= 0) reduce(static_cast<size_t>(b));
+    progress_reductions();
   }
 
   void finish_gradients() override {
@@ -115,8 +121,8 @@ class Zero1 final : public ZeroStrategy {
   /// Reduce-scatters bucket `b` in place: the rank's own slice receives the sum over ranks.
   void reduce(size_t b) {
     const BucketPartition& p = parts_[b];
-    reductions_.push_back(comm_.reduce_scatter(
-        own_grads(b), grads_.slice(p.padded_offset, p.padded), ReduceOp::kSum));
+    reductions_.push_back(
+        reduce_scatter_gradients(own_grads(b), grads_.slice(p.padded_offset, p.padded)));
   }
 
   Tensor own_grads(size_t i) const {
@@ -145,6 +151,7 @@ class Zero2 final : public ZeroStrategy {
   void zero_grad() override {
     gathered_bytes_ = 0;
     drain_all();
+    start_cross_node_count();
     backend_.fill_zero(shard_.view());
   }
 
@@ -173,6 +180,7 @@ class Zero2 final : public ZeroStrategy {
   }
 
   void after_backward(int layer) override {
+    progress_reductions();
     const int i = part_of(layer);
     const BucketPartition& p = parts_[static_cast<size_t>(i)];
     if (layer != p.bucket.first_layer) return;
@@ -180,9 +188,8 @@ class Zero2 final : public ZeroStrategy {
     const FlatBuffer& buf = buffer(tag);
     Tensor own = buf.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
     // In place: the rank's own slice of the bucket buffer receives the sum over ranks.
-    reductions_.push_back({i, tag, own,
-                           comm_.reduce_scatter(own, buf.slice(0, p.padded), ReduceOp::kSum),
-                           last_micro_});
+    reductions_.push_back(
+        {i, tag, own, reduce_scatter_gradients(own, buf.slice(0, p.padded)), last_micro_});
     if (!opt_.overlap_comm) drain_all();  // no reduction runs behind the rest of backward
   }
 

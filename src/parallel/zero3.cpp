@@ -41,7 +41,7 @@
 
 #include "memory/host_buffer.h"
 #include "parallel/device_arena.h"
-#include "parallel/hierarchical_all_reduce.h"
+#include "parallel/hierarchical_reduction.h"
 #include "parallel/zero3_schedule.h"
 #include "parallel/zero_base.h"
 
@@ -55,7 +55,7 @@ struct HybridGroups {
   std::unique_ptr<Communicator> shard, replica;
   /// zero_quantized_gradients: the cross-group sums in int8 (a hierarchical all-reduce over the
   /// replica group with one rank per "node": its quantized cross-node step alone).
-  std::unique_ptr<HierarchicalAllReduce> quantized;
+  std::unique_ptr<HierarchicalReduction> quantized;
 };
 
 class Zero3 final : public ZeroStrategy {
@@ -368,7 +368,7 @@ class Zero3 final : public ZeroStrategy {
     // groups' while backward goes on (in unit order, the same on every rank of the group).
     if (hybrid_ && r.last_micro)
       replica_reductions_.push_back(hybrid_->quantized
-                                        ? hybrid_->quantized->start(dst)
+                                        ? hybrid_->quantized->all_reduce(dst)
                                         : hybrid_->replica->all_reduce(dst, ReduceOp::kSum));
     if (hybrid_ && hybrid_->quantized) hybrid_->quantized->progress();
     Unit& x = unit(r.layer);
@@ -431,8 +431,8 @@ std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options, Ba
     hybrid->shard = comm.split(groups.node);
     hybrid->replica = comm.split(groups.across);
     if (options.quantized_gradients)
-      hybrid->quantized =
-          std::make_unique<HierarchicalAllReduce>(*hybrid->replica, 1, &backend, groups.across);
+      hybrid->quantized = std::make_unique<HierarchicalReduction>(*hybrid->replica, 1, backend,
+                                                                  true, groups.across);
   } else {
     check<ConfigError>(g <= comm.world_size(),
                        "zero_hpz_partition_size {} exceeds the {} ranks of the job", g,

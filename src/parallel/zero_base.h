@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/half.h"
 #include "parallel/buckets.h"
+#include "parallel/hierarchical_reduction.h"
 #include "parallel/host_optimizer.h"
 #include "parallel/registered_buffers.h"
 #include "parallel/strategy.h"
@@ -87,6 +88,10 @@ class ZeroStrategy : public Strategy {
     std::vector<Tensor> buffers = gradient_buffers();
     for (const Tensor& t : param_buffers()) buffers.push_back(t);
     registered_ = RegisteredBuffers(comm_, backend_, buffers);
+    hierarchical_.reset();
+    if (opt_.hierarchical_ranks_per_node > 0 && world_ > 1)
+      hierarchical_ = std::make_unique<HierarchicalReduction>(
+          comm_, opt_.hierarchical_ranks_per_node, backend_, opt_.quantized_gradients);
     if (!init.empty()) write_full(init.data(), nullptr, nullptr, 0);  // else all zero
     bind_layers();
     model.set_hooks(this);
@@ -273,6 +278,29 @@ class ZeroStrategy : public Strategy {
     size_t bytes = param_bytes() + master_.bytes() + gradient_bytes();
     bytes += exp_avg_.bytes() + exp_avg_sq_.bytes();
     return bytes;
+  }
+
+ protected:
+  /// Starts the sum over ranks of gradient bucket `whole` [W·s] into `own`, its slice [rank·s, s)
+  /// (in place): one reduce-scatter over the world, or hierarchically within and across nodes
+  /// (--hierarchical-all-reduce: parallel/hierarchical_reduction.h). Call at the same point on
+  /// every rank; progress_reductions() moves hierarchical ones on.
+  std::unique_ptr<Work> reduce_scatter_gradients(Tensor own, Tensor whole) {
+    return hierarchical_ ? hierarchical_->reduce_scatter(own, whole)
+                         : comm_.reduce_scatter(own, whole, ReduceOp::kSum);
+  }
+  /// Issues the later steps of hierarchical reductions that are ready (never waits).
+  void progress_reductions() {
+    if (hierarchical_) hierarchical_->progress();
+  }
+  /// Marks the start of a step for cross_node_bytes_last_step().
+  void start_cross_node_count() {
+    if (hierarchical_) network_at_step_start_ = hierarchical_->network_bytes();
+  }
+
+ public:
+  int64_t cross_node_bytes_last_step() const override {
+    return hierarchical_ ? hierarchical_->network_bytes() - network_at_step_start_ : 0;
   }
 
  protected:
@@ -549,6 +577,10 @@ class ZeroStrategy : public Strategy {
   // gradient buffers by the rest of the destructor chain, which is harmless: nothing allocates
   // meanwhile, and freed blocks stay mapped in the caching allocator.
   RegisteredBuffers registered_;
+  /// --hierarchical-all-reduce (zero1, zero2): the gradient reduce-scatters within and across
+  /// nodes.
+  std::unique_ptr<HierarchicalReduction> hierarchical_;
+  int64_t network_at_step_start_ = 0;  ///< hierarchical_->network_bytes() at zero_grad
 };
 
 }  // namespace shardtrain

@@ -172,6 +172,24 @@ TEST_F(MpiComm, AllGather) {
   EXPECT_THROW(comm->all_gather(i32(short_out), i32(in)), st::RuntimeFailure);
 }
 
+TEST_F(MpiComm, AllToAll) {
+  const int n = size(), r = rank();
+  // Rank r sends 100·r + 10·p + j to rank p (j < 2); rank p receives it as its chunk r.
+  std::vector<int32_t> in(static_cast<size_t>(2 * n)), out(static_cast<size_t>(2 * n), -1);
+  for (int p = 0; p < n; ++p)
+    for (int j = 0; j < 2; ++j) in[static_cast<size_t>(2 * p + j)] = 100 * r + 10 * p + j;
+  comm->all_to_all(i32(out), i32(in))->wait();
+  for (int q = 0; q < n; ++q)
+    for (int j = 0; j < 2; ++j)
+      EXPECT_EQ(out[static_cast<size_t>(2 * q + j)], 100 * q + 10 * r + j);
+  // Sizes must split into world-size chunks, and the buffers must be distinct.
+  std::vector<int32_t> odd(static_cast<size_t>(2 * n + 1)), odd_out(odd.size());
+  if (n > 1) {
+    EXPECT_THROW(comm->all_to_all(i32(odd_out), i32(odd)), st::RuntimeFailure);
+  }
+  EXPECT_THROW(comm->all_to_all(i32(in), i32(in)), st::RuntimeFailure);
+}
+
 TEST_F(MpiComm, Broadcast) {
   const int root = size() - 1;
   std::vector<float> v = {1.0f * rank(), 2.0f * rank()};

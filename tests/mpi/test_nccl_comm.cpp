@@ -417,6 +417,31 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, PeerCollectivesTest,
                                                              : std::string("bf16");
                          });
 
+// all_to_all is NCCL's grouped sends and receives (no copy-engine path): rank r's chunk p lands
+// as rank p's chunk r, for counts below, at and above the rank count.
+TEST(NcclComm, AllToAll) {
+  const st::DistributedEnv env = st::read_distributed_env();
+  if (env.world_size < 2 || st::cuda_device_count() < env.local_world_size)
+    GTEST_SKIP() << "needs one GPU per rank";
+  ok(cudaSetDevice(env.local_rank));
+  auto comm = st::make_world_communicator(env, st::DeviceKind::kCUDA, nullptr);
+  const int w = comm->world_size(), r = comm->rank();
+  for (const int64_t c : {int64_t{1}, int64_t{w}, int64_t{1000003}}) {
+    const size_t n = static_cast<size_t>(c * w);
+    std::vector<int32_t> in(n), out(n);
+    for (size_t i = 0; i < n; ++i) in[i] = static_cast<int32_t>(r * 7919 + static_cast<int64_t>(i));
+    DeviceBuffer a(n * 4), b(n * 4);
+    ok(cudaMemcpy(a.data, in.data(), n * 4, cudaMemcpyHostToDevice));
+    comm->all_to_all(b.view(st::DType::kI32), a.view(st::DType::kI32))->wait();
+    ok(cudaDeviceSynchronize());
+    ok(cudaMemcpy(out.data(), b.data, n * 4, cudaMemcpyDeviceToHost));
+    for (int q = 0; q < w; ++q)
+      for (int64_t j = 0; j < c; j += std::max<int64_t>(1, c / 97))
+        ASSERT_EQ(out[static_cast<size_t>(q * c + j)], q * 7919 + r * c + j)
+            << "rank " << r << " chunk " << q << " element " << j << " (count " << c << ")";
+  }
+}
+
 }  // namespace
 
 #else

@@ -320,29 +320,32 @@ TEST_F(ZeroEquivalence, SameParametersAsOneRank) {
   }
 }
 
-// dp summing its gradients hierarchically (parallel/hierarchical_all_reduce.h), the world taken as
-// nodes of k consecutive ranks — on 4 ranks 2 nodes × 2 and 1 × 4 and 4 × 1, on 2 ranks 2 × 1 and
-// 1 × 2 — with buckets whose sizes k does not always divide and several buckets in flight at
-// once: the same parameters as one rank.
-TEST_F(ZeroEquivalence, HierarchicalAllReduceMatchesOneRank) {
+// dp, zero1 and zero2 summing their gradients hierarchically (parallel/hierarchical_reduction.h:
+// dp all-reduces, zero1 and zero2 reduce-scatter), the world taken as nodes of k consecutive ranks
+// — on 4 ranks 2 nodes × 2 (where zero's chunks are reordered between the steps) and 1 × 4 and
+// 4 × 1, on 2 ranks 2 × 1 and 1 × 2 — with buckets whose sizes k does not always divide and
+// several buckets in flight at once: the same parameters as one rank.
+TEST_F(ZeroEquivalence, HierarchicalReductionMatchesOneRank) {
   const Reference& ref = reference();
-  for (int k = 1; k <= world(); ++k) {
-    if (world() % k != 0 || world() == 1) continue;
-    for (int64_t bucket : {int64_t{10'001}, int64_t{500'000'000}}) {
-      st::StrategyOptions o = st::strategy_options(config(st::StrategyKind::kDataParallel, bucket));
-      o.hierarchical_ranks_per_node = k;
-      o.reduce_bucket_size_set = true;  // several buckets (dp would take DDP's default size)
-      const std::string what = fmt::format(
-          "dp, hierarchical all-reduce, {} nodes × {} ranks, "
-          "reduce_bucket_size {}",
-          world() / k, k, bucket);
-      Trainee run(o, *comm, ref.init);
-      train_and_expect_reference(what, run);
-      // Reported for the epoch summary: the chunks all-reduced across nodes in the last step.
-      if (world() / k > 1)
-        EXPECT_GT(run.strategy->cross_node_bytes_last_step(), 0) << what;
-      else
-        EXPECT_EQ(run.strategy->cross_node_bytes_last_step(), 0) << what;
+  for (st::StrategyKind kind :
+       {st::StrategyKind::kDataParallel, st::StrategyKind::kZero1, st::StrategyKind::kZero2}) {
+    for (int k = 1; k <= world(); ++k) {
+      if (world() % k != 0 || world() == 1) continue;
+      for (int64_t bucket : {int64_t{10'001}, int64_t{500'000'000}}) {
+        st::StrategyOptions o = st::strategy_options(config(kind, bucket));
+        o.hierarchical_ranks_per_node = k;
+        o.reduce_bucket_size_set = true;  // several buckets (dp would take DDP's default size)
+        const std::string what =
+            fmt::format("{}, hierarchical reduction, {} nodes × {} ranks, reduce_bucket_size {}",
+                        st::to_string(kind), world() / k, k, bucket);
+        Trainee run(o, *comm, ref.init);
+        train_and_expect_reference(what, run);
+        // Reported for the epoch summary: the bytes sent across nodes in the last step.
+        if (world() / k > 1)
+          EXPECT_GT(run.strategy->cross_node_bytes_last_step(), 0) << what;
+        else
+          EXPECT_EQ(run.strategy->cross_node_bytes_last_step(), 0) << what;
+      }
     }
   }
 }
@@ -358,22 +361,23 @@ st::StrategyOptions zero3_options(int64_t persistence, int64_t prefetch, int64_t
 }
 
 // The gradients that cross nodes in int8 with per-block scales (ZeRO++'s qgZ): dp's hierarchical
-// all-reduce on 4 ranks as 2 nodes × 2 (2 ranks: 2 × 1), and zero3 sharded within groups of 2 on 4
-// ranks (hybrid sharding); 500 steps of a learnable pattern at a constant learning rate (the loss
-// falls from ~4.6 to ~0.2): the mean loss of the last 50 steps within 1% of the unquantized run's
-// (measured: −0.06% for dp, −0.21% for zero3) — and not equal to it (the quantization acts).
+// all-reduce and zero2's hierarchical reduce-scatter on 4 ranks as 2 nodes × 2 (2 ranks: 2 × 1),
+// and zero3 sharded within groups of 2 on 4 ranks (hybrid sharding); 500 steps of a learnable
+// pattern at a constant learning rate (the loss falls from ~4.6 to ~0.2): the mean loss of the
+// last 50 steps within 1% of the unquantized run's — and not equal to it (the quantization acts).
 TEST_F(ZeroEquivalence, QuantizedCrossNodeGradientsKeepTheLossCurve) {
   if (world() < 2) GTEST_SKIP() << "needs 2 nodes";
   const Reference& ref = reference();
   const int k = world() / 2;
   constexpr int64_t kLongSteps = 500;
-  for (const bool hybrid : {false, true}) {
+  for (const st::StrategyKind kind :
+       {st::StrategyKind::kDataParallel, st::StrategyKind::kZero2, st::StrategyKind::kZero3}) {
+    const bool hybrid = kind == st::StrategyKind::kZero3;
     if (hybrid && world() < 4) continue;  // 2 groups of 2
     std::vector<double> last;
     for (const bool quantized : {false, true}) {
       st::StrategyOptions o =
-          hybrid ? zero3_options(0, 4'000, 0)
-                 : st::strategy_options(config(st::StrategyKind::kDataParallel, 10'001));
+          hybrid ? zero3_options(0, 4'000, 0) : st::strategy_options(config(kind, 10'001));
       o.reduce_bucket_size_set = true;
       if (hybrid)
         o.hpz_partition_size = 2;
@@ -392,14 +396,15 @@ TEST_F(ZeroEquivalence, QuantizedCrossNodeGradientsKeepTheLossCurve) {
         EXPECT_GT(run.strategy->cross_node_bytes_last_step(), 0);
       }
     }
+    const std::string what = hybrid ? std::string("zero3 in 2 groups of 2")
+                                    : fmt::format("{}, 2 nodes × {}", st::to_string(kind), k);
     if (rank() == 0)
       std::printf(
           "  %s, 500 steps: mean loss of the last 50 %.5f (fp32 across nodes) vs %.5f "
           "(int8 across nodes), %+.3f%%\n",
-          hybrid ? "zero3 in 2 groups of 2" : fmt::format("dp, 2 nodes × {}", k).c_str(), last[0],
-          last[1], 100.0 * (last[1] - last[0]) / last[0]);
-    EXPECT_LE(std::fabs(last[1] - last[0]) / last[0], 0.01) << (hybrid ? "zero3" : "dp");
-    EXPECT_NE(last[1], last[0]) << (hybrid ? "zero3" : "dp");
+          what.c_str(), last[0], last[1], 100.0 * (last[1] - last[0]) / last[0]);
+    EXPECT_LE(std::fabs(last[1] - last[0]) / last[0], 0.01) << what;
+    EXPECT_NE(last[1], last[0]) << what;
   }
 }
 

@@ -1,0 +1,220 @@
+#include "parallel/hierarchical_reduction.h"
+
+#include <utility>
+#include <vector>
+
+#include "memory/flat_buffer.h"
+
+namespace shardtrain {
+
+NodeGroups NodeGroups::of(int world_size, int rank, int ranks_per_node) {
+  check<ConfigError>(ranks_per_node >= 1 && world_size % ranks_per_node == 0,
+                     "hierarchical all-reduce: {} ranks per node do not divide the {} ranks of "
+                     "the job (every node must run the same number of ranks)",
+                     ranks_per_node, world_size);
+  NodeGroups g;
+  const int k = ranks_per_node, node = rank / k, local = rank % k;
+  for (int i = 0; i < k; ++i) g.node.push_back(node * k + i);
+  for (int n = 0; n < world_size / k; ++n) g.across.push_back(n * k + local);
+  return g;
+}
+
+struct HierarchicalReduction::Job {
+  bool scatter = false;  ///< reduce_scatter() (else all_reduce())
+  /// All-reduce: [k·c], the part that takes the three steps. Reduce-scatter: step 1's input,
+  /// the caller's buffer or `reordered`.
+  Tensor main;
+  /// All-reduce: [c], this rank's chunk of main. Reduce-scatter: [n·s], the n chunks this local
+  /// rank holds after step 1, in node order.
+  Tensor chunk;
+  Tensor piece;          ///< reduce-scatter: [s], the chunk of `chunk` that step 2 leaves here
+  Tensor own;            ///< reduce-scatter: [s], where the caller wants the result
+  FlatBuffer reordered;  ///< reduce-scatter over several nodes of several ranks: main
+  /// 1, 2, 3: that step issued (reduce-scatter, the network step, all-gather); 4: done.
+  int step = 0;
+  std::vector<std::unique_ptr<Work>> work;  ///< the step in flight (two exchanges: quantized)
+  /// Quantized step 2: this rank's int8 and scales, and every node's.
+  FlatBuffer q, scales, q_all, scales_all;
+  std::unique_ptr<Work> rest;  ///< the world all-reduce of the elements past k·c
+};
+
+class HierarchicalReduction::JobWork final : public Work {
+ public:
+  JobWork(HierarchicalReduction& owner, std::shared_ptr<Job> job)
+      : owner_(owner), job_(std::move(job)) {}
+  void wait() override {
+    owner_.finish(*job_);
+    if (job_->rest) job_->rest->wait();
+  }
+  bool completed() override {
+    owner_.progress();
+    return job_->step >= 4 && (!job_->rest || job_->rest->completed());
+  }
+
+ private:
+  HierarchicalReduction& owner_;
+  std::shared_ptr<Job> job_;
+};
+
+HierarchicalReduction::HierarchicalReduction(Communicator& world, int ranks_per_node,
+                                             Backend& backend, bool quantize,
+                                             const std::vector<int>& members)
+    : world_(world), backend_(backend), quantize_(quantize) {
+  NodeGroups g = NodeGroups::of(world.world_size(), world.rank(), ranks_per_node);
+  if (!members.empty()) {
+    ST_ASSERT(static_cast<int>(members.size()) == world.world_size());
+    for (std::vector<int>* v : {&g.node, &g.across})
+      for (int& r : *v) r = members[static_cast<size_t>(r)];
+  }
+  k_ = ranks_per_node;
+  nodes_ = world.world_size() / k_;
+  local_ = world.rank() % k_;
+  node_ = world.rank() / k_;
+  // One rank per node (the cross-group sums of zero3's hybrid sharding, or nodes of one GPU):
+  // steps 1 and 3 are nothing to do, and their groups are not made.
+  if (k_ > 1) node_scatter_ = world.split(g.node);
+  across_ = world.split(g.across);
+  if (k_ > 1) node_gather_ = world.split(g.node);
+}
+
+HierarchicalReduction::~HierarchicalReduction() = default;
+
+std::unique_ptr<Work> HierarchicalReduction::all_reduce(Tensor t) {
+  auto job = std::make_shared<Job>();
+  const int64_t n = t.numel(), c = n / k_;
+  if (n > c * k_) job->rest = world_.all_reduce(t.slice1d(c * k_, n - c * k_), ReduceOp::kSum);
+  if (c == 0) {
+    job->step = 4;
+  } else {
+    job->main = t.slice1d(0, c * k_);
+    job->chunk = job->main.slice1d(local_ * c, c);
+    if (node_scatter_)
+      job->work.push_back(node_scatter_->reduce_scatter(job->chunk, job->main, ReduceOp::kSum));
+    job->step = 1;
+  }
+  return start(std::move(job));
+}
+
+std::unique_ptr<Work> HierarchicalReduction::reduce_scatter(Tensor own, Tensor whole) {
+  const int64_t w = world_.world_size(), s = own.numel();
+  ST_ASSERT(whole.numel() == w * s && own.dtype == whole.dtype &&
+            own.data == whole.slice1d(world_.rank() * s, s).data);
+  auto job = std::make_shared<Job>();
+  job->scatter = true;
+  job->own = own;
+  job->main = whole;
+  if (k_ > 1 && nodes_ > 1) {
+    // Chunk j·k + l of the world's order goes to position l·n + j: local rank l's n chunks
+    // together, in node order.
+    job->reordered = FlatBuffer::uninitialized(backend_, whole.dtype, whole.numel());
+    job->main = job->reordered.view();
+    for (int j = 0; j < nodes_; ++j)
+      for (int l = 0; l < k_; ++l)
+        backend_.copy(job->main.slice1d((l * nodes_ + j) * s, s).data,
+                      whole.slice1d((j * k_ + l) * s, s).data, static_cast<size_t>(own.bytes()));
+  }
+  job->chunk = job->main.slice1d(local_ * nodes_ * s, nodes_ * s);
+  job->piece = job->chunk.slice1d(node_ * s, s);
+  if (node_scatter_)
+    job->work.push_back(node_scatter_->reduce_scatter(job->chunk, job->main, ReduceOp::kSum));
+  job->step = 1;
+  return start(std::move(job));
+}
+
+std::unique_ptr<Work> HierarchicalReduction::start(std::shared_ptr<Job> job) {
+  jobs_.push_back(job);
+  return std::make_unique<JobWork>(*this, std::move(job));
+}
+
+bool HierarchicalReduction::advance(Job& j, bool block) {
+  if (j.step >= 4) return false;
+  // The job before this one must have issued the step this one would issue next (or be done):
+  // each communicator sees the jobs' steps in start order.
+  for (size_t i = 0; i < jobs_.size() && jobs_[i].get() != &j; ++i)
+    if (jobs_[i]->step < 4 && jobs_[i]->step <= j.step) return false;
+  for (auto& w : j.work)
+    if (!block && !w->completed()) return false;
+  for (auto& w : j.work) w->wait();
+  j.work.clear();
+  switch (j.step) {
+    case 1:
+      if (quantize_) {
+        issue_quantized(j);
+      } else {
+        j.work.push_back(j.scatter ? across_->reduce_scatter(j.piece, j.chunk, ReduceOp::kSum)
+                                   : across_->all_reduce(j.chunk, ReduceOp::kSum));
+        if (nodes_ > 1) network_bytes_ += static_cast<int64_t>(j.chunk.bytes());
+      }
+      break;
+    case 2:
+      if (quantize_) sum_quantized(j);
+      if (j.scatter) {
+        if (j.piece.data != j.own.data)
+          backend_.copy(j.own.data, j.piece.data, static_cast<size_t>(j.own.bytes()));
+        j.reordered = FlatBuffer();
+        j.step = 3;               // no step 3
+      } else if (node_gather_) {  // in place: chunk is this rank's slot of main
+        j.work.push_back(node_gather_->all_gather(j.main, j.chunk));
+      }
+      break;
+    default:
+      break;
+  }
+  ++j.step;
+  return true;
+}
+
+void HierarchicalReduction::issue_quantized(Job& j) {
+  Backend& be = backend_;
+  // The pieces quantized on their own: the chunk (all-reduce), each node's chunk (reduce-scatter).
+  const int pieces = j.scatter ? nodes_ : 1;
+  const int64_t c = j.chunk.numel() / pieces, blocks = (c + kQuantBlock - 1) / kQuantBlock;
+  j.q = FlatBuffer::uninitialized(be, DType::kU8, c * pieces);
+  j.scales = FlatBuffer::uninitialized(be, DType::kF32, blocks * pieces);
+  j.q_all = FlatBuffer::uninitialized(be, DType::kU8, c * nodes_);
+  j.scales_all = FlatBuffer::uninitialized(be, DType::kF32, blocks * nodes_);
+  for (int p = 0; p < pieces; ++p)
+    be.quantize_int8(j.q.slice(p * c, c), j.scales.slice(p * blocks, blocks),
+                     j.chunk.slice1d(p * c, c));
+  if (j.scatter) {
+    j.work.push_back(across_->all_to_all(j.q_all.view(), j.q.view()));
+    j.work.push_back(across_->all_to_all(j.scales_all.view(), j.scales.view()));
+  } else {
+    j.work.push_back(across_->all_gather(j.q_all.view(), j.q.view()));
+    j.work.push_back(across_->all_gather(j.scales_all.view(), j.scales.view()));
+  }
+  if (nodes_ > 1) network_bytes_ += static_cast<int64_t>(j.q.bytes() + j.scales.bytes());
+}
+
+void HierarchicalReduction::sum_quantized(Job& j) {
+  Backend& be = backend_;
+  Tensor out = j.scatter ? j.piece : j.chunk;
+  const int64_t c = out.numel(), blocks = j.scales_all.numel() / nodes_;
+  be.fill_zero(out);
+  for (int n = 0; n < nodes_; ++n)  // node order: every rank the same sum
+    be.dequantize_add_int8(out, j.q_all.slice(n * c, c), j.scales_all.slice(n * blocks, blocks));
+  j.q = FlatBuffer();
+  j.scales = FlatBuffer();
+  j.q_all = FlatBuffer();
+  j.scales_all = FlatBuffer();
+}
+
+void HierarchicalReduction::progress() {
+  for (const auto& j : jobs_)
+    while (advance(*j, false)) {
+    }
+  while (!jobs_.empty() && jobs_.front()->step >= 4) jobs_.pop_front();
+}
+
+void HierarchicalReduction::finish(Job& j) {
+  if (j.step >= 4) return;
+  // Every job before `j` first (their steps come first on each communicator), then `j`.
+  for (size_t i = 0; i < jobs_.size(); ++i) {
+    Job& x = *jobs_[i];
+    while (x.step < 4) advance(x, true);
+    if (&x == &j) break;
+  }
+  while (!jobs_.empty() && jobs_.front()->step >= 4) jobs_.pop_front();
+}
+
+}  // namespace shardtrain
