@@ -23,7 +23,9 @@ from multi_gpu_common import (COMM_TIMEOUT, RESULT_TAG, WORKER, describe, fmt, f
                               report_problem, run_cell, torch_runs)
 
 DEFAULT_PAIRS = "dp,zero2,zero3"
-VARIANTS = ("hierarchical", "quantized", "accum", "flat")
+VARIANTS = ("hierarchical", "quantized", "hybrid", "accum", "flat")
+# The PyTorch match of zero3 with hybrid sharding: FSDP2 over a (replicate, shard) device mesh
+HSDP = "fsdp2-hsdp"
 # seconds per job, others 150, × 1.5 with accumulation (--cell-timeout overrides them all)
 CELL_TIMEOUT = {"gpt2-xl": 240}
 LINK_TIMEOUT = 180  # seconds per bus bandwidth job
@@ -44,10 +46,12 @@ def add_arguments(ap):
                    help="G: GPUs of each node (default: the visible GPUs ÷ N; smoke: --gpus ÷ N)")
     g.add_argument("--node-variants", default=",".join(VARIANTS),
                    help="shardtrain rows besides each --pairs strategy across the nodes, comma "
-                        "list: hierarchical (dp --hierarchical-all-reduce), quantized (the same "
-                        "with --quantized-gradients), accum (every strategy with --node-accum), "
-                        "flat (every strategy on N·G GPUs of one node); default all four, `none` "
-                        "for none")
+                        "list: hierarchical (--hierarchical-all-reduce; with G > 1 only: with one "
+                        "GPU per node it is the plain row), quantized (--hierarchical-all-reduce "
+                        "--quantized-gradients), hybrid (zero3 --zero-hpz-partition-size G, "
+                        "against FSDP2 HSDP, and with --quantized-gradients; G > 1), accum "
+                        "(every strategy with --node-accum), flat (every strategy on N·G GPUs "
+                        "of one node); default all, `none` for none")
     g.add_argument("--node-accum", type=int, default=4,
                    help="micro-batches per optimizer step of the accum rows (default 4)")
 
@@ -259,6 +263,8 @@ def train_args(a, cell, model, batch, steps, out):
         cmd += ["--gradient-accumulation-steps", str(cell["accum"])]
     if cell["hier"]:
         cmd.append("--hierarchical-all-reduce")
+    if cell.get("hybrid"):
+        cmd += ["--zero-hpz-partition-size", str(a.gpus_per_node)]
     if cell.get("quant"):
         cmd.append("--quantized-gradients")
     if not a.no_breakdown:
@@ -318,7 +324,9 @@ def run_shardtrain(a, cell, model, batch, steps, warmup, timeout, env):
 def run_torch(a, theirs, model, batch, steps, warmup, timeout, env):
     """The PyTorch match across the emulated nodes: one torchrun per node."""
     name = f"nodes_{model}_mb{batch}_{theirs}_torch"
-    args = ["--strategy", *lm_suite.TORCH_FLAGS.get(theirs, [theirs]), "--model", model,
+    flags = ["fsdp2", "--reshard-after-forward", "--hsdp-shard-size", str(a.gpus_per_node)] \
+        if theirs == HSDP else lm_suite.TORCH_FLAGS.get(theirs, [theirs])
+    args = ["--strategy", *flags, "--model", model,
             "--batch", str(batch), "--seq", str(a.seq), "--steps", str(steps),
             "--warmup", str(warmup), "--device", a.device, "--comm-timeout", str(COMM_TIMEOUT)]
     port = free_port()
@@ -336,23 +344,26 @@ def cells(a):
     N, G = a.nodes, a.gpus_per_node
     n = N * G
 
-    def cell(layout, strategy, hier=False, accum=1, quant=False):
+    def cell(layout, strategy, hier=False, accum=1, quant=False, hybrid=False):
         gpus = 1 if layout == "1gpu" else n
-        label = strategy + (" hierarchical" if hier else "") + (" int8" if quant else "") + \
-            (f" accum {accum}" if accum > 1 else "")
+        label = strategy + (" hierarchical" if hier else "") + (" hybrid" if hybrid else "") + \
+            (" int8" if quant else "") + (f" accum {accum}" if accum > 1 else "")
         name = label.replace(" ", "_") + {"1gpu": "_1gpu", "flat": f"_flat{n}",
                                           "nodes": f"_{N}x{G}"}[layout]
         return {"layout": layout, "strategy": strategy, "hier": hier, "quant": quant,
-                "accum": accum,
+                "hybrid": hybrid, "accum": accum,
                 "gpus": gpus, "label": label, "name": name}
 
     out = [(cell("1gpu", "dp"), None)]
     for ours, theirs in a.node_pairs:
         out.append((cell("nodes", ours), theirs))
-        if ours == "dp" and "hierarchical" in a.variants:
-            out.append((cell("nodes", "dp", hier=True), None))
-        if ours == "dp" and "quantized" in a.variants:
-            out.append((cell("nodes", "dp", hier=True, quant=True), None))
+        if "hierarchical" in a.variants and G > 1:
+            out.append((cell("nodes", ours, hier=True), None))
+        if "quantized" in a.variants:
+            out.append((cell("nodes", ours, hier=True, quant=True), None))
+        if ours == "zero3" and "hybrid" in a.variants and G > 1:
+            out.append((cell("nodes", ours, hybrid=True), HSDP))
+            out.append((cell("nodes", ours, hybrid=True, quant=True), None))
         if "accum" in a.variants and a.node_accum > 1:
             out.append((cell("nodes", ours, accum=a.node_accum), None))
         if "flat" in a.variants:
@@ -362,28 +373,46 @@ def cells(a):
 
 # --- the bound ------------------------------------------------------------------------------------
 
-def crossing(strategy, params, elem, N, G, hier, accum, quant=False):
+def crossing(strategy, params, elem, N, G, hier, accum, quant=False, hybrid=False):
     """The collectives of one optimizer step (A = accum micro-batches) whose bytes cross the
     nodes, per GPU, as nccl-tests counts bus bytes (S = Ψ × elem, n = N·G ranks): [(collective,
     calls per step, bus bytes per GPU per call)]. dp: one all-reduce, 2(n−1)/n·S (hierarchical:
     only its cross-node step crosses, 2(N−1)/N·S/G); zero1: reduce-scatter + all-gather,
     (n−1)/n·S each; zero2: the reduce-scatter in every micro-batch's backward, the all-gather once;
-    zero3: all-gather in forward and in backward and reduce-scatter, every micro-batch. Quantized
-    (dp hierarchical --quantized-gradients): every node's int8 slice and its fp32 scales (one per
-    256 elements) gathered across the nodes, (N−1)/N of N·Ψ/G·(1 + 4/256) bytes."""
+    zero3: all-gather in forward and in backward and reduce-scatter, every micro-batch
+    (hierarchical: the reduce-scatters cross with (N−1)/N·S/G); zero3 hybrid: only the gradient
+    shards' all-reduce across groups once per step, 2(N−1)/N·S/G. Quantized (int8 and one fp32
+    scale per 256 elements, Q = Ψ/G·(1 + 4/256) bytes): dp and hybrid all-gather every node's
+    slice, (N−1)·Q; the reduce-scatters exchange all-to-all, (N−1)/N·Q."""
     S, n = params * elem, N * G
     f = (n - 1) / n
+    Q = params / G * (1 + 4 / 256)
+    if hybrid:
+        if quant:
+            return [("all_gather", 1, (N - 1) * Q)]
+        return [("all_reduce", 1, 2 * (N - 1) / N * S / G)]
     if strategy == "dp":
         if hier and quant:
-            return [("all_gather", 1, (N - 1) * params / G * (1 + 4 / 256))]
+            return [("all_gather", 1, (N - 1) * Q)]
         if hier:
             return [("all_reduce", 1, 2 * (N - 1) / N * S / G)]
         return [("all_reduce", 1, 2 * f * S)]
+    if quant:
+        scatter = ("all_to_all", (N - 1) / N * Q)
+    elif hier:
+        scatter = ("reduce_scatter", (N - 1) / N * S / G)
+    else:
+        scatter = ("reduce_scatter", f * S)
     if strategy == "zero1":
-        return [("reduce_scatter", 1, f * S), ("all_gather", 1, f * S)]
+        return [(scatter[0], 1, scatter[1]), ("all_gather", 1, f * S)]
     if strategy == "zero2":
-        return [("reduce_scatter", accum, f * S), ("all_gather", 1, f * S)]
-    return [("all_gather", 2 * accum, f * S), ("reduce_scatter", accum, f * S)]
+        return [(scatter[0], accum, scatter[1]), ("all_gather", 1, f * S)]
+    return [("all_gather", 2 * accum, f * S), (scatter[0], accum, scatter[1])]
+
+
+# The measured bus bandwidth a collective is timed at: all-to-all (not measured) at all-gather's,
+# whose bytes on a ring take the same paths
+BUSBW_OF = {"all_to_all": "all_gather"}
 
 
 def add_bounds(res):
@@ -408,8 +437,9 @@ def add_bounds(res):
             elem = lm_suite.DTYPE_BYTES.get(o.get("precision") or one.get("precision"), 2)
             items = crossing(r["strategy"], params, elem, 1 if r["layout"] == "flat" else N,
                              N * G if r["layout"] == "flat" else G, r["hier"], A,
-                             r.get("quant", False))
-            ms = [k * b / ((bw or {}).get(op) or math.nan) / 1e6 for op, k, b in items]
+                             r.get("quant", False), r.get("hybrid", False))
+            ms = [k * b / ((bw or {}).get(BUSBW_OF.get(op, op)) or math.nan) / 1e6
+                  for op, k, b in items]
             r["comm"] = {"params": params, "elem_bytes": elem,
                          "collectives": [{"op": op, "calls": k, "bus_bytes": b}
                                          for op, k, b in items],
@@ -422,8 +452,12 @@ def add_bounds(res):
             r["bound_by"] = "communication" if comm > r["compute_ms"] else "compute"
             r["bound_per_gpu"] = r["batch"] * res["seq"] * A / (r["bound_ms"] / 1e3)
         theirs = r.get("theirs") or {}
-        if r["hier"] and not theirs:  # the same work as dp: DDP's row
-            theirs = (rows.get((r["model"], r["batch"], "nodes", "dp")) or {}).get("theirs") or {}
+        if r.get("hybrid") and r.get("quant") and not theirs:  # HSDP's row
+            theirs = (rows.get((r["model"], r["batch"], "nodes", "zero3 hybrid")) or {}) \
+                .get("theirs") or {}
+        if (r["hier"] or r.get("quant")) and not theirs:  # the same work: the plain row's match
+            theirs = (rows.get((r["model"], r["batch"], "nodes", r["strategy"])) or {}) \
+                .get("theirs") or {}
         so, st = o.get("per_gpu"), theirs.get("per_gpu") if A == 1 else None
         flat = rows.get((r["model"], r["batch"], "flat", r["strategy"])) or {}
         fo = (flat.get("ours") or {}).get("per_gpu") if r["layout"] == "nodes" and A == 1 \
@@ -509,8 +543,8 @@ def run(a, budget, env, save=None, flat_busbw=None, flat_source=None):
                     1.5 if cell["accum"] > 1 else 1)
                 row = {"key": f"{model}/mb{batch}/{cell['name']}", "model": model,
                        "batch": batch, **{k: cell[k] for k in ("layout", "strategy", "hier",
-                                                                 "quant", "accum", "gpus",
-                                                                 "label")},
+                                                                 "quant", "hybrid", "accum",
+                                                                 "gpus", "label")},
                        "torch": theirs, "steps": steps, "warmup": warmup}
                 if a.smoke and cell["layout"] == "flat":
                     row["ours"] = {"skipped": "smoke: the node cells already ran as one launch"}
@@ -590,7 +624,7 @@ def print_tables(res):
         o, t = r["ours"], r.get("theirs")
         gpus = {"1gpu": "1", "flat": f"{n}, one node", "nodes": f"{N} × {G}"}[r["layout"]]
         c = r.get("comm") or {}
-        pt_name = r["torch"] or ("(DDP's row)" if r["hier"] else "-")
+        pt_name = r["torch"] or ("(its plain row's)" if r["hier"] or r.get("quant") else "-")
         print(f"| {r['model']} | {r['batch']} | {r['label']} | {pt_name} | {gpus} | "
               f"{cell_text(o)} | {cell_text(t)} | {fmt(r.get('ratio_pt'), '.2f')} | "
               f"{fmt(o.get('step_ms'), '.1f')} | "
@@ -609,16 +643,21 @@ def print_tables(res):
           f"started together; flat = the same strategy by one launcher on all {n} GPUs. "
           "tok/s/GPU = tokens/s of all ranks ÷ GPUs over the timed steps (shardtrain: "
           "metrics.jsonl; PyTorch: bench/torch_dist_worker.py, DDP / FSDP2 / FSDP2 resharding "
-          "after forward); step ms per optimizer step (accum A: A micro-batches). hierarchical = "
-          "dp --hierarchical-all-reduce (its st ÷ pt against DDP's row); accum A = "
-          "--gradient-accumulation-steps A (PyTorch not run so). Crosses = bus bytes per GPU "
-          "and optimizer step (flat rows: the same, within one node), as nccl-tests counts "
-          "them, S = Ψ × the compute dtype's bytes (bf16: 2; Ψ: the log banner's parameters), "
-          "n = N·G: dp an all-reduce, 2(n−1)/n·S, "
-          "once per step (hierarchical: 2(N−1)/N·S/G, its cross-node step only); zero1 a "
-          "reduce-scatter and an all-gather, (n−1)/n·S each; zero2 the reduce-scatter every "
-          "micro-batch, the all-gather once; zero3 2 all-gathers + 1 reduce-scatter every "
-          "micro-batch. comm ms = those bytes ÷ the cross-node busbw of each collective (its "
+          "after forward; FSDP2 HSDP: over a (replicate across nodes, shard within) device "
+          "mesh); step ms per optimizer step (accum A: A micro-batches). hierarchical = "
+          "--hierarchical-all-reduce, int8 = with --quantized-gradients, hybrid = zero3 "
+          "--zero-hpz-partition-size G (their st ÷ pt against the PyTorch match of the row without "
+          "them); accum A = --gradient-accumulation-steps A (PyTorch not run so). Crosses = bus "
+          "bytes per GPU and optimizer step (flat rows: the same, within one node), as nccl-tests "
+          "counts them, S = Ψ × the compute dtype's bytes (bf16: 2; Ψ: the log banner's "
+          "parameters), n = N·G: dp an all-reduce, 2(n−1)/n·S, once per step (hierarchical: "
+          "2(N−1)/N·S/G, its cross-node step only); zero1 a reduce-scatter and an all-gather, "
+          "(n−1)/n·S each; zero2 the reduce-scatter every micro-batch, the all-gather once; zero3 "
+          "2 all-gathers + 1 reduce-scatter every micro-batch (hierarchical: the reduce-scatter "
+          "(N−1)/N·S/G); zero3 hybrid only the all-reduce of the gradient shards across nodes, "
+          "2(N−1)/N·S/G once per step; int8: Q = Ψ/G·(1 + 4/256) bytes, all-gathered by dp and "
+          "hybrid, (N−1)·Q, exchanged all-to-all by the reduce-scatters, (N−1)/N·Q (timed at the "
+          "all-gather's busbw). comm ms = those bytes ÷ the cross-node busbw of each collective (its "
           f"best size, GB/s: {bws}; flat rows: "
           + (f"the {n}-GPU busbw of one node, {fbws}" if fbws else
              f"not measured: run `--suite bus,nodes --gpus {n}`")

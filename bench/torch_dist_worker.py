@@ -9,7 +9,9 @@ zero (DDP + torch.distributed.optim.ZeroRedundancyOptimizer) ~ zero1; fsdp2 (ful
 block and at the root, reshard_after_forward=False: parameters stay gathered between forward and
 backward, gradients and optimizer state sharded) ~ zero2; with --reshard-after-forward, fsdp2
 frees each block's gathered parameters after its forward and gathers them again in backward
-~ zero3 (bench/bench_zero3_single_gpu.py); with --cpu-offload, fsdp2 keeps the sharded fp32
+~ zero3 (bench/bench_zero3_single_gpu.py); with --hsdp-shard-size K, fsdp2 over a 2-D device
+mesh (HSDP: sharded within groups of K ranks, replicated across them) ~ zero3 with
+--zero-hpz-partition-size K; with --cpu-offload, fsdp2 keeps the sharded fp32
 parameters, their gradients and the AdamW state in pinned host memory (CPUOffloadPolicy(pin_memory=
 True)) and AdamW steps on the CPU ~ shardtrain's offload (bench/bench_offload.py); "cpu_step_ms" is
 then the host time of opt.step() per step. --shape L,H,C trains a GPT-2 of that shape instead of a
@@ -142,6 +144,10 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--comm-timeout", type=float, default=120,
                     help="seconds a collective may hang before the job fails")
+    ap.add_argument("--hsdp-shard-size", type=int, default=0,
+                    help="fsdp2: shard within groups of this many consecutive ranks and "
+                         "replicate across them (HSDP: a 2-D device mesh, replicate × shard); "
+                         "0: shard over every rank")
     ap.add_argument("--reshard-after-forward", action="store_true",
                     help="fsdp2: reshard_after_forward=True on every block (ZeRO-3) instead of False")
     ap.add_argument("--cpu-offload", action="store_true",
@@ -152,6 +158,8 @@ def main():
     a = ap.parse_args()
     if not 0 <= a.warmup < a.steps:
         ap.error("need 0 <= --warmup < --steps")
+    if a.hsdp_shard_size and a.strategy != "fsdp2":
+        ap.error("--hsdp-shard-size needs --strategy fsdp2")
     if a.cpu_offload and a.strategy != "fsdp2":
         ap.error("--cpu-offload needs --strategy fsdp2")
     shape = tuple(int(x) for x in a.shape.split(",")) if a.shape else None
@@ -177,6 +185,13 @@ def main():
         MixedPrecisionPolicy, fully_shard = fully_shard_api()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         extra = {"offload_policy": cpu_offload_policy()} if a.cpu_offload else {}
+        if a.hsdp_shard_size and a.hsdp_shard_size < world:
+            from torch.distributed.device_mesh import init_device_mesh
+            if world % a.hsdp_shard_size:
+                ap.error(f"--hsdp-shard-size {a.hsdp_shard_size} does not divide {world} ranks")
+            extra["mesh"] = init_device_mesh(
+                device.type, (world // a.hsdp_shard_size, a.hsdp_shard_size),
+                mesh_dim_names=("replicate", "shard"))
         for block in model.transformer.h:
             fully_shard(block, mp_policy=mp, reshard_after_forward=a.reshard_after_forward, **extra)
         # the root's parameters (embeddings, final LayerNorm, tied LM head) are used first in

@@ -229,15 +229,19 @@ TEST_F(ConfigTest, StrategyAndZeroStageFlagsMustAgree) {
   EXPECT_CONTAINS(msg, "--strategy zero2 and --zero-stage 1 contradict");
 }
 
-TEST_F(ConfigTest, HierarchicalAllReduceIsForDataParallelismAndZeroOneAndTwo) {
-  for (const char* s : {"dp", "zero1", "zero2"})
+TEST_F(ConfigTest, HierarchicalAllReduceIsForDataParallelismAndZero) {
+  for (const char* s : {"dp", "zero1", "zero2", "zero3"})
     EXPECT_TRUE(finalize({"--strategy", s, "--hierarchical-all-reduce"}).hierarchical_all_reduce)
         << s;
-  const std::string msg = config_error([&] {
-    finalize({"--strategy", "zero3", "--hierarchical-all-reduce"});
+  std::string msg = config_error([&] {
+    finalize({"--strategy", "pipeline", "--hierarchical-all-reduce"});
   });
   EXPECT_CONTAINS(msg, "--hierarchical-all-reduce applies to the gradient reductions of");
-  EXPECT_CONTAINS(msg, "not to zero3 (zero3 across nodes: --zero-hpz-partition-size");
+  msg = config_error([&] {
+    finalize(
+        {"--strategy", "zero3", "--hierarchical-all-reduce", "--zero-hpz-partition-size", "2"});
+  });
+  EXPECT_CONTAINS(msg, "--hierarchical-all-reduce and zero_hpz_partition_size 2 both arrange");
 }
 
 TEST_F(ConfigTest, HybridShardingIsForZeroThree) {

@@ -1473,17 +1473,21 @@ void check_strategy(const TrainConfig& c) {
   check<ConfigError>(
       !c.zero.quantized_gradients || c.hierarchical_all_reduce || c.zero.hpz_partition_size > 1,
       "zero_quantized_gradients (--quantized-gradients) quantizes the gradients that cross "
-      "nodes: of --hierarchical-all-reduce (dp, zero1, zero2) or of zero3's hybrid sharding "
+      "nodes: of --hierarchical-all-reduce (dp, zero1, zero2, zero3) or of zero3's hybrid "
+      "sharding "
       "(--zero-hpz-partition-size); add one of them");
   check<ConfigError>(!c.hierarchical_all_reduce || c.strategy == StrategyKind::kDataParallel ||
-                         c.strategy == StrategyKind::kZero1 || c.strategy == StrategyKind::kZero2,
+                         c.strategy == StrategyKind::kZero1 || c.strategy == StrategyKind::kZero2 ||
+                         c.strategy == StrategyKind::kZero3,
                      "--hierarchical-all-reduce applies to the gradient reductions of --strategy "
-                     "dp (ddp for image models), zero1 and zero2, not to {}{}: drop it or switch "
-                     "strategies",
-                     to_string(c.strategy),
-                     c.strategy == StrategyKind::kZero3
-                         ? " (zero3 across nodes: --zero-hpz-partition-size, hybrid sharding)"
-                         : "");
+                     "dp (ddp for image models), zero1, zero2 and zero3, not to {}: drop it or "
+                     "switch strategies",
+                     to_string(c.strategy));
+  check<ConfigError>(!c.hierarchical_all_reduce || c.zero.hpz_partition_size <= 1,
+                     "--hierarchical-all-reduce and zero_hpz_partition_size {} both arrange "
+                     "zero3's reductions around nodes: hybrid sharding already reduce-scatters "
+                     "within the group and all-reduces across groups; drop one",
+                     c.zero.hpz_partition_size);
   if (c.zero.stage < 0 || c.zero.stage > 3) {
     throw ConfigError(fmt::format(
         "ZeRO stage {} (--zero-stage / zero_optimization.stage) does not exist: use stage 0 "

@@ -69,6 +69,7 @@ class Zero3 final : public ZeroStrategy {
 
   void zero_grad() override {
     drain_reductions();
+    start_cross_node_count();
     if (hybrid_ && hybrid_->quantized) network_at_step_start_ = hybrid_->quantized->network_bytes();
     gathered_bytes_ = 0;
     backend_.fill_zero(grad_shard_.view());
@@ -91,6 +92,7 @@ class Zero3 final : public ZeroStrategy {
     for (int u : model_->layout().uses(layer))
       if (model_->layout().users(u).front() == layer) reduce_grad(u);
     leave_pos(schedule_.backward_pos(layer));
+    progress_reductions();
     // The pass is over: its last reductions complete now, not during the next micro-step's
     // forward (their buffers would stay alive through it).
     if (layer == 0) drain_reductions();
@@ -105,7 +107,8 @@ class Zero3 final : public ZeroStrategy {
 
   size_t peak_transient_bytes() const override { return peak_transient_bytes_; }
   int64_t cross_node_bytes_last_step() const override {
-    if (!hybrid_ || hybrid_->replica->world_size() == 1) return 0;
+    if (!hybrid_) return ZeroStrategy::cross_node_bytes_last_step();
+    if (hybrid_->replica->world_size() == 1) return 0;
     if (hybrid_->quantized) return hybrid_->quantized->network_bytes() - network_at_step_start_;
     return static_cast<int64_t>(grad_shard_.bytes());
   }
@@ -350,8 +353,7 @@ class Zero3 final : public ZeroStrategy {
     const BucketPartition& p = partition(layer);
     Tensor own = x.grad.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
     while (reductions_.size() >= kZero3ReductionsInFlight) complete_reduction();
-    reductions_.push_back(
-        {layer, own, comm_.reduce_scatter(own, x.grad.view(), ReduceOp::kSum), last_micro_});
+    reductions_.push_back({layer, own, reduce_scatter_gradients(own, x.grad.view()), last_micro_});
     x.reducing = true;
     if (!opt_.overlap_comm) complete_reduction();
   }
@@ -404,8 +406,7 @@ class Zero3 final : public ZeroStrategy {
   std::deque<Reduction> reductions_;
   std::shared_ptr<HybridGroups> hybrid_;  ///< hybrid sharding's groups (null: over every rank)
   std::vector<std::unique_ptr<Work>> replica_reductions_;  ///< hybrid: across groups, in flight
-  bool last_micro_ = true;             ///< the micro-step under way is the step's last
-  int64_t network_at_step_start_ = 0;  ///< hybrid_->quantized->network_bytes() at zero_grad
+  bool last_micro_ = true;  ///< the micro-step under way is the step's last
 };
 
 }  // namespace

@@ -577,10 +577,11 @@ class ZeroStrategy : public Strategy {
   // gradient buffers by the rest of the destructor chain, which is harmless: nothing allocates
   // meanwhile, and freed blocks stay mapped in the caching allocator.
   RegisteredBuffers registered_;
-  /// --hierarchical-all-reduce (zero1, zero2): the gradient reduce-scatters within and across
-  /// nodes.
+  /// --hierarchical-all-reduce (zero1, zero2, zero3 without hybrid sharding): the gradient
+  /// reduce-scatters within and across nodes.
   std::unique_ptr<HierarchicalReduction> hierarchical_;
-  int64_t network_at_step_start_ = 0;  ///< hierarchical_->network_bytes() at zero_grad
+  /// The network byte count at zero_grad (hierarchical_'s, or zero3 hybrid sharding's).
+  int64_t network_at_step_start_ = 0;
 };
 
 }  // namespace shardtrain
