@@ -70,6 +70,18 @@ class Communicator {
   virtual std::unique_ptr<Work> recv(Tensor t, int peer) = 0;
   virtual void barrier() = 0;
 
+  /// Whether start_after() orders this communicator's operations after another communicator's on
+  /// the device (GPU communicators: stream order), so that a chain of collectives over several
+  /// communicators can be issued at once, in the same order on every rank. False: a caller must
+  /// see (Work::completed) or wait for the first before issuing the next.
+  virtual bool starts_after_on_device() const { return false; }
+  /// Every operation issued here from now on starts after `w` (an operation of a communicator of
+  /// the same device) completed, without the compute stream waiting for it. Throws
+  /// RuntimeFailure where starts_after_on_device() is false or `w` is of another kind.
+  virtual void start_after(Work& /*w*/) {
+    throw RuntimeFailure("start_after: this communicator orders operations only on the host");
+  }
+
   /// A communicator over `ranks` (global rank numbers; this rank must be among them). Used for
   /// the data-parallel and pipeline groups of pipeline × data parallelism. Collective over this
   /// communicator: every rank calls it at the same point, each passing the group it belongs to,

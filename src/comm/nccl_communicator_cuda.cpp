@@ -274,6 +274,8 @@ class NcclState {
   int device() const { return device_; }
   ncclComm_t comm() const { return comm_; }
   cudaStream_t compute() const { return compute_; }
+  /// The communication stream: operations run there in issue order.
+  cudaStream_t stream() const { return stream_; }
   CommTrace* trace() const { return trace_.get(); }
   const std::vector<int>& world_ranks() const { return world_ranks_; }
   const CommOptions& options() const { return options_; }
@@ -482,6 +484,9 @@ class NcclWork final : public Work {
     if (trace) trace->wait(pending_->name, reached, trace->mark(state_->compute()));
   }
 
+  /// The operation's completion event (recorded on its communicator's stream).
+  cudaEvent_t event() const { return pending_->event; }
+
   bool completed() override {
     state_->rethrow();
     const cudaError_t e = cudaEventQuery(pending_->event);
@@ -618,6 +623,18 @@ class NcclCommunicator final : public Communicator {
       const ncclResult_t end = ncclGroupEnd();
       return r != ncclSuccess ? r : end;
     });
+  }
+
+  bool starts_after_on_device() const override { return true; }
+
+  /// The communication stream waits for `w`'s completion event: every later operation here runs
+  /// after it, and the compute stream is not involved.
+  void start_after(Work& w) override {
+    const auto* n = dynamic_cast<const NcclWork*>(&w);
+    check<RuntimeFailure>(n != nullptr,
+                          "start_after: the Work is not an operation of an NCCL communicator");
+    cuda_check(cudaSetDevice(st_->device()), "cudaSetDevice");
+    cuda_check(cudaStreamWaitEvent(st_->stream(), n->event(), 0), "cudaStreamWaitEvent");
   }
 
   std::unique_ptr<Work> broadcast(Tensor t, int root) override {

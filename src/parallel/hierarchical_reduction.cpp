@@ -30,7 +30,8 @@ struct HierarchicalReduction::Job {
   Tensor piece;          ///< reduce-scatter: [s], the chunk of `chunk` that step 2 leaves here
   Tensor own;            ///< reduce-scatter: [s], where the caller wants the result
   FlatBuffer reordered;  ///< reduce-scatter over several nodes of several ranks: main
-  /// 1, 2, 3: that step issued (reduce-scatter, the network step, all-gather); 4: done.
+  /// 1, 2: that step issued (the node's reduce-scatter, the network step); 4: every step issued
+  /// (`work`: the last one's operations, or none).
   int step = 0;
   std::vector<std::unique_ptr<Work>> work;  ///< the step in flight (two exchanges: quantized)
   /// Quantized step 2: this rank's int8 and scales, and every node's.
@@ -44,11 +45,15 @@ class HierarchicalReduction::JobWork final : public Work {
       : owner_(owner), job_(std::move(job)) {}
   void wait() override {
     owner_.finish(*job_);
+    for (auto& w : job_->work) w->wait();
     if (job_->rest) job_->rest->wait();
   }
   bool completed() override {
     owner_.progress();
-    return job_->step >= 4 && (!job_->rest || job_->rest->completed());
+    if (job_->step < 4) return false;
+    for (auto& w : job_->work)
+      if (!w->completed()) return false;
+    return !job_->rest || job_->rest->completed();
   }
 
  private:
@@ -59,7 +64,10 @@ class HierarchicalReduction::JobWork final : public Work {
 HierarchicalReduction::HierarchicalReduction(Communicator& world, int ranks_per_node,
                                              Backend& backend, bool quantize,
                                              const std::vector<int>& members)
-    : world_(world), backend_(backend), quantize_(quantize) {
+    : world_(world),
+      backend_(backend),
+      quantize_(quantize),
+      chained_(world.starts_after_on_device()) {
   NodeGroups g = NodeGroups::of(world.world_size(), world.rank(), ranks_per_node);
   if (!members.empty()) {
     ST_ASSERT(static_cast<int>(members.size()) == world.world_size());
@@ -123,7 +131,19 @@ std::unique_ptr<Work> HierarchicalReduction::reduce_scatter(Tensor own, Tensor w
 
 std::unique_ptr<Work> HierarchicalReduction::start(std::shared_ptr<Job> job) {
   jobs_.push_back(job);
+  // On the device every step that only communicates is issued now, chained to the one before:
+  // the same order on every rank.
+  if (chained_)
+    while (advance(*job, false)) {
+    }
   return std::make_unique<JobWork>(*this, std::move(job));
+}
+
+bool HierarchicalReduction::chains(const Job& j) const {
+  if (!chained_ || quantize_) return false;
+  if (j.step == 1) return true;  // the network step after the node's reduce-scatter
+  // then the node's all-gather (all-reduce), or nothing left to copy (reduce-scatter)
+  return !j.scatter || j.piece.data == j.own.data;
 }
 
 bool HierarchicalReduction::advance(Job& j, bool block) {
@@ -132,30 +152,45 @@ bool HierarchicalReduction::advance(Job& j, bool block) {
   // each communicator sees the jobs' steps in start order.
   for (size_t i = 0; i < jobs_.size() && jobs_[i].get() != &j; ++i)
     if (jobs_[i]->step < 4 && jobs_[i]->step <= j.step) return false;
-  for (auto& w : j.work)
-    if (!block && !w->completed()) return false;
-  for (auto& w : j.work) w->wait();
+  const bool chain = chains(j);
+  // Quantizing on the device needs the node's reduce-scatter on the compute stream (a short wait
+  // within the node), not seen complete by the host.
+  const bool quantize_now = chained_ && quantize_ && j.step == 1;
+  if (!chain) {
+    for (auto& w : j.work)
+      if (!block && !quantize_now && !w->completed()) return false;
+    for (auto& w : j.work) w->wait();
+  }
+  std::vector<std::unique_ptr<Work>> before = std::move(j.work);
   j.work.clear();
+  Communicator* next = nullptr;  // where the step issued now runs
   switch (j.step) {
     case 1:
       if (quantize_) {
         issue_quantized(j);
-      } else {
-        j.work.push_back(j.scatter ? across_->reduce_scatter(j.piece, j.chunk, ReduceOp::kSum)
-                                   : across_->all_reduce(j.chunk, ReduceOp::kSum));
-        if (nodes_ > 1) network_bytes_ += static_cast<int64_t>(j.chunk.bytes());
+        break;
       }
+      next = across_.get();
+      if (chain)
+        for (auto& w : before) next->start_after(*w);
+      j.work.push_back(j.scatter ? next->reduce_scatter(j.piece, j.chunk, ReduceOp::kSum)
+                                 : next->all_reduce(j.chunk, ReduceOp::kSum));
+      if (nodes_ > 1) network_bytes_ += static_cast<int64_t>(j.chunk.bytes());
       break;
     case 2:
       if (quantize_) sum_quantized(j);
-      if (j.scatter) {
-        if (j.piece.data != j.own.data)
-          backend_.copy(j.own.data, j.piece.data, static_cast<size_t>(j.own.bytes()));
-        j.reordered = FlatBuffer();
-        j.step = 3;               // no step 3
-      } else if (node_gather_) {  // in place: chunk is this rank's slot of main
-        j.work.push_back(node_gather_->all_gather(j.main, j.chunk));
+      if (!j.scatter && node_gather_) {  // in place: chunk is this rank's slot of main
+        next = node_gather_.get();
+        if (chain)
+          for (auto& w : before) next->start_after(*w);
+        j.work.push_back(next->all_gather(j.main, j.chunk));
+      } else if (chain) {
+        j.work = std::move(before);  // the network step is the job's last
+      } else if (j.scatter && j.piece.data != j.own.data) {
+        backend_.copy(j.own.data, j.piece.data, static_cast<size_t>(j.own.bytes()));
       }
+      j.reordered = FlatBuffer();
+      j.step = 3;  // every step issued
       break;
     default:
       break;

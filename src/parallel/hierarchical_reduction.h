@@ -27,13 +27,19 @@
 // or half (bf16) of the bytes across nodes; the error per element is at most half a quantization
 // step of each node's block.
 //
-// Issue order. Collectives must be issued in the same order on every rank of a communicator.
-// all_reduce()/reduce_scatter() issue step 1 (and the remainder) where the caller is — a backward
-// hook, the same point on every rank — but later steps are issued when the step before is seen
-// to have completed, which happens at different times on different ranks. So each step has its
-// own communicator (`node_scatter`, `across`, `node_gather`), on which the reductions' steps are
-// issued in start order, and nothing else: a rank may interleave the three communicators
-// differently from another, never the operations on one.
+// Issue order. Collectives must be issued in the same order on every rank of a communicator, and
+// on GPUs, where each communicator's operations run on a stream of their own and a rank runs the
+// operations that wait for one another in the order it issued them, in the same order across
+// communicators too, or two ranks can each wait for an operation the other runs after its own.
+// Each step has a communicator of its own (`node_scatter`, `across`, `node_gather`), on which the
+// reductions' steps are issued in start order. On GPUs (Communicator::starts_after_on_device)
+// all_reduce()/reduce_scatter() issue every step that only communicates at once, each ordered
+// after the one before on the device (start_after), so every rank issues the same sequence; the
+// steps that need the compute stream in between (quantizing, summing the nodes' int8 pieces,
+// copying a piece back) are issued by progress() and waits once the step before is seen complete.
+// On CPU ranks (MPI) a step is issued only when the step before is seen complete, which happens
+// at different times on different ranks: a rank may then interleave the communicators differently
+// from another, never the operations on one; MPI progresses them all.
 #pragma once
 
 #include <deque>
@@ -92,9 +98,12 @@ class HierarchicalReduction {
   class JobWork;
   /// Starts a job: records it, issues its step 1.
   std::unique_ptr<Work> start(std::shared_ptr<Job> job);
-  /// Moves job `j` (and every earlier one, which must issue first) on by one step if it can;
+  /// Moves job `j` on by one step if it can (every earlier job must have issued that step first);
   /// with `block`, waits for the step in flight. Returns whether it moved.
   bool advance(Job& j, bool block);
+  /// Whether j's next step is issued chained after the one in flight (on the device, without
+  /// waiting): a step that only communicates, on a communicator that orders on the device.
+  bool chains(const Job& j) const;
   /// Drives every job up to and including `j` to completion.
   void finish(Job& j);
   /// Quantized step 2: quantizes j's chunk (all-reduce) or each of its n chunks (reduce-scatter)
@@ -106,6 +115,9 @@ class HierarchicalReduction {
   Communicator& world_;
   Backend& backend_;
   bool quantize_ = false;
+  /// The world's communicators order operations on the device (NCCL): start() issues every step
+  /// that only communicates at once, each after the one before (Communicator::start_after).
+  bool chained_ = false;
   int k_ = 1, nodes_ = 1, local_ = 0, node_ = 0;
   /// Steps 1, 2, 3's groups (node_scatter_ and node_gather_ null with one rank per node).
   std::unique_ptr<Communicator> node_scatter_, across_, node_gather_;
