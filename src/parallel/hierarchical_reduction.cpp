@@ -36,6 +36,9 @@ struct HierarchicalReduction::Job {
   std::vector<std::unique_ptr<Work>> work;  ///< the step in flight (two exchanges: quantized)
   /// Quantized step 2: this rank's int8 and scales, and every node's.
   FlatBuffer q, scales, q_all, scales_all;
+  /// Quantized all-reduce over nodes of several ranks: every local rank's q_all and scales_all,
+  /// gathered within the node ([k][n][c] and [k][n][blocks]).
+  FlatBuffer q_node, scales_node;
   std::unique_ptr<Work> rest;  ///< the world all-reduce of the elements past k·c
 };
 
@@ -140,10 +143,15 @@ std::unique_ptr<Work> HierarchicalReduction::start(std::shared_ptr<Job> job) {
 }
 
 bool HierarchicalReduction::chains(const Job& j) const {
-  if (!chained_ || quantize_) return false;
-  if (j.step == 1) return true;  // the network step after the node's reduce-scatter
-  // then the node's all-gather (all-reduce), or nothing left to copy (reduce-scatter)
-  return !j.scatter || j.piece.data == j.own.data;
+  if (!chained_) return false;
+  if (j.step == 1) return !quantize_;  // the network step after the node's reduce-scatter
+  if (j.step == 2) {
+    // quantized all-reduce: the node's all-gather of the int8 chunks after the network step
+    if (quantize_) return !j.scatter && node_gather_;
+    // the node's all-gather (all-reduce), or nothing left to copy (reduce-scatter)
+    return !j.scatter || j.piece.data == j.own.data;
+  }
+  return false;  // summing the int8 pieces needs them on the compute stream
 }
 
 bool HierarchicalReduction::advance(Job& j, bool block) {
@@ -178,6 +186,18 @@ bool HierarchicalReduction::advance(Job& j, bool block) {
       if (nodes_ > 1) network_bytes_ += static_cast<int64_t>(j.chunk.bytes());
       break;
     case 2:
+      if (quantize_ && !j.scatter && node_gather_) {
+        // The int8 chunks of every node, gathered within the node as they are: each rank then
+        // sums every chunk itself (step 3), so nothing is issued after a dequantization.
+        next = node_gather_.get();
+        if (chain)
+          for (auto& w : before) next->start_after(*w);
+        j.q_node = FlatBuffer::uninitialized(backend_, DType::kU8, j.q_all.numel() * k_);
+        j.scales_node = FlatBuffer::uninitialized(backend_, DType::kF32, j.scales_all.numel() * k_);
+        j.work.push_back(next->all_gather(j.q_node.view(), j.q_all.view()));
+        j.work.push_back(next->all_gather(j.scales_node.view(), j.scales_all.view()));
+        break;
+      }
       if (quantize_) sum_quantized(j);
       if (!j.scatter && node_gather_) {  // in place: chunk is this rank's slot of main
         next = node_gather_.get();
@@ -191,6 +211,9 @@ bool HierarchicalReduction::advance(Job& j, bool block) {
       }
       j.reordered = FlatBuffer();
       j.step = 3;  // every step issued
+      break;
+    case 3:  // quantized all-reduce over nodes of several ranks: every chunk from every node
+      sum_quantized(j);
       break;
     default:
       break;
@@ -223,15 +246,28 @@ void HierarchicalReduction::issue_quantized(Job& j) {
 
 void HierarchicalReduction::sum_quantized(Job& j) {
   Backend& be = backend_;
-  Tensor out = j.scatter ? j.piece : j.chunk;
-  const int64_t c = out.numel(), blocks = j.scales_all.numel() / nodes_;
-  be.fill_zero(out);
-  for (int n = 0; n < nodes_; ++n)  // node order: every rank the same sum
-    be.dequantize_add_int8(out, j.q_all.slice(n * c, c), j.scales_all.slice(n * blocks, blocks));
+  // The sums to form: j's own piece or chunk, or, with the node's int8 gathered (all-reduce over
+  // nodes of several ranks), each local rank's chunk of main.
+  const bool whole_node = j.q_node.numel() > 0;
+  const int sums = whole_node ? k_ : 1;
+  const FlatBuffer& q = whole_node ? j.q_node : j.q_all;
+  const FlatBuffer& scales = whole_node ? j.scales_node : j.scales_all;
+  const int64_t c = j.scatter ? j.piece.numel() : j.chunk.numel();
+  const int64_t blocks = j.scales_all.numel() / nodes_;
+  for (int l = 0; l < sums; ++l) {
+    Tensor out = j.scatter ? j.piece : whole_node ? j.main.slice1d(l * c, c) : j.chunk;
+    be.fill_zero(out);
+    for (int n = 0; n < nodes_; ++n) {  // node order: every rank the same sum
+      const int64_t at = static_cast<int64_t>(l) * nodes_ + n;
+      be.dequantize_add_int8(out, q.slice(at * c, c), scales.slice(at * blocks, blocks));
+    }
+  }
   j.q = FlatBuffer();
   j.scales = FlatBuffer();
   j.q_all = FlatBuffer();
   j.scales_all = FlatBuffer();
+  j.q_node = FlatBuffer();
+  j.scales_node = FlatBuffer();
 }
 
 void HierarchicalReduction::progress() {

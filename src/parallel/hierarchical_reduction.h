@@ -21,11 +21,13 @@
 //
 // Quantized (ZeRO++'s qgZ, arXiv 2306.10209 §3.3, `zero_quantized_gradients`): step 2 sends int8
 // with one fp32 scale per kQuantBlock elements (Backend::quantize_int8). All-reduce: all-gathers of
-// every node's int8 chunk and scales, summed by each rank in node order, so every rank gets the
-// same sum. Reduce-scatter: each of the n chunks quantized on its own and exchanged all-to-all;
-// each rank sums the nodes' dequantized pieces of its chunk in node order. About a quarter (fp32)
-// or half (bf16) of the bytes across nodes; the error per element is at most half a quantization
-// step of each node's block.
+// every node's int8 chunk and scales; with several ranks per node step 3 then gathers those int8
+// chunks within the node, and every rank sums every chunk itself, node by node in node order, so
+// that every rank holds the same sum and no collective waits for a dequantization. Reduce-scatter:
+// each of the n chunks quantized on its own and exchanged all-to-all; each rank sums the nodes'
+// dequantized pieces of its chunk in node order. About a quarter (fp32) or half (bf16) of the
+// bytes across nodes; the error per element is at most half a quantization step of each node's
+// block.
 //
 // Issue order. Collectives must be issued in the same order on every rank of a communicator, and
 // on GPUs, where each communicator's operations run on a stream of their own and a rank runs the
