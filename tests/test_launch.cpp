@@ -18,6 +18,7 @@
 
 #include "app/error_report.h"
 #include "comm/launch.h"
+#include "core/error.h"
 #include "test_support.h"
 
 namespace fs = std::filesystem;
@@ -213,6 +214,133 @@ TEST(Launch, BadRequestsFailClearly) {
   r = run("launch --nnodes 2 --node-rank 0 --master-addr h -- train --device cpu");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("--hostfile"), std::string::npos) << r.output;
+}
+
+// ---- elastic node counts (--nnodes MIN:MAX) -------------------------------------------------
+
+TEST(Launch, NnodesTakesACountOrMinMax) {
+  namespace st = shardtrain;
+  EXPECT_EQ(st::parse_nnodes("2"), std::make_pair(2, 2));
+  EXPECT_EQ(st::parse_nnodes("1:4"), std::make_pair(1, 4));
+  EXPECT_EQ(st::parse_nnodes("3:3"), std::make_pair(3, 3));
+  EXPECT_THROW_MSG(st::parse_nnodes("3:2"), st::ConfigError, "MIN 3 is above MAX 2");
+  for (const char* bad : {"0:2", "a:b", "0", "", "1:", ":2", "1:2:3", "-1:2", "1:70000"}) {
+    SCOPED_TRACE(bad);
+    EXPECT_THROW_MSG(st::parse_nnodes(bad), st::ConfigError, "expected N or MIN:MAX");
+  }
+  // On the command line: a configuration error (status 2) naming the flag and the fix.
+  Result r = run("launch --nnodes 3:2 --master-addr h --exec -- true");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--nnodes '3:2': MIN 3 is above MAX 2: give --nnodes MIN:MAX with MIN ≤ "
+                          "MAX (e.g. --nnodes 2:3)"),
+            std::string::npos)
+      << r.output;
+  r = run("launch --nnodes a:b --master-addr h --exec -- true");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--nnodes 'a:b': expected N or MIN:MAX"), std::string::npos) << r.output;
+  r = run("launch --nnodes 1:2 --exec -- true");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--nnodes 1:2 needs --master-addr"), std::string::npos) << r.output;
+  // CPU jobs over several nodes run as one mpirun: no elastic node count there.
+  r = run("launch --nnodes 1:2 --master-addr h -- train --device cpu");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--hostfile"), std::string::npos) << r.output;
+  const fs::path dir = temp_dir("nnodes_parse");
+  std::ofstream(dir / "hosts") << "localhost slots=1\n127.0.0.1 slots=1\n";
+  r = run("launch --hostfile " + (dir / "hosts").string() +
+          " --nnodes 1:2 --dry-run -- train --device cpu");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--nnodes 1:2 with --hostfile works for GPU jobs and --exec"),
+            std::string::npos)
+      << r.output;
+  r = run("launch --hostfile " + (dir / "hosts").string() + " --nnodes 3:4 --exec -- true");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("lists 2 host(s) but --nnodes 3:4 needs at least 3"), std::string::npos)
+      << r.output;
+  fs::remove_all(dir);
+}
+
+namespace {
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  std::string s;
+  std::getline(in, s);
+  return s;
+}
+
+/// Two node launchers of `--nnodes NNODES` on this machine (--exec, one rank each); once both
+/// ranks run, node 1's launcher is killed (SIGKILL). Every rank writes its WORLD_SIZE to
+/// DIR/ws.RESTART.RANK; ranks of the first attempt then sleep, those of a restart exit 0. Returns
+/// node 0's output, with "node0_status=S" at its end (node 0's launcher gets SIGTERM after 45 s).
+Result elastic_run(const fs::path& dir, const std::string& nnodes, int port) {
+  const std::string program =
+      "sh -c 'echo $WORLD_SIZE > " + dir.string() +
+      "/ws.${SHARDTRAIN_RESTART_COUNT:-0}.$RANK; if [ \"${SHARDTRAIN_RESTART_COUNT:-0}\" = 0 ]; "
+      "then exec sleep 60; fi'";
+  const std::string launch = std::string("env OMP_NUM_THREADS=1 ") + SHARDTRAIN_BINARY +
+                             " launch --nnodes " + nnodes +
+                             " --master-addr 127.0.0.1 --master-port " + std::to_string(port) +
+                             " --max-restarts 1 --rdzv-last-call 2 --stop-grace 2 --exec";
+  const std::string d = dir.string();
+  const std::string script =
+      launch + " --node-rank 1 -- " + program + " > " + d + "/node1.log 2>&1 &\nN1=$!\n" +
+      "timeout 45 " + launch + " --node-rank 0 -- " + program + " > " + d +
+      "/node0.log 2>&1 &\nN0=$!\n" + "for i in $(seq 200); do [ -f " + d + "/ws.0.0 ] && [ -f " +
+      d + "/ws.0.1 ] && break; sleep 0.1; done\n" + "kill -9 $N1\nwait $N0; S=$?\n" + "cat " + d +
+      "/node0.log; echo node0_status=$S\n";
+  std::ofstream(dir / "run.sh") << script;
+  return run_shell("sh " + (dir / "run.sh").string());
+}
+
+}  // namespace
+
+// torchrun's elastic node count: two node launchers of `--nnodes 1:2` start the job with world
+// size 2; node 1's launcher dies mid-run; node 0's launcher notices (its heartbeat stops for
+// --rdzv-last-call seconds), stops its ranks, meets again without node 1 and restarts the job
+// alone: world size 1, and it finishes. With `--nnodes 2:3` one node is too few: launch stops
+// with a message naming how many came back and MIN.
+TEST(Launch, ElasticNodesRestartWithoutADeadNode) {
+  const fs::path dir = temp_dir("elastic");
+  const int port = 31000 + static_cast<int>(::getpid() % 2000) * 2;
+  Result r = elastic_run(dir, "1:2", port);
+  EXPECT_NE(r.output.find("node0_status=0"), std::string::npos) << r.output;
+  EXPECT_EQ(read_text(dir / "ws.0.0"), "2") << r.output;
+  EXPECT_EQ(read_text(dir / "ws.0.1"), "2") << r.output;
+  EXPECT_EQ(read_text(dir / "ws.1.0"), "1") << "the restart's world size\n" << r.output;
+  EXPECT_FALSE(fs::exists(dir / "ws.1.1")) << r.output;
+  EXPECT_NE(r.output.find("node 1 ("), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("its launcher stopped answering for 2 s"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("restart 1 of 1 with 1 node(s) (was 2)"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 40) << r.output;
+
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  r = elastic_run(dir, "2:3", port + 4);
+  EXPECT_EQ(r.output.find("node0_status=0"), std::string::npos) << r.output;
+  EXPECT_EQ(read_text(dir / "ws.0.0"), "2") << r.output;
+  EXPECT_NE(r.output.find("only 1 node(s) came back for restart 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--nnodes 2:3 needs at least 2"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir / "ws.1.0")) << r.output;
+  EXPECT_LT(r.seconds, 40) << r.output;
+  fs::remove_all(dir);
+}
+
+// With --hostfile (GPU jobs and --exec) and --nnodes MIN:MAX, a node whose rank failed is left out
+// of the restart while MIN nodes remain.
+TEST(Launch, ElasticHostfileDropsTheFailedNode) {
+  const fs::path dir = temp_dir("elastic_hostfile");
+  std::ofstream(dir / "hosts") << "localhost slots=1\n127.0.0.1 slots=1\n";
+  const Result r =
+      run("launch --hostfile " + (dir / "hosts").string() +
+          " --nnodes 1:2 --max-restarts 1 --exec -- sh -c 'echo \"ws=$WORLD_SIZE r=$RANK "
+          "c=${SHARDTRAIN_RESTART_COUNT:-0}\"; if [ \"$RANK\" = 1 ]; then exit 4; fi'");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("ws=2 r=1 c=0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("restart 1 of 1 with 1 node(s) (was 2)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ws=1 r=0 c=1"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("r=1 c=1"), std::string::npos) << r.output;
+  fs::remove_all(dir);
 }
 
 // ---- CPU training with several ranks ---------------------------------------------------------

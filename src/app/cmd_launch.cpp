@@ -8,6 +8,10 @@
 //    one mpirun over all hosts for CPU jobs.
 // When a rank fails, the others are stopped and launch exits with that rank's status, or with
 // --max-restarts N runs the job again (a train command resuming from its latest checkpoint).
+// --nnodes MIN:MAX (torchrun's elastic node count): the launchers of the nodes meet in a store
+// served by node 0's launcher (comm/rendezvous.h), run with the nodes that came, and meet again
+// after a failure, going on without a node whose launcher died; with --hostfile (GPU jobs,
+// --exec) a node whose ranks failed is left out of the restart while MIN nodes remain.
 #include <fmt/core.h>
 #include <unistd.h>
 
@@ -20,11 +24,13 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "app/commands.h"
 #include "comm/launch.h"
 #include "comm/nccl_communicator.h"
+#include "comm/rendezvous.h"
 #include "core/error.h"
 
 namespace shardtrain {
@@ -35,11 +41,15 @@ struct LaunchOptions {
   std::string hostfile;
   std::string device;  ///< --device given to launch: passed on to the training command
   double grace_s = 10;
-  int max_restarts = 0;  ///< --max-restarts: restarts of the whole job after a failure
+  int max_restarts = 0;         ///< --max-restarts: restarts of the whole job after a failure
+  std::string nnodes = "1";     ///< --nnodes: N or MIN:MAX (parse_nnodes)
+  double rdzv_last_call_s = 5;  ///< --rdzv-last-call
+  double rdzv_timeout_s = 600;  ///< --rdzv-timeout
   bool watch_stdin = false;
   bool dry_run = false;
   CLI::Option* nproc = nullptr;
   CLI::Option* master_addr = nullptr;
+  CLI::Option* node_rank = nullptr;
 };
 
 std::string self_exe() {
@@ -109,29 +119,126 @@ MonitorResult run_mpirun(const LaunchOptions& o, const std::vector<HostSlots>& h
   return r;
 }
 
+/// Whether a rank's exit status says it rejected its input (2: configuration, data or checkpoint;
+/// 100–127: the command line): running the job again would fail the same way.
+bool is_bad_input(int status) { return status == 2 || (status >= 100 && status < 128); }
+
 /// Runs `attempt` (the whole job) and, after a failure, again up to --max-restarts times (as
 /// torchrun's --max-restarts): every rank was stopped, and a `train` command resumes from the
 /// latest complete checkpoint of its output directory (restart_command). The ranks see the
 /// restart's number in SHARDTRAIN_RESTART_COUNT (as TORCHELASTIC_RESTART_COUNT). A launcher
 /// stopped by a signal does not restart, nor a job whose rank rejected its input: exit status 2
 /// (configuration, data or checkpoint errors) or 100–127 (the command line) would come again.
-int with_restarts(LaunchOptions& o, const std::function<MonitorResult()>& attempt) {
+/// `nodes` (optional) adapts the nodes to the failure before a restart and returns the words
+/// for the message (" with 1 node(s) (was 2)").
+
+int with_restarts(LaunchOptions& o, const std::function<MonitorResult()>& attempt,
+                  const std::function<std::string(const MonitorResult&)>& nodes = {}) {
   for (int k = 1;; ++k) {
     const MonitorResult r = attempt();
-    const bool bad_input = r.status == 2 || (r.status >= 100 && r.status < 128);
-    if (r.status == 0 || r.interrupted || bad_input || o.dry_run || k > o.max_restarts)
+    if (r.status == 0 || r.interrupted || is_bad_input(r.status) || o.dry_run || k > o.max_restarts)
       return r.status;
     std::string why;
     if (!o.plan.exec) o.plan.command = restart_command(o.plan.command, &why);
-    std::fprintf(stderr, "launch: the job failed (status %d); restart %d of %d, %s\n", r.status, k,
-                 o.max_restarts, why.empty() ? "the same command" : why.c_str());
+    const std::string with = nodes ? nodes(r) : "";
+    std::fprintf(stderr, "launch: the job failed (status %d); restart %d of %d%s, %s\n", r.status,
+                 k, o.max_restarts, with.c_str(), why.empty() ? "the same command" : why.c_str());
     std::fflush(stderr);
     setenv("SHARDTRAIN_RESTART_COUNT", std::to_string(k).c_str(), 1);
   }
 }
 
+/// One node of a job of --nnodes MIN:MAX started by hand (comm/rendezvous.h): meets the other
+/// nodes' launchers, runs this node's ranks with the node rank and world size the rendezvous
+/// gave, and after a failure (here or on another node) meets them again for the restart, up to
+/// --max-restarts times.
+int run_elastic(LaunchOptions& o) {
+  LaunchPlan& plan = o.plan;
+  const bool rank_given = o.node_rank->count() > 0;
+  RendezvousOptions ro;
+  ro.master_addr = plan.master_addr;
+  ro.port = plan.master_port + 1;
+  ro.host = rank_given ? plan.node_rank == 0 : is_local_address(plan.master_addr);
+  ro.min_nodes = plan.min_nnodes;
+  ro.max_nodes = plan.max_nnodes;
+  ro.requested_rank = rank_given && plan.node_rank > 0 ? plan.node_rank : -1;
+  ro.nproc = plan.nproc_per_node;
+  ro.last_call_s = o.rdzv_last_call_s;
+  ro.join_timeout_s = o.rdzv_timeout_s;
+  ElasticRendezvous rdzv(ro);
+  const std::vector<std::string> command = plan.command;
+  MonitorResult last;
+  int prev_nodes = 0;
+  for (int round = rdzv.current_round();; ++round) {
+    int status = 1;
+    std::optional<RendezvousRound> got;
+    try {
+      got = rdzv.join(round, &status);
+    } catch (const RuntimeFailure& e) {
+      std::fprintf(stderr, "error: launch: %s\n", e.what());
+      std::fflush(stderr);
+      rdzv.leave(status != 0 ? status : 1);
+      return status != 0 ? status : 1;
+    }
+    if (!got) {
+      if (status == 0)
+        std::fprintf(stderr, "launch: the job finished without this node\n");
+      else
+        std::fprintf(stderr, "error: launch: node 0's launcher ended the job (status %d)\n",
+                     status);
+      std::fflush(stderr);
+      rdzv.leave(status);
+      return status;
+    }
+    round = got->round;
+    plan.nnodes = got->nnodes;
+    plan.node_rank = got->node_rank;
+    plan.rank_offset = got->rank_offset;
+    plan.world_size = got->world_size;
+    std::string why = "the same command";
+    if (round > 0 && !plan.exec) plan.command = restart_command(command, &why);
+    if (prev_nodes > 0)
+      std::fprintf(stderr,
+                   "launch: the job failed (status %d); restart %d of %d with %d node(s) "
+                   "(was %d), %s\n",
+                   last.status, round, o.max_restarts, got->nnodes, prev_nodes, why.c_str());
+    std::fprintf(stderr,
+                 "launch: rendezvous at %s (--nnodes %d:%d): this is node %d of %d, ranks %d-%d "
+                 "of %d%s\n",
+                 rdzv.address().c_str(), plan.min_nnodes, plan.max_nnodes, got->node_rank,
+                 got->nnodes, got->rank_offset, got->rank_offset + plan.nproc_per_node - 1,
+                 got->world_size, round > 0 ? fmt::format(" (restart {})", round).c_str() : "");
+    std::fflush(stderr);
+    if (round > 0) setenv("SHARDTRAIN_RESTART_COUNT", std::to_string(round).c_str(), 1);
+    MonitorOptions m;
+    m.grace_s = o.grace_s;
+    m.unit = "rank";
+    m.should_stop = [&rdzv, round] { return rdzv.poll(round); };
+    last = run_processes(rank_processes(plan, self_exe()), m);
+    if (last.status == 0) {
+      const int s = rdzv.finish(round);
+      rdzv.leave(s);
+      return s;
+    }
+    // A node whose launcher was interrupted leaves; the others go on without it (as torchrun's).
+    const bool final = is_bad_input(last.status) || round >= o.max_restarts;
+    if (!last.stopped) rdzv.report_failure(round, last.status, last.description, final);
+    if (const auto fin = rdzv.final_status(round); fin && !final) {
+      rdzv.leave(*fin);
+      return *fin;
+    }
+    if (final || last.interrupted || rdzv.store_lost()) {
+      rdzv.leave(last.status);
+      return last.status;
+    }
+    prev_nodes = got->nnodes;
+  }
+}
+
 int launch(LaunchOptions& o) {
   LaunchPlan& plan = o.plan;
+  std::tie(plan.min_nnodes, plan.max_nnodes) = parse_nnodes(o.nnodes);
+  plan.nnodes = plan.max_nnodes;
   check<ConfigError>(!plan.command.empty(),
                      "nothing to launch: put the command after '--', e.g. `shardtrain launch "
                      "--nproc-per-node 2 -- train --dataset wikitext-2`");
@@ -160,7 +267,7 @@ int launch(LaunchOptions& o) {
   const bool gpu_job = !plan.exec && (device == "cuda" || (device == "auto" && gpus > 0));
 
   if (!o.hostfile.empty()) {
-    const std::vector<HostSlots> hosts = read_hostfile(o.hostfile);
+    std::vector<HostSlots> hosts = read_hostfile(o.hostfile);
     if (o.master_addr->count() == 0) {
       plan.master_addr = hosts[0].host;
       if (is_local_host(hosts[0].host) && hosts.size() > 1) {
@@ -168,23 +275,63 @@ int launch(LaunchOptions& o) {
         if (gethostname(name, sizeof name - 1) == 0) plan.master_addr = name;
       }
     }
-    if (!plan.exec && !gpu_job) return with_restarts(o, [&] { return run_mpirun(o, hosts); });
+    if (!plan.exec && !gpu_job) {
+      check<ConfigError>(
+          !plan.elastic(),
+          "--nnodes {} with --hostfile works for GPU jobs and --exec: a CPU job runs "
+          "as one mpirun over all its hosts, which cannot go on without one; give "
+          "--nnodes N (or leave --nnodes out)",
+          o.nnodes);
+      return with_restarts(o, [&] { return run_mpirun(o, hosts); });
+    }
+    if (plan.elastic()) {
+      check<ConfigError>(static_cast<int>(hosts.size()) >= plan.min_nnodes,
+                         "hostfile {} lists {} host(s) but --nnodes {} needs at least {}: list "
+                         "more hosts or lower MIN",
+                         o.hostfile, hosts.size(), o.nnodes, plan.min_nnodes);
+      if (static_cast<int>(hosts.size()) > plan.max_nnodes)
+        hosts.resize(static_cast<size_t>(plan.max_nnodes));  // the first MAX hosts
+    }
     const char* ssh_env = std::getenv("SHARDTRAIN_SSH");
     std::vector<std::string> ssh;
     std::istringstream words(ssh_env ? ssh_env : "ssh -o BatchMode=yes");
     for (std::string w; words >> w;) ssh.push_back(w);
     std::error_code ec;
     const std::string cwd = std::filesystem::current_path(ec).string();
+    std::vector<ChildSpec> nodes;
+    // --nnodes MIN:MAX: a node whose ranks failed is left out of the restart while at least MIN
+    // remain; node 0 (the master, where rank 0 serves the store) always stays.
+    const auto drop_failed = [&](const MonitorResult& r) -> std::string {
+      if (!plan.elastic()) return "";
+      const size_t was = hosts.size();
+      for (size_t i = 1; i < nodes.size() && i < hosts.size(); ++i)
+        if (nodes[i].label == r.failed && static_cast<int>(was) - 1 >= plan.min_nnodes) {
+          hosts.erase(hosts.begin() + static_cast<std::ptrdiff_t>(i));
+          break;
+        }
+      return fmt::format(" with {} node(s) (was {})", hosts.size(), was);
+    };
     return with_restarts(
-        o, [&] { return run(node_processes(plan, hosts, self_exe(), cwd, ssh), o, "node"); });
+        o,
+        [&] {
+          nodes = node_processes(plan, hosts, self_exe(), cwd, ssh);
+          return run(nodes, o, "node");
+        },
+        drop_failed);
   }
 
-  check<ConfigError>(plan.node_rank < plan.nnodes, "--node-rank {} must be below --nnodes {}",
-                     plan.node_rank, plan.nnodes);
-  check<ConfigError>(plan.nnodes == 1 || o.master_addr->count() > 0,
+  check<ConfigError>(plan.node_rank < plan.max_nnodes, "--node-rank {} must be below --nnodes {}",
+                     plan.node_rank, plan.max_nnodes);
+  check<ConfigError>(plan.max_nnodes == 1 || o.master_addr->count() > 0,
                      "--nnodes {} needs --master-addr: the address of node 0 (where rank 0 runs), "
                      "reachable from every node",
-                     plan.nnodes);
+                     o.nnodes);
+  check<ConfigError>(!plan.elastic() || plan.master_port < 65535,
+                     "--nnodes {} needs --master-port below 65535: the launchers meet at "
+                     "--master-port + 1",
+                     o.nnodes);
+  check<ConfigError>(!plan.elastic() || plan.rank_offset < 0,
+                     "--nnodes {} assigns the ranks itself: leave out --rank-offset", o.nnodes);
   if (gpu_job) {
     if (o.nproc->count() == 0) plan.nproc_per_node = std::max(1, gpus);
     check<ConfigError>(
@@ -202,11 +349,12 @@ int launch(LaunchOptions& o) {
       "--rank-offset {} + --nproc-per-node {} exceeds --world-size {}", plan.rank_offset,
       plan.nproc_per_node, plan.total_ranks());
   if (!plan.exec && !gpu_job && plan.total_ranks() > 1) {
-    check<ConfigError>(plan.nnodes == 1,
+    check<ConfigError>(plan.max_nnodes == 1,
                        "CPU jobs over several nodes start through mpirun: pass --hostfile (lines "
                        "'HOST slots=N') instead of --nnodes, or run mpirun / srun yourself");
     return with_restarts(o, [&] { return run_mpirun(o, {}); });
   }
+  if (plan.elastic() && !o.dry_run) return run_elastic(o);  // (dry runs show MAX nodes)
   return with_restarts(o, [&] { return run(rank_processes(plan, self_exe()), o, "rank"); });
 }
 
@@ -222,10 +370,15 @@ void register_launch_command(CLI::App& app) {
   o->nproc = cmd->add_option("--nproc-per-node,--num-gpus,--num_gpus", p.nproc_per_node,
                              "ranks on this node (default: its GPUs for GPU jobs, else 1)")
                  ->check(CLI::Range(1, 4096));
-  cmd->add_option("--nnodes", p.nnodes, "nodes of the job, each running its own launch (default 1)")
-      ->check(CLI::Range(1, 65536));
-  cmd->add_option("--node-rank", p.node_rank, "index of this node, 0 ≤ R < --nnodes (default 0)")
-      ->check(CLI::Range(0, 65535));
+  cmd->add_option("--nnodes", o->nnodes,
+                  "nodes of the job, each running its own launch: N, or MIN:MAX (as torchrun) to "
+                  "run on any count of nodes from MIN to MAX, going on without a node that died "
+                  "when the job restarts (default 1)");
+  o->node_rank = cmd->add_option("--node-rank", p.node_rank,
+                                 "index of this node, 0 ≤ R < --nnodes (default 0); with --nnodes "
+                                 "MIN:MAX 0 marks node 0 (it serves the launchers' store) and the "
+                                 "others are ordered by it")
+                     ->check(CLI::Range(0, 65535));
   o->master_addr = cmd->add_option("--master-addr", p.master_addr,
                                    "address of node 0, where rank 0 serves the rendezvous store "
                                    "(default 127.0.0.1; with --hostfile the first host)");
@@ -256,6 +409,14 @@ void register_launch_command(CLI::App& app) {
                   "of its --output-dir (from the start if there is none yet), its metrics.jsonl "
                   "and TensorBoard continuing without repeated steps (default 0, as torchrun)")
       ->check(CLI::Range(0, 1000));
+  cmd->add_option("--rdzv-last-call", o->rdzv_last_call_s,
+                  "with --nnodes MIN:MAX: seconds to wait for more nodes once MIN have joined, "
+                  "and the silence after which a node's launcher counts as gone (default 5)")
+      ->check(CLI::Range(1.0, 3600.0));
+  cmd->add_option("--rdzv-timeout", o->rdzv_timeout_s,
+                  "with --nnodes MIN:MAX: seconds to wait at the start for MIN nodes to join "
+                  "(default 600)")
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--dry-run", o->dry_run, "print the commands it would run, and exit");
   // Set by a --hostfile launch for the launches it starts on each host.
   cmd->add_option("--rank-offset", p.rank_offset)->group("")->check(CLI::Range(0, 1 << 24));

@@ -65,6 +65,32 @@ std::vector<std::string> rank_argv(const LaunchPlan& plan, const std::string& se
 
 }  // namespace
 
+std::pair<int, int> parse_nnodes(const std::string& value) {
+  const auto number = [&](const std::string& part) {
+    const std::string t = trim(part);
+    const bool digits =
+        !t.empty() && t.size() <= 6 && t.find_first_not_of("0123456789") == std::string::npos;
+    const int n = digits ? std::atoi(t.c_str()) : -1;
+    check<ConfigError>(n >= 1 && n <= 65536,
+                       "--nnodes '{}': expected N or MIN:MAX, whole numbers with 1 ≤ MIN ≤ MAX ≤ "
+                       "65536 (e.g. --nnodes 2, or --nnodes 1:4 to run on 1 to 4 nodes)",
+                       value);
+    return n;
+  };
+  const size_t colon = value.find(':');
+  if (colon == std::string::npos) {
+    const int n = number(value);
+    return {n, n};
+  }
+  const int lo = number(value.substr(0, colon));
+  const int hi = number(value.substr(colon + 1));
+  check<ConfigError>(lo <= hi,
+                     "--nnodes '{}': MIN {} is above MAX {}: give --nnodes MIN:MAX with MIN ≤ MAX "
+                     "(e.g. --nnodes {}:{})",
+                     value, lo, hi, hi, lo);
+  return {lo, hi};
+}
+
 std::vector<HostSlots> parse_hostfile(const std::string& text, const std::string& name) {
   std::vector<HostSlots> hosts;
   std::map<std::string, int> seen;
@@ -435,6 +461,16 @@ MonitorResult run_processes(const std::vector<ChildSpec>& children, const Monito
       result.description = fmt::format("launch was interrupted by signal {} ({}); stopped {} {}{}",
                                        sig, strsignal(sig), n, options.unit, n == 1 ? "" : "s");
       break;
+    }
+    if (options.should_stop) {
+      if (const std::optional<StopRequest> req = options.should_stop()) {
+        const int n = stop_all(procs, SIGTERM, options.grace_s);
+        result.status = req->status;
+        result.stopped = true;
+        result.description =
+            fmt::format("{}; stopped {} {}{}", req->reason, n, options.unit, n == 1 ? "" : "s");
+        break;
+      }
     }
     if (options.watch_stdin) {
       pollfd p{0, POLLIN, 0};

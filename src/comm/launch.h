@@ -3,6 +3,8 @@
 // fails. docs/LAUNCHING.md describes the behaviour.
 #pragma once
 
+#include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,10 +27,18 @@ std::vector<HostSlots> parse_hostfile(const std::string& text, const std::string
 /// Reads and parses the hostfile at `path`. Throws ConfigError when it cannot be read.
 std::vector<HostSlots> read_hostfile(const std::string& path);
 
+/// Parses the value of `--nnodes`: "N" (a fixed count) or "MIN:MAX" (torchrun's elastic node
+/// count: the job runs on any count of nodes in [MIN, MAX]), with 1 ≤ MIN ≤ MAX ≤ 65536. Returns
+/// {MIN, MAX} ({N, N} for "N"). Throws ConfigError naming the flag, the value and the form
+/// expected (e.g. for "3:2", "0:2", "a:b").
+std::pair<int, int> parse_nnodes(const std::string& value);
+
 /// What one `shardtrain launch` (on one node) starts.
 struct LaunchPlan {
   int nproc_per_node = 1;
-  int nnodes = 1;
+  int nnodes = 1;      ///< nodes of the job (elastic jobs: of the current round)
+  int min_nnodes = 1;  ///< --nnodes MIN:MAX; both equal nnodes for a fixed count
+  int max_nnodes = 1;
   int node_rank = 0;
   int rank_offset = -1;  ///< global rank of this node's local rank 0; -1: node_rank × nproc
   int world_size = -1;   ///< -1: nnodes × nproc_per_node
@@ -40,6 +50,8 @@ struct LaunchPlan {
 
   int first_rank() const { return rank_offset >= 0 ? rank_offset : node_rank * nproc_per_node; }
   int total_ranks() const { return world_size > 0 ? world_size : nnodes * nproc_per_node; }
+  /// Whether the node count may change (--nnodes MIN:MAX with MIN < MAX).
+  bool elastic() const { return min_nnodes < max_nnodes; }
 };
 
 /// A process to start and watch.
@@ -82,11 +94,20 @@ std::string device_flag(const std::vector<std::string>& command);
 /// The full path of `program` found on PATH, or "" when it is not there.
 std::string find_on_path(const std::string& program);
 
+/// A request from outside the monitor to stop every process (e.g. another node's ranks failed).
+struct StopRequest {
+  int status = 1;      ///< the exit status the launcher reports for it
+  std::string reason;  ///< "node 1 (gpu7): rank 3 (pid 41234) exited with status 1"
+};
+
 struct MonitorOptions {
   double grace_s = 10;           ///< seconds between SIGTERM and SIGKILL when stopping processes
   bool watch_stdin = false;      ///< stop everything when stdin reaches EOF (the ssh session ended)
   std::string unit = "rank";     ///< what a process is, for messages ("rank", "node")
   bool describe_failure = true;  ///< print the "error: rank 3 (pid …) exited …" line
+  /// Called about every 20 ms while the processes run: a request stops them all (as a failure,
+  /// with the request's status). Must not throw.
+  std::function<std::optional<StopRequest>()> should_stop;
 };
 
 struct MonitorResult {
@@ -96,6 +117,8 @@ struct MonitorResult {
   /// Stopped by a signal to the launcher or by the loss of its starting node (not a failure of
   /// the job itself: `launch --max-restarts` does not restart it).
   bool interrupted = false;
+  /// Stopped on options.should_stop's request (`status` is the request's).
+  bool stopped = false;
 };
 
 /// Starts `children` and waits for them. When one exits with a non-zero status or is killed, the
