@@ -158,6 +158,9 @@ def parse_metrics(path, warmup, smoke, unit="tokens"):
            "step_ms": 1e3 * seconds / max(prev - warmup, 1),
            "peak_allocated": alloc, "peak_reserved": reserved,
            "first_loss": losses[0], "last_loss": losses[-1]}
+    for k in ("gathered_bytes_per_step", "cross_node_bytes_per_step"):  # the epoch summary's
+        if epoch[-1].get(k):
+            out[k] = epoch[-1][k]
     if phase_steps:
         out["breakdown"] = {k: v / phase_steps for k, v in phases.items()}
         out["breakdown"]["steps"] = phase_steps

@@ -263,6 +263,8 @@ def train_args(a, cell, model, batch, steps, out):
         cmd += ["--gradient-accumulation-steps", str(cell["accum"])]
     if cell["hier"]:
         cmd.append("--hierarchical-all-reduce")
+    elif not cell.get("hybrid"):  # one collective over all ranks (the default across nodes of
+        cmd.append("--no-hierarchical-all-reduce")  # several GPUs is hierarchical)
     if cell.get("hybrid"):
         cmd += ["--zero-hpz-partition-size", str(a.gpus_per_node)]
     if cell.get("quant"):
@@ -373,13 +375,16 @@ def cells(a):
 
 # --- the bound ------------------------------------------------------------------------------------
 
-def crossing(strategy, params, elem, N, G, hier, accum, quant=False, hybrid=False):
+def crossing(strategy, params, elem, N, G, hier, accum, quant=False, hybrid=False,
+             gathered=None):
     """The collectives of one optimizer step (A = accum micro-batches) whose bytes cross the
     nodes, per GPU, as nccl-tests counts bus bytes (S = Ψ × elem, n = N·G ranks): [(collective,
     calls per step, bus bytes per GPU per call)]. dp: one all-reduce, 2(n−1)/n·S (hierarchical:
     only its cross-node step crosses, 2(N−1)/N·S/G); zero1: reduce-scatter + all-gather,
     (n−1)/n·S each; zero2: the reduce-scatter in every micro-batch's backward, the all-gather once;
-    zero3: all-gather in forward and in backward and reduce-scatter, every micro-batch
+    zero3: all-gather in forward and in backward and reduce-scatter, every micro-batch — or,
+    given `gathered` (bytes all-gathered per step, the run's epoch summary), gathered ÷ S
+    all-gathers (zero3 keeps layers gathered from forward to backward within its live budget)
     (hierarchical: the reduce-scatters cross with (N−1)/N·S/G); zero3 hybrid: only the gradient
     shards' all-reduce across groups once per step, 2(N−1)/N·S/G. Quantized (int8 and one fp32
     scale per 256 elements, Q = Ψ/G·(1 + 4/256) bytes): dp and hybrid all-gather every node's
@@ -407,7 +412,8 @@ def crossing(strategy, params, elem, N, G, hier, accum, quant=False, hybrid=Fals
         return [(scatter[0], 1, scatter[1]), ("all_gather", 1, f * S)]
     if strategy == "zero2":
         return [(scatter[0], accum, scatter[1]), ("all_gather", 1, f * S)]
-    return [("all_gather", 2 * accum, f * S), (scatter[0], accum, scatter[1])]
+    gathers = gathered / S if gathered else 2 * accum
+    return [("all_gather", gathers, f * S), (scatter[0], accum, scatter[1])]
 
 
 # The measured bus bandwidth a collective is timed at: all-to-all (not measured) at all-gather's,
@@ -437,7 +443,8 @@ def add_bounds(res):
             elem = lm_suite.DTYPE_BYTES.get(o.get("precision") or one.get("precision"), 2)
             items = crossing(r["strategy"], params, elem, 1 if r["layout"] == "flat" else N,
                              N * G if r["layout"] == "flat" else G, r["hier"], A,
-                             r.get("quant", False), r.get("hybrid", False))
+                             r.get("quant", False), r.get("hybrid", False),
+                             o.get("gathered_bytes_per_step"))
             ms = [k * b / ((bw or {}).get(BUSBW_OF.get(op, op)) or math.nan) / 1e6
                   for op, k, b in items]
             r["comm"] = {"params": params, "elem_bytes": elem,
@@ -653,7 +660,9 @@ def print_tables(res):
           "parameters), n = N·G: dp an all-reduce, 2(n−1)/n·S, once per step (hierarchical: "
           "2(N−1)/N·S/G, its cross-node step only); zero1 a reduce-scatter and an all-gather, "
           "(n−1)/n·S each; zero2 the reduce-scatter every micro-batch, the all-gather once; zero3 "
-          "2 all-gathers + 1 reduce-scatter every micro-batch (hierarchical: the reduce-scatter "
+          "2 all-gathers + 1 reduce-scatter every micro-batch (the all-gathers: as many as "
+          "the run's all-gathered bytes per step ÷ S, its epoch summary; hierarchical: the "
+          "reduce-scatter "
           "(N−1)/N·S/G); zero3 hybrid only the all-reduce of the gradient shards across nodes, "
           "2(N−1)/N·S/G once per step; int8: Q = Ψ/G·(1 + 4/256) bytes, all-gathered by dp and "
           "hybrid, (N−1)·Q, exchanged all-to-all by the reduce-scatters, (N−1)/N·Q (timed at the "

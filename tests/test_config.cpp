@@ -244,6 +244,41 @@ TEST_F(ConfigTest, HierarchicalAllReduceIsForDataParallelismAndZero) {
   EXPECT_CONTAINS(msg, "--hierarchical-all-reduce and zero_hpz_partition_size 2 both arrange");
 }
 
+// Without either flag the reduction is hierarchical exactly where it moves fewer bytes across
+// nodes: several nodes of several ranks each, a strategy that reduces gradients over all ranks.
+TEST_F(ConfigTest, HierarchicalReductionIsChosenForSeveralNodesOfSeveralRanks) {
+  TrainConfig c = finalize({"--strategy", "dp"});
+  const auto layout = [&](int world, int per_node) {
+    c.world_size = world;
+    c.ranks_per_node = per_node;
+    return hierarchical_reduction(c);
+  };
+  EXPECT_TRUE(layout(4, 2));   // 2 nodes × 2
+  EXPECT_TRUE(layout(16, 8));  // 2 nodes × 8
+  EXPECT_FALSE(layout(4, 4));  // one node
+  EXPECT_FALSE(layout(4, 1));  // one rank per node: the same bytes either way
+  EXPECT_FALSE(layout(1, 1));
+  for (StrategyKind k : {StrategyKind::kZero1, StrategyKind::kZero2, StrategyKind::kZero3}) {
+    c.strategy = k;
+    EXPECT_TRUE(layout(4, 2)) << to_string(k);
+  }
+  c.zero.hpz_partition_size = 2;  // hybrid sharding reduces around nodes its own way
+  EXPECT_FALSE(layout(4, 2));
+  c.zero.hpz_partition_size = 1;
+  c.strategy = StrategyKind::kPipeline;
+  EXPECT_FALSE(layout(4, 2));
+  c.strategy = StrategyKind::kDataParallel;
+  c.no_hierarchical_all_reduce = true;
+  EXPECT_FALSE(layout(4, 2));
+  c.no_hierarchical_all_reduce = false;
+  c.hierarchical_all_reduce = true;
+  EXPECT_TRUE(layout(4, 4));  // asked for: on, even where it changes nothing
+  const std::string msg = config_error([&] {
+    finalize({"--hierarchical-all-reduce", "--no-hierarchical-all-reduce"});
+  });
+  EXPECT_CONTAINS(msg, "--hierarchical-all-reduce and --no-hierarchical-all-reduce contradict");
+}
+
 TEST_F(ConfigTest, HybridShardingIsForZeroThree) {
   EXPECT_EQ(
       finalize({"--strategy", "zero3", "--zero-hpz-partition-size", "2"}).zero.hpz_partition_size,

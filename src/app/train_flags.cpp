@@ -404,11 +404,13 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                "zero_quantized_gradients, qgZ), a quarter (fp32) or half (bf16) of the bytes "
                "(default: off)");
   cmd.add_flag("--hierarchical-all-reduce", cfg.hierarchical_all_reduce,
-               "dp, zero1 and zero2 across nodes: sum each gradient bucket within the node "
-               "(reduce-scatter), across nodes 1/k of it per rank (k = ranks per node; dp: "
-               "all-reduce then gather within the node, zero1/zero2: reduce-scatter) — each GPU "
-               "sends 1/k of the gradients over the network (default: off, one collective over "
-               "all ranks)");
+               "dp, zero1, zero2 and zero3 across nodes: sum each gradient bucket within the "
+               "node (reduce-scatter), across nodes 1/k of it per rank (k = ranks per node; dp: "
+               "all-reduce then gather within the node, ZeRO: reduce-scatter) — each GPU sends "
+               "1/k of the gradients over the network (default: on for jobs of several nodes "
+               "with several ranks each, where it moves fewer bytes across nodes; off otherwise)");
+  cmd.add_flag("--no-hierarchical-all-reduce", cfg.no_hierarchical_all_reduce,
+               "one collective over all ranks for the gradients, whatever the nodes");
   cmd.add_flag("--sync-batchnorm", cfg.sync_batchnorm,
                "image models: batch norm's training statistics over all ranks (SyncBatchNorm; "
                "default: each rank's own micro-batch)");

@@ -1471,11 +1471,14 @@ void check_strategy(const TrainConfig& c) {
                      "zero_hpz_partition_size {} does not run with offload_optimizer: drop one",
                      c.zero.hpz_partition_size);
   check<ConfigError>(
-      !c.zero.quantized_gradients || c.hierarchical_all_reduce || c.zero.hpz_partition_size > 1,
+      !c.zero.quantized_gradients || hierarchical_reduction(c) || c.zero.hpz_partition_size > 1,
       "zero_quantized_gradients (--quantized-gradients) quantizes the gradients that cross "
       "nodes: of --hierarchical-all-reduce (dp, zero1, zero2, zero3) or of zero3's hybrid "
       "sharding "
       "(--zero-hpz-partition-size); add one of them");
+  check<ConfigError>(!c.hierarchical_all_reduce || !c.no_hierarchical_all_reduce,
+                     "--hierarchical-all-reduce and --no-hierarchical-all-reduce contradict: give "
+                     "one");
   check<ConfigError>(!c.hierarchical_all_reduce || c.strategy == StrategyKind::kDataParallel ||
                          c.strategy == StrategyKind::kZero1 || c.strategy == StrategyKind::kZero2 ||
                          c.strategy == StrategyKind::kZero3,
@@ -1832,6 +1835,16 @@ void apply_deepspeed_config(const std::string& path, TrainConfig& cfg,
 }
 
 // ---- validation -------------------------------------------------------------------------------
+
+bool hierarchical_reduction(const TrainConfig& cfg) {
+  if (cfg.no_hierarchical_all_reduce) return false;
+  if (cfg.hierarchical_all_reduce) return true;
+  const bool eligible = cfg.strategy == StrategyKind::kDataParallel ||
+                        cfg.strategy == StrategyKind::kZero1 ||
+                        cfg.strategy == StrategyKind::kZero2 ||
+                        (cfg.strategy == StrategyKind::kZero3 && cfg.zero.hpz_partition_size <= 1);
+  return eligible && cfg.ranks_per_node > 1 && cfg.world_size > cfg.ranks_per_node;
+}
 
 int data_parallel_size(const TrainConfig& cfg) {
   if (cfg.strategy != StrategyKind::kPipeline || cfg.pipeline.stages < 1) return cfg.world_size;

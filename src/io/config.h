@@ -196,10 +196,12 @@ struct TrainConfig {
   int64_t train_batch_size = 0;  ///< global batch in samples; derived after validate()
   int world_size = 1;            ///< ranks (set by the launcher); pipeline: stages × replicas
   int ranks_per_node = 1;        ///< ranks on each node (the launcher's LOCAL_WORLD_SIZE)
-  /// dp, zero1, zero2: sum the gradients within each node, then across nodes 1/k of them per
-  /// rank (dp: then gather within the node; --hierarchical-all-reduce;
-  /// parallel/hierarchical_reduction.h).
+  /// dp, zero1, zero2, zero3: sum the gradients within each node, then across nodes 1/k of them
+  /// per rank (dp: then gather within the node; parallel/hierarchical_reduction.h).
+  /// --hierarchical-all-reduce asks for it, --no-hierarchical-all-reduce forbids it; neither:
+  /// chosen by hierarchical_reduction() (see there).
   bool hierarchical_all_reduce = false;
+  bool no_hierarchical_all_reduce = false;
   /// Whether micro_batch_size / gradient_accumulation_steps were given explicitly (flag or
   /// DeepSpeed JSON). validate() derives the ones not given from train_batch_size, as DeepSpeed.
   bool micro_batch_set = false;
@@ -348,6 +350,15 @@ void apply_deepspeed_config(const std::string& path, TrainConfig& cfg,
                             const ExplicitFlags& explicit_flags,
                             std::vector<std::string>& ignored_keys,
                             std::vector<std::string>& overridden);
+
+/// Whether the gradients are reduced hierarchically across nodes: asked for
+/// (--hierarchical-all-reduce), or — unless --no-hierarchical-all-reduce — chosen because it moves
+/// fewer bytes across nodes than one collective over all ranks: dp, zero1, zero2 and zero3
+/// without hybrid sharding, on several nodes of several ranks each (ranks_per_node > 1 and
+/// world_size > ranks_per_node). Per node a ring all-reduce over W ranks sends 2(W−1)/W of the
+/// gradient across the network, the hierarchical one 2(n−1)/n over n nodes, fewer whenever a node
+/// has more than one rank; with one rank per node they are the same, and it stays off.
+bool hierarchical_reduction(const TrainConfig& cfg);
 
 /// The data-parallel degree D: world_size, or world_size / pipeline.stages for --strategy
 /// pipeline (the replicas of the pipeline). Meaningful after validate().

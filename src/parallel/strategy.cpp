@@ -28,7 +28,7 @@ StrategyOptions strategy_options(const TrainConfig& cfg) {
   o.delayed_update = cfg.zero.offload_delayed_update;
   o.nvme_path = cfg.zero.nvme_path;
   o.aio = cfg.aio;
-  if (cfg.hierarchical_all_reduce) o.hierarchical_ranks_per_node = cfg.ranks_per_node;
+  if (hierarchical_reduction(cfg)) o.hierarchical_ranks_per_node = cfg.ranks_per_node;
   o.hpz_partition_size = cfg.zero.hpz_partition_size;
   o.quantized_gradients = cfg.zero.quantized_gradients;
   return o;

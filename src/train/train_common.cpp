@@ -150,7 +150,7 @@ nlohmann::json config_snapshot(const TrainConfig& c) {
   const ZeroConfig& z = c.zero;
   return {{"model", c.model},
           {"strategy", to_string(c.strategy)},
-          {"hierarchical_all_reduce", c.hierarchical_all_reduce},
+          {"hierarchical_all_reduce", hierarchical_reduction(c)},
           {"quantized_gradients", c.zero.quantized_gradients},
           {"ranks_per_node", c.ranks_per_node},
           {"plan",
