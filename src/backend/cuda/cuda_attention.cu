@@ -9,7 +9,7 @@
 //   y = P v                                out[b,t,h·hs:(h+1)·hs] = y[t]
 // Backward (softmax Jacobian: ∂P_j/∂S_i = P_j (δ_ij − P_i), so dS = P ⊙ (dP − rowsum(dP ⊙ P))):
 //   dP = dy vᵀ,  dv = Pᵀ dy,  dS = scale · P ⊙ (dP − rowsum(dP ⊙ P)),  dq = dS k,  dk = dSᵀ q.
-// Same formulas as backend/cpu/cpu_backend.cpp (the reference).
+// Same formulas as backend/cpu/cpu_attention.cpp (the reference).
 //
 // ---- layouts and dtypes -----------------------------------------------------------------------
 //   qkv  [B, T, 3C] = [B, T, 3, NH, hs]  (q | k | v, heads concatenated), compute dtype

@@ -20,7 +20,7 @@
 //   D[i] = rowsum(dO ⊙ O)[i]                                      (kernel 1: flash_dot)
 //   dP = dO vᵀ, dS = P ⊙ (dP − D), dV = Pᵀ dO, dK = scale·dSᵀ q  (kernel 2: over key tiles)
 //   dQ = scale · dS k                                             (kernel 3: over query tiles)
-// Same formulas as backend/cpu/cpu_backend.cpp and cuda_attention.cu (dS = P ⊙ (dP − rowsum(P ⊙
+// Same formulas as backend/cpu/cpu_attention.cpp and cuda_attention.cu (dS = P ⊙ (dP − rowsum(P ⊙
 // dP)), with rowsum(P ⊙ dP) = rowsum(dO ⊙ O)).
 // Attention dropout (kDrop instantiations; p = 0 launches the kernels without it): with f =
 // M/(1−p_eff), M the mask of element ((b·NH+h)·T+i)·T+j (AttnDropout8 in core/philox.h, the CPU

@@ -1,7 +1,7 @@
 // Linear layers on the GPU: cuBLASLt GEMMs with fused bias / GELU / dGELU epilogues, and a
 // deterministic bias-gradient reduction.
 //
-// Semantics (backend/backend.h, matched by backend/cpu/cpu_backend.cpp):
+// Semantics (backend/backend.h, matched by backend/cpu/cpu_matmul.cpp):
 //   forward : out [N,OC] = inp [N,IC] · W[OC,IC]ᵀ + b[OC]
 //             (kGelu: pre_gelu = that, out = gelu(it))
 //   backward: dinp [N,IC] = dout [N,OC] · W       (OVERWRITES; · gelu'(dinp_gelu_input) if given)
