@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "io/config.h"
+#include "config/config.h"
 #include "model/gpt2.h"
 #include "model/gpt2_config.h"
 #include "train/train_step.h"

@@ -9,15 +9,15 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "checkpoint/atomic_file.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/image_weights.h"
+#include "checkpoint/sharded_checkpoint.h"
 #include "core/error.h"
 #include "core/strings.h"
 #include "data/dataset.h"
 #include "data/image_dataset.h"
 #include "data/prefetcher.h"
-#include "io/atomic_file.h"
-#include "io/checkpoint.h"
-#include "io/image_weights.h"
-#include "io/sharded_checkpoint.h"
 #include "memory/host_buffer.h"
 #include "model/image/image_zoo.h"
 #include "optim/adamw.h"
@@ -209,6 +209,304 @@ ImageEvaluation evaluate_images(ImageModel& model, const ImageSet& set,
   return ev;
 }
 
+namespace {
+
+/// The training transform of `train`: random crop (padding 4, or 2 below 32 pixels), flips for
+/// natural images, normalization by the set's channel statistics.
+ImageTransform training_transform(const ImageData& data) {
+  ImageTransform t;
+  t.channels = data.train.channels;
+  t.crop_padding = data.train.height >= 32 ? 4 : 2;
+  t.horizontal_flip = data.flip;
+  channel_statistics(data.train, t.mean, t.stdev);
+  return t;
+}
+
+/// The model --model names for `data`'s images and classes, with the run's label smoothing,
+/// CUDA graphs and synchronized batch norm. Throws ConfigError naming the smallest input size
+/// when the images are too small for the network.
+std::unique_ptr<ImageModel> build_image_model(const TrainConfig& cfg, const ImageData& data,
+                                              ImageModelSpec& spec, Backend& backend,
+                                              Communicator& comm) {
+  spec.name = cfg.model;
+  spec.channels = data.train.channels;
+  spec.height = data.train.height;
+  spec.width = data.train.width;
+  spec.num_classes = static_cast<int64_t>(data.train.classes.size());
+  // --dropout P: the classifier's dropout (0 also turns stochastic depth off).
+  if (cfg.dropout >= 0) {
+    spec.dropout = cfg.dropout > 0;
+    spec.classifier_dropout = static_cast<float>(cfg.dropout);
+  }
+  std::unique_ptr<ImageModel> model;
+  try {
+    model = make_image_model(spec, backend);
+  } catch (const ConfigError& e) {
+    std::string fix;
+    if (std::string_view(e.what()).find("is too small") != std::string_view::npos) {
+      if (const int64_t n = smallest_input_size(spec, backend); n > 0)
+        fix = fmt::format(" ('{}' takes images of {}×{} pixels or more: --image-size {})",
+                          cfg.model, n, n, n);
+    }
+    throw ConfigError(fmt::format("--model {} on {} images of {}×{}×{}: {}{}", cfg.model,
+                                  data.train.name, spec.channels, spec.height, spec.width, e.what(),
+                                  fix));
+  }
+  model->set_label_smoothing(static_cast<float>(cfg.label_smoothing));
+  model->set_cuda_graphs(cfg.cuda_graphs && backend.kind() == DeviceKind::kCUDA);
+  if (cfg.sync_batchnorm && comm.world_size() > 1)
+    model->set_sync_batchnorm(
+        [&comm](Tensor t) { comm.all_reduce(std::move(t), ReduceOp::kSum)->wait(); },
+        comm.world_size());
+  return model;
+}
+
+/// Throws CheckpointError unless `info` holds the very model `identity` describes (name, classes,
+/// input); `flag` names the option that gave the checkpoint.
+void require_same_model(const CheckpointInfo& info, const ImageCheckpointModel& identity,
+                        const char* flag) {
+  check<CheckpointError>(info.image && *info.image == identity,
+                         "{} {}: the checkpoint holds {} but this run trains {}; pass the "
+                         "checkpoint's --model and data, or start without {}",
+                         flag, info.dir.string(), checkpoint_model_description(info),
+                         identity.describe(), flag);
+}
+
+/// The full fp32 parameters [layout numel] a fresh run starts from — the model's initialization
+/// with cfg.seed, then --init-from (a shardtrain checkpoint, or torchvision safetensors with
+/// --replace-head) — and the lines that say so in the banner. Writes the model's batch-norm
+/// statistics from the same source.
+std::vector<float> initial_image_parameters(const TrainConfig& cfg, const ImageModelSpec& spec,
+                                            const ImageCheckpointModel& identity, ImageModel& model,
+                                            std::vector<std::string>& notes) {
+  std::vector<float> init(static_cast<size_t>(model.layout().numel()), 0.0f);
+  model.init_parameters(init.data(), cfg.seed);
+  if (cfg.init_from.empty()) return init;
+  fs::path p = cfg.init_from;
+  // A directory holding model.safetensors but no manifest: the weights file in it.
+  if (fs::is_directory(p) && fs::exists(p / "model.safetensors") &&
+      !fs::exists(p / "manifest.json") && !fs::exists(p / "latest"))
+    p /= "model.safetensors";
+  if (fs::is_directory(p)) {  // a shardtrain checkpoint (or an output directory)
+    const CheckpointInfo from = read_checkpoint_info(p);
+    require_same_model(from, identity, "--init-from");
+    init = load_checkpoint_params(from, model.layout());
+    load_model_buffers(from, model, 0);
+    notes.push_back(
+        fmt::format("initialized from checkpoint {} (weights and batch norm "
+                    "statistics; optimizer and step start afresh)",
+                    from.dir.string()));
+    return init;
+  }
+  int64_t nbuf = 0;
+  for (const ModelBuffer& b : model.state_buffers()) nbuf += b.numel;
+  std::vector<float> buffers(static_cast<size_t>(nbuf));
+  model.read_state_buffers(buffers.data());
+  const TorchvisionLoadReport r =
+      load_torchvision_weights(p, model, init.data(), buffers.data(), cfg.replace_head);
+  model.write_state_buffers(buffers.data());
+  notes.push_back(fmt::format(
+      "initialized from {} ({} tensors{})", p.string(), r.tensors_loaded,
+      r.ignored.empty() ? std::string()
+                        : fmt::format(", {} num_batches_tracked ignored", r.ignored.size())));
+  if (!r.fresh_head.empty())
+    notes.push_back(
+        fmt::format("--replace-head: the file's classifier head ({} classes) does not fit the data "
+                    "set's {} classes: {} keep their fresh initialization (fine-tuning)",
+                    r.file_classes, spec.num_classes, join(r.fresh_head, ", ")));
+  return init;
+}
+
+/// What the image banner and run.json report besides the config.
+struct ImageRunFacts {
+  const ImageData& data;
+  const ImageTransform& transform;
+  const ImageModel& model;
+  const Backend& backend;
+  const Strategy& strategy;
+  const RunPlan& plan;
+  int world_size = 1;
+  double data_seconds = 0;
+  const std::vector<std::string>& notes;  ///< how the parameters were initialized
+  const CheckpointInfo* resume = nullptr;
+  const TrainingProgress* progress = nullptr;
+};
+
+void print_image_banner(Console& out, const TrainConfig& cfg, const ImageRunFacts& f) {
+  const int world = f.world_size;
+  out.line("shardtrain {} | train {} ({} parameters) | strategy {} | {} × {} rank{}",
+           SHARDTRAIN_VERSION, cfg.model, with_commas(f.model.layout().num_parameters()),
+           to_string(cfg.strategy), f.backend.description(), world, world > 1 ? "s" : "");
+  out.line(
+      "  data: {} — {} training images {}×{}×{}, {} classes, {} held-out images; loaded in {:.1f} "
+      "s",
+      f.data.train.name, with_commas(f.data.train.size()), f.data.train.channels,
+      f.data.train.height, f.data.train.width, f.data.train.classes.size(),
+      with_commas(f.data.held_out.size()), f.data_seconds);
+  std::string mean, stdev;
+  for (size_t c = 0; c < f.transform.mean.size(); ++c) {
+    mean += fmt::format("{}{:.4f}", c ? ", " : "", f.transform.mean[c]);
+    stdev += fmt::format("{}{:.4f}", c ? ", " : "", f.transform.stdev[c]);
+  }
+  out.line("  augmentation: random crop (padding {}){} | normalization mean ({}) std ({})",
+           f.transform.crop_padding, f.transform.horizontal_flip ? ", horizontal flip" : "", mean,
+           stdev);
+  out.line(
+      "  batch: micro-batch {} × accumulation {} × {} rank{} = global batch {} images | batch "
+      "norm statistics: {}",
+      cfg.micro_batch_size, cfg.gradient_accumulation_steps, world, world > 1 ? "s" : "",
+      f.plan.global_batch,
+      cfg.sync_batchnorm && world > 1 ? "synchronized over the ranks" : "each rank's micro-batch");
+  out.line("  CUDA graphs: {}",
+           !f.model.cuda_graphs_usable()
+               ? (!cfg.cuda_graphs ? "off (--no-cuda-graphs)"
+                  : f.backend.kind() != DeviceKind::kCUDA
+                      ? "off (CPU)"
+                      : "off (the strategy gathers parameters or reduces gradients during "
+                        "backward, or --sync-batchnorm)")
+           : world > 1 ? "on (each micro-batch's forward and backward replayed as one graph; the "
+                         "gradients all-reduced after the step's last replay)"
+                       : "on (each micro-batch's forward and backward replayed as one graph)");
+  out.line(
+      "  steps: {} ({} per epoch{}), warmup {}, {} schedule, {}, clip {:g}, label smoothing {:g}",
+      f.plan.total_steps, f.plan.steps_per_epoch,
+      cfg.max_steps > 0 ? fmt::format(", --max-steps {}", cfg.max_steps)
+                        : fmt::format(", {} epochs", cfg.epochs),
+      f.plan.warmup, to_string(cfg.lr_schedule), describe_optimizer(cfg), cfg.gradient_clipping,
+      cfg.label_smoothing);
+  out.line(
+      "  precision: {} | model states {} per rank | {:.3f} GFLOPs per training image | output: {}",
+      dtype_name(f.backend.compute_dtype()),
+      human_bytes(static_cast<double>(f.strategy.model_state_bytes())),
+      f.model.train_flops_per_sample(0) / 1e9, cfg.output_dir);
+  for (const std::string& note : f.notes) out.line("  {}", note);
+  if (f.resume)
+    out.line("  resumed from {} at step {} (epoch {}, step {} of the epoch)",
+             f.resume->dir.string(), f.progress->step, f.progress->epoch + 1,
+             f.progress->step_in_epoch);
+}
+
+/// run.json (see train()'s): the configuration, the model's size and FLOPs, the ranks, the
+/// global batch and the class names.
+void write_image_run_json(const TrainConfig& cfg, const json& snapshot, const ImageRunFacts& f) {
+  json run = snapshot;
+  run["model_name"] = cfg.model;
+  run["parameters"] = f.model.layout().num_parameters();
+  run["flops_per_sample"] = f.model.train_flops_per_sample(0);
+  run["peak_tflops"] = cfg.peak_tflops;
+  run["on_gpu"] = f.backend.kind() == DeviceKind::kCUDA;
+  run["backend"] = f.backend.description();
+  run["world_size"] = f.world_size;
+  run["global_batch"] = f.plan.global_batch;
+  run["steps_per_epoch"] = f.plan.steps_per_epoch;
+  run["total_steps"] = f.plan.total_steps;
+  run["classes"] = f.data.train.classes;
+  write_file_atomic(fs::path(cfg.output_dir) / "run.json", run.dump(2) + "\n");
+}
+
+/// The training micro-batches as uint8 pixels (normalized on the device: a quarter of fp32's
+/// bytes to upload, 0.83 ms per step for 64 images of 224×224×3 fp32 on an H100) in page-locked
+/// memory (one DMA transfer; pageable memory goes through a bounce buffer, 4–6 ms), the next one
+/// assembled on a worker thread while the current one trains (on GPUs; a CPU backend's ops use
+/// every core). Micro-batch key: its position in the run, ((epoch · steps per epoch) + step) ·
+/// accumulation + k.
+class ImageBatches {
+ public:
+  ImageBatches(const TrainConfig& cfg, const ImageData& data, const ImageTransform& transform,
+               const DistributedSampler& sampler, const RunPlan& plan, Backend& backend)
+      : B_(cfg.micro_batch_size),
+        accum_(cfg.gradient_accumulation_steps),
+        per_epoch_(plan.steps_per_epoch * accum_),
+        total_steps_(plan.total_steps),
+        affine_(transform.affine()),
+        prefetcher_(
+            [this, &cfg, &data, &transform, &sampler](int64_t key, int slot) {
+              const int64_t epoch = key / per_epoch_, step = key % per_epoch_ / accum_,
+                            k = key % accum_;
+              const auto idx = sampler.micro_batch_indices(epoch, step, k);
+              make_pixel_batch(data.train, transform, idx.data(), B_, true, cfg.seed, epoch,
+                               pixels_[static_cast<size_t>(slot)].as<uint8_t>(),
+                               labels_[static_cast<size_t>(slot)].as<int32_t>());
+            },
+            /*threaded=*/backend.kind() == DeviceKind::kCUDA) {
+    const auto img = data.train.image_bytes() / data.train.channels * transform.channels;
+    for (size_t s = 0; s < 2; ++s) {
+      pixels_[s] = PinnedBuffer(backend, DType::kU8, B_ * img);
+      labels_[s] = PinnedBuffer(backend, DType::kI32, B_);
+    }
+  }
+  /// Micro-batch k of step `step_in_epoch` of `epoch` (the run's step `step`), the next one
+  /// requested meanwhile.
+  MicroBatch get(int64_t epoch, int64_t step_in_epoch, int64_t step, int64_t k) {
+    const int64_t key = epoch * per_epoch_ + step_in_epoch * accum_ + k;
+    const bool last = step + 1 >= total_steps_ && k + 1 == accum_;
+    const auto slot = static_cast<size_t>(prefetcher_.get(key, last ? -1 : key + 1));
+    MicroBatch mb;
+    mb.pixels = pixels_[slot].as<uint8_t>();
+    mb.pixel_affine = affine_.data();
+    mb.targets = labels_[slot].as<int32_t>();
+    mb.batch = B_;
+    mb.seq_len = 0;
+    return mb;
+  }
+
+ private:
+  int64_t B_, accum_, per_epoch_, total_steps_;
+  std::vector<float> affine_;
+  std::array<PinnedBuffer, 2> pixels_, labels_;
+  Prefetcher prefetcher_;  ///< last: stopped before the buffers it fills are freed
+};
+
+/// Prints a validation and records it (with per-class accuracy and the confusion matrix) in
+/// metrics.jsonl and the monitors.
+void report_image_validation(const ImageEvaluation& ev, const std::vector<std::string>& classes,
+                             int64_t epoch, int64_t step, Console& out, MetricsWriter& metrics,
+                             Monitor& monitor) {
+  out.line(
+      "validation | epoch {} | step {} | loss {:.4f} | top-1 {:.2f}% | top-5 {:.2f}% | {} "
+      "images in {:.1f} s",
+      epoch + 1, step, ev.loss, 100 * ev.top1, 100 * ev.top5, ev.samples, ev.seconds);
+  const size_t K = classes.size();
+  json per_class = json::object();
+  for (size_t k = 0; k < K; ++k)
+    per_class[classes[k]] =
+        std::isnan(ev.class_accuracy[k]) ? json(nullptr) : json(ev.class_accuracy[k]);
+  json confusion = json::array();
+  for (size_t r = 0; r < K; ++r)
+    confusion.push_back(std::vector<int64_t>(ev.confusion.begin() + static_cast<long>(r * K),
+                                             ev.confusion.begin() + static_cast<long>(r * K + K)));
+  metrics.write({{"step", step},
+                 {"epoch", epoch + 1},
+                 {"val_loss", ev.loss},
+                 {"val_top1", ev.top1},
+                 {"val_top5", ev.top5},
+                 {"val_samples", ev.samples},
+                 {"val_class_accuracy", per_class},
+                 {"val_confusion", confusion},
+                 {"time_s", ev.seconds}});
+  monitor.scalar("val/loss", ev.loss, step);
+  monitor.scalar("val/top1", ev.top1, step);
+  monitor.scalar("val/top5", ev.top5, step);
+}
+
+/// Prints the run's last line and records it in metrics.jsonl.
+void report_image_done(const ImageTrainSummary& summary, Console& out, MetricsWriter& metrics) {
+  out.line(
+      "done | {} steps | {:.1f} s | loss {:.4f} → {:.4f} | validation loss {:.4f} | top-1 "
+      "{:.2f}% | top-5 {:.2f}%",
+      summary.steps, summary.seconds, summary.first_loss, summary.last_loss, summary.eval.loss,
+      100 * summary.eval.top1, 100 * summary.eval.top5);
+  metrics.write({{"event", "done"},
+                 {"step", summary.steps},
+                 {"time_s", summary.seconds},
+                 {"final_loss", summary.last_loss},
+                 {"val_loss", summary.eval.loss},
+                 {"val_top1", summary.eval.top1},
+                 {"val_top5", summary.eval.top5}});
+}
+
+}  // namespace
+
 ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) {
   const bool rank0 = comm.rank() == 0;
   Console out(rank0);
@@ -222,11 +520,7 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
   const auto t_data = TrainClock::now();
   ImageData data = load_image_data(cfg);
   const double data_seconds = seconds_since(t_data);
-  ImageTransform transform;
-  transform.channels = data.train.channels;
-  transform.crop_padding = data.train.height >= 32 ? 4 : 2;
-  transform.horizontal_flip = data.flip;
-  channel_statistics(data.train, transform.mean, transform.stdev);
+  const ImageTransform transform = training_transform(data);
 
   // ---- model and device ----
   std::unique_ptr<Backend> backend = make_backend(cfg.device, local_rank_of(comm), cfg.precision);
@@ -234,114 +528,32 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
   ComputeStreamScope compute_stream(comm, *backend);
   LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
   ImageModelSpec spec;
-  spec.name = cfg.model;
-  spec.channels = data.train.channels;
-  spec.height = data.train.height;
-  spec.width = data.train.width;
-  spec.num_classes = static_cast<int64_t>(data.train.classes.size());
-  // --dropout P: the classifier's dropout (0 also turns stochastic depth off).
-  if (cfg.dropout >= 0) {
-    spec.dropout = cfg.dropout > 0;
-    spec.classifier_dropout = static_cast<float>(cfg.dropout);
-  }
-  std::unique_ptr<ImageModel> model;
-  try {
-    model = make_image_model(spec, *backend);
-  } catch (const ConfigError& e) {
-    std::string fix;
-    if (std::string_view(e.what()).find("is too small") != std::string_view::npos) {
-      if (const int64_t n = smallest_input_size(spec, *backend); n > 0)
-        fix = fmt::format(" ('{}' takes images of {}×{} pixels or more: --image-size {})",
-                          cfg.model, n, n, n);
-    }
-    throw ConfigError(fmt::format("--model {} on {} images of {}×{}×{}: {}{}", cfg.model,
-                                  data.train.name, spec.channels, spec.height, spec.width, e.what(),
-                                  fix));
-  }
-  model->set_label_smoothing(static_cast<float>(cfg.label_smoothing));
-  model->set_cuda_graphs(cfg.cuda_graphs && backend->kind() == DeviceKind::kCUDA);
-  if (cfg.sync_batchnorm && comm.world_size() > 1)
-    model->set_sync_batchnorm(
-        [&comm](Tensor t) { comm.all_reduce(std::move(t), ReduceOp::kSum)->wait(); },
-        comm.world_size());
-
+  std::unique_ptr<ImageModel> model = build_image_model(cfg, data, spec, *backend, comm);
   const int64_t B = cfg.micro_batch_size, accum = cfg.gradient_accumulation_steps;
   DistributedSampler sampler(data.train.size(), B, accum, comm.rank(), comm.world_size(), cfg.seed);
-  const int64_t steps_per_epoch = sampler.steps_per_epoch();
-  const int64_t total_steps = cfg.max_steps > 0 ? cfg.max_steps : cfg.epochs * steps_per_epoch;
-  const int64_t warmup =
-      cfg.warmup_steps >= 0 ? cfg.warmup_steps : std::min<int64_t>(1000, total_steps / 10);
-  const int64_t images_per_step = sampler.global_batch();
+  const RunPlan plan = plan_run(cfg, sampler, comm.world_size());
 
   // ---- resume: the checkpoint must hold this very model (name, classes, input) ----
   const ImageCheckpointModel identity{cfg.model, spec.num_classes, spec.channels, spec.height,
                                       spec.width};
-  auto require_same_model = [&](const CheckpointInfo& info, const char* flag) {
-    check<CheckpointError>(info.image && *info.image == identity,
-                           "{} {}: the checkpoint holds {} but this run trains {}; pass the "
-                           "checkpoint's --model and data, or start without {}",
-                           flag, info.dir.string(), checkpoint_model_description(info),
-                           identity.describe(), flag);
-  };
   std::optional<CheckpointInfo> resume;
   if (!cfg.resume.empty()) {
     resume = read_checkpoint_info(cfg.resume);
-    require_same_model(*resume, "--resume");
+    require_same_model(*resume, identity, "--resume");
   }
 
-  // ---- parameters and strategy ----
+  // ---- parameters and strategy: resuming loads each rank's own ranges of the checkpoint into
+  // zeroed buffers ----
   std::unique_ptr<Strategy> strategy = make_strategy(cfg, *backend, comm);
   std::vector<std::string> init_notes;
-  {
-    // Resuming loads each rank's own ranges of the checkpoint into zeroed buffers.
-    std::vector<float> init;
-    if (!resume) {
-      init.assign(static_cast<size_t>(model->layout().numel()), 0.0f);
-      model->init_parameters(init.data(), cfg.seed);
-      if (!cfg.init_from.empty()) {
-        fs::path p = cfg.init_from;
-        // A directory holding model.safetensors but no manifest: the weights file in it.
-        if (fs::is_directory(p) && fs::exists(p / "model.safetensors") &&
-            !fs::exists(p / "manifest.json") && !fs::exists(p / "latest"))
-          p /= "model.safetensors";
-        if (fs::is_directory(p)) {  // a shardtrain checkpoint (or an output directory)
-          const CheckpointInfo from = read_checkpoint_info(p);
-          require_same_model(from, "--init-from");
-          init = load_checkpoint_params(from, model->layout());
-          load_model_buffers(from, *model, 0);
-          init_notes.push_back(
-              fmt::format("initialized from checkpoint {} (weights and batch norm "
-                          "statistics; optimizer and step start afresh)",
-                          from.dir.string()));
-        } else {
-          int64_t nbuf = 0;
-          for (const ModelBuffer& b : model->state_buffers()) nbuf += b.numel;
-          std::vector<float> buffers(static_cast<size_t>(nbuf));
-          model->read_state_buffers(buffers.data());
-          const TorchvisionLoadReport r =
-              load_torchvision_weights(p, *model, init.data(), buffers.data(), cfg.replace_head);
-          model->write_state_buffers(buffers.data());
-          init_notes.push_back(fmt::format("initialized from {} ({} tensors{})", p.string(),
-                                           r.tensors_loaded,
-                                           r.ignored.empty() ? std::string()
-                                                             : fmt::format(", {} num_batches_"
-                                                                           "tracked ignored",
-                                                                           r.ignored.size())));
-          if (!r.fresh_head.empty())
-            init_notes.push_back(fmt::format(
-                "--replace-head: the file's classifier head ({} classes) does not fit the data "
-                "set's {} classes: {} keep their fresh initialization (fine-tuning)",
-                r.file_classes, spec.num_classes, join(r.fresh_head, ", ")));
-        }
-      }
-    }
-    strategy->setup(*model, init);
-    model->prepare_cuda_graphs();
-  }
+  strategy->setup(*model, resume
+                              ? std::vector<float>{}
+                              : initial_image_parameters(cfg, spec, identity, *model, init_notes));
+  model->prepare_cuda_graphs();
   TrainingProgress progress;
   progress.seed = cfg.seed;
   if (resume) {
-    progress = resume_from(*resume, model->layout(), *strategy, comm, scaler, total_steps);
+    progress = resume_from(*resume, model->layout(), *strategy, comm, scaler, plan.total_steps);
     load_model_buffers(*resume, *model, comm.rank());
   }
   const std::optional<int64_t> continue_after =
@@ -349,105 +561,14 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
   MetricsWriter metrics = open_run_metrics(cfg, rank0, continue_after);
   const json snapshot = config_snapshot(cfg);
   Monitor monitor = open_run_monitor(cfg, comm.rank(), snapshot.dump(2), continue_after);
+  const ImageRunFacts facts{
+      data,     transform,         *model,       *backend,   *strategy,
+      plan,     comm.world_size(), data_seconds, init_notes, resume ? &*resume : nullptr,
+      &progress};
+  print_image_banner(out, cfg, facts);
+  if (rank0) write_image_run_json(cfg, snapshot, facts);
 
-  // ---- banner ----
-  const int64_t params = model->layout().num_parameters();
-  out.line("shardtrain {} | train {} ({} parameters) | strategy {} | {} × {} rank{}",
-           SHARDTRAIN_VERSION, cfg.model, with_commas(params), to_string(cfg.strategy),
-           backend->description(), comm.world_size(), comm.world_size() > 1 ? "s" : "");
-  out.line(
-      "  data: {} — {} training images {}×{}×{}, {} classes, {} held-out images; loaded in {:.1f} "
-      "s",
-      data.train.name, with_commas(data.train.size()), data.train.channels, data.train.height,
-      data.train.width, spec.num_classes, with_commas(data.held_out.size()), data_seconds);
-  std::string mean, stdev;
-  for (size_t c = 0; c < transform.mean.size(); ++c) {
-    mean += fmt::format("{}{:.4f}", c ? ", " : "", transform.mean[c]);
-    stdev += fmt::format("{}{:.4f}", c ? ", " : "", transform.stdev[c]);
-  }
-  out.line("  augmentation: random crop (padding {}){} | normalization mean ({}) std ({})",
-           transform.crop_padding, transform.horizontal_flip ? ", horizontal flip" : "", mean,
-           stdev);
-  out.line(
-      "  batch: micro-batch {} × accumulation {} × {} rank{} = global batch {} images | batch "
-      "norm statistics: {}",
-      B, accum, comm.world_size(), comm.world_size() > 1 ? "s" : "", images_per_step,
-      cfg.sync_batchnorm && comm.world_size() > 1 ? "synchronized over the ranks"
-                                                  : "each rank's micro-batch");
-  out.line("  CUDA graphs: {}",
-           !model->cuda_graphs_usable()
-               ? (!cfg.cuda_graphs ? "off (--no-cuda-graphs)"
-                  : backend->kind() != DeviceKind::kCUDA
-                      ? "off (CPU)"
-                      : "off (the strategy gathers parameters or reduces gradients during "
-                        "backward, or --sync-batchnorm)")
-           : comm.world_size() > 1
-               ? "on (each micro-batch's forward and backward replayed as one graph; the "
-                 "gradients all-reduced after the step's last replay)"
-               : "on (each micro-batch's forward and backward replayed as one graph)");
-  out.line(
-      "  steps: {} ({} per epoch{}), warmup {}, {} schedule, {}, clip {:g}, label smoothing {:g}",
-      total_steps, steps_per_epoch,
-      cfg.max_steps > 0 ? fmt::format(", --max-steps {}", cfg.max_steps)
-                        : fmt::format(", {} epochs", cfg.epochs),
-      warmup, to_string(cfg.lr_schedule), describe_optimizer(cfg), cfg.gradient_clipping,
-      cfg.label_smoothing);
-  out.line(
-      "  precision: {} | model states {} per rank | {:.3f} GFLOPs per training image | output: {}",
-      dtype_name(backend->compute_dtype()),
-      human_bytes(static_cast<double>(strategy->model_state_bytes())),
-      model->train_flops_per_sample(0) / 1e9, cfg.output_dir);
-  for (const std::string& note : init_notes) out.line("  {}", note);
-  if (resume)
-    out.line("  resumed from {} at step {} (epoch {}, step {} of the epoch)", resume->dir.string(),
-             progress.step, progress.epoch + 1, progress.step_in_epoch);
-  if (rank0) {
-    json run = snapshot;
-    run["model_name"] = cfg.model;
-    run["parameters"] = params;
-    run["flops_per_sample"] = model->train_flops_per_sample(0);
-    run["peak_tflops"] = cfg.peak_tflops;
-    run["on_gpu"] = on_gpu;
-    run["backend"] = backend->description();
-    run["world_size"] = comm.world_size();
-    run["global_batch"] = images_per_step;
-    run["steps_per_epoch"] = steps_per_epoch;
-    run["total_steps"] = total_steps;
-    run["classes"] = data.train.classes;
-    write_file_atomic(fs::path(cfg.output_dir) / "run.json", run.dump(2) + "\n");
-  }
-
-  // ---- loop ----
-  const auto K = static_cast<size_t>(spec.num_classes);
-  ScalarAllReduce rank_scalars(*backend, comm, static_cast<int>(4 + K + K * K));
-  TrainStep train_step(*model, *strategy, comm, *backend, scaler,
-                       TrainStepOptions{accum, cfg.gradient_clipping, cfg.seed});
-  StepLog step_log(out, metrics, monitor, cfg,
-                   Throughput{"images", images_per_step, model->train_flops_per_sample(0)},
-                   comm.world_size(), on_gpu, total_steps);
-  const size_t img =
-      static_cast<size_t>(data.train.image_bytes() / data.train.channels * transform.channels);
-  // Micro-batches are assembled as uint8 pixels (normalized on the device: a quarter of fp32's
-  // bytes to upload, 0.83 ms per step for 64 images of 224×224×3 fp32 on an H100) in page-locked
-  // memory (one DMA transfer; pageable memory goes through a bounce buffer, 4–6 ms), the next one
-  // on a worker thread while the current one trains (on GPUs; a CPU backend's ops use every core).
-  std::array<PinnedBuffer, 2> pixel_slots, label_slots;
-  for (size_t s = 0; s < 2; ++s) {
-    pixel_slots[s] = PinnedBuffer(*backend, DType::kU8, B * static_cast<int64_t>(img));
-    label_slots[s] = PinnedBuffer(*backend, DType::kI32, B);
-  }
-  const std::vector<float> pixel_affine = transform.affine();
-  // Micro-batch key: its position in the run, ((epoch · steps per epoch) + step) · accum + k.
-  const int64_t per_epoch = steps_per_epoch * accum;
-  Prefetcher prefetcher(
-      [&](int64_t key, int slot) {
-        const int64_t epoch = key / per_epoch, step = key % per_epoch / accum, k = key % accum;
-        const auto idx = sampler.micro_batch_indices(epoch, step, k);
-        make_pixel_batch(data.train, transform, idx.data(), B, true, cfg.seed, epoch,
-                         pixel_slots[static_cast<size_t>(slot)].as<uint8_t>(),
-                         label_slots[static_cast<size_t>(slot)].as<int32_t>());
-      },
-      /*threaded=*/on_gpu);
+  // ---- checkpoints and validation ----
   CheckpointInfo ck;
   ck.image = identity;
   ck.model.name = cfg.model;
@@ -464,6 +585,8 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
                                 model->layout(), *strategy, comm, ck, opts);
     out.line("saved checkpoint {}", dir.string());
   };
+  const auto K = static_cast<size_t>(spec.num_classes);
+  ScalarAllReduce rank_scalars(*backend, comm, static_cast<int>(4 + K + K * K));
   auto evaluate_now = [&](int64_t epoch) {
     // One model is validated: every rank takes rank 0's batch-norm running statistics first,
     // as PyTorch DDP does (broadcast_buffers=True: rank 0's buffers before each forward).
@@ -474,34 +597,17 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
       comm.broadcast(model->buffers(), 0)->wait();
     ImageEvaluation ev = evaluate_images(*model, data.held_out, transform,
                                          std::max<int64_t>(B, 256), comm, rank_scalars);
-    out.line(
-        "validation | epoch {} | step {} | loss {:.4f} | top-1 {:.2f}% | top-5 {:.2f}% | {} "
-        "images in {:.1f} s",
-        epoch + 1, progress.step, ev.loss, 100 * ev.top1, 100 * ev.top5, ev.samples, ev.seconds);
-    json per_class = json::object();
-    for (size_t k = 0; k < K; ++k)
-      per_class[data.train.classes[k]] =
-          std::isnan(ev.class_accuracy[k]) ? json(nullptr) : json(ev.class_accuracy[k]);
-    json confusion = json::array();
-    for (size_t r = 0; r < K; ++r)
-      confusion.push_back(
-          std::vector<int64_t>(ev.confusion.begin() + static_cast<long>(r * K),
-                               ev.confusion.begin() + static_cast<long>(r * K + K)));
-    metrics.write({{"step", progress.step},
-                   {"epoch", epoch + 1},
-                   {"val_loss", ev.loss},
-                   {"val_top1", ev.top1},
-                   {"val_top5", ev.top5},
-                   {"val_samples", ev.samples},
-                   {"val_class_accuracy", per_class},
-                   {"val_confusion", confusion},
-                   {"time_s", ev.seconds}});
-    monitor.scalar("val/loss", ev.loss, progress.step);
-    monitor.scalar("val/top1", ev.top1, progress.step);
-    monitor.scalar("val/top5", ev.top5, progress.step);
+    report_image_validation(ev, data.train.classes, epoch, progress.step, out, metrics, monitor);
     summary.eval = std::move(ev);
   };
 
+  // ---- the loop ----
+  TrainStep train_step(*model, *strategy, comm, *backend, scaler,
+                       TrainStepOptions{accum, cfg.gradient_clipping, cfg.seed});
+  StepLog step_log(out, metrics, monitor, cfg,
+                   Throughput{"images", plan.global_batch, model->train_flops_per_sample(0)},
+                   comm.world_size(), on_gpu, plan.total_steps);
+  ImageBatches batches(cfg, data, transform, sampler, plan, *backend);
   const auto t_train = TrainClock::now();
   EpochLoop loop{.cfg = cfg,
                  .out = out,
@@ -512,25 +618,16 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
                  .strategy = *strategy,
                  .scaler = scaler,
                  .step_log = step_log,
-                 .steps_per_epoch = steps_per_epoch,
-                 .total_steps = total_steps,
-                 .warmup = warmup,
-                 .samples_per_step = images_per_step,
-                 .units_per_step = images_per_step,  // progress.tokens_seen counts images here
+                 .steps_per_epoch = plan.steps_per_epoch,
+                 .total_steps = plan.total_steps,
+                 .warmup = plan.warmup,
+                 .samples_per_step = plan.global_batch,
+                 .units_per_step = plan.global_batch,  // progress.tokens_seen counts images here
                  .seq_len = 0,
                  .bar_unit = "img"};
   loop.step = [&](int64_t epoch, double lr) {
     const MicroBatchSource batch = [&](int64_t k) {
-      const int64_t key = epoch * per_epoch + progress.step_in_epoch * accum + k;
-      const bool last = progress.step + 1 >= total_steps && k + 1 == accum;
-      const auto slot = static_cast<size_t>(prefetcher.get(key, last ? -1 : key + 1));
-      MicroBatch mb;
-      mb.pixels = pixel_slots[slot].as<uint8_t>();
-      mb.pixel_affine = pixel_affine.data();
-      mb.targets = label_slots[slot].as<int32_t>();
-      mb.batch = B;
-      mb.seq_len = 0;
-      return mb;
+      return batches.get(epoch, progress.step_in_epoch, progress.step, k);
     };
     if (cfg.flops_profiler.enabled && progress.step + 1 == cfg.flops_profiler.profile_step)
       return profiled_image_step(*model, train_step, *backend, out, progress.step, lr, batch);
@@ -539,28 +636,19 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
   loop.evaluate = evaluate_now;
   loop.after_step = [&] {
     if (cfg.save_interval > 0 && progress.step % cfg.save_interval == 0 &&
-        progress.step < total_steps)
+        progress.step < plan.total_steps)
       save();
   };
   LossHistory losses = run_epochs(loop, progress);
+
+  // ---- the end ----
   summary.first_loss = losses.first;
   summary.last_loss = losses.last;
   summary.losses = std::move(losses.all);
   summary.steps = progress.step;
   summary.seconds = seconds_since(t_train);
   if (!summary.losses.empty() || !resume) save();
-  out.line(
-      "done | {} steps | {:.1f} s | loss {:.4f} → {:.4f} | validation loss {:.4f} | top-1 "
-      "{:.2f}% | top-5 {:.2f}%",
-      progress.step, summary.seconds, summary.first_loss, summary.last_loss, summary.eval.loss,
-      100 * summary.eval.top1, 100 * summary.eval.top5);
-  metrics.write({{"event", "done"},
-                 {"step", progress.step},
-                 {"time_s", summary.seconds},
-                 {"final_loss", summary.last_loss},
-                 {"val_loss", summary.eval.loss},
-                 {"val_top1", summary.eval.top1},
-                 {"val_top5", summary.eval.top5}});
+  report_image_done(summary, out, metrics);
   return summary;
 }
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
-#include "io/config.h"
+#include "config/config.h"
 
 namespace shardtrain {
 
@@ -52,13 +52,13 @@ struct ImageTrainSummary {
 
 /// Trains image model cfg.model (is_image_model) per `cfg` (validated) on this rank of `comm`.
 /// Prints progress on rank 0 and writes metrics.jsonl and run.json under cfg.output_dir, and
-/// sharded checkpoints (io/sharded_checkpoint.h) there as the GPT-2 trainer does: every
+/// sharded checkpoints (checkpoint/sharded_checkpoint.h) there as the GPT-2 trainer does: every
 /// cfg.save_interval steps and at the end, holding parameters, AdamW state, progress (step,
 /// epoch, position in the epoch; the data order and augmentation are functions of seed, epoch
 /// and sample) and every rank's batch-norm running statistics, so cfg.resume continues the same
 /// trajectory bit for bit. cfg.init_from: a checkpoint of the same model (weights and statistics),
-/// or a torchvision state dict in safetensors (io/image_weights.h; cfg.replace_head keeps a fresh
-/// classifier head when the file's class count differs). Throws Error subclasses on bad input
+/// or a torchvision state dict in safetensors (checkpoint/image_weights.h; cfg.replace_head keeps a
+/// fresh classifier head when the file's class count differs). Throws Error subclasses on bad input
 /// (ConfigError for the pipeline strategy, an input too small for the network, too few images for
 /// one global batch, or --init-from weights that do not fit; CheckpointError for a checkpoint of
 /// another model, naming both; DataError for missing data).

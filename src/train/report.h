@@ -8,7 +8,7 @@
 //   report.json  the same numbers, per run, with the command that ran it;
 //   *.png/*.svg  time per epoch and peak memory by run, the loss curves overlaid, and the
 //                estimated memory breakdown (parameters, gradients, optimizer state,
-//                activations, buffers) per run, drawn by gnuplot (io/plot.h).
+//                activations, buffers) per run, drawn by gnuplot (monitor/plot.h).
 #pragma once
 
 #include <cmath>
@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "io/config.h"
+#include "config/config.h"
 
 namespace shardtrain {
 

@@ -9,9 +9,9 @@
 #include <system_error>
 #include <vector>
 
+#include "checkpoint/sharded_checkpoint.h"
 #include "core/error.h"
 #include "core/strings.h"
-#include "io/sharded_checkpoint.h"
 #include "optim/adamw.h"
 
 namespace shardtrain {
@@ -428,6 +428,17 @@ void restore_loss_scaler(LossScaler& scaler, const nlohmann::json& j) {
   st.clean_steps = j.value("clean_steps", st.clean_steps);
   st.skipped_steps = j.value("skipped_steps", st.skipped_steps);
   scaler.restore(st);
+}
+
+RunPlan plan_run(const TrainConfig& cfg, const DistributedSampler& sampler, int replicas) {
+  RunPlan p;
+  p.replicas = replicas;
+  p.global_batch = sampler.global_batch();
+  p.steps_per_epoch = sampler.steps_per_epoch();
+  p.total_steps = cfg.max_steps > 0 ? cfg.max_steps : cfg.epochs * p.steps_per_epoch;
+  p.warmup = cfg.warmup_steps >= 0 ? cfg.warmup_steps : std::min<int64_t>(1000, p.total_steps / 10);
+  p.tokens_per_step = p.global_batch * cfg.max_length;
+  return p;
 }
 
 }  // namespace shardtrain

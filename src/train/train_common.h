@@ -17,12 +17,13 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "checkpoint/checkpoint.h"
 #include "comm/communicator.h"
 #include "comm/scalar_all_reduce.h"
-#include "io/checkpoint.h"
-#include "io/config.h"
-#include "io/metrics.h"
-#include "io/monitor.h"
+#include "config/config.h"
+#include "data/dataset.h"
+#include "monitor/metrics.h"
+#include "monitor/monitor.h"
 #include "optim/loss_scaler.h"
 #include "parallel/strategy.h"
 #include "train/train_step.h"
@@ -129,6 +130,18 @@ void log_epoch(Console& out, MetricsWriter& metrics, Monitor& monitor, Backend& 
 /// steps from `progress` on (a resumed run continues mid-epoch), the learning-rate schedule, the
 /// progress bar and the step log, evaluation every cfg.eval_interval steps (0: at each epoch's
 /// end), the epoch summary, and a last evaluation when the last step had none. What differs
+
+/// The run's length and batch, from the sampler of `replicas` data-parallel replicas: optimizer
+/// steps (--max-steps, else epochs × steps per epoch), LR warmup (--warmup-steps, else a tenth of
+/// the steps up to 1000) and samples and tokens per step (tokens: × max_length).
+struct RunPlan {
+  int replicas = 1;          ///< data-parallel replicas (pipeline: world ÷ stages)
+  int64_t global_batch = 0;  ///< samples per optimizer step, all replicas
+  int64_t steps_per_epoch = 0, total_steps = 0, warmup = 0;
+  int64_t tokens_per_step = 0;
+};
+RunPlan plan_run(const TrainConfig& cfg, const DistributedSampler& sampler, int replicas);
+
 /// between the trainers comes in as callbacks.
 struct EpochLoop {
   const TrainConfig& cfg;

@@ -10,17 +10,17 @@
 #include <fstream>
 #include <limits>
 
+#include "checkpoint/atomic_file.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/sharded_checkpoint.h"
 #include "core/error.h"
 #include "core/philox.h"
 #include "core/strings.h"
 #include "data/bpe_tokenizer.h"
 #include "data/dataset.h"
-#include "io/atomic_file.h"
-#include "io/checkpoint.h"
-#include "io/metrics.h"
-#include "io/monitor.h"
-#include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
+#include "monitor/metrics.h"
+#include "monitor/monitor.h"
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
 #include "parallel/pipeline/pipeline_parallel.h"
@@ -120,167 +120,157 @@ GPT2Config resolve_train_model(const TrainConfig& cfg) {
   return c;
 }
 
-TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
-  const bool rank0 = comm.rank() == 0;
-  Console out(rank0);
-  TrainSummary summary;
-  summary.val_loss = std::numeric_limits<double>::quiet_NaN();
+namespace {
 
-  // ---- model and device ----
-  GPT2Config model_cfg = resolve_train_model(cfg);
-  std::unique_ptr<Backend> backend = make_backend(cfg.device, local_rank_of(comm), cfg.precision);
-  const bool on_gpu = backend->kind() == DeviceKind::kCUDA;
-  // Collectives must start after the kernels that produce their inputs (the backend computes on
-  // its own non-default stream), and must not use that stream once the backend (declared before
-  // this guard) destroys it.
-  ComputeStreamScope compute_stream(comm, *backend);
-  LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
-  GPT2Model model(model_cfg, *backend, cfg.activation_checkpointing);
+/// Checks the model against the run before any work (a validated config, a pipeline's layer
+/// count) and warns about ZeRO-3's persistence threshold against the largest layer and head sizes
+/// the fused flash-attention kernels lack. Throws ConfigError.
+void check_model(const TrainConfig& cfg, const GPT2Config& model_cfg, const GPT2Model& model,
+                 Backend& backend, Console& out) {
   check<ConfigError>(cfg.plan == plan_of(cfg),
                      "TrainConfig.plan (ZeRO stage {}) does not match strategy '{}' and its "
                      "zero_optimization section: call validate() on the config before train()",
                      cfg.plan.zero_stage, to_string(cfg.strategy));
-  const bool pipelined = cfg.strategy == StrategyKind::kPipeline;
-  if (pipelined) check_pipeline_model(cfg, model_cfg.n_layer);
+  if (cfg.strategy == StrategyKind::kPipeline) check_pipeline_model(cfg, model_cfg.n_layer);
   for (const std::string& w : model_config_warnings(cfg, largest_layer_numel(model.layout())))
     out.warn(w);
   // Custom shapes may have head sizes the fused flash-attention kernels lack (32, 64, 128 in
   // bf16/fp16): those run, on the materialized attention kernels.
   const int head_size = model_cfg.n_embd / model_cfg.n_head;
-  if (on_gpu && backend->compute_dtype() != DType::kF32 && head_size != 32 && head_size != 64 &&
-      head_size != 128 && backend->attention_saves_probs(head_size))
+  if (backend.kind() == DeviceKind::kCUDA && backend.compute_dtype() != DType::kF32 &&
+      head_size != 32 && head_size != 64 && head_size != 128 &&
+      backend.attention_saves_probs(head_size))
     out.warn(fmt::format(
         "head size {} (n_embd {} / n_head {}): the fused flash-attention kernels take head sizes "
         "32, 64 and 128, so attention runs on the materialized kernels (slower, and they keep "
         "batch·n_head·T² probabilities per layer)",
         head_size, model_cfg.n_embd, model_cfg.n_head));
+}
 
-  // ---- resume: read the checkpoint first so a mismatch fails before any work ----
-  std::optional<CheckpointInfo> resume;
-  if (!cfg.resume.empty()) {
-    resume = read_checkpoint_info(cfg.resume);
-    require_gpt2_run(*resume, model_cfg);
-    check<CheckpointError>(resume->model.same_shape(model_cfg),
-                           "checkpoint {} holds model '{}' ({}) but this run asks for '{}' ({}): "
-                           "leave --model out to resume with the checkpoint's shape",
-                           resume->dir.string(), resume->model.name, resume->model.shape_string(),
-                           model_cfg.name, model_cfg.shape_string());
-    check_state_kind(resume->optimizer, cfg.optimizer);  // AdamW m/v cannot seed SGD's buffer
-  }
+/// The checkpoint --resume names, read before any work so that a mismatch fails first. Throws
+/// CheckpointError for an image model's checkpoint, another shape or another optimizer's state.
+std::optional<CheckpointInfo> read_resume(const TrainConfig& cfg, const GPT2Config& model_cfg) {
+  if (cfg.resume.empty()) return std::nullopt;
+  CheckpointInfo resume = read_checkpoint_info(cfg.resume);
+  require_gpt2_run(resume, model_cfg);
+  check<CheckpointError>(resume.model.same_shape(model_cfg),
+                         "checkpoint {} holds model '{}' ({}) but this run asks for '{}' ({}): "
+                         "leave --model out to resume with the checkpoint's shape",
+                         resume.dir.string(), resume.model.name, resume.model.shape_string(),
+                         model_cfg.name, model_cfg.shape_string());
+  check_state_kind(resume.optimizer, cfg.optimizer);  // AdamW m/v cannot seed SGD's buffer
+  return resume;
+}
 
-  // ---- data ----
-  const auto t_data = Clock::now();
+/// The run's token data: the training split packed into samples of max_length + 1 tokens (at
+/// most --num-samples), and the validation split (at most --eval-samples) when there is one.
+struct GPT2Data {
+  std::string name;
+  PackedDataset train;
+  std::optional<PackedDataset> valid;
+  double seconds = 0;  ///< loading (and tokenizing, when not cached)
+};
+
+GPT2Data load_gpt2_data(const TrainConfig& cfg, Console& out) {
+  const auto t0 = Clock::now();
   BpeTokenizer tokenizer = BpeTokenizer::load_default();
   const DatasetFiles files =
       resolve_dataset(cfg.dataset, cfg.train_file, cfg.valid_file, cfg.data_dir);
   const fs::path cache_dir = cfg.cache_dir.empty() ? default_cache_dir() : fs::path(cfg.cache_dir);
   auto log = [&](const std::string& m) { out.line("data: {}", m); };
-  PackedDataset train_data(load_tokens(files.train, tokenizer, cache_dir, log), cfg.max_length,
-                           files.name);
-  train_data.limit(cfg.num_samples);
-  std::optional<PackedDataset> valid_data;
+  PackedDataset train(load_tokens(files.train, tokenizer, cache_dir, log), cfg.max_length,
+                      files.name);
+  train.limit(cfg.num_samples);
+  std::optional<PackedDataset> valid;
   if (!files.valid.empty()) {
-    valid_data.emplace(load_tokens(files.valid, tokenizer, cache_dir, log), cfg.max_length,
-                       files.name + " validation");
-    if (cfg.eval_samples > 0 && cfg.eval_samples < valid_data->size())
-      valid_data->limit(cfg.eval_samples);
+    valid.emplace(load_tokens(files.valid, tokenizer, cache_dir, log), cfg.max_length,
+                  files.name + " validation");
+    if (cfg.eval_samples > 0 && cfg.eval_samples < valid->size()) valid->limit(cfg.eval_samples);
   }
-  const double data_seconds = seconds_since(t_data);
+  return GPT2Data{files.name, std::move(train), std::move(valid), seconds_since(t0)};
+}
 
-  // Pipeline: the D = world / P replicas share the data; the stages of a replica read the same
-  // micro-batches (rank = stage·D + replica, pipeline_parallel.h).
-  const int stages = pipelined ? cfg.pipeline.stages : 1;
-  const int replicas = comm.world_size() / stages;
-  DistributedSampler sampler(train_data.size(), cfg.micro_batch_size,
-                             cfg.gradient_accumulation_steps, comm.rank() % replicas, replicas,
-                             cfg.seed);
-  const int64_t steps_per_epoch = sampler.steps_per_epoch();
-  const int64_t total_steps = cfg.max_steps > 0 ? cfg.max_steps : cfg.epochs * steps_per_epoch;
-  const int64_t warmup =
-      cfg.warmup_steps >= 0 ? cfg.warmup_steps : std::min<int64_t>(1000, total_steps / 10);
-  const int64_t T = cfg.max_length, B = cfg.micro_batch_size,
-                accum = cfg.gradient_accumulation_steps;
-  const int64_t tokens_per_step = sampler.global_batch() * T;
-
-  // ---- parameters and strategy ----
-  std::unique_ptr<Strategy> strategy =
-      pipelined ? make_pipeline_strategy(cfg, *backend, comm) : make_strategy(cfg, *backend, comm);
-  TrainingProgress progress;
-  progress.seed = cfg.seed;
-  {
-    // Resuming loads each rank's own ranges of the checkpoint into zeroed buffers: no rank holds
-    // the full fp32 parameters.
-    std::vector<float> init;
-    if (!resume) {
-      init.assign(static_cast<size_t>(model.layout().numel()), 0.0f);
-      if (!cfg.init_from.empty()) {
-        const fs::path p = cfg.init_from;
-        if (fs::is_directory(p) && fs::exists(p / "model.safetensors") &&
-            !fs::exists(p / "manifest.json"))
-          load_hf_weights(p / "model.safetensors", model.layout(), init.data());
-        else if (fs::is_directory(p)) {
-          const CheckpointInfo from = read_checkpoint_info(p);
-          require_gpt2_run(from, model_cfg);
-          init = load_checkpoint_params(from, model.layout());
-        } else
-          load_hf_weights(p, model.layout(), init.data());
-      } else {
-        model.init_parameters(init.data(), cfg.seed);
-      }
-    }
-    strategy->setup(model, init);
+/// The full fp32 parameters [layout numel] a fresh run starts from: --init-from (Hugging Face
+/// safetensors, or a shardtrain checkpoint) or the model's initialization with cfg.seed.
+std::vector<float> initial_parameters(const TrainConfig& cfg, const GPT2Config& model_cfg,
+                                      GPT2Model& model) {
+  std::vector<float> init(static_cast<size_t>(model.layout().numel()), 0.0f);
+  if (cfg.init_from.empty()) {
+    model.init_parameters(init.data(), cfg.seed);
+    return init;
   }
-  if (resume) progress = resume_from(*resume, model.layout(), *strategy, comm, scaler, total_steps);
+  const fs::path p = cfg.init_from;
+  if (fs::is_directory(p) && fs::exists(p / "model.safetensors") &&
+      !fs::exists(p / "manifest.json")) {
+    load_hf_weights(p / "model.safetensors", model.layout(), init.data());
+  } else if (fs::is_directory(p)) {
+    const CheckpointInfo from = read_checkpoint_info(p);
+    require_gpt2_run(from, model_cfg);
+    init = load_checkpoint_params(from, model.layout());
+  } else {
+    load_hf_weights(p, model.layout(), init.data());
+  }
+  return init;
+}
 
-  const fs::path out_dir = cfg.output_dir;
-  const std::optional<int64_t> continue_after =
-      logs_continue_after(resume.has_value(), progress.step);
-  MetricsWriter metrics = open_run_metrics(cfg, rank0, continue_after);
-  Monitor monitor =
-      open_run_monitor(cfg, comm.rank(), config_snapshot(cfg).dump(2), continue_after);
+/// What the banner reports besides the config.
+struct BannerFacts {
+  const GPT2Config& model;
+  const Backend& backend;
+  const Strategy& strategy;
+  const LossScaler& scaler;
+  const GPT2Data& data;
+  int world_size = 1;
+  const RunPlan& plan;
+  const std::vector<std::string>* pipeline = nullptr;  ///< the pipeline's description lines
+  const CheckpointInfo* resume = nullptr;
+  const TrainingProgress* progress = nullptr;
+};
 
-  // ---- banner ----
+void print_banner(Console& out, const TrainConfig& cfg, const BannerFacts& f) {
+  const bool pipelined = f.pipeline != nullptr;
+  const bool low_precision =
+      f.backend.kind() == DeviceKind::kCUDA && f.backend.compute_dtype() != DType::kF32;
   out.line("shardtrain {} | train {} ({} parameters) | strategy {} | {} × {} rank{}",
-           SHARDTRAIN_VERSION, model_cfg.name, with_commas(model_cfg.num_parameters()),
-           to_string(cfg.strategy), backend->description(), comm.world_size(),
-           comm.world_size() > 1 ? "s" : "");
+           SHARDTRAIN_VERSION, f.model.name, with_commas(f.model.num_parameters()),
+           to_string(cfg.strategy), f.backend.description(), f.world_size,
+           f.world_size > 1 ? "s" : "");
   out.line(
       "  batch: micro-batch {} × {} {} × {} {}{} = global batch {} samples × {} tokens = {} "
       "tokens/step",
-      B, pipelined ? "micro-batches" : "accumulation", accum, replicas,
-      pipelined ? "data-parallel replica" : "rank", replicas > 1 ? "s" : "", sampler.global_batch(),
-      T, with_commas(tokens_per_step));
-  PipelineParallel* pipeline = strategy->as_pipeline();
-  if (pipeline)
-    for (const std::string& l : pipeline->describe()) out.line("  {}", l);
+      cfg.micro_batch_size, pipelined ? "micro-batches" : "accumulation",
+      cfg.gradient_accumulation_steps, f.plan.replicas,
+      pipelined ? "data-parallel replica" : "rank", f.plan.replicas > 1 ? "s" : "",
+      f.plan.global_batch, cfg.max_length, with_commas(f.plan.global_batch * cfg.max_length));
+  if (pipelined)
+    for (const std::string& l : *f.pipeline) out.line("  {}", l);
   out.line(
       "  data: {} — {} training samples ({} tokens), {} validation samples; loaded in {:.1f} s",
-      files.name, with_commas(train_data.size()), with_commas(train_data.num_tokens()),
-      valid_data ? with_commas(valid_data->size()) : std::string("no"), data_seconds);
-  out.line("  steps: {} ({} per epoch{}), warmup {}, {} schedule, {}, clip {:g}", total_steps,
-           steps_per_epoch,
+      f.data.name, with_commas(f.data.train.size()), with_commas(f.data.train.num_tokens()),
+      f.data.valid ? with_commas(f.data.valid->size()) : std::string("no"), f.data.seconds);
+  out.line("  steps: {} ({} per epoch{}), warmup {}, {} schedule, {}, clip {:g}",
+           f.plan.total_steps, f.plan.steps_per_epoch,
            cfg.max_steps > 0 ? fmt::format(", --max-steps {}", cfg.max_steps)
                              : fmt::format(", {} epochs", cfg.epochs),
-           warmup, to_string(cfg.lr_schedule), describe_optimizer(cfg), cfg.gradient_clipping);
+           f.plan.warmup, to_string(cfg.lr_schedule), describe_optimizer(cfg),
+           cfg.gradient_clipping);
   out.line(
       "  precision: {}{} | model states {} per rank | activation checkpointing {} | "
       "output: {}",
-      dtype_name(backend->compute_dtype()),
-      on_gpu && backend->compute_dtype() != DType::kF32
-          ? " compute, fp32 master weights and optimizer state"
-          : "",
-      human_bytes(static_cast<double>(strategy->model_state_bytes())),
-      cfg.activation_checkpointing ? "on" : "off", out_dir.string());
+      dtype_name(f.backend.compute_dtype()),
+      low_precision ? " compute, fp32 master weights and optimizer state" : "",
+      human_bytes(static_cast<double>(f.strategy.model_state_bytes())),
+      cfg.activation_checkpointing ? "on" : "off", cfg.output_dir);
   out.line("  dropout: {}",
-           model_cfg.has_dropout()
+           f.model.has_dropout()
                ? fmt::format("embd_pdrop {:g}, attn_pdrop {:g}, resid_pdrop {:g} (training "
                              "only; attention's effective p {:g}: 8-bit decisions)",
-                             model_cfg.embd_pdrop, model_cfg.attn_pdrop, model_cfg.resid_pdrop,
-                             attn_pdrop_effective(model_cfg.attn_pdrop))
+                             f.model.embd_pdrop, f.model.attn_pdrop, f.model.resid_pdrop,
+                             attn_pdrop_effective(f.model.attn_pdrop))
                : std::string("off"));
   if (cfg.plan.optimizer_offload != OffloadDevice::kNone ||
       cfg.plan.param_offload != OffloadDevice::kNone) {
-    const HostMemory h = strategy->host_memory();
+    const HostMemory h = f.strategy.host_memory();
     out.line(
         "  offload: optimizer on {} (ratio {:g}), parameters on {} | host memory per rank: {} "
         "pinned, {} pageable, {} on NVMe",
@@ -299,99 +289,291 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
           "step t+1 computes on the parameters of step t-1 while the CPU runs step t's update "
           "(one step stale: W(t) = W(t-1) - lr·adamw(grad f(W(t-2))))");
   }
-  if (scaler.enabled())
+  if (f.scaler.enabled())
     out.line("  fp16 dynamic loss scaling: initial scale {:g}, window {}, hysteresis {}, min {:g}",
-             scaler.scale(), cfg.loss_scale.loss_scale_window, cfg.loss_scale.hysteresis,
+             f.scaler.scale(), cfg.loss_scale.loss_scale_window, cfg.loss_scale.hysteresis,
              cfg.loss_scale.min_loss_scale);
-  if (resume)
-    out.line("  resumed from {} at step {} (epoch {}, step {} of the epoch)", resume->dir.string(),
-             progress.step, progress.epoch + 1, progress.step_in_epoch);
+  if (f.resume)
+    out.line("  resumed from {} at step {} (epoch {}, step {} of the epoch)",
+             f.resume->dir.string(), f.progress->step, f.progress->epoch + 1,
+             f.progress->step_in_epoch);
+}
 
-  // ---- loop ----
-  std::vector<int32_t> tokens(static_cast<size_t>(B * T)), targets(static_cast<size_t>(B * T));
-  std::vector<int32_t> sample(static_cast<size_t>(T + 1));
-  const auto t_train = Clock::now();
-  CheckpointInfo ck;
-  ck.model = model_cfg;
-  ck.config = config_snapshot(cfg);
-  auto save = [&]() {
-    if (!cfg.save_checkpoints) return;
-    ck.progress = progress;
-    ck.loss_scaler = loss_scaler_json(scaler);
-    ShardedSaveOptions opts;
-    opts.consolidated_bf16_model = cfg.zero.stage3_gather_16bit_weights_on_model_save;
-    const fs::path dir =
-        save_sharded_checkpoint(out_dir, fmt::format("checkpoint-{:06d}", progress.step),
-                                model.layout(), *strategy, comm, ck, opts);
-    summary.checkpoint = dir.string();
-    out.line("saved checkpoint {}", dir.string());
-  };
-  ScalarAllReduce rank_scalars(*backend, comm, 2);
-  auto validate_now = [&](int64_t epoch) {
-    if (!valid_data) return;
-    GPT2Evaluation ev;
-    if (pipeline) {
-      const auto t0 = Clock::now();
-      const PipelineEvaluation pe = pipeline->evaluate(*valid_data, B);
-      ev.samples = pe.samples;
-      ev.loss = pe.samples ? pe.loss_sum / static_cast<double>(pe.samples) : ev.loss;
-      ev.seconds = seconds_since(t0);
-    } else {
-      ev = evaluate_gpt2(model, *valid_data, B, comm, rank_scalars);
-    }
-    summary.val_loss = ev.loss;
-    summary.val_ppl = std::exp(ev.loss);
-    out.line(
-        "validation | epoch {} | step {} | loss {:.4f} | perplexity {:.2f} | {} samples in {:.1f} "
-        "s",
-        epoch + 1, progress.step, ev.loss, summary.val_ppl, ev.samples, ev.seconds);
-    metrics.write({{"step", progress.step},
-                   {"epoch", epoch + 1},
-                   {"val_loss", ev.loss},
-                   {"val_ppl", summary.val_ppl},
-                   {"val_samples", ev.samples},
-                   {"time_s", ev.seconds}});
-    monitor.scalar("val/loss", ev.loss, progress.step);
-    monitor.scalar("val/perplexity", summary.val_ppl, progress.step);
-  };
+/// run.json: what this run is, for `shardtrain report` (train/report.h) and other readers of
+/// metrics.jsonl: the configuration, the model's size and FLOPs, the ranks and the global batch.
+void write_run_json(const TrainConfig& cfg, const BannerFacts& f) {
+  json run = config_snapshot(cfg);
+  run["model_name"] = f.model.name;
+  run["parameters"] = f.model.num_parameters();
+  run["flops_per_token"] = f.model.flops_per_token(cfg.max_length);
+  run["peak_tflops"] = cfg.peak_tflops;
+  run["on_gpu"] = f.backend.kind() == DeviceKind::kCUDA;
+  run["backend"] = f.backend.description();
+  run["world_size"] = f.world_size;
+  run["global_batch"] = f.plan.global_batch;
+  run["steps_per_epoch"] = f.plan.steps_per_epoch;
+  run["total_steps"] = f.plan.total_steps;
+  write_file_atomic(fs::path(cfg.output_dir) / "run.json", run.dump(2) + "\n");
+}
 
-  // wall_clock_breakdown: device time of each phase, summed over the log window, in seconds.
-  std::unique_ptr<StreamClock> clock =
-      cfg.wall_clock_breakdown ? backend->make_stream_clock() : nullptr;
-  TrainStep train_step(model, *strategy, comm, *backend, scaler,
-                       TrainStepOptions{accum, cfg.gradient_clipping, cfg.seed}, clock.get());
-  // FLOPs profiler (--profile-step / flops_profiler): one step, not with a pipeline schedule.
-  const FlopsProfilerConfig& profile = cfg.flops_profiler;
-  bool profile_enabled = profile.enabled;
-  if (profile_enabled && pipeline) {
+/// Whether the FLOPs profiler (--profile-step / flops_profiler) can profile a step of this run;
+/// says why not through `out`.
+bool flops_profile_possible(const FlopsProfilerConfig& profile, bool pipelined, int64_t total_steps,
+                            int64_t first_step, Console& out) {
+  if (!profile.enabled) return false;
+  if (pipelined) {
     out.line("warning: flops profiler: not supported with the pipeline strategy; no profile");
-    profile_enabled = false;
-  } else if (profile_enabled && profile.profile_step > total_steps) {
+    return false;
+  }
+  if (profile.profile_step > total_steps) {
     out.line("warning: flops profiler: profile step {} is after the run's last step {}; no profile",
              profile.profile_step, total_steps);
-  } else if (profile_enabled && profile.profile_step <= progress.step) {
+  } else if (profile.profile_step <= first_step) {
     out.line("warning: flops profiler: profile step {} was run before this resumed run; no profile",
              profile.profile_step);
   }
-  StepLog step_log(out, metrics, monitor, cfg,
-                   Throughput{"tokens", tokens_per_step, model_cfg.flops_per_token(T)},
-                   comm.world_size(), on_gpu, total_steps);
-  // run.json: what this run is, for `shardtrain report` (train/report.h) and other readers of
-  // metrics.jsonl: the configuration, the model's size and FLOPs, the ranks and the global batch.
-  if (rank0) {
-    json run = config_snapshot(cfg);
-    run["model_name"] = model_cfg.name;
-    run["parameters"] = model_cfg.num_parameters();
-    run["flops_per_token"] = model_cfg.flops_per_token(T);
-    run["peak_tflops"] = cfg.peak_tflops;
-    run["on_gpu"] = on_gpu;
-    run["backend"] = backend->description();
-    run["world_size"] = comm.world_size();
-    run["global_batch"] = sampler.global_batch();
-    run["steps_per_epoch"] = steps_per_epoch;
-    run["total_steps"] = total_steps;
-    write_file_atomic(out_dir / "run.json", run.dump(2) + "\n");
+  return true;
+}
+
+/// The profiled step: runs it with device timers around every layer's forward and backward and
+/// the step's phases, then prints the FLOPs profile (rank 0) or writes it to the configured file.
+StepResult profiled_gpt2_step(const TrainConfig& cfg, const GPT2Config& model_cfg, GPT2Model& model,
+                              TrainStep& train_step, Backend& backend, Console& out, bool rank0,
+                              int64_t step, double lr, const MicroBatchSource& batch) {
+  LayerHooks* const strategy_hooks = model.hooks();
+  std::unique_ptr<StreamClock> layer_clock = backend.make_stream_clock(), phase_clock;
+  ProfilingHooks profiling(strategy_hooks, *layer_clock, model.num_layers());
+  model.set_hooks(&profiling);
+  if (train_step.clock() == nullptr) {
+    phase_clock = backend.make_stream_clock();
+    train_step.set_clock(phase_clock.get());
   }
+  StepResult r = train_step.run(step, lr, batch);
+  model.set_hooks(strategy_hooks);
+  profiling.collect();
+  if (phase_clock) train_step.set_clock(nullptr);
+  const FlopsProfilerConfig& profile = cfg.flops_profiler;
+  const int64_t B = cfg.micro_batch_size, T = cfg.max_length;
+  FlopsProfileInput in;
+  in.model = model_cfg;
+  in.step = step + 1;
+  in.tokens = B * T * cfg.gradient_accumulation_steps;
+  in.seq_len = T;
+  in.micro_batch = B;
+  in.accumulation = cfg.gradient_accumulation_steps;
+  in.layer_forward_s.assign(static_cast<size_t>(model_cfg.n_layer + 2), 0.0);
+  in.layer_backward_s = in.layer_forward_s;
+  for (int i = 0; i < model.num_layers(); ++i) {
+    const auto g = static_cast<size_t>(model.global_layer(i));
+    in.layer_forward_s[g] = profiling.forward_seconds()[static_cast<size_t>(i)];
+    in.layer_backward_s[g] = profiling.backward_seconds()[static_cast<size_t>(i)];
+  }
+  in.phases = r.phases.value_or(PhaseTimes{});
+  if (!cfg.wall_clock_breakdown) r.phases.reset();
+  in.on_gpu = backend.kind() == DeviceKind::kCUDA;
+  in.peak_tflops = cfg.peak_tflops;
+  in.options = profile;
+  const std::vector<std::string> lines = format_flops_profile(in);
+  if (rank0 && !profile.output_file.empty()) {
+    std::ofstream f(profile.output_file);
+    for (const std::string& l : lines) f << l << '\n';
+    if (!f) {
+      out.line("warning: flops profiler: cannot write '{}': {}", profile.output_file,
+               std::strerror(errno));
+    } else {
+      out.line("flops profiler: step {} profile written to {}", in.step, profile.output_file);
+    }
+  } else {
+    for (const std::string& l : lines) out.line("{}", l);
+  }
+  return r;
+}
+
+/// This rank's micro-batches: micro-batch k of step `step_in_epoch` of epoch `epoch`, from the
+/// sampler, as tokens and next-token targets [B, T] int32 in buffers of its own (valid until the
+/// next call).
+class MicroBatchReader {
+ public:
+  MicroBatchReader(const DistributedSampler& sampler, const PackedDataset& data, int64_t B,
+                   int64_t T)
+      : sampler_(sampler),
+        data_(data),
+        B_(B),
+        T_(T),
+        tokens_(static_cast<size_t>(B * T)),
+        targets_(static_cast<size_t>(B * T)),
+        sample_(static_cast<size_t>(T + 1)) {}
+  MicroBatch operator()(int64_t epoch, int64_t step_in_epoch, int64_t k) {
+    const auto idx = sampler_.micro_batch_indices(epoch, step_in_epoch, k);
+    for (int64_t i = 0; i < B_; ++i) {
+      data_.sample(idx[static_cast<size_t>(i)], sample_.data());
+      std::copy(sample_.begin(), sample_.end() - 1, tokens_.begin() + i * T_);
+      std::copy(sample_.begin() + 1, sample_.end(), targets_.begin() + i * T_);
+    }
+    return MicroBatch{tokens_.data(), targets_.data(), B_, T_};
+  }
+
+ private:
+  const DistributedSampler& sampler_;
+  const PackedDataset& data_;
+  int64_t B_, T_;
+  std::vector<int32_t> tokens_, targets_, sample_;
+};
+
+/// The pipeline's validation loss over `data` (its last stage's sum, shared by every rank).
+GPT2Evaluation evaluate_pipeline(PipelineParallel& pipeline, const PackedDataset& data,
+                                 int64_t batch) {
+  GPT2Evaluation ev;
+  const auto t0 = Clock::now();
+  const PipelineEvaluation pe = pipeline.evaluate(data, batch);
+  ev.samples = pe.samples;
+  ev.loss = pe.samples ? pe.loss_sum / static_cast<double>(pe.samples) : ev.loss;
+  ev.seconds = seconds_since(t0);
+  return ev;
+}
+
+/// Prints a validation and records it in metrics.jsonl and the monitors.
+void report_validation(const GPT2Evaluation& ev, int64_t epoch, int64_t step, Console& out,
+                       MetricsWriter& metrics, Monitor& monitor) {
+  const double ppl = std::exp(ev.loss);
+  out.line(
+      "validation | epoch {} | step {} | loss {:.4f} | perplexity {:.2f} | {} samples in {:.1f} "
+      "s",
+      epoch + 1, step, ev.loss, ppl, ev.samples, ev.seconds);
+  metrics.write({{"step", step},
+                 {"epoch", epoch + 1},
+                 {"val_loss", ev.loss},
+                 {"val_ppl", ppl},
+                 {"val_samples", ev.samples},
+                 {"time_s", ev.seconds}});
+  monitor.scalar("val/loss", ev.loss, step);
+  monitor.scalar("val/perplexity", ppl, step);
+}
+
+/// Saves a sharded checkpoint of the run at `progress` under cfg.output_dir
+/// (checkpoint-NNNNNN, atomic); returns its directory. Collective over `comm`.
+std::string save_gpt2_checkpoint(const TrainConfig& cfg, const GPT2Config& model_cfg,
+                                 const ParamLayout& layout, Strategy& strategy, Communicator& comm,
+                                 const TrainingProgress& progress, const LossScaler& scaler) {
+  CheckpointInfo ck;
+  ck.model = model_cfg;
+  ck.config = config_snapshot(cfg);
+  ck.progress = progress;
+  ck.loss_scaler = loss_scaler_json(scaler);
+  ShardedSaveOptions opts;
+  opts.consolidated_bf16_model = cfg.zero.stage3_gather_16bit_weights_on_model_save;
+  return save_sharded_checkpoint(cfg.output_dir, fmt::format("checkpoint-{:06d}", progress.step),
+                                 layout, strategy, comm, ck, opts)
+      .string();
+}
+
+/// Prints the run's last line and records it in metrics.jsonl.
+void report_done(const TrainSummary& summary, Console& out, MetricsWriter& metrics) {
+  out.line(
+      "done | {} steps | {:.1f} s | loss {:.4f} → {:.4f} | validation loss {:.4f} | perplexity "
+      "{:.2f}",
+      summary.steps, summary.seconds, summary.first_loss, summary.last_loss, summary.val_loss,
+      summary.val_ppl);
+  metrics.write({{"event", "done"},
+                 {"step", summary.steps},
+                 {"time_s", summary.seconds},
+                 {"final_loss", summary.last_loss},
+                 {"val_loss", summary.val_loss},
+                 {"val_ppl", summary.val_ppl}});
+}
+
+}  // namespace
+
+TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
+  const bool rank0 = comm.rank() == 0;
+  Console out(rank0);
+  TrainSummary summary;
+  summary.val_loss = std::numeric_limits<double>::quiet_NaN();
+
+  // ---- model and device ----
+  GPT2Config model_cfg = resolve_train_model(cfg);
+  std::unique_ptr<Backend> backend = make_backend(cfg.device, local_rank_of(comm), cfg.precision);
+  const bool on_gpu = backend->kind() == DeviceKind::kCUDA;
+  // Collectives must start after the kernels that produce their inputs (the backend computes on
+  // its own non-default stream), and must not use that stream once the backend (declared before
+  // this guard) destroys it.
+  ComputeStreamScope compute_stream(comm, *backend);
+  LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
+  GPT2Model model(model_cfg, *backend, cfg.activation_checkpointing);
+  const bool pipelined = cfg.strategy == StrategyKind::kPipeline;
+  check_model(cfg, model_cfg, model, *backend, out);
+  const std::optional<CheckpointInfo> resume = read_resume(cfg, model_cfg);
+
+  // ---- data: the D = world / P replicas of a pipeline share it, its stages read the same
+  // micro-batches (rank = stage·D + replica, pipeline_parallel.h) ----
+  const GPT2Data data = load_gpt2_data(cfg, out);
+  const int replicas = comm.world_size() / (pipelined ? cfg.pipeline.stages : 1);
+  DistributedSampler sampler(data.train.size(), cfg.micro_batch_size,
+                             cfg.gradient_accumulation_steps, comm.rank() % replicas, replicas,
+                             cfg.seed);
+  const RunPlan plan = plan_run(cfg, sampler, replicas);
+  const int64_t T = cfg.max_length, B = cfg.micro_batch_size;
+
+  // ---- parameters and strategy: resuming loads each rank's own ranges of the checkpoint into
+  // zeroed buffers, so no rank holds the full fp32 parameters ----
+  std::unique_ptr<Strategy> strategy =
+      pipelined ? make_pipeline_strategy(cfg, *backend, comm) : make_strategy(cfg, *backend, comm);
+  strategy->setup(model, resume ? std::vector<float>{} : initial_parameters(cfg, model_cfg, model));
+  TrainingProgress progress;
+  progress.seed = cfg.seed;
+  if (resume)
+    progress = resume_from(*resume, model.layout(), *strategy, comm, scaler, plan.total_steps);
+  const std::optional<int64_t> continue_after =
+      logs_continue_after(resume.has_value(), progress.step);
+  MetricsWriter metrics = open_run_metrics(cfg, rank0, continue_after);
+  Monitor monitor =
+      open_run_monitor(cfg, comm.rank(), config_snapshot(cfg).dump(2), continue_after);
+  PipelineParallel* pipeline = strategy->as_pipeline();
+  const std::vector<std::string> pipeline_lines =
+      pipeline ? pipeline->describe() : std::vector<std::string>{};
+  const BannerFacts facts{model_cfg,
+                          *backend,
+                          *strategy,
+                          scaler,
+                          data,
+                          comm.world_size(),
+                          plan,
+                          pipeline ? &pipeline_lines : nullptr,
+                          resume ? &*resume : nullptr,
+                          &progress};
+  print_banner(out, cfg, facts);
+  if (rank0) write_run_json(cfg, facts);
+
+  // ---- checkpoints and validation ----
+  auto save = [&]() {
+    if (!cfg.save_checkpoints) return;
+    summary.checkpoint =
+        save_gpt2_checkpoint(cfg, model_cfg, model.layout(), *strategy, comm, progress, scaler);
+    out.line("saved checkpoint {}", summary.checkpoint);
+  };
+  ScalarAllReduce rank_scalars(*backend, comm, 2);
+  auto validate_now = [&](int64_t epoch) {
+    if (!data.valid) return;
+    const GPT2Evaluation ev = pipeline ? evaluate_pipeline(*pipeline, *data.valid, B)
+                                       : evaluate_gpt2(model, *data.valid, B, comm, rank_scalars);
+    summary.val_loss = ev.loss;
+    summary.val_ppl = std::exp(ev.loss);
+    report_validation(ev, epoch, progress.step, out, metrics, monitor);
+  };
+
+  // ---- the loop ----
+  // wall_clock_breakdown: device time of each phase, summed over the log window, in seconds.
+  std::unique_ptr<StreamClock> clock =
+      cfg.wall_clock_breakdown ? backend->make_stream_clock() : nullptr;
+  const TrainStepOptions step_options{cfg.gradient_accumulation_steps, cfg.gradient_clipping,
+                                      cfg.seed};
+  TrainStep train_step(model, *strategy, comm, *backend, scaler, step_options, clock.get());
+  const bool profile =
+      flops_profile_possible(cfg.flops_profiler, pipelined, plan.total_steps, progress.step, out);
+  StepLog step_log(out, metrics, monitor, cfg,
+                   Throughput{"tokens", plan.tokens_per_step, model_cfg.flops_per_token(T)},
+                   comm.world_size(), on_gpu, plan.total_steps);
+  const auto t_train = Clock::now();
   EpochLoop loop{.cfg = cfg,
                  .out = out,
                  .metrics = metrics,
@@ -401,90 +583,30 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                  .strategy = *strategy,
                  .scaler = scaler,
                  .step_log = step_log,
-                 .steps_per_epoch = steps_per_epoch,
-                 .total_steps = total_steps,
-                 .warmup = warmup,
-                 .samples_per_step = sampler.global_batch(),
-                 .units_per_step = tokens_per_step,
+                 .steps_per_epoch = plan.steps_per_epoch,
+                 .total_steps = plan.total_steps,
+                 .warmup = plan.warmup,
+                 .samples_per_step = plan.global_batch,
+                 .units_per_step = plan.tokens_per_step,
                  .seq_len = T};
+  MicroBatchReader micro_batch(sampler, data.train, B, T);
   loop.step = [&](int64_t epoch, double lr) {
-    // This rank's micro-batch k of the step, from the sampler.
-    const auto micro_batch = [&](int64_t ep, int64_t step_in_epoch, int64_t k) {
-      const auto idx = sampler.micro_batch_indices(ep, step_in_epoch, k);
-      for (int64_t i = 0; i < B; ++i) {
-        train_data.sample(idx[static_cast<size_t>(i)], sample.data());
-        std::copy(sample.begin(), sample.end() - 1, tokens.begin() + i * T);
-        std::copy(sample.begin() + 1, sample.end(), targets.begin() + i * T);
-      }
-      return MicroBatch{tokens.data(), targets.data(), B, T};
-    };
     const MicroBatchSource batch = [&](int64_t k) {
       return micro_batch(epoch, progress.step_in_epoch, k);
     };
     // The next step's micro-batches (2bw runs their first forwards at the end of this step).
-    const bool epoch_ends = progress.step_in_epoch + 1 >= steps_per_epoch;
+    const bool epoch_ends = progress.step_in_epoch + 1 >= plan.steps_per_epoch;
     const MicroBatchSource next_batch = [&](int64_t k) {
       return epoch_ends ? micro_batch(epoch + 1, 0, k)
                         : micro_batch(epoch, progress.step_in_epoch + 1, k);
     };
-    const bool has_next = progress.step + 1 < total_steps;
-    // FLOPs profiler: this step with every layer timed and the phases marked.
-    const bool profile_now = profile_enabled && progress.step + 1 == profile.profile_step;
-    LayerHooks* const strategy_hooks = model.hooks();
-    std::unique_ptr<StreamClock> layer_clock, phase_clock;
-    std::unique_ptr<ProfilingHooks> profiling;
-    if (profile_now) {
-      layer_clock = backend->make_stream_clock();
-      profiling =
-          std::make_unique<ProfilingHooks>(strategy_hooks, *layer_clock, model.num_layers());
-      model.set_hooks(profiling.get());
-      if (train_step.clock() == nullptr) {
-        phase_clock = backend->make_stream_clock();
-        train_step.set_clock(phase_clock.get());
-      }
-    }
-    StepResult r =
-        pipeline ? pipeline->run_step(progress.step, lr, batch, scaler,
-                                      TrainStepOptions{accum, cfg.gradient_clipping, cfg.seed},
-                                      has_next ? &next_batch : nullptr)
-                 : train_step.run(progress.step, lr, batch);
-    if (profile_now) {
-      model.set_hooks(strategy_hooks);
-      profiling->collect();
-      if (phase_clock) train_step.set_clock(nullptr);
-      FlopsProfileInput in;
-      in.model = model_cfg;
-      in.step = progress.step + 1;
-      in.tokens = B * T * accum;
-      in.seq_len = T;
-      in.micro_batch = B;
-      in.accumulation = accum;
-      in.layer_forward_s.assign(static_cast<size_t>(model_cfg.n_layer + 2), 0.0);
-      in.layer_backward_s = in.layer_forward_s;
-      for (int i = 0; i < model.num_layers(); ++i) {
-        const auto g = static_cast<size_t>(model.global_layer(i));
-        in.layer_forward_s[g] = profiling->forward_seconds()[static_cast<size_t>(i)];
-        in.layer_backward_s[g] = profiling->backward_seconds()[static_cast<size_t>(i)];
-      }
-      in.phases = r.phases.value_or(PhaseTimes{});
-      if (!cfg.wall_clock_breakdown) r.phases.reset();
-      in.on_gpu = on_gpu;
-      in.peak_tflops = cfg.peak_tflops;
-      in.options = profile;
-      const std::vector<std::string> lines = format_flops_profile(in);
-      if (rank0 && !profile.output_file.empty()) {
-        std::ofstream f(profile.output_file);
-        for (const std::string& l : lines) f << l << '\n';
-        if (!f) {
-          out.line("warning: flops profiler: cannot write '{}': {}", profile.output_file,
-                   std::strerror(errno));
-        } else {
-          out.line("flops profiler: step {} profile written to {}", in.step, profile.output_file);
-        }
-      } else {
-        for (const std::string& l : lines) out.line("{}", l);
-      }
-    }
+    const bool has_next = progress.step + 1 < plan.total_steps;
+    StepResult r = pipeline ? pipeline->run_step(progress.step, lr, batch, scaler, step_options,
+                                                 has_next ? &next_batch : nullptr)
+                   : profile && progress.step + 1 == cfg.flops_profiler.profile_step
+                       ? profiled_gpt2_step(cfg, model_cfg, model, train_step, *backend, out, rank0,
+                                            progress.step, lr, batch)
+                       : train_step.run(progress.step, lr, batch);
     if (r.skipped)
       out.line(
           "step {}: fp16 gradients overflowed at loss scale {:g}: step skipped, scale now {:g}",
@@ -494,29 +616,21 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   loop.evaluate = validate_now;
   loop.after_step = [&] {
     if (cfg.save_interval > 0 && progress.step % cfg.save_interval == 0 &&
-        progress.step < total_steps)
+        progress.step < plan.total_steps)
       save();
   };
   LossHistory losses = run_epochs(loop, progress);
+
+  // ---- the end ----
   summary.first_loss = losses.first;
   summary.last_loss = losses.last;
   summary.losses = std::move(losses.all);
   summary.seconds = seconds_since(t_train);
+  summary.steps = progress.step;
   if (pipeline)
     for (const std::string& l : pipeline->finish_trace()) out.line("{}", l);
-  summary.steps = progress.step;
   if (!summary.losses.empty() || !resume) save();
-  out.line(
-      "done | {} steps | {:.1f} s | loss {:.4f} → {:.4f} | validation loss {:.4f} | perplexity "
-      "{:.2f}",
-      progress.step, summary.seconds, summary.first_loss, summary.last_loss, summary.val_loss,
-      summary.val_ppl);
-  metrics.write({{"event", "done"},
-                 {"step", progress.step},
-                 {"time_s", summary.seconds},
-                 {"final_loss", summary.last_loss},
-                 {"val_loss", summary.val_loss},
-                 {"val_ppl", summary.val_ppl}});
+  report_done(summary, out, metrics);
   return summary;
 }
 

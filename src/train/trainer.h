@@ -10,7 +10,7 @@
 
 #include "backend/backend.h"
 #include "comm/communicator.h"
-#include "io/config.h"
+#include "config/config.h"
 #include "model/gpt2_config.h"
 
 namespace shardtrain {
