@@ -1,5 +1,5 @@
-// Sharded checkpoints (io/sharded_checkpoint.h) in one process: round trips through the real
-// strategies, resharding between simulated world sizes (ranks as threads over a fake
+// Sharded checkpoints (checkpoint/sharded_checkpoint.h) in one process: round trips through the
+// real strategies, resharding between simulated world sizes (ranks as threads over a fake
 // communicator whose barrier is a std::barrier), missing/truncated/corrupt shards, layout
 // mismatches, a save that dies half-way, format-1 checkpoints, and consolidation into a Hugging
 // Face model (fp32 and bf16) against the dp run's export.
@@ -17,16 +17,16 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "checkpoint/atomic_file.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/hf_export.h"
+#include "checkpoint/safetensors.h"
+#include "checkpoint/sharded_checkpoint.h"
 #include "comm/communicator.h"
 #include "core/error.h"
 #include "core/half.h"
 #include "core/rng.h"
 #include "data/dataset.h"
-#include "io/atomic_file.h"
-#include "io/checkpoint.h"
-#include "io/hf_export.h"
-#include "io/safetensors.h"
-#include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
 #include "parallel/strategy.h"
 #include "tiny_gpt2.h"

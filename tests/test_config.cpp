@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "app/train_flags.h"
+#include "config/config.h"
 #include "core/error.h"
 #include "core/strings.h"
-#include "io/config.h"
 #include "test_support.h"
 
 namespace shardtrain {

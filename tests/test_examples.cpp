@@ -14,10 +14,10 @@
 
 #include "app/train_flags.h"
 #include "comm/launch.h"
+#include "config/config.h"
 #include "core/strings.h"
 #include "data/image_dataset.h"
 #include "data/image_decode.h"
-#include "io/config.h"
 #include "test_support.h"
 
 namespace shardtrain {

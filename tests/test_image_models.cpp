@@ -8,9 +8,9 @@
 #include <sstream>
 
 #include "backend/backend.h"
+#include "checkpoint/safetensors.h"
 #include "core/error.h"
 #include "image_fixture_weights.h"
-#include "io/safetensors.h"
 #include "model/image/image_zoo.h"
 #include "test_support.h"
 

@@ -12,8 +12,8 @@
 #include <fstream>
 #include <string>
 
+#include "checkpoint/checkpoint.h"
 #include "core/error.h"
-#include "io/checkpoint.h"
 #include "model/gpt2.h"
 #include "model/gpt2_config.h"
 #include "test_support.h"

@@ -1,15 +1,15 @@
-// TensorBoard event files and the CSV monitor (io/tensorboard.h, io/monitor.h): written, then
-// read back with our own TFRecord reader (CRCs checked) and the generated protobuf classes.
+// TensorBoard event files and the CSV monitor (monitor/tensorboard.h, monitor/monitor.h): written,
+// then read back with our own TFRecord reader (CRCs checked) and the generated protobuf classes.
 #include <gtest/gtest.h>
 
 #include <fstream>
 #include <sstream>
 
 #include "core/error.h"
-#include "io/metrics.h"
-#include "io/monitor.h"
-#include "io/tensorboard.h"
-#include "io/tensorboard_event.pb.h"
+#include "monitor/metrics.h"
+#include "monitor/monitor.h"
+#include "monitor/tensorboard.h"
+#include "monitor/tensorboard_event.pb.h"
 #include "test_support.h"
 
 namespace shardtrain {

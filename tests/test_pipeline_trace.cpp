@@ -1,6 +1,6 @@
 // Measured pipeline traces (parallel/pipeline/trace.h): stage files made from the simulator's own
 // timeline merge back into the same timeline and prediction; the Chrome trace, the pictures and
-// the errors for missing or corrupt files; the PNG renderer (io/render_png.h).
+// the errors for missing or corrupt files; the PNG renderer (monitor/render_png.h).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -10,10 +10,10 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "checkpoint/atomic_file.h"
 #include "comm/launch.h"
 #include "core/error.h"
-#include "io/atomic_file.h"
-#include "io/render_png.h"
+#include "monitor/render_png.h"
 #include "parallel/pipeline/trace.h"
 #include "test_support.h"
 

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "io/plot.h"
 #include "model/gpt2_config.h"
+#include "monitor/plot.h"
 #include "parallel/memory_estimator.h"
 #include "test_support.h"
 #include "train/report.h"

@@ -3,9 +3,9 @@
 #include <fmt/core.h>
 
 #include "app/commands.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/hf_export.h"
 #include "data/dataset.h"
-#include "io/checkpoint.h"
-#include "io/hf_export.h"
 
 namespace shardtrain {
 

@@ -6,11 +6,11 @@
 #include <numeric>
 
 #include "app/commands.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/sharded_checkpoint.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "data/bpe_tokenizer.h"
-#include "io/checkpoint.h"
-#include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
 #include "train/trainer.h"
 

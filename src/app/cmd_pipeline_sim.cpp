@@ -10,9 +10,9 @@
 #include <string>
 
 #include "app/commands.h"
+#include "checkpoint/atomic_file.h"
 #include "core/error.h"
-#include "io/atomic_file.h"
-#include "io/render_png.h"
+#include "monitor/render_png.h"
 #include "parallel/pipeline/simulator.h"
 
 namespace shardtrain {

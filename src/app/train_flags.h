@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "io/config.h"
+#include "config/config.h"
 
 namespace shardtrain {
 

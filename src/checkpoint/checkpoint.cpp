@@ -1,15 +1,15 @@
-#include "io/checkpoint.h"
+#include "checkpoint/checkpoint.h"
 
 #include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
 
+#include "checkpoint/atomic_file.h"
+#include "checkpoint/safetensors.h"
 #include "core/error.h"
 #include "core/half.h"
 #include "core/hash.h"
-#include "io/atomic_file.h"
-#include "io/safetensors.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;

@@ -1,7 +1,8 @@
 // Checkpoints: a directory per save, written atomically; the shared parts of both formats.
 //
-// Format 2 (what training writes, sharded: io/sharded_checkpoint.h) has one file per rank. Format 1
-// (below; still read, and written by save_checkpoint for tests and tools) holds the full state:
+// Format 2 (what training writes, sharded: checkpoint/sharded_checkpoint.h) has one file per rank.
+// Format 1 (below; still read, and written by save_checkpoint for tests and tools) holds the full
+// state:
 //
 //   OUT/checkpoint-000300/
 //     manifest.json        format, model shape, progress (step, epoch, data position, RNG),
@@ -24,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "io/safetensors.h"
+#include "checkpoint/safetensors.h"
 #include "memory/param_layout.h"
 #include "model/gpt2_config.h"
 #include "parallel/strategy.h"
@@ -124,7 +125,7 @@ CheckpointInfo read_checkpoint_info(const std::filesystem::path& dir);
 /// Loads a format-1 checkpoint's full state for `layout`, verifying sizes and checksums. With
 /// `with_optimizer` false only the parameters are read. Throws CheckpointError naming the file
 /// or tensor on any mismatch, and for other formats (load_full_state in
-/// io/sharded_checkpoint.h reads every format).
+/// checkpoint/sharded_checkpoint.h reads every format).
 FullState load_checkpoint_state(const CheckpointInfo& info, const ParamLayout& layout,
                                 bool with_optimizer);
 

@@ -1,10 +1,10 @@
-#include "io/hf_export.h"
+#include "checkpoint/hf_export.h"
 
 #include <fmt/core.h>
 
 #include "backend/backend.h"
+#include "checkpoint/sharded_checkpoint.h"
 #include "core/error.h"
-#include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
 
 namespace shardtrain {

@@ -3,7 +3,7 @@
 
 #include <filesystem>
 
-#include "io/checkpoint.h"
+#include "checkpoint/checkpoint.h"
 
 namespace shardtrain {
 

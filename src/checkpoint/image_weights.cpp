@@ -1,4 +1,4 @@
-#include "io/image_weights.h"
+#include "checkpoint/image_weights.h"
 
 #include <fmt/ranges.h>
 
@@ -6,9 +6,9 @@
 #include <map>
 #include <set>
 
+#include "checkpoint/safetensors.h"
 #include "core/error.h"
 #include "core/half.h"
-#include "io/safetensors.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;

@@ -1,13 +1,13 @@
-#include "io/safetensors.h"
+#include "checkpoint/safetensors.h"
 
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/atomic_file.h"
 #include "core/error.h"
 #include "core/hash.h"
-#include "io/atomic_file.h"
 
 namespace shardtrain {
 

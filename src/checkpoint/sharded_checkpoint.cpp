@@ -1,4 +1,4 @@
-#include "io/sharded_checkpoint.h"
+#include "checkpoint/sharded_checkpoint.h"
 
 #include <fmt/ranges.h>
 
@@ -8,9 +8,9 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "checkpoint/atomic_file.h"
+#include "checkpoint/safetensors.h"
 #include "core/error.h"
-#include "io/atomic_file.h"
-#include "io/safetensors.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;

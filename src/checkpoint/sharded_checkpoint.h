@@ -38,8 +38,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "comm/communicator.h"
-#include "io/checkpoint.h"
 #include "memory/param_layout.h"
 #include "parallel/strategy.h"
 

@@ -2,7 +2,7 @@
 //
 // The DeepSpeed schema follows https://www.deepspeed.ai/docs/config-json/ and DeepSpeed's own
 // parser (deepspeed/runtime/config.py, zero/config.py, precision_config.py, lr_schedules.py).
-#include "io/config.h"
+#include "config/config.h"
 
 #include <fmt/core.h>
 

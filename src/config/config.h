@@ -145,7 +145,7 @@ struct PipelineConfig {
   bool operator==(const PipelineConfig&) const = default;
 };
 
-/// Where the training monitors (io/monitor.h) write; empty directories are off.
+/// Where the training monitors (monitor/monitor.h) write; empty directories are off.
 struct MonitorConfig {
   /// TensorBoard event files (--tensorboard DIR; DeepSpeed tensorboard.output_path/job_name).
   std::string tensorboard_dir;
@@ -275,7 +275,7 @@ struct TrainConfig {
   std::string deepspeed_config;  ///< path of the DeepSpeed JSON, if any
   double peak_tflops = 989.0;    ///< the GPU's dense bf16 peak (TFLOP/s) for MFU; H100/H200 SXM
   bool save_checkpoints = true;  ///< false (--no-save): write no checkpoint at all (benchmarks)
-  MonitorConfig monitor;         ///< TensorBoard and CSV scalars (io/monitor.h)
+  MonitorConfig monitor;         ///< TensorBoard and CSV scalars (monitor/monitor.h)
   FlopsProfilerConfig flops_profiler;  ///< --profile-step / DeepSpeed flops_profiler
 };
 

@@ -3,9 +3,9 @@
 // A SwapFile is one preallocated file under the nvme_path directory, opened with O_DIRECT (page
 // cache bypassed), read and written asynchronously by a small pool of threads issuing
 // pread/pwrite. A transfer is split into requests of aio.block_size bytes; at most
-// aio.queue_depth of them are in flight at once (AioConfig in io/config.h maps DeepSpeed's "aio"
-// keys). The caller lays out its regions in the file (4096-byte aligned), starts transfers with
-// read_async/write_async and waits on the tickets they return. Nothing here knows about
+// aio.queue_depth of them are in flight at once (AioConfig in config/config.h maps DeepSpeed's
+// "aio" keys). The caller lays out its regions in the file (4096-byte aligned), starts transfers
+// with read_async/write_async and waits on the tickets they return. Nothing here knows about
 // strategies or tensors.
 #pragma once
 
@@ -13,7 +13,7 @@
 #include <memory>
 #include <string>
 
-#include "io/config.h"
+#include "config/config.h"
 
 namespace shardtrain {
 

@@ -1,4 +1,4 @@
-#include "io/monitor.h"
+#include "monitor/monitor.h"
 
 #include <cerrno>
 #include <cstring>

@@ -12,8 +12,8 @@
 #include <string>
 #include <string_view>
 
-#include "io/config.h"
-#include "io/tensorboard.h"
+#include "config/config.h"
+#include "monitor/tensorboard.h"
 
 namespace shardtrain {
 

@@ -1,4 +1,4 @@
-#include "io/plot.h"
+#include "monitor/plot.h"
 
 #include <fcntl.h>
 #include <fmt/core.h>
@@ -92,7 +92,7 @@ std::string terminal(const std::string& kind, const fs::path& out, int width, in
 
 /// Draws `body` (settings and the plot command) once per terminal, then runs gnuplot.
 void draw(const std::string& body, const fs::path& stem, int width, int height) {
-  std::string script = "# written by shardtrain (io/plot.cpp); run: gnuplot " +
+  std::string script = "# written by shardtrain (monitor/plot.cpp); run: gnuplot " +
                        fs::path(stem.string() + ".gp").filename().string() + "\n";
   for (const std::string kind : {"pngcairo", "svg"}) {
     script += terminal(kind, stem.string() + (kind == "svg" ? ".svg" : ".png"), width, height);

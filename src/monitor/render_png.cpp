@@ -1,4 +1,4 @@
-#include "io/render_png.h"
+#include "monitor/render_png.h"
 
 #include <fcntl.h>
 #include <spawn.h>

@@ -1,4 +1,4 @@
-#include "io/tensorboard.h"
+#include "monitor/tensorboard.h"
 
 #include <unistd.h>
 
@@ -10,7 +10,7 @@
 #include <iterator>
 
 #include "core/error.h"
-#include "io/tensorboard_event.pb.h"
+#include "monitor/tensorboard_event.pb.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;

@@ -1,5 +1,6 @@
-// TensorBoard event files: TFRecord-framed protobuf Event messages (io/tensorboard_event.proto,
-// TensorFlow's field numbers), as TensorFlow's and TensorBoard's summary writers write them.
+// TensorBoard event files: TFRecord-framed protobuf Event messages
+// (monitor/tensorboard_event.proto, TensorFlow's field numbers), as TensorFlow's and TensorBoard's
+// summary writers write them.
 //
 // A record is: uint64 length (little endian), uint32 masked CRC32C of those 8 bytes, the data,
 // uint32 masked CRC32C of the data. CRC32C is the Castagnoli polynomial (reflected 0x82F63B78);

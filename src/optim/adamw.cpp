@@ -4,8 +4,8 @@
 #include <cmath>
 #include <numbers>
 
+#include "config/config.h"
 #include "core/error.h"
-#include "io/config.h"
 #include "optim/cpu_adamw.h"
 
 namespace shardtrain {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "io/config.h"
+#include "config/config.h"
 #include "memory/flat_buffer.h"
 #include "memory/param_layout.h"
 

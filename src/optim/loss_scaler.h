@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "io/config.h"
+#include "config/config.h"
 
 namespace shardtrain {
 

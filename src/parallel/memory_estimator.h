@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "io/config.h"
+#include "config/config.h"
 #include "model/gpt2_config.h"
 #include "parallel/zero3_schedule.h"
 

@@ -17,7 +17,7 @@
 
 #include "backend/backend.h"
 #include "comm/communicator.h"
-#include "io/config.h"
+#include "config/config.h"
 #include "model/gpt2.h"
 #include "optim/adamw.h"
 
@@ -118,7 +118,8 @@ class Strategy : public LayerHooks {
   /// Bytes of parameters, gradients and optimizer state this rank holds.
   virtual size_t model_state_bytes() const = 0;
 
-  // ---- sharded checkpoints (io/sharded_checkpoint.h): no rank materializes the full state ----
+  // ---- sharded checkpoints (checkpoint/sharded_checkpoint.h): no rank materializes the full state
+  // ----
 
   /// The flat-layout ranges whose state this rank writes into a checkpoint: ascending, disjoint,
   /// and over all ranks of the group they cover [0, layout.numel()) exactly once (ZeRO: the owned

@@ -45,9 +45,9 @@
 
 #include "../tiny_gpt2.h"
 #include "backend/backend.h"
+#include "checkpoint/sharded_checkpoint.h"
 #include "comm/communicator.h"
 #include "core/rng.h"
-#include "io/sharded_checkpoint.h"
 #include "model/gpt2.h"
 #include "mpi_test_support.h"
 #include "optim/loss_scaler.h"

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <limits>
 
+#include "config/config.h"
 #include "core/error.h"
-#include "io/config.h"
 
 namespace shardtrain {
 

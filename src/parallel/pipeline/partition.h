@@ -20,7 +20,7 @@ enum class PartitionMethod {
   kTime,        ///< balance measured forward + backward time per layer
 };
 
-/// Parses uniform | parameters | time (io/config.h's pipeline_partition_methods()). Throws
+/// Parses uniform | parameters | time (config/config.h's pipeline_partition_methods()). Throws
 /// ConfigError listing them (check_partition_method).
 PartitionMethod parse_partition_method(const std::string& name);
 std::string to_string(PartitionMethod m);

@@ -10,9 +10,9 @@
 #include <string_view>
 #include <utility>
 
+#include "checkpoint/atomic_file.h"
 #include "core/error.h"
-#include "io/atomic_file.h"
-#include "io/render_png.h"
+#include "monitor/render_png.h"
 
 namespace shardtrain {
 namespace {

@@ -13,8 +13,8 @@
 //   stage-000.json ..  one per stage, written by write_stage_trace
 //   trace.json         Chrome trace (Trace Event Format) of every recorded action
 //   timeline.svg/.png  the measured compute timeline (PNG when a renderer is found,
-//   io/render_png.h) predicted.svg/.png the simulator's timeline for the measured mean op times
-//   of each virtual stage
+//   monitor/render_png.h) predicted.svg/.png the simulator's timeline for the measured mean op
+//   times of each virtual stage
 #pragma once
 
 #include <filesystem>
