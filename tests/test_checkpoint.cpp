@@ -26,6 +26,7 @@
 #include "core/error.h"
 #include "core/half.h"
 #include "core/rng.h"
+#include "data/data_dir.h"
 #include "data/dataset.h"
 #include "model/gpt2.h"
 #include "parallel/strategy.h"

@@ -16,6 +16,7 @@
 #include "comm/launch.h"
 #include "comm/tcp_store.h"
 #include "core/error.h"
+#include "core/process.h"
 
 namespace st = shardtrain;
 

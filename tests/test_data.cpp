@@ -21,6 +21,7 @@
 #include "core/hash.h"
 #include "core/rng.h"
 #include "data/bpe_tokenizer.h"
+#include "data/data_dir.h"
 #include "data/dataset.h"
 
 namespace shardtrain {

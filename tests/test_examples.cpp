@@ -15,6 +15,7 @@
 #include "app/train_flags.h"
 #include "comm/launch.h"
 #include "config/config.h"
+#include "core/process.h"
 #include "core/strings.h"
 #include "data/image_dataset.h"
 #include "data/image_decode.h"

@@ -13,6 +13,7 @@
 #include "checkpoint/atomic_file.h"
 #include "comm/launch.h"
 #include "core/error.h"
+#include "core/process.h"
 #include "monitor/render_png.h"
 #include "parallel/pipeline/trace.h"
 #include "test_support.h"

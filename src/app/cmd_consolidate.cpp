@@ -5,6 +5,7 @@
 #include "app/commands.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/hf_export.h"
+#include "data/data_dir.h"
 #include "data/dataset.h"
 
 namespace shardtrain {

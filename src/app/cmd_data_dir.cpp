@@ -4,6 +4,7 @@
 
 #include "app/commands.h"
 #include "core/error.h"
+#include "data/data_dir.h"
 #include "data/dataset.h"
 
 namespace shardtrain {

@@ -5,6 +5,7 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/hf_export.h"
 #include "data/bpe_tokenizer.h"
+#include "data/data_dir.h"
 #include "data/dataset.h"
 
 namespace shardtrain {

@@ -32,6 +32,7 @@
 #include "comm/nccl_communicator.h"
 #include "comm/rendezvous.h"
 #include "core/error.h"
+#include "core/process.h"
 
 namespace shardtrain {
 namespace {

@@ -91,9 +91,6 @@ std::string shell_quote(const std::string& s);
 /// The value of --device in a `train` command line ("auto" when absent).
 std::string device_flag(const std::vector<std::string>& command);
 
-/// The full path of `program` found on PATH, or "" when it is not there.
-std::string find_on_path(const std::string& program);
-
 /// A request from outside the monitor to stop every process (e.g. another node's ranks failed).
 struct StopRequest {
   int status = 1;      ///< the exit status the launcher reports for it

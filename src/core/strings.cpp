@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 
@@ -86,6 +87,11 @@ std::string human_bytes(double bytes) {
   if (bytes < 1024.0 * 1024) return fmt::format("{:.1f} KiB", bytes / 1024);
   if (bytes < 1024.0 * 1024 * 1024) return fmt::format("{:.1f} MiB", bytes / 1048576.0);
   return fmt::format("{:.2f} GiB", bytes / 1073741824.0);
+}
+
+std::string getenv_str(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? std::string() : std::string(v);
 }
 
 }  // namespace shardtrain

@@ -33,7 +33,7 @@
 
 #include "core/error.h"
 #include "core/hash.h"
-#include "data/dataset.h"
+#include "data/data_dir.h"
 
 namespace shardtrain {
 namespace {

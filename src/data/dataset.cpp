@@ -21,7 +21,9 @@
 #include "core/error.h"
 #include "core/hash.h"
 #include "core/rng.h"
+#include "core/strings.h"
 #include "data/bpe_tokenizer.h"
+#include "data/data_dir.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;
@@ -213,11 +215,6 @@ bool is_cut_point(std::string_view text, size_t p) {
   const char c = text[p];
   const char next = text[p + 1];
   return (c == ' ' || c == '\n') && next >= 0x21 && next <= 0x7E && next != '<';
-}
-
-std::string getenv_str(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? std::string() : std::string(v);
 }
 
 }  // namespace
@@ -471,68 +468,6 @@ fs::path default_cache_dir() {
 }
 
 // ---- data sets ---------------------------------------------------------------------------------
-
-namespace {
-
-// The running program's directory, from /proc/self/exe (empty when it cannot be read).
-fs::path executable_dir() {
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? fs::path() : exe.parent_path();
-}
-
-}  // namespace
-
-DataDirLookup find_data_dir() {
-  DataDirLookup r;
-  const fs::path exe_dir = executable_dir();
-  if (!exe_dir.empty()) {
-    r.searched = {(exe_dir / ".." / "share" / "shardtrain" / "data").lexically_normal(),
-                  exe_dir / "data", (exe_dir / ".." / "data").lexically_normal()};
-  }
-  if (std::string v = getenv_str("SHARDTRAIN_DATA_DIR"); !v.empty()) {
-    r.dir = fs::path(v);
-    r.how = "set by $SHARDTRAIN_DATA_DIR";
-    return r;
-  }
-  for (size_t i = 0; i < r.searched.size(); ++i) {
-    std::error_code ec;
-    if (fs::is_regular_file(r.searched[i] / "gpt2-tokenizer" / "encoder.json", ec)) {
-      r.dir = r.searched[i];
-      r.how = i == 0 ? "the installed tree, next to the executable"
-                     : "the build tree, next to the executable";
-      return r;
-    }
-  }
-  return r;
-}
-
-std::string data_dir_hint() {
-  const DataDirLookup l = find_data_dir();
-  const std::string env = getenv_str("SHARDTRAIN_DATA_DIR");
-  std::string where = env.empty() ? std::string("$SHARDTRAIN_DATA_DIR (unset)")
-                                  : fmt::format("$SHARDTRAIN_DATA_DIR ({})", env);
-  if (env.empty()) {
-    for (const fs::path& p : l.searched) where += ", " + p.string();
-  }
-  return fmt::format(
-      "looked in {}; install shardtrain with `cmake --install <build> --prefix P` (the data goes "
-      "to P/share/shardtrain/data, next to P/bin/shardtrain), run it from its build tree (CMake "
-      "unpacks the data into <build>/data), or set SHARDTRAIN_DATA_DIR to a directory holding "
-      "gpt2-tokenizer/ and wikitext-2/",
-      where);
-}
-
-fs::path default_data_dir() {
-  DataDirLookup l = find_data_dir();
-  if (l.dir.empty()) {
-    throw DataError(
-        fmt::format("shardtrain's data directory (the GPT-2 tokenizer and "
-                    "WikiText-2) was not found: {}",
-                    data_dir_hint()));
-  }
-  return l.dir;
-}
 
 DatasetFiles resolve_dataset(const std::string& dataset, const std::string& train_file,
                              const std::string& valid_file, const std::string& data_dir) {

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "data/data_dir.h"
 #include "data/dataset.h"
 #include "data/idx_file.h"
 #include "data/image_decode.h"

@@ -13,8 +13,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "comm/launch.h"
 #include "core/error.h"
+#include "core/process.h"
 
 extern char** environ;
 

@@ -9,7 +9,7 @@
 #include <fstream>
 #include <vector>
 
-#include "comm/launch.h"
+#include "core/process.h"
 
 extern char** environ;
 
