@@ -15,7 +15,7 @@ source bench/device_run_common.sh
 for phase in "$@"; do
   case $phase in
     tests)
-      run_gtest test_cuda_backend "FAILED|SplitBackward" ;;
+      run_gtest test_cuda_model "FAILED|SplitBackward" ;;
     gpu)
       for s in dp gpipe 1f1b zb-h1 2bw interleaved-1f1b; do
         args=(--strategy pipeline --pipeline-stages 1 --pipeline-schedule $s)

@@ -20,9 +20,9 @@ for phase in "$@"; do
       grep -E "FAILED|PASSED|Failure" $OUT/test_cuda.log | head -20
       timeout 60 .device/test_hf_parity 2>&1 | tail -1
       CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-      timeout 150 $CS --tool memcheck .device/test_cuda_backend --gtest_filter='*Flash*' > $OUT/memcheck.log 2>&1
+      timeout 150 $CS --tool memcheck .device/test_cuda_model --gtest_filter='*Flash*' > $OUT/memcheck.log 2>&1
       echo "memcheck rc=$?"; tail -2 $OUT/memcheck.log
-      timeout 150 $CS --tool racecheck .device/test_cuda_backend \
+      timeout 150 $CS --tool racecheck .device/test_cuda_model \
         --gtest_filter='*FlashAttentionTest.ForwardBackward*' > $OUT/racecheck.log 2>&1
       echo "racecheck rc=$?"; tail -2 $OUT/racecheck.log ;;
     train)

@@ -6,7 +6,7 @@
 # device_run_issue*.sh scripts) makes it runnable there.
 #
 # What goes in (ldd decides; this machine is Debian 12, the GPU machine's image Ubuntu 24.04):
-#   DEST/shardtrain, DEST/test_cuda_backend, test_hf_parity, test_nccl_comm, test_zero_equivalence
+#   DEST/shardtrain, DEST/test_cuda_backend, test_cuda_model, test_hf_parity, test_nccl_comm, test_zero_equivalence
 #       (those that exist; stripped of symbols unless STRIP=0: the CUDA fat binaries stay), and the
 #       benchmark programs of EXTRA_BINS (default bench_host_limits) found in BUILD
 #   DEST/lib/         shared libraries the GPU image lacks: OpenBLAS (OpenMP build), libgfortran,
@@ -25,7 +25,7 @@
 # into DEST/bundle.tar.xz instead, which device_env.sh unpacks there (OpenBLAS alone is ~36 MiB).
 # FASHION_MNIST=1 adds Debian's Fashion-MNIST files (see below).
 # COMPRESS=always|never|auto (default auto) overrides that choice. TESTS="test_a test_b" picks the
-# test programs (default: test_cuda_backend test_hf_parity test_nccl_comm test_zero_equivalence;
+# test programs (default: test_cuda_backend test_cuda_model test_hf_parity test_nccl_comm test_zero_equivalence;
 # test_nccl_comm needs two GPUs, so TESTS="test_cuda_backend test_hf_parity test_zero_equivalence"
 # is enough for one-GPU calls when the archive is too large). EXTRA_BINS="a b" names other programs
 # of BUILD to carry (default: bench_host_limits; left out with a note where not built).
@@ -43,7 +43,7 @@ rm -rf "$DEST"
 mkdir -p "$DEST/lib" "$DEST/libfallback"
 
 bins=("$BUILD/shardtrain")
-for t in ${TESTS:-test_cuda_backend test_hf_parity test_nccl_comm test_zero_equivalence}; do
+for t in ${TESTS:-test_cuda_backend test_cuda_model test_hf_parity test_nccl_comm test_zero_equivalence}; do
   if [ -x "$BUILD/tests/$t" ]; then bins+=("$BUILD/tests/$t")
   else echo "pack_device: note: $BUILD/tests/$t not built, left out" >&2; fi
 done

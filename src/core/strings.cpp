@@ -94,4 +94,10 @@ std::string getenv_str(const char* name) {
   return v == nullptr ? std::string() : std::string(v);
 }
 
+std::string lowercase(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
 }  // namespace shardtrain

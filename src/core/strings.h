@@ -24,6 +24,9 @@ std::string join(const std::vector<std::string>& items, std::string_view sep);
 /// 1234567 -> "1,234,567".
 std::string with_commas(long long value);
 
+/// `s` in lower case (ASCII).
+std::string lowercase(std::string_view s);
+
 /// The environment variable `name`, or "" when it is not set.
 std::string getenv_str(const char* name);
 

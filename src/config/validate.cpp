@@ -1,0 +1,669 @@
+// Validation of a TrainConfig: strategy and ZeRO stage, pipeline settings, offload, batch sizes
+// (DeepSpeed's _configure_train_batch_size), with an error naming the setting and the fix.
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include "config/config.h"
+#include "config/deepspeed_keys.h"
+#include "core/error.h"
+#include "core/strings.h"
+#include "model/image/image_zoo.h"
+
+namespace shardtrain {
+
+namespace {
+
+// ---- validation helpers ---------------------------------------------------------------------
+
+/// "--pipeline-stages 4, --trace 'dir'": the pipeline settings of `c` that differ from the
+/// defaults.
+std::vector<std::string> pipeline_settings_given(const TrainConfig& c) {
+  const PipelineConfig defaults;
+  const PipelineConfig& p = c.pipeline;
+  std::vector<std::string> out;
+  if (p.stages != defaults.stages) out.push_back(fmt::format("--pipeline-stages {}", p.stages));
+  if (p.schedule != defaults.schedule) {
+    out.push_back(fmt::format("--pipeline-schedule {}", to_string(p.schedule)));
+  }
+  if (p.virtual_stages != defaults.virtual_stages) {
+    out.push_back(fmt::format("--virtual-stages {}", p.virtual_stages));
+  }
+  if (p.partition_method != defaults.partition_method) {
+    out.push_back(fmt::format("--partition-method {}", p.partition_method));
+  }
+  if (p.activation_checkpoint_interval != defaults.activation_checkpoint_interval) {
+    out.push_back(
+        fmt::format("--activation-checkpoint-interval {}", p.activation_checkpoint_interval));
+  }
+  if (!c.trace_dir.empty()) out.push_back(fmt::format("--trace '{}'", c.trace_dir));
+  return out;
+}
+
+/// The pipeline settings that do not need the batch sizes or the model (validate() checks the
+/// micro-batches after deriving them, check_pipeline_model() the layers).
+void check_pipeline_settings(const TrainConfig& c, const std::string& file) {
+  if (c.strategy != StrategyKind::kPipeline) {
+    const std::vector<std::string> given = pipeline_settings_given(c);
+    if (!given.empty()) {
+      throw ConfigError(fmt::format(
+          "{} {} pipeline parallelism, but the strategy is '{}': add --strategy pipeline (or "
+          "drop {})",
+          join(given, ", "), given.size() == 1 ? "is a setting of" : "are settings of",
+          to_string(c.strategy), given.size() == 1 ? "it" : "them"));
+    }
+    return;
+  }
+  const PipelineConfig& p = c.pipeline;
+  if (p.stages < 1) {
+    throw ConfigError(fmt::format(
+        "--pipeline-stages {} is not valid: use 1 or more ranks per pipeline (pipeline.stages)",
+        p.stages));
+  }
+  if (p.virtual_stages < 1) {
+    throw ConfigError(fmt::format(
+        "--virtual-stages {} is not valid: use 1 or more model chunks per rank "
+        "(pipeline.virtual_stages; more than 1 only with --pipeline-schedule interleaved-1f1b)",
+        p.virtual_stages));
+  }
+  if (p.activation_checkpoint_interval < 0) {
+    throw ConfigError(fmt::format(
+        "--activation-checkpoint-interval {} is not valid: use 0 (off) or k >= 1 (a checkpoint "
+        "every k transformer blocks) (pipeline.activation_checkpoint_interval)",
+        p.activation_checkpoint_interval));
+  }
+  check_partition_method(p.partition_method);
+  if (c.world_size >= 1 && c.world_size % p.stages != 0) {
+    throw ConfigError(fmt::format(
+        "world size {} is not divisible by --pipeline-stages {}: launch a multiple of {} ranks "
+        "(stages × data-parallel replicas) or change the stages",
+        c.world_size, p.stages, p.stages));
+  }
+  if (c.zero.stage == 3) {
+    throw ConfigError(fmt::format(
+        "ZeRO stage 3 (--zero-stage / zero_optimization.stage in {}) does not run with --strategy "
+        "pipeline: each stage owns its blocks' parameters, which stage 3 would partition across "
+        "the replicas; use ZeRO stage 0, 1 or 2 with the pipeline, or --strategy zero3 without it",
+        file));
+  }
+  for (const auto& [key, device] : {std::pair<const char*, const std::string&>{
+                                        "offload_optimizer", c.zero.offload_optimizer_device},
+                                    {"offload_param", c.zero.offload_param_device}}) {
+    if (device != "none") {
+      throw ConfigError(fmt::format(
+          "zero_optimization.{}.device \"{}\" in {} does not run with --strategy pipeline (the "
+          "pipeline keeps its state on the GPUs): set the device to \"none\", or use --strategy "
+          "offload / infinity without a pipeline",
+          key, device, file));
+    }
+  }
+  if (p.schedule == PipelineSchedule::k2BW) {
+    if (c.precision == Precision::kFp16) {
+      throw ConfigError(
+          "--pipeline-schedule 2bw does not run with fp16 precision: dynamic loss scaling skips "
+          "the steps whose gradients overflow, and 2bw's two weight versions then no longer "
+          "follow its update rule (arXiv 2006.09503); use --precision bf16 or fp32, or another "
+          "schedule (1f1b)");
+    }
+    if (c.zero.offload_delayed_update) {
+      throw ConfigError(
+          "--pipeline-schedule 2bw and --offload-delayed-update both delay the weight update "
+          "(2bw computes with the weights of the previous version, arXiv 2006.09503): drop "
+          "--offload-delayed-update");
+    }
+  }
+  if (c.zero.offload_delayed_update || c.zero.offload_ratio != 1.0) {
+    throw ConfigError(
+        "--offload-delayed-update / --offload-ratio (offload_optimizer.delayed_update / ratio) "
+        "need the optimizer offloaded, which --strategy pipeline does not do: drop them");
+  }
+}
+
+/// After the batch sizes are derived: the schedule runs P stages, M micro-batches (the
+/// gradient-accumulation steps) and V virtual stages.
+void check_pipeline_micro_batches(const TrainConfig& c) {
+  if (c.strategy != StrategyKind::kPipeline) return;
+  const PipelineConfig& p = c.pipeline;
+  const int64_t m = c.gradient_accumulation_steps;
+  if (m > std::numeric_limits<int>::max()) {
+    throw ConfigError(
+        fmt::format("gradient_accumulation_steps {} is too large for a pipeline step (at most {} "
+                    "micro-batches): use fewer accumulation steps",
+                    m, std::numeric_limits<int>::max()));
+  }
+  check_pipeline_shape(p.schedule, PipelineShape{p.stages, static_cast<int>(m), p.virtual_stages});
+  if (p.schedule == PipelineSchedule::k2BW && m < p.stages) {
+    throw ConfigError(fmt::format(
+        "--pipeline-schedule 2bw needs at least as many micro-batches per step "
+        "(--gradient-accumulation-steps, now {}) as pipeline stages ({}): PipeDream-2BW keeps "
+        "only two weight versions when micro-batches >= stages (arXiv 2006.09503); use "
+        "--gradient-accumulation-steps {} or more, or fewer stages",
+        m, p.stages, p.stages));
+  }
+}
+
+void check_strategy(const TrainConfig& c) {
+  const std::string file = c.deepspeed_config.empty() ? std::string("the DeepSpeed config")
+                                                      : fmt::format("'{}'", c.deepspeed_config);
+  check_pipeline_settings(c, file);
+  check<ConfigError>(
+      c.zero.hpz_partition_size <= 1 || c.strategy == StrategyKind::kZero3,
+      "zero_hpz_partition_size {} (--zero-hpz-partition-size) shards ZeRO-3 within groups of "
+      "ranks: it needs --strategy zero3 (or zero_optimization.stage 3), not {}",
+      c.zero.hpz_partition_size, to_string(c.strategy));
+  check<ConfigError>(c.zero.hpz_partition_size <= 1 || (c.zero.offload_optimizer_device.empty() ||
+                                                        c.zero.offload_optimizer_device == "none"),
+                     "zero_hpz_partition_size {} does not run with offload_optimizer: drop one",
+                     c.zero.hpz_partition_size);
+  check<ConfigError>(
+      !c.zero.quantized_gradients || hierarchical_reduction(c) || c.zero.hpz_partition_size > 1,
+      "zero_quantized_gradients (--quantized-gradients) quantizes the gradients that cross "
+      "nodes: of --hierarchical-all-reduce (dp, zero1, zero2, zero3) or of zero3's hybrid "
+      "sharding "
+      "(--zero-hpz-partition-size); add one of them");
+  check<ConfigError>(!c.hierarchical_all_reduce || !c.no_hierarchical_all_reduce,
+                     "--hierarchical-all-reduce and --no-hierarchical-all-reduce contradict: give "
+                     "one");
+  check<ConfigError>(!c.hierarchical_all_reduce || c.strategy == StrategyKind::kDataParallel ||
+                         c.strategy == StrategyKind::kZero1 || c.strategy == StrategyKind::kZero2 ||
+                         c.strategy == StrategyKind::kZero3,
+                     "--hierarchical-all-reduce applies to the gradient reductions of --strategy "
+                     "dp (ddp for image models), zero1, zero2 and zero3, not to {}: drop it or "
+                     "switch strategies",
+                     to_string(c.strategy));
+  check<ConfigError>(!c.hierarchical_all_reduce || c.zero.hpz_partition_size <= 1,
+                     "--hierarchical-all-reduce and zero_hpz_partition_size {} both arrange "
+                     "zero3's reductions around nodes: hybrid sharding already reduce-scatters "
+                     "within the group and all-reduces across groups; drop one",
+                     c.zero.hpz_partition_size);
+  if (c.zero.stage < 0 || c.zero.stage > 3) {
+    throw ConfigError(fmt::format(
+        "ZeRO stage {} (--zero-stage / zero_optimization.stage) does not exist: use stage 0 "
+        "(--strategy dp), 1 (zero1), 2 (zero2) or 3 (zero3)",
+        c.zero.stage));
+  }
+  const bool offload_stage1 = c.strategy == StrategyKind::kOffload && c.zero.stage == 1;
+  // A pipeline runs ZeRO stage 0, 1 or 2 across its replicas (check_pipeline_settings).
+  const bool pipeline = c.strategy == StrategyKind::kPipeline;
+  if (c.zero.stage != zero_stage_of(c.strategy) && !offload_stage1 && !pipeline) {
+    throw ConfigError(fmt::format(
+        "ZeRO stage {} (--zero-stage / zero_optimization.stage) contradicts strategy '{}', which "
+        "runs at ZeRO stage {}: set the stage to {} or pick strategy '{}'",
+        c.zero.stage, to_string(c.strategy), zero_stage_of(c.strategy), zero_stage_of(c.strategy),
+        to_string(strategy_for_zero(c.zero.stage))));
+  }
+  if (c.zero.offload_param_device != "none" && c.zero.stage != 3) {
+    throw ConfigError(fmt::format(
+        "zero_optimization.offload_param.device \"{}\" in {} needs ZeRO stage 3 (parameters are "
+        "partitioned only there), but the stage is {}: set \"stage\": 3, or remove "
+        "offload_param and offload only the optimizer (offload_optimizer)",
+        c.zero.offload_param_device, file, c.zero.stage));
+  }
+  if (c.zero.offload_ratio < 0 || c.zero.offload_ratio > 1) {
+    throw ConfigError(fmt::format(
+        "offload ratio {} (--offload-ratio / offload_optimizer.ratio) is not valid: use a "
+        "fraction in [0, 1] of the optimizer state to offload (1 = all of it, the default)",
+        c.zero.offload_ratio));
+  }
+  const ParallelPlan plan = plan_of(c);
+  if (plan.optimizer_offload == OffloadDevice::kNone &&
+      (c.zero.offload_delayed_update || c.zero.offload_ratio != 1.0)) {
+    throw ConfigError(
+        "--offload-delayed-update / --offload-ratio (offload_optimizer.delayed_update / ratio) "
+        "need the optimizer offloaded: use --strategy offload (or infinity), or set "
+        "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
+  }
+  if (c.zero.offload_delayed_update && plan.param_offload != OffloadDevice::kNone) {
+    throw ConfigError(
+        "the delayed parameter update (--offload-delayed-update) is not available with "
+        "offload_param: the parameters offloaded to the host are read by every step; drop one "
+        "of the two");
+  }
+  const bool nvme =
+      plan.optimizer_offload == OffloadDevice::kNvme || plan.param_offload == OffloadDevice::kNvme;
+  if (nvme && c.zero.nvme_path.empty()) {
+    throw ConfigError(
+        "offloading to NVMe needs a directory for the swap files: give --nvme-path DIR (or "
+        "\"nvme_path\" in zero_optimization.offload_optimizer / offload_param)");
+  }
+}
+
+/// The stage-3 sizes (set by the DeepSpeed reader, or in code) must be usable.
+void check_stage3(const ZeroConfig& z) {
+  for (const deepspeed::Stage3Size& s : deepspeed::kStage3Sizes) {
+    const int64_t v = z.*s.field;
+    if (v < s.min) {
+      throw ConfigError(
+          fmt::format("zero_optimization.{} {} is not valid: use {}", s.key, v, s.expected));
+    }
+  }
+}
+
+constexpr const char* kBatchFlags =
+    "(flags: --train-batch-size, --batch-size, --gradient-accumulation-steps)";
+
+int64_t checked_product(int64_t a, int64_t b, const char* what) {
+  int64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) {
+    throw ConfigError(fmt::format("{} overflows ({} × {}): use smaller batch sizes", what, a, b));
+  }
+  return out;
+}
+
+void check_batch(TrainConfig& c) {
+  if (c.world_size < 1) {
+    throw ConfigError(fmt::format(
+        "world size {} is not valid: it must be >= 1 (it is set by the launcher)", c.world_size));
+  }
+  // The batch identity counts data-parallel replicas: a pipeline's stages share one micro-batch.
+  const int64_t ws = data_parallel_size(c);
+  const std::string ws_name =
+      c.strategy == StrategyKind::kPipeline
+          ? fmt::format("data-parallel degree {} (world size {} / {} pipeline stages)", ws,
+                        c.world_size, c.pipeline.stages)
+          : fmt::format("world size {}", ws);
+  const int64_t tb = c.train_batch_size;
+  if (tb < 0) {
+    throw ConfigError(fmt::format(
+        "train_batch_size (--train-batch-size) {} is not valid: use a global batch >= 1, or 0 "
+        "to derive it from the micro-batch, accumulation steps and world size",
+        tb));
+  }
+  if ((c.micro_batch_set || tb == 0) && c.micro_batch_size < 1) {
+    throw ConfigError(fmt::format(
+        "train_micro_batch_size_per_gpu (--batch-size) {} is not valid: it must be >= 1",
+        c.micro_batch_size));
+  }
+  if ((c.accumulation_set || tb == 0) && c.gradient_accumulation_steps < 1) {
+    throw ConfigError(fmt::format(
+        "gradient_accumulation_steps (--gradient-accumulation-steps) {} is not valid: it must "
+        "be >= 1",
+        c.gradient_accumulation_steps));
+  }
+  const int64_t micro = c.micro_batch_size;
+  const int64_t gas = c.gradient_accumulation_steps;
+  if (tb == 0) {
+    c.train_batch_size =
+        checked_product(checked_product(micro, gas, "the global batch"), ws, "the global batch");
+    return;
+  }
+  if (c.micro_batch_set && c.accumulation_set) {
+    const int64_t product =
+        checked_product(checked_product(micro, gas, "the global batch"), ws, "the global batch");
+    if (product == tb) return;
+    std::string fix = fmt::format("set train_batch_size to {}", product);
+    if (tb % (micro * ws) == 0) {
+      fix += fmt::format(", or gradient_accumulation_steps to {}", tb / (micro * ws));
+    } else if (tb % (gas * ws) == 0) {
+      fix += fmt::format(", or train_micro_batch_size_per_gpu to {}", tb / (gas * ws));
+    }
+    throw ConfigError(fmt::format(
+        "batch sizes do not add up: train_batch_size {} != train_micro_batch_size_per_gpu {} × "
+        "gradient_accumulation_steps {} × {} = {}: {} {}",
+        tb, micro, gas, ws_name, product, fix, kBatchFlags));
+  }
+  if (c.micro_batch_set) {
+    const int64_t denom = micro * ws;
+    if (tb % denom != 0) {
+      throw ConfigError(fmt::format(
+          "train_batch_size {} is not a multiple of train_micro_batch_size_per_gpu {} × {} = {}, "
+          "so gradient_accumulation_steps cannot be derived: set train_batch_size to a multiple "
+          "of {} (e.g. {}) {}",
+          tb, micro, ws_name, denom, denom, std::max<int64_t>(1, tb / denom) * denom, kBatchFlags));
+    }
+    c.gradient_accumulation_steps = tb / denom;
+    return;
+  }
+  if (c.accumulation_set) {
+    const int64_t denom = gas * ws;
+    if (tb % denom != 0) {
+      throw ConfigError(fmt::format(
+          "train_batch_size {} is not a multiple of gradient_accumulation_steps {} × {} = {}, so "
+          "train_micro_batch_size_per_gpu cannot be derived: set train_batch_size to a multiple "
+          "of {} (e.g. {}) {}",
+          tb, gas, ws_name, denom, denom, std::max<int64_t>(1, tb / denom) * denom, kBatchFlags));
+    }
+    c.micro_batch_size = tb / denom;
+    return;
+  }
+  // Only train_batch_size: DeepSpeed uses no accumulation and splits it over the ranks.
+  if (tb % ws != 0) {
+    throw ConfigError(fmt::format(
+        "train_batch_size {} is not a multiple of the {}, so train_micro_batch_size_per_gpu "
+        "cannot be derived: set train_batch_size to a multiple of {}, or give "
+        "train_micro_batch_size_per_gpu {}",
+        tb, ws_name, ws, kBatchFlags));
+  }
+  c.gradient_accumulation_steps = 1;
+  c.micro_batch_size = tb / ws;
+}
+
+}  // namespace
+
+// ---- validation -------------------------------------------------------------------------------
+
+bool hierarchical_reduction(const TrainConfig& cfg) {
+  if (cfg.no_hierarchical_all_reduce) return false;
+  if (cfg.hierarchical_all_reduce) return true;
+  const bool eligible = cfg.strategy == StrategyKind::kDataParallel ||
+                        cfg.strategy == StrategyKind::kZero1 ||
+                        cfg.strategy == StrategyKind::kZero2 ||
+                        (cfg.strategy == StrategyKind::kZero3 && cfg.zero.hpz_partition_size <= 1);
+  return eligible && cfg.ranks_per_node > 1 && cfg.world_size > cfg.ranks_per_node;
+}
+
+int data_parallel_size(const TrainConfig& cfg) {
+  if (cfg.strategy != StrategyKind::kPipeline || cfg.pipeline.stages < 1) return cfg.world_size;
+  return cfg.world_size / cfg.pipeline.stages;
+}
+
+const std::vector<std::string>& pipeline_partition_methods() {
+  static const std::vector<std::string> kMethods = {"uniform", "parameters", "time"};
+  return kMethods;
+}
+
+void check_partition_method(const std::string& method) {
+  const auto& methods = pipeline_partition_methods();
+  if (std::find(methods.begin(), methods.end(), method) != methods.end()) return;
+  throw ConfigError(fmt::format(
+      "unknown partition method '{}'{}: use uniform (equal block counts), parameters (balance "
+      "parameter counts, the default) or time (balance measured per-layer time)",
+      method, did_you_mean(method, methods)));
+}
+
+void check_pipeline_model(const TrainConfig& cfg, int n_layer) {
+  if (cfg.strategy != StrategyKind::kPipeline) return;
+  ST_ASSERT(n_layer >= 1);
+  const PipelineConfig& p = cfg.pipeline;
+  const int parts = p.stages * p.virtual_stages;
+  const bool interleaved = p.schedule == PipelineSchedule::kInterleaved;
+  const std::string cut =
+      interleaved ? fmt::format("--pipeline-stages {} × --virtual-stages {} = {} model chunks",
+                                p.stages, p.virtual_stages, parts)
+                  : fmt::format("--pipeline-stages {}", p.stages);
+  if (parts > n_layer) {
+    throw ConfigError(fmt::format(
+        "more stages than layers: {} for model '{}' with {} transformer blocks (n_layer), and each "
+        "needs at least one block: use at most {} {}",
+        cut, cfg.model.empty() ? "of the checkpoint" : cfg.model, n_layer, n_layer,
+        interleaved ? "chunks (stages × virtual stages)" : "stages"));
+  }
+}
+
+void validate(TrainConfig& cfg, int64_t model_context) {
+  check_strategy(cfg);
+  check_stage3(cfg.zero);
+  cfg.plan = plan_of(cfg);
+
+  if (cfg.device != "auto" && cfg.device != "cpu" && cfg.device != "cuda") {
+    throw ConfigError(fmt::format("--device '{}' is not valid: use auto, cpu or cuda", cfg.device));
+  }
+  if (cfg.device == "cpu" && cfg.precision != Precision::kAuto &&
+      cfg.precision != Precision::kFp32) {
+    throw ConfigError(fmt::format(
+        "--precision {} needs --device cuda; the CPU path computes in fp32 (use --precision fp32 "
+        "or leave it unset)",
+        to_string(cfg.precision)));
+  }
+  if (cfg.monitor.tensorboard_all_ranks && cfg.monitor.tensorboard_dir.empty()) {
+    throw ConfigError(
+        "--tensorboard-all-ranks needs --tensorboard DIR (or an enabled \"tensorboard\" section "
+        "in the DeepSpeed config): it says which ranks write there");
+  }
+  if (cfg.model.empty() && cfg.resume.empty()) {
+    throw ConfigError(
+        "--model is empty: name a model preset (e.g. --model gpt2-tiny) or the path of a "
+        "config.json");
+  }
+  const bool image_model = is_image_model(cfg.model);
+  if (image_model) {
+    if (cfg.strategy == StrategyKind::kPipeline) {
+      throw ConfigError(fmt::format(
+          "--strategy pipeline trains GPT-2 models only; image model '{}' trains with dp, zero1, "
+          "zero2, zero3 or offload",
+          cfg.model));
+    }
+    if (!cfg.dataset.empty() && cfg.dataset != "fashion-mnist" && cfg.dataset != "synthetic") {
+      throw ConfigError(fmt::format(
+          "--dataset '{}' is not an image data set: image model '{}' trains on --dataset "
+          "fashion-mnist, --dataset synthetic (random images, for speed measurements) or an "
+          "ImageFolder directory (--data-dir DIR)",
+          cfg.dataset, cfg.model));
+    }
+    if (!cfg.train_file.empty() || !cfg.valid_file.empty()) {
+      throw ConfigError(fmt::format(
+          "--train-file / --valid-file are text for GPT-2; image model '{}' trains on --dataset "
+          "fashion-mnist or an ImageFolder directory (--data-dir DIR)",
+          cfg.model));
+    }
+    if (cfg.dataset.empty() && cfg.data_dir.empty()) {
+      throw ConfigError(fmt::format(
+          "no training data for image model '{}': give --dataset fashion-mnist, or --data-dir DIR "
+          "(an ImageFolder root: one subfolder of images per class)",
+          cfg.model));
+    }
+  } else {
+    if (cfg.dataset == "fashion-mnist" || cfg.dataset == "synthetic") {
+      throw ConfigError(
+          fmt::format("--dataset {} holds images, but model '{}' is a language model: train an "
+                      "image model on it ({})",
+                      cfg.dataset, cfg.model.empty() ? "of the checkpoint" : cfg.model,
+                      join(image_model_names(), ", ")));
+    }
+    if (cfg.image_size != 0 || cfg.label_smoothing != 0 || cfg.sync_batchnorm) {
+      throw ConfigError(fmt::format(
+          "--image-size, --label-smoothing and --sync-batchnorm are for image models ({}); model "
+          "'{}' is a "
+          "language model",
+          join(image_model_names(), ", "), cfg.model.empty() ? "of the checkpoint" : cfg.model));
+    }
+  }
+  if (cfg.max_length < 1) {
+    throw ConfigError(
+        fmt::format("--max-length {} is not valid: the sequence length must be at least 1 token",
+                    cfg.max_length));
+  }
+  if (model_context > 0 && cfg.max_length > model_context) {
+    throw ConfigError(
+        fmt::format("--max-length {} exceeds the context of model '{}' (n_positions = {}): use "
+                    "--max-length {} or less",
+                    cfg.max_length, cfg.model.empty() ? "of the checkpoint" : cfg.model,
+                    model_context, model_context));
+  }
+
+  check_batch(cfg);
+  check_pipeline_micro_batches(cfg);
+  if (cfg.strategy == StrategyKind::kPipeline && cfg.activation_checkpointing &&
+      cfg.pipeline.activation_checkpoint_interval == 0) {
+    cfg.pipeline.activation_checkpoint_interval = 1;  // every block, as the other strategies
+  }
+
+  if (cfg.epochs < 1) {
+    throw ConfigError(
+        fmt::format("--epochs {} is not valid: train for at least 1 epoch", cfg.epochs));
+  }
+  if (cfg.max_steps != -1 && cfg.max_steps < 1) {
+    throw ConfigError(fmt::format(
+        "--max-steps {} is not valid: use -1 (as many steps as --epochs allows) or a number of "
+        "optimizer steps >= 1",
+        cfg.max_steps));
+  }
+  if (cfg.num_samples != -1 && cfg.num_samples < 1) {
+    throw ConfigError(fmt::format(
+        "--num-samples {} is not valid: use -1 (all samples) or a count >= 1", cfg.num_samples));
+  }
+  if (cfg.eval_samples != -1 && cfg.eval_samples < 1) {
+    throw ConfigError(fmt::format(
+        "--eval-samples {} is not valid: use -1 (the whole validation split) or a count >= 1",
+        cfg.eval_samples));
+  }
+
+  if (!std::isfinite(cfg.lr) || cfg.lr <= 0.0) {
+    throw ConfigError(fmt::format(
+        "--lr {} is not valid: the learning rate must be a finite number > 0 (e.g. 6e-4)", cfg.lr));
+  }
+  if (!(cfg.beta1 >= 0.0 && cfg.beta1 < 1.0)) {
+    throw ConfigError(fmt::format(
+        "--adam-beta1 {} is not valid: it must be in [0, 1) (typically 0.9)", cfg.beta1));
+  }
+  if (!(cfg.beta2 >= 0.0 && cfg.beta2 < 1.0)) {
+    throw ConfigError(fmt::format(
+        "--adam-beta2 {} is not valid: it must be in [0, 1) (typically 0.999 or 0.95)", cfg.beta2));
+  }
+  if (!std::isfinite(cfg.adam_eps) || cfg.adam_eps <= 0.0) {
+    throw ConfigError(
+        fmt::format("--adam-eps {} is not valid: it must be a finite number > 0 (typically 1e-8)",
+                    cfg.adam_eps));
+  }
+  if (!std::isfinite(cfg.weight_decay) || cfg.weight_decay < 0.0) {
+    throw ConfigError(fmt::format(
+        "--weight-decay {} is not valid: it must be a finite number >= 0 (0 turns it off)",
+        cfg.weight_decay));
+  }
+  if (!(cfg.momentum >= 0.0 && cfg.momentum < 1.0)) {
+    throw ConfigError(fmt::format(
+        "--momentum {} is not valid: it must be in [0, 1) (typically 0.9; 0 = plain SGD)",
+        cfg.momentum));
+  }
+  if (cfg.optimizer == OptimizerKind::kAdamW && (cfg.momentum != 0.0 || cfg.nesterov)) {
+    throw ConfigError(
+        "--momentum and --nesterov are SGD's: add --optimizer sgd (or \"optimizer\": {\"type\": "
+        "\"SGD\"}), or remove them (AdamW's momentum is --adam-beta1)");
+  }
+  if (cfg.nesterov && cfg.momentum == 0.0) {
+    throw ConfigError(
+        "--nesterov needs a momentum > 0 (as torch.optim.SGD): add --momentum 0.9, or remove "
+        "--nesterov");
+  }
+  if (cfg.optimizer == OptimizerKind::kSGD && cfg.plan.optimizer_offload == OffloadDevice::kNvme) {
+    throw ConfigError(
+        "--optimizer sgd with the optimizer offloaded to NVMe (infinity, offload_optimizer.device "
+        "\"nvme\") is not available: the NVMe swap file pages AdamW's master, m and v together; "
+        "use --strategy offload (CPU) or zero3 with SGD, or --optimizer adamw with NVMe");
+  }
+  if (cfg.dropout != -1 && !(cfg.dropout >= 0.0 && cfg.dropout < 1.0)) {
+    throw ConfigError(fmt::format(
+        "--dropout {} is not valid: it must be a probability in [0, 1) (e.g. 0.1, GPT-2's), 0 to "
+        "turn dropout off, or left unset to keep the model's own",
+        cfg.dropout));
+  }
+  if (!std::isfinite(cfg.gradient_clipping) || cfg.gradient_clipping < 0.0) {
+    throw ConfigError(fmt::format(
+        "--grad-clip {} is not valid: it must be a finite number >= 0 (0 turns clipping off)",
+        cfg.gradient_clipping));
+  }
+  if (cfg.warmup_steps < -1) {
+    throw ConfigError(fmt::format(
+        "--warmup-steps {} is not valid: use -1 (10% of the steps, at most 1000) or a number of "
+        "steps >= 0",
+        cfg.warmup_steps));
+  }
+  if (!(cfg.min_lr_ratio >= 0.0 && cfg.min_lr_ratio <= 1.0)) {
+    throw ConfigError(fmt::format(
+        "--min-lr-ratio {} is not valid: it must be in [0, 1] (final lr as a fraction of --lr)",
+        cfg.min_lr_ratio));
+  }
+  if (!(cfg.warmup_min_ratio >= 0.0 && cfg.warmup_min_ratio <= 1.0)) {
+    throw ConfigError(fmt::format(
+        "warmup_min_ratio {} is not valid: it must be in [0, 1] (lr at the start of warmup as a "
+        "fraction of --lr)",
+        cfg.warmup_min_ratio));
+  }
+
+  const LossScaleConfig& ls = cfg.loss_scale;
+  if (!std::isfinite(ls.loss_scale) || ls.loss_scale < 0.0) {
+    throw ConfigError(fmt::format(
+        "fp16.loss_scale {} is not valid: use 0 (dynamic) or a static scale > 0", ls.loss_scale));
+  }
+  if (ls.initial_scale_power < 0 || ls.initial_scale_power > 63) {
+    throw ConfigError(fmt::format("fp16.initial_scale_power {} is not valid: it must be in [0, 63]",
+                                  ls.initial_scale_power));
+  }
+  if (ls.loss_scale_window < 1 || ls.hysteresis < 1) {
+    throw ConfigError(fmt::format(
+        "fp16.loss_scale_window {} / fp16.hysteresis {} is not valid: both must be >= 1",
+        ls.loss_scale_window, ls.hysteresis));
+  }
+  if (!std::isfinite(ls.min_loss_scale) || ls.min_loss_scale <= 0.0) {
+    throw ConfigError(
+        fmt::format("fp16.min_loss_scale {} is not valid: it must be > 0", ls.min_loss_scale));
+  }
+
+  if (!cfg.dataset.empty() && !cfg.train_file.empty()) {
+    throw ConfigError(fmt::format(
+        "--dataset '{}' and --train-file '{}' are both given: use one of them (a named data set, "
+        "or your own text files)",
+        cfg.dataset, cfg.train_file));
+  }
+  if (cfg.dataset.empty() && cfg.train_file.empty() && !image_model) {
+    throw ConfigError(
+        "no training data: give --dataset wikitext-2, or --train-file PATH (and optionally "
+        "--valid-file PATH)");
+  }
+  if (!cfg.valid_file.empty() && cfg.train_file.empty()) {
+    throw ConfigError(fmt::format(
+        "--valid-file '{}' needs --train-file: the named data set '{}' has its own validation "
+        "split; drop --valid-file, or use --train-file instead of --dataset",
+        cfg.valid_file, cfg.dataset));
+  }
+
+  if (cfg.log_interval < 1) {
+    throw ConfigError(fmt::format(
+        "--log-interval {} is not valid: log every N >= 1 steps (DeepSpeed steps_per_print)",
+        cfg.log_interval));
+  }
+  if (cfg.eval_interval < 0) {
+    throw ConfigError(fmt::format(
+        "--eval-interval {} is not valid: use 0 (at the end of each epoch) or N >= 1 steps",
+        cfg.eval_interval));
+  }
+  if (cfg.save_interval < 0) {
+    throw ConfigError(
+        fmt::format("--save-interval {} is not valid: use 0 (only at the end) or N >= 1 steps",
+                    cfg.save_interval));
+  }
+  if (cfg.output_dir.empty()) {
+    throw ConfigError("--output-dir is empty: give a directory for checkpoints and logs");
+  }
+  if (cfg.replace_head && (cfg.init_from.empty() || !image_model)) {
+    throw ConfigError(
+        "--replace-head keeps a fresh classifier head when an image model's --init-from weights "
+        "have another class count: give it with --init-from FILE.safetensors and an image model");
+  }
+  if (!cfg.resume.empty() && !cfg.init_from.empty()) {
+    throw ConfigError(fmt::format(
+        "--resume '{}' and --init-from '{}' are both given: --resume restores weights, optimizer "
+        "and step from a checkpoint, --init-from only loads initial weights; use one",
+        cfg.resume, cfg.init_from));
+  }
+}
+
+std::vector<std::string> model_config_warnings(const TrainConfig& cfg,
+                                               int64_t largest_layer_numel) {
+  std::vector<std::string> out;
+  const int64_t threshold = cfg.zero.stage3_param_persistence_threshold;
+  // A layer with fewer parameters than the threshold stays replicated (parallel/zero3.cpp).
+  if (plan_of(cfg).zero_stage == 3 && largest_layer_numel > 0 && threshold > largest_layer_numel) {
+    out.push_back(fmt::format(
+        "zero_optimization.stage3_param_persistence_threshold {} is above the largest layer of "
+        "model '{}' ({} parameters): every layer stays replicated: zero3 then saves no parameter "
+        "memory; set it to at most {} (DeepSpeed's default is 100000)",
+        threshold, cfg.model.empty() ? "of the checkpoint" : cfg.model, largest_layer_numel,
+        largest_layer_numel));
+  }
+  return out;
+}
+
+}  // namespace shardtrain
