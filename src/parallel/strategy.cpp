@@ -56,8 +56,9 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend&
       "file pages AdamW's master, m and v together; use --strategy offload (CPU) or zero3 with "
       "SGD, or --optimizer adamw with NVMe");
   check<ConfigError>(plan.pipeline_stages == 1,
-                     "pipeline parallelism is not available yet in this release: use --strategy "
-                     "dp, zero1, zero2 or zero3");
+                     "a plan of {} pipeline stages goes to make_pipeline_strategy "
+                     "(parallel/pipeline/pipeline_parallel.h), not make_strategy",
+                     plan.pipeline_stages);
   switch (plan.zero_stage) {
     case 0:
       return make_data_parallel_strategy(options, backend, comm);

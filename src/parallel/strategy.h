@@ -169,8 +169,10 @@ class Strategy : public LayerHooks {
   virtual PipelineParallel* as_pipeline() { return nullptr; }
 };
 
-/// Builds the strategy that runs `options.plan` (zero stage 0: dp, 1/2: zero.h, 3: zero3.h).
-/// Throws ConfigError for plans not available yet (offload, pipeline).
+/// Builds the strategy that runs `options.plan` (zero stage 0: dp, 1/2: zero.h, 3: zero3.h;
+/// each with the optimizer, and at stage 3 the parameters, offloaded as the plan says). Throws
+/// ConfigError for a plan it cannot run (offload below stage 1, a bad offload ratio, SGD with
+/// NVMe) or of several pipeline stages (make_pipeline_strategy's).
 std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend& backend,
                                         Communicator& comm);
 /// make_strategy(strategy_options(cfg), ...).
