@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "checkpoint/atomic_file.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/hf_export.h"
 #include "checkpoint/safetensors.h"
@@ -28,6 +27,7 @@
 #include "core/rng.h"
 #include "data/data_dir.h"
 #include "data/dataset.h"
+#include "io/atomic_file.h"
 #include "model/gpt2.h"
 #include "parallel/strategy.h"
 #include "tiny_gpt2.h"

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "checkpoint/atomic_file.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/safetensors.h"
+#include "io/atomic_file.h"
 #include "model/gpt2.h"
 
 using namespace shardtrain;

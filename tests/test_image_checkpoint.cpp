@@ -16,13 +16,13 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "checkpoint/atomic_file.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/image_weights.h"
 #include "checkpoint/safetensors.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "data/image_dataset.h"
+#include "io/atomic_file.h"
 #include "memory/flat_buffer.h"
 #include "model/image/image_zoo.h"
 #include "test_support.h"

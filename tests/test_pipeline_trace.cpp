@@ -10,10 +10,10 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "checkpoint/atomic_file.h"
 #include "comm/launch.h"
 #include "core/error.h"
 #include "core/process.h"
+#include "io/atomic_file.h"
 #include "monitor/render_png.h"
 #include "parallel/pipeline/trace.h"
 #include "test_support.h"

@@ -7,11 +7,11 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "checkpoint/atomic_file.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/sharded_checkpoint.h"
 #include "comm/communicator.h"
 #include "core/error.h"
+#include "io/atomic_file.h"
 #include "train/trainer.h"
 
 using namespace shardtrain;

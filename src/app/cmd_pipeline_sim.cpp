@@ -10,8 +10,8 @@
 #include <string>
 
 #include "app/commands.h"
-#include "checkpoint/atomic_file.h"
 #include "core/error.h"
+#include "io/atomic_file.h"
 #include "monitor/render_png.h"
 #include "parallel/pipeline/simulator.h"
 

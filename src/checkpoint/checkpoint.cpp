@@ -5,11 +5,11 @@
 
 #include <algorithm>
 
-#include "checkpoint/atomic_file.h"
 #include "checkpoint/safetensors.h"
 #include "core/error.h"
 #include "core/half.h"
 #include "core/hash.h"
+#include "io/atomic_file.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;

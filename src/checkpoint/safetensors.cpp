@@ -5,9 +5,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/atomic_file.h"
 #include "core/error.h"
 #include "core/hash.h"
+#include "io/atomic_file.h"
 
 namespace shardtrain {
 

@@ -8,9 +8,9 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "checkpoint/atomic_file.h"
 #include "checkpoint/safetensors.h"
 #include "core/error.h"
+#include "io/atomic_file.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;

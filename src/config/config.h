@@ -13,7 +13,7 @@
 #include <string_view>
 #include <vector>
 
-#include "parallel/pipeline/schedule.h"
+#include "config/pipeline_schedule.h"
 
 namespace shardtrain {
 

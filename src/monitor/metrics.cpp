@@ -6,8 +6,8 @@
 #include <sstream>
 #include <string>
 
-#include "checkpoint/atomic_file.h"
 #include "core/error.h"
+#include "io/atomic_file.h"
 
 namespace shardtrain {
 

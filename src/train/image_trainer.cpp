@@ -9,7 +9,6 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "checkpoint/atomic_file.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/image_weights.h"
 #include "checkpoint/sharded_checkpoint.h"
@@ -18,6 +17,7 @@
 #include "data/dataset.h"
 #include "data/image_dataset.h"
 #include "data/prefetcher.h"
+#include "io/atomic_file.h"
 #include "memory/host_buffer.h"
 #include "model/image/image_zoo.h"
 #include "optim/adamw.h"

@@ -9,9 +9,9 @@
 #include <set>
 #include <sstream>
 
-#include "checkpoint/atomic_file.h"
 #include "config/config.h"
 #include "core/error.h"
+#include "io/atomic_file.h"
 #include "model/gpt2_config.h"
 #include "monitor/plot.h"
 #include "parallel/memory_estimator.h"

@@ -10,7 +10,6 @@
 #include <fstream>
 #include <limits>
 
-#include "checkpoint/atomic_file.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/sharded_checkpoint.h"
 #include "core/error.h"
@@ -18,6 +17,7 @@
 #include "core/strings.h"
 #include "data/bpe_tokenizer.h"
 #include "data/dataset.h"
+#include "io/atomic_file.h"
 #include "model/gpt2.h"
 #include "monitor/metrics.h"
 #include "monitor/monitor.h"

@@ -32,11 +32,12 @@
 
 #include "comm/communicator.h"
 #include "model/gpt2.h"
+#include "model/micro_batch.h"
 #include "parallel/pipeline/schedule.h"
 #include "parallel/pipeline/trace.h"
 #include "parallel/pipeline/transfer_plan.h"
+#include "parallel/step_result.h"
 #include "parallel/strategy.h"
-#include "train/train_step.h"
 
 namespace shardtrain {
 

@@ -33,13 +33,14 @@
 
 #include "comm/communicator.h"
 #include "data/dataset.h"
+#include "model/micro_batch.h"
 #include "optim/loss_scaler.h"
 #include "parallel/pipeline/partition.h"
 #include "parallel/pipeline/schedule.h"
 #include "parallel/pipeline/trace.h"
 #include "parallel/pipeline/transfer_plan.h"
+#include "parallel/step_result.h"
 #include "parallel/strategy.h"
-#include "train/train_step.h"
 
 namespace shardtrain {
 

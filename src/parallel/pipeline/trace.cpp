@@ -10,8 +10,8 @@
 #include <string_view>
 #include <utility>
 
-#include "checkpoint/atomic_file.h"
 #include "core/error.h"
+#include "io/atomic_file.h"
 #include "monitor/render_png.h"
 
 namespace shardtrain {
