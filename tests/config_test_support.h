@@ -1,4 +1,4 @@
-// The fixture of the configuration tests (tests/test_config.cpp, tests/test_deepspeed_config.cpp):
+// The fixture of the configuration tests (tests/config/test_config.cpp, tests/config/test_deepspeed_config.cpp):
 // `shardtrain train` flags parsed and finalized, DeepSpeed JSON files applied, in a temp dir.
 #pragma once
 

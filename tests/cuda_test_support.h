@@ -1,5 +1,5 @@
-// The fixtures and host helpers of the CUDA backend tests (tests/test_cuda_backend.cpp,
-// tests/test_cuda_model.cpp): random inputs, uploads and downloads, comparisons, a CUDA backend
+// The fixtures and host helpers of the CUDA backend tests (tests/backend/test_cuda_backend.cpp,
+// tests/backend/test_cuda_model.cpp): random inputs, uploads and downloads, comparisons, a CUDA backend
 // per test in fp32 or bf16 beside the CPU reference.
 #pragma once
 

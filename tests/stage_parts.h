@@ -1,5 +1,5 @@
-// Pipeline building blocks of the model, on any backend (tests/test_model.cpp on the CPU,
-// tests/test_cuda_backend.cpp on the GPU): the split backward (B then W) against the fused one,
+// Pipeline building blocks of the model, on any backend (tests/model/test_model.cpp on the CPU,
+// tests/backend/test_cuda_backend.cpp on the GPU): the split backward (B then W) against the fused one,
 // with another micro-batch's slot run in between, and a model cut into two stage parts that
 // exchange activations, their gradients and the tied wte gradient by hand.
 #pragma once

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes tests/fixtures/hf_gpt2_tiny/: a tiny random GPT-2 saved by Hugging Face transformers
 (config.json + model.safetensors), a fixed batch and transformers' logits and loss for it
-(expected.safetensors). tests/test_hf_parity.cpp checks shardtrain's forward pass against it.
+(expected.safetensors). tests/model/test_hf_parity.cpp checks shardtrain's forward pass against it.
 
 Run once where transformers and torch are installed (the GPU machine has both):
     python3 tools/make_hf_fixture.py tests/fixtures/hf_gpt2_tiny

@@ -2,7 +2,7 @@
 // functions: for a world size, a rank, an element count and the staging size, the steps that rank
 // takes — barriers, copies of which slice into which peer's array at which element offsets, and
 // sums of the staged pieces. PeerCollectives (comm/peer_collectives.cu) runs a plan as it is,
-// only turning offsets into addresses; the CPU tests (tests/test_peer_chunks.cpp) replay the
+// only turning offsets into addresses; the CPU tests (tests/comm/test_peer_chunks.cpp) replay the
 // plans of every rank on host arrays. Plain C++, no CUDA. Header-only on purpose: shardtrain_cuda,
 // which runs the plans, links before shardtrain_lib and must not need its symbols (as
 // comm/comm_support.h).

@@ -4,7 +4,7 @@
 // (SC'11), §4.2. A bijection of a 128-bit counter under a 64-bit key: element i of a tensor
 // draws from counter i (no state, no sequence), so any thread of any kernel — or the CPU
 // reference — regenerates the same bits for the same (key, counter). Constants as in the paper
-// and Random123; the known-answer vectors of Random123 are checked by tests/test_gradcheck.cpp.
+// and Random123; the known-answer vectors of Random123 are checked by tests/backend/test_gradcheck.cpp.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // Tests of the run configuration: strategy names, the parallel plan, pipeline settings, validation
-// and the `shardtrain train` flags (the DeepSpeed JSON sections: tests/test_deepspeed_config.cpp).
+// and the `shardtrain train` flags (the DeepSpeed JSON sections: tests/config/test_deepspeed_config.cpp).
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -1,6 +1,6 @@
 // The CUDA backend against the CPU reference (backend/cpu/cpu_backend.cpp): every op on random
 // inputs and the caching allocator's accounting and out-of-memory message (a whole GPT-2 model
-// and the flash-attention kernels: tests/test_cuda_model.cpp).
+// and the flash-attention kernels: tests/backend/test_cuda_model.cpp).
 //
 // Each op runs twice, as a parameterized test: with make_cuda_backend(0, kF32) (tight
 // tolerances: the two backends then differ only in summation order and FMA contraction) and with

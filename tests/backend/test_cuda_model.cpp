@@ -2,7 +2,7 @@
 // without dropout, split backward and stage parts) and the fused flash-attention kernels
 // (cuda_flash_attention.cu): selection, forward and backward against the CPU, determinism,
 // fallback for unsupported head sizes. Every test skips without a GPU (see
-// tests/test_cuda_backend.cpp for the tolerances).
+// tests/backend/test_cuda_backend.cpp for the tolerances).
 #include "cuda_test_support.h"
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaOpTest, ::testing::Values(DType::kF32, DType::kBF16),
