@@ -9,16 +9,6 @@
 #include <numeric>
 
 namespace shardtrain {
-namespace {
-
-std::string ascii_lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
-}
-
-}  // namespace
-
 std::size_t edit_distance(std::string_view a, std::string_view b) {
   const std::size_t n = a.size(), m = b.size();
   std::vector<std::vector<std::size_t>> d(n + 1, std::vector<std::size_t>(m + 1, 0));
@@ -38,11 +28,11 @@ std::size_t edit_distance(std::string_view a, std::string_view b) {
 
 std::optional<std::string> closest_match(std::string_view name,
                                          const std::vector<std::string>& candidates) {
-  const std::string key = ascii_lower(name);
+  const std::string key = lowercase(name);
   std::optional<std::string> best;
   std::size_t best_distance = std::numeric_limits<std::size_t>::max();
   for (const auto& c : candidates) {
-    const std::size_t d = edit_distance(key, ascii_lower(c));
+    const std::size_t d = edit_distance(key, lowercase(c));
     if (d < best_distance) {
       best_distance = d;
       best = c;

@@ -484,9 +484,7 @@ DatasetFiles resolve_dataset(const std::string& dataset, const std::string& trai
           fmt::format("both --dataset {} and --train-file {} given: pass only one of them", dataset,
                       train_file));
     }
-    std::string lower = dataset;
-    std::transform(lower.begin(), lower.end(), lower.begin(),
-                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    const std::string lower = lowercase(dataset);
     if (lower != "wikitext-2" && lower != "wikitext2" && lower != "wikitext-2-v1") {
       throw ConfigError(
           fmt::format("unknown data set '{}': known data sets are wikitext-2 (aliases wikitext2, "

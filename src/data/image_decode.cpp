@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "core/error.h"
+#include "core/strings.h"
 #include "data/dataset.h"  // read_all_bytes
 
 namespace shardtrain {
@@ -73,9 +74,7 @@ DecodedImage decode_jpeg(const std::filesystem::path& path, const std::string& b
 }  // namespace
 
 bool is_image_file(const std::filesystem::path& path) {
-  std::string ext = path.extension().string();
-  std::transform(ext.begin(), ext.end(), ext.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  const std::string ext = lowercase(path.extension().string());
   return ext == ".png" || ext == ".jpg" || ext == ".jpeg";
 }
 
