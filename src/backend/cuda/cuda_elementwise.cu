@@ -4,26 +4,12 @@
 // Every kernel computes in fp32 and rounds once to nearest-even when it stores.
 #include <cmath>
 
+#include "backend/cuda/cuda_gelu.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/cuda_ops_common.h"
 
 namespace shardtrain::cuda {
 namespace {
-
-constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
-constexpr float kGeluCoef = 0.044715f;
-
-__device__ __forceinline__ float gelu(float x) {
-  const float cube = kGeluCoef * x * x * x;
-  return 0.5f * x * (1.0f + tanhf(kGeluScale * (x + cube)));
-}
-
-__device__ __forceinline__ float gelu_grad(float x) {
-  const float cube = kGeluCoef * x * x * x;
-  const float th = tanhf(kGeluScale * (x + cube));
-  const float sech2 = 1.0f - th * th;
-  return 0.5f * (1.0f + th) + 0.5f * x * sech2 * kGeluScale * (1.0f + 3.0f * kGeluCoef * x * x);
-}
 
 /// convert: dst[i] = (TD) src[i], i < n; via fp32, round-to-nearest-even into bf16/fp16.
 /// (fp32 holds every bf16 and fp16 value exactly, so the detour through fp32 changes nothing.)

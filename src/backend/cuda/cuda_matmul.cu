@@ -71,25 +71,11 @@
 #include <type_traits>
 #include <utility>
 
+#include "backend/cuda/cuda_gelu.h"
 #include "backend/cuda/cuda_ops.h"
 
 namespace shardtrain::cuda {
 namespace {
-
-constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
-constexpr float kGeluCube = 0.044715f;
-
-__device__ __forceinline__ float gelu_f(float x) {
-  const float cube = kGeluCube * x * x * x;
-  return 0.5f * x * (1.0f + tanhf(kGeluScale * (x + cube)));
-}
-
-__device__ __forceinline__ float gelu_grad_f(float x) {
-  const float cube = kGeluCube * x * x * x;
-  const float th = tanhf(kGeluScale * (x + cube));
-  const float sech2 = 1.0f - th * th;
-  return 0.5f * (1.0f + th) + 0.5f * x * sech2 * kGeluScale * (1.0f + 3.0f * kGeluCube * x * x);
-}
 
 // ---- fallback epilogue kernels ------------------------------------------------------------------
 
@@ -103,7 +89,7 @@ __global__ void bias_gelu_kernel(T* out, T* pre, const T* bias, int64_t total, i
     if (bias) v += to_float(bias[i % OC]);
     if constexpr (kGelu) {
       pre[i] = from_float<T>(v);
-      out[i] = from_float<T>(gelu_f(v));
+      out[i] = from_float<T>(gelu(v));
     } else {
       out[i] = from_float<T>(v);
     }
@@ -115,7 +101,7 @@ template <typename T>
 __global__ void gelu_backward_inplace_kernel(T* dinp, const T* x, int64_t total) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    dinp[i] = from_float<T>(to_float(dinp[i]) * gelu_grad_f(to_float(x[i])));
+    dinp[i] = from_float<T>(to_float(dinp[i]) * gelu_grad(to_float(x[i])));
   }
 }
 
