@@ -60,10 +60,10 @@ class DataParallel final : public Strategy {
 
   void zero_grad() override {
     backend_.fill_zero(grads_.view());
-    if (hierarchical_) network_at_step_start_ = hierarchical_->network_bytes();
+    if (hierarchical_) hierarchical_->reset_network_bytes();
   }
   int64_t cross_node_bytes_last_step() const override {
-    return hierarchical_ ? hierarchical_->network_bytes() - network_at_step_start_ : 0;
+    return hierarchical_ ? hierarchical_->network_bytes() : 0;
   }
 
   void begin_micro_step(int64_t index, int64_t count) override {
@@ -216,8 +216,7 @@ class DataParallel final : public Strategy {
   bool reduce_in_backward_ = opt_.overlap_comm;
   /// --hierarchical-all-reduce: the buckets' sums within nodes, then across them.
   std::unique_ptr<HierarchicalReduction> hierarchical_;
-  int64_t network_at_step_start_ = 0;  ///< hierarchical_->network_bytes() at zero_grad
-  RegisteredBuffers registered_;       ///< grads_ for the copy-engine all-reduce; destroyed first
+  RegisteredBuffers registered_;  ///< grads_ for the copy-engine all-reduce; destroyed first
 };
 
 }  // namespace

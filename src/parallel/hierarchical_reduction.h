@@ -92,8 +92,10 @@ class HierarchicalReduction {
   int ranks_per_node() const { return k_; }
   int nodes() const { return nodes_; }
   /// Bytes this rank put into the network step (step 2's inputs: the chunk of an all-reduce, the
-  /// n chunks of a reduce-scatter, or their int8 and scales) since construction; 0 with one node.
+  /// n chunks of a reduce-scatter, or their int8 and scales) since construction or the last
+  /// reset_network_bytes() (a strategy resets it when a step starts); 0 with one node.
   int64_t network_bytes() const { return network_bytes_; }
+  void reset_network_bytes() { network_bytes_ = 0; }
 
  private:
   struct Job;

@@ -70,7 +70,7 @@ class Zero3 final : public ZeroStrategy {
   void zero_grad() override {
     drain_reductions();
     start_cross_node_count();
-    if (hybrid_ && hybrid_->quantized) network_at_step_start_ = hybrid_->quantized->network_bytes();
+    if (hybrid_ && hybrid_->quantized) hybrid_->quantized->reset_network_bytes();
     gathered_bytes_ = 0;
     backend_.fill_zero(grad_shard_.view());
   }
@@ -109,7 +109,7 @@ class Zero3 final : public ZeroStrategy {
   int64_t cross_node_bytes_last_step() const override {
     if (!hybrid_) return ZeroStrategy::cross_node_bytes_last_step();
     if (hybrid_->replica->world_size() == 1) return 0;
-    if (hybrid_->quantized) return hybrid_->quantized->network_bytes() - network_at_step_start_;
+    if (hybrid_->quantized) return hybrid_->quantized->network_bytes();
     return static_cast<int64_t>(grad_shard_.bytes());
   }
 

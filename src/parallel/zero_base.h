@@ -295,12 +295,12 @@ class ZeroStrategy : public Strategy {
   }
   /// Marks the start of a step for cross_node_bytes_last_step().
   void start_cross_node_count() {
-    if (hierarchical_) network_at_step_start_ = hierarchical_->network_bytes();
+    if (hierarchical_) hierarchical_->reset_network_bytes();
   }
 
  public:
   int64_t cross_node_bytes_last_step() const override {
-    return hierarchical_ ? hierarchical_->network_bytes() - network_at_step_start_ : 0;
+    return hierarchical_ ? hierarchical_->network_bytes() : 0;
   }
 
  protected:
@@ -580,8 +580,6 @@ class ZeroStrategy : public Strategy {
   /// --hierarchical-all-reduce (zero1, zero2, zero3 without hybrid sharding): the gradient
   /// reduce-scatters within and across nodes.
   std::unique_ptr<HierarchicalReduction> hierarchical_;
-  /// The network byte count at zero_grad (hierarchical_'s, or zero3 hybrid sharding's).
-  int64_t network_at_step_start_ = 0;
 };
 
 }  // namespace shardtrain
