@@ -392,15 +392,11 @@ def crossing(strategy, params, elem, N, G, hier, accum, quant=False, hybrid=Fals
     S, n = params * elem, N * G
     f = (n - 1) / n
     Q = params / G * (1 + 4 / 256)
-    if hybrid:
+    if hybrid or (strategy == "dp" and hier):  # the all-reduce of a 1/G slice across nodes
         if quant:
             return [("all_gather", 1, (N - 1) * Q)]
         return [("all_reduce", 1, 2 * (N - 1) / N * S / G)]
     if strategy == "dp":
-        if hier and quant:
-            return [("all_gather", 1, (N - 1) * Q)]
-        if hier:
-            return [("all_reduce", 1, 2 * (N - 1) / N * S / G)]
         return [("all_reduce", 1, 2 * f * S)]
     if quant:
         scatter = ("all_to_all", (N - 1) / N * Q)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Assembles .device/, the build that travels to the GPU machine (the `device` tool's `carry`), from a
-# CUDA build directory. Usage, in the repository root:
+# Assembles .device/, a CUDA build that can be copied to a GPU machine without a build toolchain,
+# from a CUDA build directory. Usage, in the repository root:
 #     bash bench/pack_device.sh [BUILD_DIR (default build)] [DEST (default .device)]
-# then name .device in the device call's carry; bench/device_env.sh (sourced first by the
-# device_run_issue*.sh scripts) makes it runnable there.
+# then copy the checkout with DEST to the GPU machine; bench/device_env.sh, sourced there first,
+# makes it runnable.
 #
 # What goes in (ldd decides; this machine is Debian 12, the GPU machine's image Ubuntu 24.04):
 #   DEST/shardtrain, DEST/test_cuda_backend, test_cuda_model, test_hf_parity, test_nccl_comm, test_zero_equivalence
@@ -20,7 +20,7 @@
 #                     image has CUDA 13 and PyTorch's nvidia-* wheels, where device_env.sh looks for
 #                     them if the loader does not find them
 #   DEST/MANIFEST     what was packed, from which commit, and what is expected on the GPU machine
-# The device call sends at most 64 MiB (working tree + carried paths). If DEST would push the
+# LIMIT_MIB bounds what is copied (working tree + DEST, default 64 MiB). If DEST would push the
 # total past it (LIMIT_MIB, default 64, minus the working tree, minus 1 MiB), everything is packed
 # into DEST/bundle.tar.xz instead, which device_env.sh unpacks there (OpenBLAS alone is ~36 MiB).
 # FASHION_MNIST=1 adds Debian's Fashion-MNIST files (see below).

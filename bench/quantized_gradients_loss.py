@@ -21,8 +21,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from multi_gpu_common import COMM_TIMEOUT, bench_env, free_port, git_commit  # noqa: E402
-from multi_gpu_nodes import node_env, run_group, shown  # noqa: E402
+from multi_gpu_common import bench_env, free_port, git_commit  # noqa: E402
+from multi_gpu_nodes import launch_args, node_env, run_group, shown  # noqa: E402
 
 LOG_INTERVAL = 10
 LAST = 50  # steps whose mean training loss is compared
@@ -47,12 +47,8 @@ def run(a, strategy, quantized, env):
     jobs = []
     launchers = 1 if a.smoke else a.nodes
     for n in range(launchers):
-        launch = [a.shardtrain, "launch", "--nproc-per-node",
-                  str(a.nodes * a.gpus_per_node if a.smoke else a.gpus_per_node)]
-        if not a.smoke:
-            launch += ["--nnodes", str(a.nodes), "--node-rank", str(n), "--master-addr",
-                       "127.0.0.1"]
-        launch += ["--master-port", str(port), "--comm-timeout", str(COMM_TIMEOUT), "--"]
+        launch = launch_args(a, port, a.nodes * a.gpus_per_node) if a.smoke else \
+            launch_args(a, port, a.gpus_per_node, n)
         e, extra = (dict(env), {}) if a.smoke else node_env(a, env, n)
         cmd = launch + train
         jobs.append((cmd, e, os.path.join(a.workdir, f"{name}_node{n}.log"), shown(cmd, extra)))
