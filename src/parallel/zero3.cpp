@@ -65,6 +65,19 @@ class Zero3 final : public ZeroStrategy {
       : ZeroStrategy(options, backend, hybrid ? *hybrid->shard : comm), hybrid_(std::move(hybrid)) {
     if (hybrid_) saves_state_ = hybrid_->replica->rank() == 0;
   }
+  /// Waits for the collectives still writing into the units' buffers (a prefetch for a backward
+  /// that never came, e.g. after an evaluation forward) before the buffers go: one left in flight
+  /// would land in freed memory.
+  ~Zero3() override {
+    try {
+      drain_reductions();
+      for (auto& w : replica_reductions_) w->wait();
+      for (Unit& u : units_)
+        if (u.gathering) u.gathering->wait();
+    } catch (const std::exception&) {
+      // A rank failed: the job is stopping (the communicator stopped the others).
+    }
+  }
   std::string name() const override { return "zero3"; }
 
   void zero_grad() override {

@@ -29,6 +29,15 @@ class ZeroStrategy : public Strategy {
  public:
   ZeroStrategy(const StrategyOptions& options, Backend& backend, Communicator& comm)
       : opt_(options), backend_(backend), comm_(comm) {}
+  /// Waits for the parameter all-gathers still in flight (launched by step()) before their
+  /// buffers go.
+  ~ZeroStrategy() override {
+    try {
+      for (size_t i = 0; i < gathers_.size(); ++i) wait_gather(i);
+    } catch (const std::exception&) {
+      // A rank failed: the job is stopping (the communicator stopped the others).
+    }
+  }
 
   void setup(Model& model, const std::vector<float>& init) final {
     model_ = &model;
