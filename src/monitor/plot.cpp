@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -159,7 +160,11 @@ void plot_bars(const BarChart& c, const fs::path& stem, int width, int height) {
   body += "set key autotitle columnhead\n";
   body += legend ? "set key outside below center horizontal maxrows 1 width 2\nset bmargin 5\n"
                  : "unset key\n";
-  body += c.categories.size() > 6 ? "set xtics rotate by -30\n" : "";
+  // Slanted labels when they would run into each other (about 7 pixels a character at 960 wide).
+  size_t longest = 0;
+  for (const std::string& label : c.categories) longest = std::max(longest, label.size());
+  const bool slant = c.categories.size() > 6 || longest * c.categories.size() * 7 > 800;
+  body += slant ? "set xtics rotate by 25 right\nset bmargin 7\n" : "";
   std::string plot = "plot ";
   const std::string file = quote(fs::absolute(dat).string());
   for (size_t s = 0; s < c.series.size(); ++s)

@@ -58,6 +58,7 @@ RunRecord read_run(const fs::path& dir) {
       r.model = j.value("model", "");
       r.strategy = j.value("strategy", "");
       r.device = j.value("device", "");
+      r.backend = j.value("backend", "");
       r.world_size = j.value("world_size", 1);
       r.micro_batch = j.value("micro_batch_size", int64_t{0});
       r.global_batch = j.value("global_batch", int64_t{0});
@@ -216,13 +217,14 @@ json report_json(const std::vector<RunRecord>& runs) {
               {"model", r.model},
               {"strategy", r.strategy},
               {"device", r.device},
+              {"backend", r.backend},
               {"world_size", r.world_size},
               {"micro_batch_size", r.micro_batch},
               {"global_batch", r.global_batch},
               {"max_length", r.max_length},
               {"parameters", r.parameters},
               {"epochs", r.epochs},
-              {"samples_per_epoch", jnum(std::round(r.samples_per_s * r.epoch_time_s))},
+              {"samples_per_epoch", jnum(samples_last_epoch(r))},
               {"time_per_epoch_s", jnum(r.epoch_time_s)},
               {"samples_per_s", jnum(r.samples_per_s)},
               {"tokens_per_s", jnum(r.tokens_per_s)},
@@ -281,8 +283,7 @@ std::string report_markdown(const std::vector<RunRecord>& runs,
     }
     md += fmt::format(
         "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
-        r.label, r.model, r.world_size, r.micro_batch,
-        fixed(std::round(r.samples_per_s * r.epoch_time_s), "{:.0f}"),
+        r.label, r.model, r.world_size, r.micro_batch, fixed(samples_last_epoch(r), "{:.0f}"),
         fixed(r.epoch_time_s, "{:.2f}"), fixed(r.samples_per_s, "{:.2f}"),
         fixed(r.tokens_per_s, "{:.0f}"),
         std::isfinite(r.mfu) ? fmt::format("{:.1f}%", 100 * r.mfu) : "n/a",
@@ -307,6 +308,7 @@ std::string report_markdown(const std::vector<RunRecord>& runs,
     md += "\n## Pictures\n\n";
     const std::map<std::string, std::string> captions = {
         {"time_per_epoch", "Time per epoch"},
+        {"time_per_sample", "Time per 1,000 samples (the runs' epochs differ in length)"},
         {"peak_memory", "Peak memory: measured and estimated"},
         {"loss_curves", "Training loss"},
         {"memory_breakdown", "Estimated GPU memory per rank by category"}};
@@ -327,6 +329,30 @@ std::string report_markdown(const std::vector<RunRecord>& runs,
   return md;
 }
 
+double samples_last_epoch(const RunRecord& r) {
+  const double n = std::round(r.samples_per_s * r.epoch_time_s);
+  return std::isfinite(n) ? n : NAN;
+}
+
+std::string workload_title(const std::vector<RunRecord>& runs) {
+  std::set<std::string> models, shapes, devices;
+  for (const RunRecord& r : runs) {
+    if (!r.ok || r.strategy.empty()) continue;
+    models.insert(fs::path(r.model).filename().string());
+    shapes.insert(fmt::format("micro-batch {} × {}", r.micro_batch, r.max_length));
+    // "NVIDIA H100 80GB HBM3 (cuda:0, 79.2 GiB)" → "NVIDIA H100 80GB HBM3 × W"
+    const std::string what =
+        r.backend.empty() ? r.device : r.backend.substr(0, r.backend.find(" ("));
+    devices.insert(fmt::format("{} × {}", what, r.world_size));
+  }
+  std::vector<std::string> parts;
+  for (const std::set<std::string>* s : {&models, &shapes, &devices})
+    if (s->size() == 1) parts.push_back(*s->begin());
+  std::string t;
+  for (const std::string& p : parts) t += (t.empty() ? "" : ", ") + p;
+  return t;
+}
+
 std::vector<std::string> draw_pictures(const std::vector<RunRecord>& runs, const fs::path& dir) {
   std::vector<const RunRecord*> ok;
   for (const RunRecord& r : runs)
@@ -335,20 +361,42 @@ std::vector<std::string> draw_pictures(const std::vector<RunRecord>& runs, const
   std::vector<std::string> drawn;
   std::vector<std::string> labels;
   for (const RunRecord* r : ok) labels.push_back(r->label);
+  const std::string workload = workload_title(runs);
+  const auto titled = [&](const std::string& what) {
+    return workload.empty() ? what : what + " — " + workload;
+  };
 
+  // Runs whose epochs hold different sample counts (--num-samples, --max-steps) are compared per
+  // sample: their epoch times would not be.
+  std::set<double> lengths;
+  for (const RunRecord* r : ok) lengths.insert(samples_last_epoch(*r));
+  const bool same_length = lengths.size() == 1 && std::isfinite(*lengths.begin());
   BarChart time;
-  time.title = "Time per epoch";
-  time.ylabel = "time per epoch (s)";
-  time.categories = labels;
-  time.series = {"time per epoch"};
   time.values.resize(1);
-  for (const RunRecord* r : ok) time.values[0].push_back(r->epoch_time_s);
-  time.value_format = "%.2f";
-  plot_bars(time, dir / "time_per_epoch");
-  drawn.push_back("time_per_epoch");
+  if (same_length) {
+    time.title = titled(fmt::format("Time per epoch of {:.0f} samples", *lengths.begin()));
+    time.ylabel = "time per epoch (s)";
+    time.series = {"time per epoch"};
+    time.categories = labels;
+    for (const RunRecord* r : ok) time.values[0].push_back(r->epoch_time_s);
+    time.value_format = "%.2f";
+  } else {
+    time.title = titled("Time per 1,000 samples");
+    time.ylabel = "time per 1,000 samples (s)";
+    time.series = {"time per 1,000 samples"};
+    for (const RunRecord* r : ok) {
+      time.categories.push_back(
+          fmt::format("{} ({:.0f} samples)", r->label, samples_last_epoch(*r)));
+      time.values[0].push_back(1000 * r->epoch_time_s / samples_last_epoch(*r));
+    }
+    time.value_format = "%.3g";
+  }
+  const std::string time_stem = same_length ? "time_per_epoch" : "time_per_sample";
+  plot_bars(time, dir / time_stem);
+  drawn.push_back(time_stem);
 
   BarChart peak;
-  peak.title = "Peak memory per rank";
+  peak.title = titled("Peak memory per rank");
   peak.ylabel = "peak memory (MiB)";
   peak.categories = labels;
   peak.series = {"measured", "estimated (GPU)"};
@@ -361,14 +409,20 @@ std::vector<std::string> draw_pictures(const std::vector<RunRecord>& runs, const
   plot_bars(peak, dir / "peak_memory");
   drawn.push_back("peak_memory");
 
+  // Against samples seen, so runs of other global batches or log intervals line up; each legend
+  // entry says how long its run was, so a short run is not read as a part of a long one.
+  bool by_samples = true;
+  for (const RunRecord* r : ok) by_samples = by_samples && r->global_batch > 0;
   LineChart loss;
-  loss.title = "Training loss";
-  loss.xlabel = "optimizer step";
+  loss.title = titled("Training loss");
+  loss.xlabel = by_samples ? "samples seen" : "optimizer step";
   loss.ylabel = "loss (nats per token)";
   for (const RunRecord* r : ok) {
-    LineChart::Series s{r->label, {}, {}};
+    const int64_t steps = r->losses.empty() ? 0 : r->losses.back().first;
+    LineChart::Series s{
+        fmt::format("{} ({} steps, {} logged)", r->label, steps, r->losses.size()), {}, {}};
     for (const auto& [step, l] : r->losses) {
-      s.x.push_back(static_cast<double>(step));
+      s.x.push_back(static_cast<double>(step) * (by_samples ? r->global_batch : 1));
       s.y.push_back(l);
     }
     loss.series.push_back(std::move(s));
@@ -377,7 +431,7 @@ std::vector<std::string> draw_pictures(const std::vector<RunRecord>& runs, const
   drawn.push_back("loss_curves");
 
   BarChart breakdown;
-  breakdown.title = "Estimated GPU memory per rank by category";
+  breakdown.title = titled("Estimated GPU memory per rank by category");
   breakdown.ylabel = "memory (MiB)";
   breakdown.series = {"parameters", "gradients", "optimizer state", "activations", "buffers"};
   breakdown.values.resize(5);

@@ -42,6 +42,8 @@ struct RunRecord {
 
   // From run.json (empty / 0 when the run wrote none).
   std::string model, strategy, device;
+  std::string
+      backend;  ///< what the run trained on, e.g. "NVIDIA H100 80GB HBM3 (cuda:0, 79.2 GiB)"
   int world_size = 1;
   int64_t micro_batch = 0, global_batch = 0, max_length = 0, parameters = 0;
   bool on_gpu = false;
@@ -81,6 +83,14 @@ void complete_runs(std::vector<RunRecord>& runs);
 
 /// report.json's contents.
 nlohmann::json report_json(const std::vector<RunRecord>& runs);
+
+/// What the runs share, for the pictures' titles: their model(s), micro-batch × sequence length
+/// and the device they trained on, e.g. "gpt2-medium, micro-batch 4 × 512, NVIDIA H100 80GB HBM3
+/// × 1"; parts that differ between runs are left out (the runs' labels name them).
+std::string workload_title(const std::vector<RunRecord>& runs);
+
+/// Samples in the last epoch record of `r` (samples/s × time), NaN when unknown.
+double samples_last_epoch(const RunRecord& r);
 
 /// report.md's contents; `pictures`: the picture stems drawn (shown when not empty).
 std::string report_markdown(const std::vector<RunRecord>& runs,

@@ -74,7 +74,7 @@ void expect_pictures(const fs::path& dir) {
 /// A finished run's directory as the trainer writes it: run.json and metrics.jsonl with the
 /// losses of steps 1..n, one epoch record and a validation and a "done" record.
 void write_run(const fs::path& dir, const std::string& strategy, double time_s, double peak,
-               const std::vector<double>& losses) {
+               const std::vector<double>& losses, double samples = 64) {
   fs::create_directories(dir);
   std::ofstream(dir / "run.json") << json{{"model", "gpt2-tiny"},   {"strategy", strategy},
                                           {"device", "cpu"},        {"world_size", 2},
@@ -90,8 +90,8 @@ void write_run(const fs::path& dir, const std::string& strategy, double time_s, 
   m << json{{"epoch", 1},
             {"steps", losses.size()},
             {"time_s", time_s},
-            {"samples_per_s", 64 / time_s},
-            {"tokens_per_s", 64 * 64 / time_s},
+            {"samples_per_s", samples / time_s},
+            {"tokens_per_s", samples * 64 / time_s},
             {"peak_memory_bytes", peak},
             {"peak_memory_bytes_per_rank", {peak, peak * 1.5}},
             {"peak_rss_bytes", peak + 1}}
@@ -185,6 +185,38 @@ TEST(Report, WithoutGnuplotTheReportIsWrittenWithoutPictures) {
   EXPECT_TRUE(fs::exists(dir / "report" / "report.json"));
   EXPECT_TRUE(fs::exists(dir / "report" / "report.md"));
   EXPECT_FALSE(fs::exists(dir / "report" / "time_per_epoch.png"));
+  fs::remove_all(dir);
+}
+
+// The pictures say what was measured (model, micro-batch × length, device × ranks) and cannot
+// mislead when the runs differ in length: epochs of other sample counts are compared per 1,000
+// samples, and the loss curves run over samples seen, each legend entry with its run's length.
+TEST(Report, PicturesNameTheWorkloadAndCompareRunsOfOtherLengthsPerSample) {
+  const fs::path dir = make_temp_dir("shardtrain_report_lengths");
+  write_run(dir / "dp", "dp", 4.0, 200e6, {10.0, 9.0, 8.5});       // 64 samples
+  write_run(dir / "zero1", "zero1", 2.0, 100e6, {10.0, 9.5}, 16);  // 16 samples
+  std::vector<RunRecord> runs = {read_run(dir / "dp"), read_run(dir / "zero1")};
+  EXPECT_EQ(workload_title(runs), "gpt2-tiny, micro-batch 4 × 64, cpu × 2");
+  EXPECT_EQ(samples_last_epoch(runs[1]), 16.0);
+  const bool drawn = write_report(runs, dir / "report");
+  if (gnuplot_program().empty()) GTEST_SKIP() << "gnuplot is not installed: no pictures to check";
+  ASSERT_TRUE(drawn);
+  const fs::path out = dir / "report";
+  EXPECT_FALSE(fs::exists(out / "time_per_epoch.png"));
+  EXPECT_EQ(png_problem(out / "time_per_sample.png", 960, 540), "");
+  EXPECT_CONTAINS(read_all(out / "report.md"), "(time_per_sample.png)");
+  const std::string time_gp = read_all(out / "time_per_sample.gp");
+  EXPECT_CONTAINS(time_gp, "Time per 1,000 samples —");
+  EXPECT_CONTAINS(time_gp, "gpt2-tiny, micro-batch 4 × 64, cpu × 2");
+  const std::string time_dat = read_all(out / "time_per_sample.dat");
+  EXPECT_CONTAINS(time_dat, "zero1 (16 samples)");
+  EXPECT_CONTAINS(time_dat, "\t125\n");   // 2 s / 16 samples
+  EXPECT_CONTAINS(time_dat, "\t62.5\n");  // 4 s / 64 samples
+  const std::string loss_gp = read_all(out / "loss_curves.gp");
+  EXPECT_CONTAINS(loss_gp, "samples seen");
+  EXPECT_CONTAINS(loss_gp, "dp (3 steps, 3 logged)");
+  EXPECT_CONTAINS(loss_gp, "zero1 (2 steps, 2 logged)");
+  EXPECT_CONTAINS(read_all(out / "loss_curves.dat"), "24\t8.5\n");  // step 3 × global batch 8
   fs::remove_all(dir);
 }
 
