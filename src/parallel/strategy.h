@@ -23,8 +23,6 @@
 
 namespace shardtrain {
 
-class PipelineParallel;  // parallel/pipeline/pipeline_parallel.h
-
 /// What a strategy is told (not the whole TrainConfig): its plan, the optimizer (AdamW or SGD)
 /// and its hyper-parameters, and the communication settings of DeepSpeed's zero_optimization
 /// section.
@@ -165,8 +163,6 @@ class Strategy : public LayerHooks {
   /// updated. zero1/zero2 all-gather them overlapped with the next forward, whose before_forward
   /// hooks wait layer by layer; whoever reads parameters outside a forward calls this first.
   virtual void wait_for_parameters() {}
-  /// The pipeline strategy (parallel/pipeline/pipeline_parallel.h), or null.
-  virtual PipelineParallel* as_pipeline() { return nullptr; }
 };
 
 /// Builds the strategy that runs `options.plan` (zero stage 0: dp, 1/2: zero.h, 3: zero3.h;

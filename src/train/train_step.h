@@ -6,8 +6,8 @@
 //
 // The trainer (train/trainer.cpp) and the MPI tests (tests/mpi/test_zero_equivalence.cpp) both
 // run their steps through it; each feeds micro-batches its own way (MicroBatchSource). A pipeline
-// schedule runs its own step (parallel/pipeline/pipeline_parallel.h) with the same micro-batch and
-// result types (model/micro_batch.h, parallel/step_result.h).
+// schedule runs its own step (train/pipeline_step.h) behind the same StepRunner interface, with the
+// same micro-batch and result types (model/micro_batch.h, parallel/step_result.h).
 #pragma once
 
 #include <cstdint>
@@ -25,10 +25,11 @@
 #include "optim/loss_scaler.h"
 #include "parallel/step_result.h"
 #include "parallel/strategy.h"
+#include "train/step_runner.h"
 
 namespace shardtrain {
 
-class TrainStep {
+class TrainStep final : public StepRunner {
  public:
   /// All references must outlive the TrainStep. `strategy` must be set up on `model` already.
   /// `clock` (nullable): marks the phases of each step (wall_clock_breakdown). Throws ConfigError
@@ -41,6 +42,11 @@ class TrainStep {
   /// Throws RuntimeFailure when the gradients (without fp16) or the loss become non-finite
   /// (training diverged), naming the step and the learning rate.
   StepResult run(int64_t step, double lr, const MicroBatchSource& batches);
+  /// The StepRunner's call: the same step (`next` is not used: each step stands alone).
+  StepResult run(int64_t step, double lr, const MicroBatchSource& batches,
+                 const MicroBatchSource* /*next*/) override {
+    return run(step, lr, batches);
+  }
   /// Replaces the phase clock (nullable) for the following steps (the FLOPs profiler's step).
   void set_clock(StreamClock* clock) { clock_ = clock; }
   StreamClock* clock() const { return clock_; }

@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <memory>
+#include <optional>
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/sharded_checkpoint.h"
@@ -26,6 +28,7 @@
 #include "parallel/pipeline/pipeline_parallel.h"
 #include "parallel/strategy.h"
 #include "train/flops_profiler.h"
+#include "train/pipeline_step.h"
 #include "train/train_common.h"
 #include "train/train_step.h"
 
@@ -516,8 +519,14 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
 
   // ---- parameters and strategy: resuming loads each rank's own ranges of the checkpoint into
   // zeroed buffers, so no rank holds the full fp32 parameters ----
-  std::unique_ptr<Strategy> strategy =
-      pipelined ? make_pipeline_strategy(cfg, *backend, comm) : make_strategy(cfg, *backend, comm);
+  // The pipeline is a Strategy (checkpoints, memory) that also runs its own steps, evaluation
+  // and trace: kept by its own type as well.
+  std::unique_ptr<PipelineParallel> pipeline_owner =
+      pipelined ? make_pipeline_strategy(cfg, *backend, comm) : nullptr;
+  PipelineParallel* const pipeline = pipeline_owner.get();
+  std::unique_ptr<Strategy> strategy = pipelined
+                                           ? std::unique_ptr<Strategy>(std::move(pipeline_owner))
+                                           : make_strategy(cfg, *backend, comm);
   strategy->setup(model, resume ? std::vector<float>{} : initial_parameters(cfg, model_cfg, model));
   TrainingProgress progress;
   progress.seed = cfg.seed;
@@ -528,7 +537,6 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   MetricsWriter metrics = open_run_metrics(cfg, rank0, continue_after);
   Monitor monitor =
       open_run_monitor(cfg, comm.rank(), config_snapshot(cfg).dump(2), continue_after);
-  PipelineParallel* pipeline = strategy->as_pipeline();
   const std::vector<std::string> pipeline_lines =
       pipeline ? pipeline->describe() : std::vector<std::string>{};
   const BannerFacts facts{model_cfg,
@@ -568,6 +576,9 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
   const TrainStepOptions step_options{cfg.gradient_accumulation_steps, cfg.gradient_clipping,
                                       cfg.seed};
   TrainStep train_step(model, *strategy, comm, *backend, scaler, step_options, clock.get());
+  std::optional<PipelineStep> pipeline_step;
+  if (pipeline) pipeline_step.emplace(*pipeline, scaler, step_options);
+  StepRunner& runner = pipeline ? static_cast<StepRunner&>(*pipeline_step) : train_step;
   const bool profile =
       flops_profile_possible(cfg.flops_profiler, pipelined, plan.total_steps, progress.step, out);
   StepLog step_log(out, metrics, monitor, cfg,
@@ -601,12 +612,10 @@ TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
                         : micro_batch(epoch, progress.step_in_epoch + 1, k);
     };
     const bool has_next = progress.step + 1 < plan.total_steps;
-    StepResult r = pipeline ? pipeline->run_step(progress.step, lr, batch, scaler, step_options,
-                                                 has_next ? &next_batch : nullptr)
-                   : profile && progress.step + 1 == cfg.flops_profiler.profile_step
+    StepResult r = profile && progress.step + 1 == cfg.flops_profiler.profile_step
                        ? profiled_gpt2_step(cfg, model_cfg, model, train_step, *backend, out, rank0,
                                             progress.step, lr, batch)
-                       : train_step.run(progress.step, lr, batch);
+                       : runner.run(progress.step, lr, batch, has_next ? &next_batch : nullptr);
     if (r.skipped)
       out.line(
           "step {}: fp16 gradients overflowed at loss scale {:g}: step skipped, scale now {:g}",

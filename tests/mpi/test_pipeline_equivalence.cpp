@@ -255,8 +255,10 @@ class PipelineMpi : public ::testing::Test {
     cfg.activation_checkpointing = c.checkpointing;
     cfg.plan = st::plan_of(cfg);
     run->model = std::make_unique<st::GPT2Model>(model_with(c.layers, c.dropout), *run->backend);
-    run->strategy = st::make_pipeline_strategy(cfg, *run->backend, *comm);
-    run->pipe = run->strategy->as_pipeline();
+    std::unique_ptr<st::PipelineParallel> pipe =
+        st::make_pipeline_strategy(cfg, *run->backend, *comm);
+    run->pipe = pipe.get();
+    run->strategy = std::move(pipe);
     run->strategy->setup(*run->model, with_init ? initial_params(c.layers) : std::vector<float>());
     return run;
   }

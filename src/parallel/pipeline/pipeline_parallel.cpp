@@ -471,8 +471,8 @@ void PipelineParallel::load_state(const FullState&) {
       "the pipeline strategy loads sharded checkpoints only (load_sharded_checkpoint)");
 }
 
-std::unique_ptr<Strategy> make_pipeline_strategy(const TrainConfig& cfg, Backend& backend,
-                                                 Communicator& world) {
+std::unique_ptr<PipelineParallel> make_pipeline_strategy(const TrainConfig& cfg, Backend& backend,
+                                                         Communicator& world) {
   PipelineOptions o;
   o.stages = cfg.pipeline.stages;
   o.schedule = cfg.pipeline.schedule;

@@ -74,7 +74,6 @@ class PipelineParallel final : public Strategy {
   ~PipelineParallel() override;
 
   std::string name() const override { return "pipeline"; }
-  PipelineParallel* as_pipeline() override { return this; }
 
   /// `model`: the whole model (its layout and config; it runs nothing). Builds this rank's stage
   /// model and the strategy across replicas; `init_params` in the whole model's flat layout.
@@ -163,7 +162,7 @@ class PipelineParallel final : public Strategy {
 };
 
 /// The pipeline strategy for `cfg` (strategy pipeline). Throws ConfigError as the constructor.
-std::unique_ptr<Strategy> make_pipeline_strategy(const TrainConfig& cfg, Backend& backend,
-                                                 Communicator& world);
+std::unique_ptr<PipelineParallel> make_pipeline_strategy(const TrainConfig& cfg, Backend& backend,
+                                                         Communicator& world);
 
 }  // namespace shardtrain
