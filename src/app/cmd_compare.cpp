@@ -24,6 +24,7 @@
 #include "comm/launch.h"
 #include "comm/nccl_communicator.h"
 #include "core/error.h"
+#include "core/process.h"
 #include "train/report.h"
 
 namespace shardtrain {
@@ -52,6 +53,18 @@ std::string self_exe() {
   check<RuntimeFailure>(!ec, "compare: cannot find this program (/proc/self/exe): {}",
                         ec.message());
   return p.string();
+}
+
+/// This program as a user would type it in the commands the report records: `shardtrain` when
+/// PATH finds this very file, else its path relative to the working directory when it lies below
+/// it (./build/shardtrain), else its absolute path.
+std::string shown_program(const std::string& exe) {
+  std::error_code ec;
+  const std::string on_path = find_on_path("shardtrain");
+  if (!on_path.empty() && fs::equivalent(on_path, exe, ec)) return "shardtrain";
+  const fs::path rel = fs::path(exe).lexically_relative(fs::current_path());
+  if (!rel.empty() && *rel.begin() != "..") return "./" + rel.string();
+  return exe;
 }
 
 bool has_flag(const std::vector<std::string>& args, const std::string& flag) {
@@ -114,7 +127,9 @@ int run_logged(const std::vector<std::string>& argv, const fs::path& log) {
 void run_compare(const CompareFlags& f) {
   const std::string device =
       !f.device.empty() ? f.device : (cuda_device_count() > 0 ? "cuda" : "cpu");
-  const fs::path report = fs::absolute(f.report_dir);
+  // As given (relative paths stay relative: every run starts in this working directory), so the
+  // commands the report records run anywhere.
+  const fs::path report = f.report_dir;
   if (!f.dry_run) fs::create_directories(report / "runs");
   const std::string exe = self_exe();
   const bool own_data = has_flag(f.train_flags, "--dataset") ||
@@ -189,8 +204,8 @@ void run_compare(const CompareFlags& f) {
   std::vector<RunRecord> runs;
   for (size_t i = 0; i < cases.size(); ++i) {
     const Case& c = cases[i];
-    std::string command;
-    for (const auto& w : c.argv) command += (command.empty() ? "" : " ") + shell_quote(w);
+    std::string command = shell_quote(shown_program(c.argv[0]));
+    for (size_t w = 1; w < c.argv.size(); ++w) command += " " + shell_quote(c.argv[w]);
     fmt::print("[{}/{}] {}\n", i + 1, cases.size(), command);
     std::fflush(stdout);
     if (f.dry_run) continue;

@@ -83,7 +83,7 @@ inline bool peer_collectives_wanted() {
 ///  * CUDA_DEVICE_MAX_CONNECTIONS=1 when the collectives will run on NCCL's kernels (ranks on
 ///    several nodes, or SHARDTRAIN_PEER_COLLECTIVES=0): one hardware work queue per GPU, shared
 ///    by the compute and NCCL streams, made dp / zero1 / zero2 steps 3–5% faster on 2 H200s
-///    (docs/BENCHMARKS.md); Megatron-LM sets the same. All ranks on one node use the
+///    (measured 2026-11-21); Megatron-LM sets the same. All ranks on one node use the
 ///    copy-engine collectives (comm/peer_collectives.h), whose copies and barriers would block
 ///    a shared queue: they keep the driver's default of 8 queues.
 ///  * NCCL_NVLS_ENABLE=0: NVLink SHARP multicast stays off.

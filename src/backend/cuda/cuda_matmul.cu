@@ -294,7 +294,7 @@ LtCache& lt_cache() {
 /// SHARDTRAIN_GEMM_SM_MARGIN (default 0: all SMs). For experiments with communication overlap:
 /// NCCL's kernels then find free SMs instead of stretching a GEMM sized for the whole GPU (the
 /// same knob as TransformerEngine's NVTE_EXT_MARGIN_SM). Measured on 2 H200s (gpt2-medium dp):
-/// margins of 8/16/32 SMs made steps 7–14% slower, so it stays off; docs/BENCHMARKS.md.
+/// margins of 8/16/32 SMs made steps 7–14% slower, so it stays off.
 int gemm_sm_margin() {
   static const int margin = [] {
     const char* v = std::getenv("SHARDTRAIN_GEMM_SM_MARGIN");
