@@ -71,6 +71,10 @@ void register_train_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "train", "train a GPT-2 model or an image classifier (see --help for the flags)");
   add_train_flags(*cmd, *cfg);
+  cmd->footer(
+      "Every flag and DeepSpeed JSON key (supported, ignored with a warning, or an error), their "
+      "defaults and their DeepSpeed/PyTorch counterparts: docs/CONFIG.md. Errors and their fixes: "
+      "docs/TROUBLESHOOTING.md.");
   cmd->add_option("--comm-timeout", *comm_timeout,
                   "seconds a collective may wait for the other ranks before the job stops with a "
                   "message naming them (default: $SHARDTRAIN_COMM_TIMEOUT or 300)")

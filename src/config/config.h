@@ -82,7 +82,7 @@ struct ZeroConfig {
   bool stage3_gather_16bit_weights_on_model_save = false;
 };
 
-/// DeepSpeed's top-level "aio" section: how the NVMe swap of ZeRO-Infinity (io/nvme_swap.h) does
+/// DeepSpeed's top-level "aio" section: how the NVMe swap of ZeRO-Infinity (parallel/offload/nvme_swap.h) does
 /// its I/O. DeepSpeed drives libaio; shardtrain runs a pool of threads issuing pread/pwrite on a
 /// file opened with O_DIRECT, and maps the keys onto it as follows.
 struct AioConfig {

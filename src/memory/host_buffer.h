@@ -1,7 +1,7 @@
 // Host buffers of the offloaded state: PinnedBuffer, a backend's transfer memory (RAII), and
 // host_slice, the typed view of any host array. (Pageable state the CPU updates — fp32 master
 // weights and AdamW moments, which never cross PCIe and so need not be locked — lives in
-// AlignedHostBuffer, io/nvme_swap.h.)
+// AlignedHostBuffer, parallel/offload/nvme_swap.h.)
 #pragma once
 
 #include <cstdint>

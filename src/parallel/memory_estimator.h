@@ -78,7 +78,7 @@ struct StrategyEstimate {
   double activations = 0;   ///< bytes
   double buffers = 0;       ///< bytes: gradient buckets + cuBLASLt workspace + CUDA context
   double total() const { return model_states + activations + buffers; }
-  // Offloaded plans (parallel/host_optimizer.h): the row's name and the host side.
+  // Offloaded plans (parallel/offload/host_optimizer.h): the row's name and the host side.
   std::string name;          ///< row label; empty: to_string(strategy)
   bool offloaded = false;    ///< the host columns apply
   double host_pinned = 0;    ///< bytes: gradient staging (and offloaded parameters)

@@ -6,7 +6,7 @@
 //
 // Strategies: dp (parallel/data_parallel.cpp), zero1 and zero2 (parallel/zero.cpp), zero3
 // (parallel/zero3.cpp), each optionally with its optimizer offloaded to the host
-// (parallel/host_optimizer.h); pipeline (parallel/pipeline/pipeline_parallel.h) runs one of
+// (parallel/offload/host_optimizer.h); pipeline (parallel/pipeline/pipeline_parallel.h) runs one of
 // those across the replicas of each stage.
 #pragma once
 

@@ -15,7 +15,7 @@
 #include "core/half.h"
 #include "parallel/buckets.h"
 #include "parallel/hierarchical_reduction.h"
-#include "parallel/host_optimizer.h"
+#include "parallel/offload/host_optimizer.h"
 #include "parallel/registered_buffers.h"
 #include "parallel/strategy.h"
 

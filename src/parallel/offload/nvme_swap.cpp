@@ -1,5 +1,5 @@
 // NVMe swap of ZeRO-Infinity: a thread pool issuing pread/pwrite on a file opened with O_DIRECT.
-#include "io/nvme_swap.h"
+#include "parallel/offload/nvme_swap.h"
 
 #include <fcntl.h>
 #include <fmt/core.h>

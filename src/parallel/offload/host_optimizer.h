@@ -42,7 +42,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "io/nvme_swap.h"
+#include "parallel/offload/nvme_swap.h"
 #include "memory/host_buffer.h"
 #include "memory/param_layout.h"
 #include "optim/adamw.h"
@@ -51,7 +51,7 @@
 namespace shardtrain {
 
 /// Where the host state of an offloaded optimizer is paged to NVMe (ZeRO-Infinity, Rajbhandari
-/// et al., arXiv 2104.07857, §5): one swap file per rank under `dir` (io/nvme_swap.h).
+/// et al., arXiv 2104.07857, §5): one swap file per rank under `dir` (parallel/offload/nvme_swap.h).
 struct SwapOptions {
   std::string dir;  ///< nvme_path
   int rank = 0;

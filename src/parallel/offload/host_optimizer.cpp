@@ -1,5 +1,5 @@
 // The host half of an offloaded optimizer: see host_optimizer.h for the design.
-#include "parallel/host_optimizer.h"
+#include "parallel/offload/host_optimizer.h"
 
 #include <omp.h>
 

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "io/nvme_swap.h"
+#include "parallel/offload/nvme_swap.h"
 #include "test_support.h"
 
 namespace shardtrain {
