@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch's CPU AdamW on a shard of N elements (issue 11): the peer of bench_host_limits'
+"""PyTorch's CPU AdamW on a shard of N elements: the peer of bench_host_limits'
 cpu_adamw (shardtrain's CPU AdamW). torch.optim.AdamW with foreach=True and with fused=True on fp32
 parameters and fp32 gradients in host memory, what FSDP2's CPUOffloadPolicy steps; params/s and
 bytes/s counted as for ours (reads p, g, m, v 4+4+4+4, writes p, m, v 4+4+4 = 28 bytes per element).

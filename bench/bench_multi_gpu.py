@@ -14,31 +14,32 @@ bus,lm,pipeline,image,nodes; they run in that order, whatever the order given):
             against DDP / FSDP2 / FSDP2 resharding, dp --hierarchical-all-reduce, gradient
             accumulation and the same strategies on one node, against the step's lower bound
 
-Usage (GPU machine, after `source bench/device_env.sh`). A job is mostly start-up (10-30 s), so
+Usage (GPU machine, after `source bench/lib/prelude.sh`; bench/run.sh's multi-gpu, pipeline,
+image-models and nodes workloads run it so). A job is mostly start-up (10-30 s), so
 the defaults take long: lm about 40 jobs (2 models × 2 micro-batches × 10), pipeline 20, image 18
 (24 with --image-nographs). Split so that each command fits its --budget (default 500 s), e.g.:
-    python3 bench/bench_multi_gpu.py --shardtrain .device/shardtrain --gpus 2 --suite bus,lm \\
+    python3 bench/bench_multi_gpu.py --shardtrain .packed/shardtrain --gpus 2 --suite bus,lm \\
         --models gpt2-medium --out $OUT/lm_medium.json --workdir $OUT/multi_gpu
-    python3 bench/bench_multi_gpu.py --shardtrain .device/shardtrain --gpus 2 --suite bus,lm \\
+    python3 bench/bench_multi_gpu.py --shardtrain .packed/shardtrain --gpus 2 --suite bus,lm \\
         --models gpt2-xl --batches 4 --out $OUT/lm_xl_mb4.json \\
         --workdir $OUT/multi_gpu                      # and again with --batches 16
-    python3 bench/bench_multi_gpu.py --shardtrain .device/shardtrain --gpus 2 --suite pipeline \\
+    python3 bench/bench_multi_gpu.py --shardtrain .packed/shardtrain --gpus 2 --suite pipeline \\
         --micro-batches 8 --svg-dir $OUT/pipeline_svg --out $OUT/pipeline_M8.json \\
         --workdir $OUT/multi_gpu                      # and again with --micro-batches 16
-    python3 bench/bench_multi_gpu.py --shardtrain .device/shardtrain --gpus 2 --suite image \\
+    python3 bench/bench_multi_gpu.py --shardtrain .packed/shardtrain --gpus 2 --suite image \\
         --image-nographs --out $OUT/image.json --workdir $OUT/multi_gpu
 nodes: 14 jobs per model and micro-batch (56 with the defaults; gpt2-xl's take about a minute
 each), so one command per model and micro-batch (gpt2-xl: and --pairs dp, then zero2,zero3), the
 later ones reusing the first one's bus bandwidths (--bus-json). On 2 GPUs, 2 nodes × 1 GPU:
-    python3 bench/bench_multi_gpu.py --shardtrain .device/shardtrain --gpus 2 --suite bus,nodes \\
+    python3 bench/bench_multi_gpu.py --shardtrain .packed/shardtrain --gpus 2 --suite bus,nodes \\
         --nodes 2 --models gpt2-medium --batches 4 --budget 540 \\
         --out $OUT/nodes_medium_mb4.json --workdir $OUT/multi_gpu
-    python3 bench/bench_multi_gpu.py --shardtrain .device/shardtrain --gpus 2 --suite nodes \\
+    python3 bench/bench_multi_gpu.py --shardtrain .packed/shardtrain --gpus 2 --suite nodes \\
         --nodes 2 --models gpt2-xl --batches 4 --pairs dp --budget 540 \\
         --bus-json $OUT/nodes_medium_mb4.json --out $OUT/nodes_xl_mb4_dp.json \\
         --workdir $OUT/multi_gpu
 On 4 GPUs, 2 nodes × 2 GPUs (the same with --gpus 4 --gpus-per-node 2):
-    python3 bench/bench_multi_gpu.py --shardtrain .device/shardtrain --gpus 4 --suite bus,nodes \\
+    python3 bench/bench_multi_gpu.py --shardtrain .packed/shardtrain --gpus 4 --suite bus,nodes \\
         --nodes 2 --gpus-per-node 2 --models gpt2-medium --batches 4 --budget 540 \\
         --out $OUT/nodes2x2_medium_mb4.json --workdir $OUT/multi_gpu
 (`bus` takes half a minute; `--suite lm --bus-json FILE` instead reuses the bus bandwidth of an

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""ZeRO-Offload / ZeRO-Infinity on one GPU (issue 11): shardtrain's offload strategies against our
-on-GPU zero2 and PyTorch FSDP2 with CPU offload, side by side in one device run.
+"""ZeRO-Offload / ZeRO-Infinity on one GPU: shardtrain's offload strategies against our
+on-GPU zero2 and PyTorch FSDP2 with CPU offload, side by side in one run.
 
 Frameworks (--frameworks; shardtrain unless said):
   offload        --strategy offload: zero2 with the fp32 master weights, AdamW m and v and the AdamW
@@ -8,7 +8,7 @@ Frameworks (--frameworks; shardtrain unless said):
   offload-dpu    --strategy offload --offload-delayed-update (ZeRO-Offload's one-step delayed
                  parameter update: the CPU step overlaps the next step's GPU work)
   offload-rNN    --strategy offload --offload-ratio 0.NN (NN % of the optimizer state offloaded)
-  zero2          --strategy zero2, everything on the GPU: the "GPU compute" of the bars
+  zero2          --strategy zero2, everything on the GPU: the "GPU compute" of the targets
   zero3-offload  --deepspeed-config written here: stage 3, offload_optimizer and offload_param "cpu"
   infinity       --deepspeed-config written here: stage 3, both on "nvme" under --nvme-path, aio
   fsdp2-offload  PyTorch FSDP2 (bench/torch_dist_worker.py --strategy fsdp2 --cpu-offload):
@@ -24,11 +24,11 @@ Cases (--cases; model, micro-batch × sequence, steps (untimed warmup)):
 --largest: 10 steps (5 untimed) of each --shapes GPT-2 shape (`train --model config.json`, HF
 keys) per --largest-frameworks: which train, tokens/s, GPU peak, host and NVMe bytes vs estimate.
 
-Usage (GPU machine; bench/device_run_issue11.sh wraps it):
-    python3 bench/bench_offload.py --shardtrain .device/shardtrain --cases tutorial,xl2,xl16 \
+Usage (GPU machine; bench/run.sh offload wraps it):
+    python3 bench/bench_offload.py --shardtrain .packed/shardtrain --cases tutorial,xl2,xl16 \
         --out $OUT/offload.json --workdir /tmp/offload
-    python3 bench/bench_offload.py --shardtrain .device/shardtrain --cases sweep2,sweep4,sweep8,sweep16
-    python3 bench/bench_offload.py --shardtrain .device/shardtrain --largest --nvme-path /tmp/nvme
+    python3 bench/bench_offload.py --shardtrain .packed/shardtrain --cases sweep2,sweep4,sweep8,sweep16
+    python3 bench/bench_offload.py --shardtrain .packed/shardtrain --largest --nvme-path /tmp/nvme
 CPU smoke test of the harness (gpt2-micro / gpt2-tiny on --device cpu; frameworks the binary lacks
 are failed entries; --stand-in zero2 re-runs them as zero2 to exercise the parsing):
     python3 bench/bench_offload.py --smoke --shardtrain build-cpu/shardtrain [--stand-in zero2]
@@ -39,7 +39,7 @@ PyTorch: torch.cuda.max_memory_allocated / reserved); host_pinned_bytes, host_pa
 nvme_bytes (epoch record; PyTorch: peak resident set); cpu_step_ms (step records, mean over the
 timed windows; PyTorch: host time of opt.step()); `shardtrain estimate` (GPU total, host, NVMe per
 rank where it prints them: missing columns are None). Every job runs in its own process with a
-timeout; a failure is a table entry. Bars of issue 11 evaluated at the end; the tables are printed
+timeout; a failure is a table entry. The targets (below) evaluated at the end; the tables are printed
 last as markdown, the JSON (--out) holds everything. Exit status 1 if any shardtrain job failed.
 """
 import argparse
@@ -210,7 +210,7 @@ def estimate_for(est, fw):
 
 # ---- jobs ---------------------------------------------------------------------------------------------
 def offload_fields(recs, warmup):
-    """Extra fields of issue 11 from metrics.jsonl records: host/NVMe bytes (epoch record),
+    """Extra fields of the offload strategies from metrics.jsonl records: host/NVMe bytes (epoch record),
     cpu_step_ms and the wall-clock breakdown (step records after the warmup, window-weighted)."""
     epoch = [r for r in recs if "peak_memory_bytes" in r]
     e = epoch[-1] if epoch else {}
@@ -363,7 +363,7 @@ def ratio(x, y):
 
 
 def summarize(row):
-    """The bars of issue 11 for one case (None where a side is missing)."""
+    """The targets for one case (None where a side is missing)."""
     ex, dpu, z2, fs = (row.get(k, {}) for k in ("offload", "offload-dpu", "zero2", "fsdp2-offload"))
     tok = lambda e: e.get("tokens_per_s") if "error" not in e else None  # noqa: E731
     step = lambda e: e.get("step_time_s") if "error" not in e else None  # noqa: E731
@@ -377,31 +377,31 @@ def summarize(row):
          "dpu_over_zero2": ratio(tok(dpu), tok(z2)), "exact_over_zero2": ratio(tok(ex), tok(z2)),
          "exact_peak_over_fsdp2": ratio(ex.get("peak_allocated"), fs.get("peak_allocated")),
          "dpu_peak_over_fsdp2": ratio(dpu.get("peak_allocated"), fs.get("peak_allocated"))}
-    bars = {}
+    targets = {}
     x = s["exact_over_fsdp2"]
-    bars["exact >= 1.3x fsdp2-offload"] = (x, None if x is None else x >= 1.3)
+    targets["exact >= 1.3x fsdp2-offload"] = (x, None if x is None else x >= 1.3)
     if step(ex) and gpu and cpu is not None:
         lim = (gpu + cpu) * 1.15
-        bars["exact step <= (GPU + CPU step) x 1.15"] = (step(ex) / lim, step(ex) <= lim)
+        targets["exact step <= (GPU + CPU step) x 1.15"] = (step(ex) / lim, step(ex) <= lim)
     else:
-        bars["exact step <= (GPU + CPU step) x 1.15"] = (None, None)
+        targets["exact step <= (GPU + CPU step) x 1.15"] = (None, None)
     x = s["dpu_over_fsdp2"]
-    bars["DPU >= 2x fsdp2-offload"] = (x, None if x is None else x >= 2.0)
+    targets["DPU >= 2x fsdp2-offload"] = (x, None if x is None else x >= 2.0)
     if step(dpu) and gpu and cpu is not None:
         if cpu < gpu:
             x = s["dpu_over_zero2"]
-            bars["DPU >= 0.85x on-GPU tokens/s (CPU step < GPU step)"] = (
+            targets["DPU >= 0.85x on-GPU tokens/s (CPU step < GPU step)"] = (
                 x, None if x is None else x >= 0.85)
         else:
             lim = max(gpu, cpu) * 1.10
-            bars["DPU step <= max(GPU, CPU) x 1.10 (CPU step >= GPU step)"] = (step(dpu) / lim,
+            targets["DPU step <= max(GPU, CPU) x 1.10 (CPU step >= GPU step)"] = (step(dpu) / lim,
                                                                                step(dpu) <= lim)
     else:
-        bars["DPU vs on-GPU (0.85x, or max(GPU, CPU) + 10%)"] = (None, None)
+        targets["DPU vs on-GPU (0.85x, or max(GPU, CPU) + 10%)"] = (None, None)
     for k, label in (("exact_peak_over_fsdp2", "exact"), ("dpu_peak_over_fsdp2", "DPU")):
         x = s[k]
-        bars[f"{label} peak GPU <= fsdp2-offload's"] = (x, None if x is None else x <= 1.0)
-    s["bars"] = {k: {"value": v, "pass": p} for k, (v, p) in bars.items()}
+        targets[f"{label} peak GPU <= fsdp2-offload's"] = (x, None if x is None else x <= 1.0)
+    s["targets"] = {k: {"value": v, "pass": p} for k, (v, p) in targets.items()}
     return s
 
 
@@ -439,12 +439,12 @@ def print_report(res):
 
     main_rows = [r for r in rows if not r["case"].startswith("sweep")]
     if main_rows:
-        print(f"\n### Bars of issue 11{smoke}\n")
-        print("| case | bar | value | pass |\n|---|---|---|---|")
+        print(f"\n### Targets{smoke}\n")
+        print("| case | target | value | pass |\n|---|---|---|---|")
         for r in main_rows:
-            for bar, v in r["summary"]["bars"].items():
+            for target, v in r["summary"]["targets"].items():
                 ok = "n/a" if v["pass"] is None else ("yes" if v["pass"] else "NO")
-                print(f"| {r['case']} | {bar} | {fmt(v['value'], '.3f')} | {ok} |")
+                print(f"| {r['case']} | {target} | {fmt(v['value'], '.3f')} | {ok} |")
 
     sweep = [r for r in rows if r["case"].startswith("sweep")]
     if sweep:
@@ -569,7 +569,7 @@ def main():
                       "warmup": warmup, "epoch_samples": epoch_samples, "frameworks": fws,
                       "estimate": est, "estimates": {f: estimate_for(est, f) for f in fws},
                       "results": {}}
-        # case by case, every framework (the bars compare within a case); a spent budget cuts
+        # case by case, every framework (the targets compare within a case); a spent budget cuts
         # whole cases rather than every case's peer
         jobs += [(case, f) for f in fws]
 

@@ -8,7 +8,7 @@ stage. Also `python3 bench/bench_multi_gpu.py --suite pipeline` (P = --gpus ther
 --pipeline-warmup there).
 
 Usage (GPU machine with 2 GPUs; 20 short jobs, bounded by --budget seconds in all):
-    python3 bench/bench_pipeline_gpus.py --shardtrain .device/shardtrain \
+    python3 bench/bench_pipeline_gpus.py --shardtrain .packed/shardtrain \
         --out $OUT/bench_pipeline_gpus.json --workdir $OUT/bench_pipeline_gpus --svg-dir $OUT/svg
 CPU smoke test of the scripts themselves (gpt2-tiny, the smallest preset whose 4 blocks cut into
 2 stages × 2 chunks; M = 4, 2 × 64 tokens, 4 steps; shardtrain --device cpu via mpirun, torch with

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""ZeRO-3 on one GPU (issue 10): shardtrain `--strategy zero3` against `--strategy dp` on the same
+"""ZeRO-3 on one GPU: shardtrain `--strategy zero3` against `--strategy dp` on the same
 shapes, and the reference tutorial's ZeRO-3 row against PyTorch FSDP2 (fully_shard with
-reshard_after_forward=True) on transformers' GPT2LMHeadModel, in one device run.
+reshard_after_forward=True) on transformers' GPT2LMHeadModel, in one run.
 
 Cases (--cases; name: model, micro-batch, sequence, steps, untimed warmup steps):
   medium4   gpt2-medium mb 4 × 512, 40 steps (10 untimed)      zero3 vs dp
@@ -14,8 +14,8 @@ Frameworks (--frameworks): dp, zero3 (shardtrain), fsdp2 (bench/torch_dist_worke
 fsdp2 --reshard-after-forward, one process, world size 1 over NCCL with env:// rendezvous on
 localhost; bf16 parameters, fp32 reduction, AdamW fused, or foreach if fused fails on DTensors).
 
-Usage (GPU machine; bench/device_run_issue10.sh wraps it):
-    python3 bench/bench_zero3_single_gpu.py --shardtrain .device/shardtrain \
+Usage (GPU machine; bench/run.sh zero3 wraps it):
+    python3 bench/bench_zero3_single_gpu.py --shardtrain .packed/shardtrain \
         --cases medium4,medium16,large2,xl2 --out $OUT/zero3.json --workdir /tmp/zero3
 CPU smoke test of the harness (gpt2-micro / gpt2-tiny on --device cpu; the FSDP2 peer runs on CPU
 with gloo when torch and transformers import here, else it is skipped):
@@ -232,7 +232,7 @@ def print_table(res):
                   f"{mem(z3):>9} {mem(fs):>9} {fmt_ratio(s['zero3_over_fsdp2_peak']):>6} | "
                   f"{mem(z3, 'peak_reserved'):>9} {mem(fs, 'peak_reserved'):>9} | {fs.get('adamw', '-'):>8}")
 
-    print("\nbars (issue 10):")
+    print("\ntargets:")
     for r in rows:
         s = r["summary"]
         if r["case"] not in EPOCH_CASES and (r.get("dp") or r.get("zero3")):
@@ -295,7 +295,7 @@ def main():
             row["estimate"] = {"error": repr(e)[-500:]}
         rows[case] = row
         a.params[case] = row["estimate"].get("params")
-    # shardtrain first (the bars), then the FSDP2 peers, so a spent budget cuts only the peers
+    # shardtrain first (the targets), then the FSDP2 peers, so a spent budget cuts only the peers
     jobs = [(c, f) for c in a.cases for f in frameworks if f != "fsdp2"]
     jobs += [(c, "fsdp2") for c in a.cases if "fsdp2" in frameworks and c in fsdp_cases]
     port = 29500 + os.getpid() % 1000

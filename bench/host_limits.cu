@@ -1,4 +1,4 @@
-// bench_host_limits (issue 11): the limits of the machine that ZeRO-Offload / ZeRO-Infinity run
+// bench_host_limits: the limits of the machine that ZeRO-Offload / ZeRO-Infinity run
 // against, printed as one JSON object on stdout (progress on stderr):
 //   stream    host memory bandwidth: STREAM copy (c = a) and triad (a = b + s·c) on fp64 arrays
 //             far larger than the last-level cache, OpenMP threads (OMP_NUM_THREADS), best of

@@ -37,8 +37,8 @@ Outputs: --out (JSON: every validation of every run, wall times, commands) and -
 (tables: per-epoch top-1 side by side with the difference, final difference, wall times; the
 early curves).
 
-Usage (GPU machine, after `source bench/device_env.sh`; estimated 5 minutes on 2 H100s):
-  python3 bench/image_accuracy_multi_gpu.py --shardtrain .device/shardtrain --gpus 2 \\
+Usage (GPU machine, after `source bench/lib/prelude.sh`; estimated 5 minutes on 2 H100s):
+  python3 bench/image_accuracy_multi_gpu.py --shardtrain .packed/shardtrain --gpus 2 \\
       --out $OUT/image_accuracy_multi_gpu.json --markdown $OUT/image_accuracy_multi_gpu.md \\
       --workdir $OUT/image_accuracy_multi_gpu
 CPU check of the command lines (shardtrain ranks under mpirun; the PyTorch side on gloo when
