@@ -656,7 +656,7 @@ class DeepSpeedReader {
       current = *dev;
     }
     if (auto path = get_string(*off, "nvme_path", prefix, "a directory path")) {
-      cfg_.zero.nvme_path = *path;
+      assign("nvme_path", prefix + ".nvme_path", true, cfg_.zero.nvme_path, *path);
     }
     const char* fraction = "a number in [0, 1] (the fraction of the optimizer state offloaded)";
     if (has(*off, "ratio")) {
