@@ -15,71 +15,33 @@
 #    start through mpirun, so use the hostfile.
 #
 #   printf 'gpu-node-1 slots=8\ngpu-node-2 slots=8\n' > hostfile
-#   examples/launch_multi_node.sh mobilenet_v2 fsdp_stage2 2 8 64 10
-#   NODE_RANK=1 MASTER_ADDR=10.0.0.1 examples/launch_multi_node.sh cnn ddp 2 8 64 10
+#   examples/launch_multi_node.sh mobilenet_v2 zero2 2 8 64 10
+#   NODE_RANK=1 MASTER_ADDR=10.0.0.1 examples/launch_multi_node.sh cnn dp 2 8 64 10
 #
 # BATCH_SIZE is the per-GPU micro-batch (the global batch: BATCH_SIZE × NUM_NODES ×
 # GPUS_PER_NODE × gradient_accumulation_steps). STRATEGY, the other variables (SHARDTRAIN, DEVICE,
-# DATASET, DATA_DIR, DS_CONFIG, OUTPUT_DIR) and TRAIN FLAGS as in launch_distributed.sh;
+# DATASET, DATA_DIR, DS_CONFIG, NVME_PATH, OUTPUT_DIR) and TRAIN FLAGS as in
+# launch_distributed.sh (infinity: the NVMe directory must exist on every node);
 # MASTER_PORT (default 29500) must be free on the master. OUTPUT_DIR must be on a filesystem
 # every node shares: each rank writes its shard of the checkpoints there.
 set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 if [ "$#" -lt 6 ]; then
   echo "usage: $0 MODEL STRATEGY NUM_NODES GPUS_PER_NODE BATCH_SIZE EPOCHS [TRAIN FLAGS...]" >&2
   echo "  the nodes: \$HOSTFILE (default ./hostfile, lines 'HOST slots=GPUS_PER_NODE'), or" >&2
   echo "  NODE_RANK and MASTER_ADDR set on every node; BATCH_SIZE: per GPU (micro-batch)" >&2
-  echo "  e.g. $0 cnn ddp 2 8 32 1" >&2
+  echo "  STRATEGY: $STRATEGY_NAMES" >&2
+  echo "  e.g. $0 cnn dp 2 8 32 1" >&2
   exit 2
 fi
 model=$1 strategy=$2 num_nodes=$3 gpus_per_node=$4 batch_size=$5 epochs=$6
 shift 6
 
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-if [ -n "${SHARDTRAIN:-}" ]; then
-  bin=$SHARDTRAIN
-elif [ -x ./build/shardtrain ]; then
-  bin=./build/shardtrain
-elif [ -x "$here/../build/shardtrain" ]; then
-  bin="$here/../build/shardtrain"
-elif command -v shardtrain >/dev/null 2>&1; then
-  bin=shardtrain
-else
-  echo "error: shardtrain not found: build it (scripts/setup.sh), put it on PATH, or set SHARDTRAIN=/path/to/shardtrain" >&2
-  exit 2
-fi
+find_shardtrain
 
-launch=(--master-port "${MASTER_PORT:-29500}")
-if [ -n "${NODE_RANK:-}" ]; then
-  if [ -z "${MASTER_ADDR:-}" ]; then
-    echo "error: NODE_RANK=$NODE_RANK needs MASTER_ADDR, the address of node 0 (reachable from every node)" >&2
-    exit 2
-  fi
-  launch+=(--nnodes "$num_nodes" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
-    --nproc-per-node "$gpus_per_node")
-else
-  hostfile="${HOSTFILE:-hostfile}"
-  if [ ! -f "$hostfile" ]; then
-    echo "error: no hostfile '$hostfile': write one 'HOST slots=$gpus_per_node' line per node (DeepSpeed's format) and set HOSTFILE=PATH, or set NODE_RANK and MASTER_ADDR to start each node yourself" >&2
-    exit 2
-  fi
-  # The hostfile decides the layout; it must be the one the arguments describe.
-  hosts=0
-  while read -r host slots _; do
-    case "$host" in '' | '#'*) continue ;; esac
-    hosts=$((hosts + 1))
-    if [ "$slots" != "slots=$gpus_per_node" ]; then
-      echo "error: $hostfile: '$host $slots' but GPUS_PER_NODE is $gpus_per_node: write '$host slots=$gpus_per_node'" >&2
-      exit 2
-    fi
-  done <"$hostfile"
-  if [ "$hosts" != "$num_nodes" ]; then
-    echo "error: $hostfile lists $hosts host(s) but NUM_NODES is $num_nodes: list one 'HOST slots=$gpus_per_node' line per node" >&2
-    exit 2
-  fi
-  launch+=(--hostfile "$hostfile")
-  if [ -n "${MASTER_ADDR:-}" ]; then launch+=(--master-addr "$MASTER_ADDR"); fi
-fi
+multi_node_launch_flags "$num_nodes" "$gpus_per_node"
 
 train=(--model "$model" --batch-size "$batch_size" --epochs "$epochs" --device "${DEVICE:-auto}"
   --output-dir "${OUTPUT_DIR:-runs/$model-$strategy}")
@@ -88,15 +50,7 @@ if [ -n "${DATA_DIR:-}" ]; then
 else
   train+=(--dataset "${DATASET:-fashion-mnist}")
 fi
-case "$strategy" in
-  ddp | fsdp_stage2 | fsdp_stage3) config="${DS_CONFIG:-$here/ds_config_$strategy.json}" ;;
-  *) config="${DS_CONFIG:-}" ;;
-esac
-if [ -n "$config" ]; then
-  train+=(--deepspeed-config "$config")
-else
-  train+=(--strategy "$strategy")
-fi
+add_strategy_flags "$strategy" "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 set -x
 exec "$bin" launch "${launch[@]}" -- train "${train[@]}" "$@"
