@@ -3,8 +3,8 @@
 # build runs it as the target check_layers); fails listing every upward or sideways include.
 #
 # Lowest first: core; the backends (ops, memory) and the data readers; flat buffers; the
-# communicators; models; the run configuration; optimizers; file I/O (atomic files, the NVMe
-# swap); monitors; the parallel strategies; checkpoints (which save and load strategies); the
+# communicators; models; the run configuration; optimizers; file I/O (atomic files);
+# monitors; the parallel strategies; checkpoints (which save and load strategies); the
 # trainers; the command line. Folders on one line share a layer and include neither each other.
 set(SHARDTRAIN_LAYERS
     "core"

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "app/train_flags.h"
+#include "config/train_flags.h"
 #include "config/config.h"
 #include "core/error.h"
 #include "test_support.h"

@@ -9,7 +9,7 @@
 
 #include "app/commands.h"
 #include "app/error_report.h"
-#include "app/train_flags.h"
+#include "config/train_flags.h"
 #include "backend/backend.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/communicator.h"

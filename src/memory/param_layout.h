@@ -3,7 +3,7 @@
 // Parameters, gradients and optimizer state each live in ONE flat, contiguous buffer with the
 // same layout. The layout is an ordered list of layers (embedding, block 0..L-1, head), each a
 // contiguous range holding its named tensors. That makes the layer the natural unit for the
-// strategies to come: ZeRO shards the flat range [0, numel) across data-parallel ranks (any
+// strategies: ZeRO shards the flat range [0, numel) across data-parallel ranks (any
 // boundary works), ZeRO-3 gathers one layer's range before its forward, and pipeline stages own
 // whole layers.
 #pragma once

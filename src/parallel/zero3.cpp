@@ -14,8 +14,8 @@
 // backward n-1..0, and layer l needs the units ParamLayout::uses(l) — itself and the layers it
 // reads (the LM head reads the embedding's wte). Position p of the pass (forward of layer p,
 // then backward of layer 2n-1-p) thus needs a known set of units. Around each position:
-//   before: wait for the units it needs (all-gathering any not yet gathered into a buffer of
-//           their own from the backend's allocator), then prefetch — start the all-gathers of the
+//   before: wait for the units it needs (all-gathering any not yet gathered into a piece of
+//           the shared DeviceArena, or a buffer of their own when it has no room), then prefetch — start the all-gathers of the
 //           units the next positions need, in order, until stage3_prefetch_bucket_size elements
 //           ahead are covered or stage3_max_live_parameters elements would be exceeded. The
 //           all-gathers run on the communicator's stream (NCCL; MPI's nonblocking collectives on

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "app/train_flags.h"
+#include "config/train_flags.h"
 #include "config/config.h"
 #include "config_test_support.h"
 #include "core/error.h"

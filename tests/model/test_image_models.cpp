@@ -103,7 +103,7 @@ void check_parity(const Fixture& fx, std::unique_ptr<Backend> be) {
   const std::vector<double> want_sq = read_tensor<double>(file, "grad_sumsq");
   const auto tensors = layout.tensors();
   ASSERT_EQ(tensors.size(), want_sum.size());
-  // Known gap (issue 15): mobilenet_v2's feature-layer gradients depend on fp32 summation order
+  // Known gap: mobilenet_v2's feature-layer gradients depend on fp32 summation order
   // far more than any other model's. Against float64 PyTorch, Σg² differs by up to 0.62% with
   // OpenBLAS on the development machine, 1.46% with OpenBLAS on the GPU machine's Xeon and 0.76%
   // with cuDNN in fp32 (2026-11-24), in opposite directions, while its logits, loss and running

@@ -1,5 +1,5 @@
 // dp, zero1 and zero2 under mpirun (tests/CMakeLists.txt runs this program with 2 and 4 ranks)
-// against a single-process reference: the issue's bar "on CPU with 2 and 4 MPI ranks, dp, zero1
+// against a single-process reference: "on CPU with 2 and 4 MPI ranks, dp, zero1
 // and zero2 reach the same parameters after N steps as one rank with the same global batch (fp32,
 // ≤ 1e-6 relative, including parameter counts that do not divide evenly by the rank count)", and
 // checkpoints (FullState) moving between rank counts and strategies.

@@ -14,7 +14,7 @@
 // blocking calls (copy_to_host, copy_from_host, sum, sum_squares, synchronize). Memory from the
 // caching allocator is stream-ordered on that stream: a freed block may be handed out again at
 // once because every later use of it is enqueued on the same stream after the earlier ones. Work
-// on any other stream (e.g. a future communication stream) must wait on the compute stream
+// on any other stream (e.g. a communicator's stream) must wait on the compute stream
 // (cudaEventRecord / cudaStreamWaitEvent) before touching memory it did not allocate itself.
 //
 // Determinism: no kernel uses floating-point atomics. Reductions across rows (embedding, LayerNorm

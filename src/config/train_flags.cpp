@@ -1,5 +1,5 @@
 // The flags of `shardtrain train` and the merge with the DeepSpeed JSON config.
-#include "app/train_flags.h"
+#include "config/train_flags.h"
 
 #include <fmt/core.h>
 
