@@ -3,12 +3,16 @@
 // (parallel/memory_estimator.h).
 #include <fmt/core.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <string>
 
 #include "app/commands.h"
+#include "core/error.h"
 #include "model/gpt2_config.h"
 #include "parallel/memory_estimator.h"
+#include "parallel/placement_planner.h"
 
 namespace shardtrain {
 namespace {
@@ -16,12 +20,38 @@ namespace {
 struct EstimateFlags {
   std::string model = "gpt2";
   MemoryEstimateOptions options;  ///< everything but the model
+  // The placement plan (parallel/placement_planner.h), printed when --gpu-memory is given.
+  double gpu_memory_gib = 0;   ///< per GPU
+  double host_memory_gib = 0;  ///< per node
+  std::string nvme_path;       ///< its free space is the NVMe budget of a node
+  int gpus_per_node = 0;       ///< 0: every GPU on one node
+  std::string limits_file;     ///< bench/host_limits.cu's JSON
+  double gpu_tflops = 0;       ///< effective; 0: MachineRates' default
 };
 
 void run_estimate(const EstimateFlags& f) {
   MemoryEstimateOptions o = f.options;
   o.model = resolve_model(f.model);
   fmt::print("{}", format_memory_estimate(estimate_memory(o), o));
+  if (f.gpu_memory_gib <= 0) return;
+  const int per_node = f.gpus_per_node > 0 ? std::min(f.gpus_per_node, o.gpus) : o.gpus;
+  constexpr double kGiB = 1024.0 * 1024 * 1024;
+  PlacementBudget budget;
+  budget.gpu_bytes = f.gpu_memory_gib * kGiB;
+  budget.host_bytes = f.host_memory_gib * kGiB / per_node;
+  if (!f.nvme_path.empty()) {
+    std::error_code ec;
+    const auto space = std::filesystem::space(f.nvme_path, ec);
+    check<ConfigError>(!ec, "--nvme-path {}: {} (give a directory on the disk for the swap files)",
+                       f.nvme_path, ec.message());
+    budget.nvme_bytes = static_cast<double>(space.available) / per_node;
+  }
+  MachineRates rates =
+      f.limits_file.empty() ? MachineRates{} : MachineRates::from_limits_file(f.limits_file);
+  if (f.gpu_tflops > 0) rates.gpu_flops = f.gpu_tflops * 1e12;
+  const double tokens = static_cast<double>(o.micro_batch * o.max_length);
+  fmt::print("\n{}",
+             format_placement_plan(plan_placement(o, budget, rates, tokens), budget, rates));
 }
 
 }  // namespace
@@ -68,6 +98,27 @@ void register_estimate_command(CLI::App& app) {
       ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--stage3-param-persistence-threshold", o.persistence_threshold,
                   "zero3: layers with fewer parameters stay replicated (default 100,000)");
+  cmd->add_option("--gpu-memory", f->gpu_memory_gib,
+                  "GiB of memory per GPU: also plan where the state lives (GPU, host, NVMe) so "
+                  "the model fits with the fewest bytes over PCIe and the disk per step")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--max-host-memory", f->host_memory_gib,
+                  "placement plan: GiB of host memory of a node the ranks may use (default 0)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--nvme-path", f->nvme_path,
+                  "placement plan: the directory for NVMe swap files; its free space is a node's "
+                  "NVMe budget (default: none)");
+  cmd->add_option("--gpus-per-node", f->gpus_per_node,
+                  "placement plan: GPUs (ranks) per node sharing its host memory and disk "
+                  "(default: all --gpus)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--limits", f->limits_file,
+                  "placement plan: the machine's measured rates, the limits.json of `bash "
+                  "bench/run.sh limits` (default: one H100 machine's, docs/BENCHMARKS.md)");
+  cmd->add_option("--gpu-tflops", f->gpu_tflops,
+                  "placement plan: effective GPU TFLOP/s for the compute part of a step (default "
+                  "396: 40% of an H100's bf16 peak)")
+      ->check(CLI::PositiveNumber);
   cmd->callback([f]() { run_estimate(*f); });
 }
 

@@ -1,0 +1,187 @@
+#include "parallel/placement_planner.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <tuple>
+
+#include "core/error.h"
+#include "core/strings.h"
+
+namespace shardtrain {
+namespace {
+
+/// The number at `path` (keys) in `j`, or nullopt.
+std::optional<double> number_at(const nlohmann::json& j, std::initializer_list<const char*> path) {
+  const nlohmann::json* at = &j;
+  for (const char* key : path) {
+    if (!at->is_object() || !at->contains(key)) return std::nullopt;
+    at = &(*at)[key];
+  }
+  if (!at->is_number()) return std::nullopt;
+  const double v = at->get<double>();
+  return std::isfinite(v) && v > 0 ? std::optional<double>(v) : std::nullopt;
+}
+
+std::string ratio_name(const char* base, double r) { return fmt::format("{} r={:g}", base, r); }
+
+}  // namespace
+
+MachineRates MachineRates::from_limits_file(const std::string& path) {
+  std::ifstream in(path);
+  check<ConfigError>(static_cast<bool>(in),
+                     "cannot read the limits file {}: give the limits.json that `bash bench/run.sh "
+                     "limits` writes (bench/host_limits.cu)",
+                     path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError(fmt::format("the limits file {} is not valid JSON: {}", path, e.what()));
+  }
+  MachineRates r;
+  const auto h2d = number_at(j, {"pcie", "h2d_bytes_per_s"});
+  const auto d2h = number_at(j, {"pcie", "d2h_bytes_per_s"});
+  if (h2d && d2h) r.pcie_bytes_per_s = std::min(*h2d, *d2h);
+  if (const auto a = number_at(j, {"cpu_adamw", "bf16_grads_bf16_params", "bytes_per_s"}))
+    r.host_bytes_per_s = *a;
+  const auto rd = number_at(j, {"disk", "read_GBps"});
+  const auto wr = number_at(j, {"disk", "write_GBps"});
+  // Every swapped byte is read once and written once: 2 bytes moved in 1/read + 1/write.
+  if (rd && wr) r.disk_bytes_per_s = 2e9 / (1 / *rd + 1 / *wr);
+  return r;
+}
+
+PlacementPlan plan_placement(const MemoryEstimateOptions& options, const PlacementBudget& budget,
+                             const MachineRates& rates, double tokens_per_step) {
+  PlacementPlan out;
+  const int K = optimizer_state_bytes_per_parameter(options.optimizer);
+  const double compute_s =
+      options.model.flops_per_token(options.max_length) * tokens_per_step / rates.gpu_flops;
+  const auto cost = [&](Placement& p, double psi_per_rank, double r) {
+    const bool optimizer_out = p.plan.optimizer_offload != OffloadDevice::kNone;
+    const bool params_out = p.plan.param_offload != OffloadDevice::kNone;
+    p.pcie_bytes =
+        (optimizer_out ? 2 * 2 * r * psi_per_rank : 0) + (params_out ? 2 * 2 * psi_per_rank : 0);
+    p.host_traffic = optimizer_out ? (2.0 * K + 4) * r * psi_per_rank : 0;
+    p.disk_bytes = p.plan.optimizer_offload == OffloadDevice::kNvme ? 2 * 12 * r * psi_per_rank : 0;
+    p.compute_s = compute_s;
+    const std::tuple<double, const char*> terms[] = {
+        {compute_s, "compute"},
+        {p.pcie_bytes / rates.pcie_bytes_per_s, "PCIe"},
+        {p.host_traffic / rates.host_bytes_per_s, "host"},
+        {p.disk_bytes / rates.disk_bytes_per_s, "disk"}};
+    const auto& slowest =
+        *std::max_element(std::begin(terms), std::end(terms),
+                          [](auto& a, auto& b) { return std::get<0>(a) < std::get<0>(b); });
+    p.step_s = std::get<0>(slowest);
+    p.bound = std::get<1>(slowest);
+    std::string over;
+    const auto check_budget = [&](const char* what, double used, double have) {
+      if (used > have)
+        over += fmt::format("{}{} {} > {}", over.empty() ? "" : "; ", what, human_bytes(used),
+                            human_bytes(have));
+    };
+    check_budget("GPU", p.gpu_bytes, budget.gpu_bytes);
+    check_budget("host", p.host_bytes, budget.host_bytes);
+    check_budget("NVMe", p.nvme_bytes, budget.nvme_bytes);
+    p.fits = over.empty();
+    p.over = over;
+  };
+
+  bool on_gpu_done = false;
+  for (const double r : {0.25, 0.5, 0.75, 1.0}) {
+    MemoryEstimateOptions o = options;
+    o.offload_ratio = r;
+    const MemoryEstimate e = estimate_memory(o);
+    const double psi_per_rank = static_cast<double>(e.parameters) / options.gpus;
+    for (const StrategyEstimate& s : e.strategies) {
+      if (!s.available || s.name == "zero3-hybrid") continue;
+      Placement p;
+      p.gpu_bytes = s.total();
+      p.host_bytes = s.host_pinned + s.host_pageable;
+      p.nvme_bytes = s.nvme;
+      if (!s.offloaded) {
+        if (on_gpu_done) continue;  // the same for every r
+        p.name = to_string(s.strategy);
+        p.plan.zero_stage = s.strategy == StrategyKind::kDataParallel ? 0
+                            : s.strategy == StrategyKind::kZero1      ? 1
+                            : s.strategy == StrategyKind::kZero2      ? 2
+                                                                      : 3;
+      } else if (s.name == "offload") {
+        p.name = ratio_name("offload", r);
+        p.plan.zero_stage = 2;
+        p.plan.optimizer_offload = OffloadDevice::kCpu;
+      } else if (s.name == "zero3-offload") {
+        p.name = ratio_name("zero3-offload", r);
+        p.plan.zero_stage = 3;
+        p.plan.optimizer_offload = OffloadDevice::kCpu;
+        p.plan.param_offload = OffloadDevice::kCpu;
+      } else if (s.name == "infinity") {
+        p.name = ratio_name("infinity", r);
+        p.plan.zero_stage = 3;
+        p.plan.optimizer_offload = OffloadDevice::kNvme;
+        p.plan.param_offload = OffloadDevice::kCpu;
+      } else {
+        continue;
+      }
+      if (p.plan.optimizer_offload != OffloadDevice::kNone) p.plan.optimizer_offload_ratio = r;
+      cost(p, psi_per_rank, r);
+      out.candidates.push_back(std::move(p));
+    }
+    on_gpu_done = true;
+  }
+  // Fewest bytes over PCIe and the disk, then the shortest step, then the lowest stage.
+  for (size_t i = 0; i < out.candidates.size(); ++i) {
+    const Placement& p = out.candidates[i];
+    if (!p.fits) continue;
+    if (!out.chosen) {
+      out.chosen = i;
+      continue;
+    }
+    const Placement& b = out.candidates[*out.chosen];
+    const auto key = [](const Placement& x) {
+      return std::make_tuple(x.pcie_bytes + x.disk_bytes, x.step_s, x.plan.zero_stage);
+    };
+    if (key(p) < key(b)) out.chosen = i;
+  }
+  return out;
+}
+
+std::string format_placement_plan(const PlacementPlan& plan, const PlacementBudget& budget,
+                                  const MachineRates& rates) {
+  std::string s = fmt::format(
+      "Placement within GPU {}, host {}, NVMe {} per rank (rates: PCIe {:.1f} GB/s, CPU optimizer "
+      "{:.1f} GB/s, disk {:.2f} GB/s, GPU {:.0f} TFLOP/s effective):\n\n",
+      human_bytes(budget.gpu_bytes), human_bytes(budget.host_bytes), human_bytes(budget.nvme_bytes),
+      rates.pcie_bytes_per_s / 1e9, rates.host_bytes_per_s / 1e9, rates.disk_bytes_per_s / 1e9,
+      rates.gpu_flops / 1e12);
+  s += fmt::format("  {:<21} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}  {}\n", "plan", "GPU",
+                   "host", "NVMe", "PCIe/step", "disk/step", "step (s)", "bound / fits");
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    const Placement& p = plan.candidates[i];
+    s += fmt::format("{} {:<21} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10.3f}  {}\n",
+                     plan.chosen && *plan.chosen == i ? "*" : " ", p.name, human_bytes(p.gpu_bytes),
+                     human_bytes(p.host_bytes), human_bytes(p.nvme_bytes),
+                     human_bytes(p.pcie_bytes), human_bytes(p.disk_bytes), p.step_s,
+                     p.fits ? p.bound : "does not fit: " + p.over);
+  }
+  if (plan.chosen) {
+    const Placement& c = plan.candidates[*plan.chosen];
+    s += fmt::format(
+        "\nchosen (*): {} — the fewest bytes over PCIe and the disk per step among the plans that "
+        "fit; predicted step {:.3f} s, bound by {}\n",
+        c.name, c.step_s, c.bound);
+  } else {
+    s += "\nnothing fits: try more GPUs, an NVMe path with room, activation checkpointing or a "
+         "smaller micro-batch\n";
+  }
+  s += "predicted step: the slowest of compute, PCIe, the CPU optimizer and the disk, as if they "
+       "overlapped fully\n";
+  return s;
+}
+
+}  // namespace shardtrain

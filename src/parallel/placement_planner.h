@@ -1,0 +1,92 @@
+// Placement planner: where each part of the training state lives — GPU, pinned host memory or
+// NVMe — so that a model fits a machine's budgets with the fewest bytes crossing PCIe and the
+// disk per step (the question ZeRO-Offload and ZeRO-Infinity answer by hand: Ren et al., arXiv
+// 2101.06840 §4, and Rajbhandari et al., arXiv 2104.07857 §5).
+//
+// The candidates are the plans the engine runs, each from the memory estimator
+// (parallel/memory_estimator.h): dp, zero1, zero2, zero3 on the GPUs; offload (zero2 with a
+// fraction r of the optimizer state and its step on the host); zero3-offload (zero3, optimizer
+// fraction r and the parameters on the host); infinity (zero3, optimizer fraction r on NVMe,
+// parameters on the host), for r in {0.25, 0.5, 0.75, 1}. A candidate fits when its GPU, host
+// and NVMe bytes per rank are within the budgets. Of those that fit, the planner takes the one
+// with the fewest bytes per step over PCIe and the disk, then the shortest predicted step, then
+// the lowest ZeRO stage (DeepSpeed's advice: the least sharding that fits).
+//
+// Bytes per rank per step (Ψ parameters over N ranks, K bytes of optimizer state per parameter):
+//  * PCIe: an offloaded optimizer fraction r sends its bf16 gradients down and gets its bf16
+//    parameters back, 2·2rΨ/N; parameters on the host cross twice more, once for the forward's
+//    gathers and once for the backward's, 2·2Ψ/N;
+//  * host memory, by the CPU optimizer: (2K + 4)·rΨ/N (AdamW: read master, m, v and the bf16
+//    gradient, write master, m, v and the bf16 parameter: 28 bytes per element; SGD 20);
+//  * disk: NVMe optimizer state read and written once, 2·12rΨ/N.
+// The predicted step time is the slowest of: compute (6Ψ-style model FLOPs per token × tokens per
+// rank ÷ the GPU's effective FLOP/s), PCIe bytes ÷ the pinned copy bandwidth, host bytes ÷ the CPU
+// optimizer's bandwidth, disk bytes ÷ the disk bandwidth — as if everything overlapped, which
+// the engine's offload pipelines approach (docs/BENCHMARKS.md measures how close).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "parallel/memory_estimator.h"
+
+namespace shardtrain {
+
+/// What one rank may use (bytes); a budget of 0 is "none of it" (e.g. no NVMe path).
+struct PlacementBudget {
+  double gpu_bytes = 0;
+  double host_bytes = 0;
+  double nvme_bytes = 0;
+};
+
+/// The machine's measured rates. The defaults are one H100 machine's (docs/BENCHMARKS.md,
+/// "Machine limits"): pinned copies 55 GB/s each way, shardtrain's CPU AdamW 137.5 GB/s
+/// (4.91 G parameters/s), the disk 1.86 GB/s reading and writing at once; the GPU at 40% of the
+/// H100's 989 TFLOP/s bf16 peak (gpt2-medium trains at 41–43% MFU there).
+struct MachineRates {
+  double pcie_bytes_per_s = 55e9;
+  double host_bytes_per_s = 137.5e9;
+  double disk_bytes_per_s = 1.86e9;
+  double gpu_flops = 0.4 * 989e12;
+  /// Reads `path`, the JSON that bench/host_limits.cu writes (`bash bench/run.sh limits`):
+  /// pcie.h2d_bytes_per_s / d2h_bytes_per_s (the slower), cpu_adamw.bf16_grads_bf16_params.
+  /// bytes_per_s, disk.read_GBps / write_GBps (their harmonic combination: one read and one write
+  /// of each byte); missing parts keep these defaults. Throws ConfigError for a file that cannot
+  /// be read or parsed.
+  static MachineRates from_limits_file(const std::string& path);
+};
+
+/// One candidate placement and what it costs.
+struct Placement {
+  std::string name;   ///< e.g. "zero2", "offload r=0.5", "infinity r=1"
+  ParallelPlan plan;  ///< the ZeRO stage and where the optimizer state and parameters live
+  double gpu_bytes = 0, host_bytes = 0, nvme_bytes = 0;  ///< per rank
+  double pcie_bytes = 0;                                 ///< per rank per step, both directions
+  double host_traffic = 0;  ///< bytes the CPU optimizer moves per rank per step
+  double disk_bytes = 0;    ///< per rank per step, read + written
+  double compute_s = 0;     ///< the GPU's part of a step (seconds)
+  double step_s = 0;        ///< the predicted step: the slowest term (seconds)
+  std::string bound;        ///< which term: "compute", "PCIe", "host", "disk"
+  bool fits = false;
+  std::string over;  ///< what does not fit, with the bytes (empty when it fits)
+};
+
+struct PlacementPlan {
+  std::vector<Placement> candidates;  ///< every candidate, in the order listed above
+  std::optional<size_t> chosen;       ///< index into candidates; none when nothing fits
+};
+
+/// Plans a placement for `options` (model, N ranks, micro-batch, length; its offload_ratio is
+/// ignored: every ratio is tried) within `budget` at `rates`, `tokens_per_step` tokens per rank
+/// per optimizer step. Throws ConfigError as estimate_memory does.
+PlacementPlan plan_placement(const MemoryEstimateOptions& options, const PlacementBudget& budget,
+                             const MachineRates& rates, double tokens_per_step);
+
+/// The table `shardtrain estimate --gpu-memory ...` prints: every candidate's bytes, traffic and
+/// predicted step, the chosen one marked, or why nothing fits.
+std::string format_placement_plan(const PlacementPlan& plan, const PlacementBudget& budget,
+                                  const MachineRates& rates);
+
+}  // namespace shardtrain

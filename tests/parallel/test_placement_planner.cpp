@@ -1,0 +1,138 @@
+// The placement planner (parallel/placement_planner.h): each candidate's memory is the estimator's
+// row, its traffic the stated formulas; the chosen plan fits and crosses PCIe and the disk least
+// among those that fit; nothing is chosen when nothing fits, and the table says why; the
+// machine's rates come from bench/host_limits.cu's JSON.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "core/error.h"
+#include "model/gpt2_config.h"
+#include "parallel/memory_estimator.h"
+#include "parallel/placement_planner.h"
+#include "test_support.h"
+
+namespace shardtrain {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+
+MemoryEstimateOptions xl_options() {
+  MemoryEstimateOptions o;
+  o.model = gpt2_preset("gpt2-xl");
+  o.gpus = 1;
+  o.micro_batch = 4;
+  o.max_length = 512;
+  return o;
+}
+
+const Placement& named(const PlacementPlan& p, const std::string& name) {
+  for (const Placement& c : p.candidates)
+    if (c.name == name) return c;
+  throw std::runtime_error("no candidate " + name);
+}
+
+TEST(PlacementPlanner, EnoughGpuMemoryKeepsEverythingOnTheGpuWithDp) {
+  const PlacementPlan p =
+      plan_placement(xl_options(), {80 * kGiB, 0, 0}, MachineRates{}, 4.0 * 512);
+  ASSERT_TRUE(p.chosen.has_value());
+  const Placement& c = p.candidates[*p.chosen];
+  EXPECT_EQ(c.name, "dp");  // no traffic and the lowest stage
+  EXPECT_EQ(c.plan.zero_stage, 0);
+  EXPECT_EQ(c.pcie_bytes + c.disk_bytes, 0.0);
+  EXPECT_EQ(c.bound, "compute");
+  // Every offloaded candidate needs host memory: none fits a host budget of 0.
+  for (const Placement& x : p.candidates) {
+    if (x.plan.optimizer_offload != OffloadDevice::kNone) {
+      EXPECT_FALSE(x.fits) << x.name;
+    }
+  }
+}
+
+TEST(PlacementPlanner, ChosenPlanFitsAndCrossesPcieAndDiskLeast) {
+  // gpt2-xl does not fit 20 GiB on the GPU; 64 GiB of host memory and 100 GiB of NVMe do.
+  const PlacementBudget budget{20 * kGiB, 64 * kGiB, 100 * kGiB};
+  const PlacementPlan p = plan_placement(xl_options(), budget, MachineRates{}, 4.0 * 512);
+  EXPECT_FALSE(named(p, "dp").fits);
+  ASSERT_TRUE(p.chosen.has_value());
+  const Placement& c = p.candidates[*p.chosen];
+  EXPECT_TRUE(c.fits);
+  EXPECT_LE(c.gpu_bytes, budget.gpu_bytes);
+  EXPECT_LE(c.host_bytes, budget.host_bytes);
+  EXPECT_NE(c.plan.optimizer_offload, OffloadDevice::kNone);
+  for (const Placement& x : p.candidates) {
+    if (x.fits) {
+      EXPECT_LE(c.pcie_bytes + c.disk_bytes, x.pcie_bytes + x.disk_bytes) << x.name;
+    }
+  }
+  const std::string table = format_placement_plan(p, budget, MachineRates{});
+  EXPECT_NE(table.find("* " + c.name), std::string::npos) << table;
+  EXPECT_NE(table.find("does not fit: GPU"), std::string::npos) << table;
+}
+
+TEST(PlacementPlanner, CandidatesCarryTheEstimatorsBytesAndTheTrafficFormulas) {
+  MemoryEstimateOptions o = xl_options();
+  o.gpus = 4;
+  const PlacementPlan p = plan_placement(o, {80 * kGiB, 512 * kGiB, 1e15}, MachineRates{}, 2048);
+  MemoryEstimateOptions full = o;
+  full.offload_ratio = 1.0;
+  const MemoryEstimate e = estimate_memory(full);
+  const double shard = static_cast<double>(e.parameters) / o.gpus;
+  for (const StrategyEstimate& s : e.strategies) {
+    if (!s.offloaded) continue;
+    const Placement& x = named(p, s.name + " r=1");
+    EXPECT_DOUBLE_EQ(x.gpu_bytes, s.total()) << s.name;
+    EXPECT_DOUBLE_EQ(x.host_bytes, s.host_pinned + s.host_pageable) << s.name;
+    EXPECT_DOUBLE_EQ(x.nvme_bytes, s.nvme) << s.name;
+  }
+  // offload: bf16 gradients down and parameters up, 2·2Ψ/N; AdamW moves 28 bytes per element.
+  EXPECT_DOUBLE_EQ(named(p, "offload r=1").pcie_bytes, 4 * shard);
+  EXPECT_DOUBLE_EQ(named(p, "offload r=1").host_traffic, 28 * shard);
+  EXPECT_DOUBLE_EQ(named(p, "offload r=0.5").pcie_bytes, 2 * shard);
+  // Parameters on the host cross for the forward's and the backward's gathers: 2·2Ψ/N more.
+  EXPECT_DOUBLE_EQ(named(p, "zero3-offload r=1").pcie_bytes, 8 * shard);
+  // NVMe: the fp32 master, m and v read and written once per step.
+  EXPECT_DOUBLE_EQ(named(p, "infinity r=1").disk_bytes, 24 * shard);
+  EXPECT_EQ(named(p, "infinity r=1").plan.optimizer_offload, OffloadDevice::kNvme);
+  EXPECT_EQ(named(p, "infinity r=1").plan.param_offload, OffloadDevice::kCpu);
+  EXPECT_EQ(named(p, "infinity r=1").bound, "disk");
+  // SGD's state is 8 bytes per parameter: 20 bytes moved per element.
+  o.optimizer = OptimizerKind::kSGD;
+  const PlacementPlan sgd = plan_placement(o, {80 * kGiB, 512 * kGiB, 0}, MachineRates{}, 2048);
+  EXPECT_DOUBLE_EQ(named(sgd, "offload r=1").host_traffic, 20 * shard);
+}
+
+TEST(PlacementPlanner, NothingFitsSaysWhy) {
+  const PlacementBudget budget{4 * kGiB, 4 * kGiB, 0};
+  const PlacementPlan p = plan_placement(xl_options(), budget, MachineRates{}, 2048);
+  EXPECT_FALSE(p.chosen.has_value());
+  const std::string table = format_placement_plan(p, budget, MachineRates{});
+  EXPECT_NE(table.find("nothing fits"), std::string::npos) << table;
+  EXPECT_NE(table.find("does not fit: GPU"), std::string::npos) << table;
+  EXPECT_NE(table.find("host"), std::string::npos) << table;
+}
+
+TEST(PlacementPlanner, RatesComeFromTheLimitsFile) {
+  const auto dir = test_support::make_temp_dir("shardtrain_limits");
+  const auto path = (dir / "limits.json").string();
+  std::ofstream(path) << R"({"pcie": {"h2d_bytes_per_s": 2.0e10, "d2h_bytes_per_s": 1.0e10},
+    "cpu_adamw": {"bf16_grads_bf16_params": {"bytes_per_s": 5.0e10}},
+    "disk": {"read_GBps": 1.0, "write_GBps": 3.0}})";
+  const MachineRates r = MachineRates::from_limits_file(path);
+  EXPECT_DOUBLE_EQ(r.pcie_bytes_per_s, 1.0e10);  // the slower direction
+  EXPECT_DOUBLE_EQ(r.host_bytes_per_s, 5.0e10);
+  EXPECT_DOUBLE_EQ(r.disk_bytes_per_s, 1.5e9);  // 2 / (1/1 + 1/3) GB/s
+  EXPECT_DOUBLE_EQ(r.gpu_flops, MachineRates{}.gpu_flops);
+  std::ofstream(path) << R"({"pcie": {"available": false}})";  // no GPU: the defaults stay
+  EXPECT_DOUBLE_EQ(MachineRates::from_limits_file(path).pcie_bytes_per_s,
+                   MachineRates{}.pcie_bytes_per_s);
+  std::ofstream(path) << "{not json";
+  EXPECT_THROW(MachineRates::from_limits_file(path), ConfigError);
+  EXPECT_THROW(MachineRates::from_limits_file((dir / "missing.json").string()), ConfigError);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace shardtrain
