@@ -70,6 +70,8 @@ class Backend {
   virtual DeviceKind kind() const = 0;
   /// Human-readable device description, e.g. "cpu (2 threads)" or "NVIDIA H100 80GB HBM3".
   virtual std::string description() const = 0;
+  /// The device's total memory in bytes (a GPU's), or 0 where there is no such limit (CPU).
+  virtual size_t device_memory_bytes() const { return 0; }
   /// The dtype activations and compute parameters use on this backend (fp32 on CPU).
   virtual DType compute_dtype() const = 0;
   /// The stream every op is enqueued on (a cudaStream_t on CUDA; nullptr on CPU). GPU

@@ -82,9 +82,10 @@ struct ZeroConfig {
   bool stage3_gather_16bit_weights_on_model_save = false;
 };
 
-/// DeepSpeed's top-level "aio" section: how the NVMe swap of ZeRO-Infinity (parallel/offload/nvme_swap.h) does
-/// its I/O. DeepSpeed drives libaio; shardtrain runs a pool of threads issuing pread/pwrite on a
-/// file opened with O_DIRECT, and maps the keys onto it as follows.
+/// DeepSpeed's top-level "aio" section: how the NVMe swap of ZeRO-Infinity
+/// (parallel/offload/nvme_swap.h) does its I/O. DeepSpeed drives libaio; shardtrain runs a pool of
+/// threads issuing pread/pwrite on a file opened with O_DIRECT, and maps the keys onto it as
+/// follows.
 struct AioConfig {
   /// aio.block_size: bytes of each pread/pwrite request a transfer is split into (the last
   /// request of a transfer may be shorter). >= 4096 and a multiple of 4096 (O_DIRECT alignment).
@@ -168,6 +169,15 @@ struct FlopsProfilerConfig {
   std::string output_file;    ///< write the table there instead of the log; "" = the log
 };
 
+/// --offload auto (parallel/placement_planner.h): the ZeRO stage and where the optimizer state
+/// and the parameters live (GPU, host, NVMe) are chosen at start-up, the plan that fits these
+/// budgets (the smallest over all ranks) with the fewest bytes over PCIe and the disk per step.
+struct PlacementConfig {
+  bool automatic = false;
+  double gpu_memory_gib = 0;       ///< per GPU (--gpu-memory); 0: the device's total memory
+  double max_host_memory_gib = 0;  ///< per node (--max-host-memory); 0: its available memory
+};
+
 struct TrainConfig {
   // ---- model and placement ----
   /// Preset name or path of a config.json (resolve_model in model/gpt2_config.h); empty with
@@ -183,6 +193,7 @@ struct TrainConfig {
   /// What runs: derived by validate() from `strategy` (a preset) and `zero` (plan_of). train()
   /// refuses a config whose plan does not match them (validate() was not called).
   ParallelPlan plan;
+  PlacementConfig placement;  ///< --offload auto: `strategy`, `zero` and `plan` chosen at start-up
   bool activation_checkpointing = false;
   PipelineConfig pipeline;  ///< --strategy pipeline: stages, schedule, partition
   /// Where `strategy` came from, for error messages: "" (default or set in code), "--strategy",

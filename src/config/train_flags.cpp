@@ -179,6 +179,24 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  "offload, infinity: fraction of the optimizer state and step on the host, the "
                  "rest on the GPU (DeepSpeed offload_optimizer.ratio) (default: 1)")
       ->type_name("R");
+  cmd.add_option_function<std::string>(
+         "--offload", [&cfg](const std::string&) { cfg.placement.automatic = true; },
+         "auto: choose the ZeRO stage and where the optimizer state and the parameters live "
+         "(GPU, host, --nvme-path) at start-up, the plan that fits --gpu-memory and "
+         "--max-host-memory with the fewest bytes over PCIe and the disk per step "
+         "(`shardtrain estimate --gpu-memory` shows the candidates)")
+      ->type_name("auto")
+      ->check(one_of({"auto"}));
+  cmd.add_option("--gpu-memory", cfg.placement.gpu_memory_gib,
+                 "--offload auto: GiB of memory per GPU the plan may use (default: the GPU's "
+                 "total; needed on CPU ranks)")
+      ->type_name("GIB")
+      ->check(CLI::PositiveNumber);
+  cmd.add_option("--max-host-memory", cfg.placement.max_host_memory_gib,
+                 "--offload auto: GiB of host memory per node the plan may use (default: the "
+                 "node's available memory)")
+      ->type_name("GIB")
+      ->check(CLI::PositiveNumber);
   cmd.add_flag("--offload-delayed-update", cfg.zero.offload_delayed_update,
                "offload: ZeRO-Offload's one-step delayed parameter update: the CPU step of step "
                "t runs while the GPU computes step t+1 on the parameters of step t-1 (default: "

@@ -402,7 +402,44 @@ void check_pipeline_model(const TrainConfig& cfg, int n_layer) {
   }
 }
 
+namespace {
+
+/// --offload auto chooses the ZeRO stage and the offload itself: settings that fix them are
+/// refused, naming the one to drop.
+void check_automatic_placement(const TrainConfig& c) {
+  const PlacementConfig& p = c.placement;
+  if (!p.automatic) {
+    check<ConfigError>(p.gpu_memory_gib == 0 && p.max_host_memory_gib == 0,
+                       "--gpu-memory and --max-host-memory are budgets for --offload auto: add "
+                       "--offload auto, or drop them");
+    return;
+  }
+  const bool placed =
+      c.strategy == StrategyKind::kOffload || c.strategy == StrategyKind::kInfinity ||
+      c.zero.offload_optimizer_device != "none" || c.zero.offload_param_device != "none";
+  check<ConfigError>(!placed,
+                     "--offload auto chooses where the optimizer state and the parameters live, "
+                     "but the run already places them (--strategy {}, offload_optimizer \"{}\", "
+                     "offload_param \"{}\"): drop --offload auto, or the other setting",
+                     to_string(c.strategy), c.zero.offload_optimizer_device,
+                     c.zero.offload_param_device);
+  check<ConfigError>(c.strategy != StrategyKind::kPipeline,
+                     "--offload auto does not plan pipelines (each stage keeps its state on its "
+                     "GPU): drop --offload auto, or use dp / zero1-3");
+  check<ConfigError>(!is_image_model(c.model),
+                     "--offload auto plans GPT-2 models only: drop it for {}", c.model);
+  check<ConfigError>(c.device != "cpu" || p.gpu_memory_gib > 0,
+                     "--offload auto on CPU ranks needs --gpu-memory GIB (the budget it plans "
+                     "for; a GPU run reads its GPU's memory)");
+  check<ConfigError>(!c.zero.offload_delayed_update && c.zero.offload_ratio == 1.0,
+                     "--offload auto chooses the offload ratio: drop --offload-ratio and "
+                     "--offload-delayed-update");
+}
+
+}  // namespace
+
 void validate(TrainConfig& cfg, int64_t model_context) {
+  check_automatic_placement(cfg);  // first: it names the setting that conflicts with it
   check_strategy(cfg);
   check_stage3(cfg.zero);
   cfg.plan = plan_of(cfg);

@@ -27,6 +27,7 @@
 #include "optim/loss_scaler.h"
 #include "parallel/pipeline/pipeline_parallel.h"
 #include "parallel/strategy.h"
+#include "train/automatic_placement.h"
 #include "train/flops_profiler.h"
 #include "train/pipeline_step.h"
 #include "train/train_common.h"
@@ -487,15 +488,19 @@ void report_done(const TrainSummary& summary, Console& out, MetricsWriter& metri
 
 }  // namespace
 
-TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
+TrainSummary train(const TrainConfig& requested, Communicator& comm) {
   const bool rank0 = comm.rank() == 0;
   Console out(rank0);
   TrainSummary summary;
   summary.val_loss = std::numeric_limits<double>::quiet_NaN();
 
-  // ---- model and device ----
-  GPT2Config model_cfg = resolve_train_model(cfg);
-  std::unique_ptr<Backend> backend = make_backend(cfg.device, local_rank_of(comm), cfg.precision);
+  // ---- model and device; --offload auto places the state before anything is allocated ----
+  GPT2Config model_cfg = resolve_train_model(requested);
+  std::unique_ptr<Backend> backend =
+      make_backend(requested.device, local_rank_of(comm), requested.precision);
+  const TrainConfig cfg = requested.placement.automatic
+                              ? with_automatic_placement(requested, model_cfg, *backend, comm, out)
+                              : requested;
   const bool on_gpu = backend->kind() == DeviceKind::kCUDA;
   // Collectives must start after the kernels that produce their inputs (the backend computes on
   // its own non-default stream), and must not use that stream once the backend (declared before

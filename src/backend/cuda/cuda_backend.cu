@@ -161,6 +161,7 @@ class CudaBackend final : public Backend {
 
   DeviceKind kind() const override { return DeviceKind::kCUDA; }
   std::string description() const override { return description_; }
+  size_t device_memory_bytes() const override { return device_memory_; }
   DType compute_dtype() const override { return dtype_; }
   void* native_stream() const override { return ctx_.stream; }
   std::unique_ptr<StreamClock> make_stream_clock() override {
@@ -508,6 +509,7 @@ class CudaBackend final : public Backend {
     ST_CUDA_CHECK(cudaSetDevice(device_));
     cudaDeviceProp prop{};
     ST_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+    device_memory_ = prop.totalGlobalMem;
     description_ = strf("%s (cuda:%d, %.1f GiB)", prop.name, device_,
                         static_cast<double>(prop.totalGlobalMem) / 1073741824.0);
     cudaFuncAttributes attr{};
@@ -620,6 +622,7 @@ class CudaBackend final : public Backend {
   }
   bool flash_ = false;  ///< fused attention (bf16/fp16 unless SHARDTRAIN_ATTENTION=materialized)
   std::string description_;
+  size_t device_memory_ = 0;  ///< cudaDeviceProp::totalGlobalMem
   CudaContext ctx_;
   std::unique_ptr<CachingAllocator> alloc_;
   void* scratch_ = nullptr;

@@ -1,0 +1,134 @@
+#include "train/automatic_placement.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <vector>
+
+#include "backend/host_transfer.h"
+#include "comm/scalar_all_reduce.h"
+#include "core/error.h"
+#include "core/strings.h"
+
+namespace shardtrain {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+
+const char* device_name(OffloadDevice d) {
+  return d == OffloadDevice::kCpu ? "cpu" : d == OffloadDevice::kNvme ? "nvme" : "none";
+}
+
+}  // namespace
+
+PlacementBudget rank_budget(const TrainConfig& cfg, const Backend& backend) {
+  const double per_node = std::max(1, cfg.ranks_per_node);
+  PlacementBudget b;
+  b.gpu_bytes = cfg.placement.gpu_memory_gib > 0
+                    ? cfg.placement.gpu_memory_gib * kGiB
+                    : static_cast<double>(backend.device_memory_bytes());
+  const double host = cfg.placement.max_host_memory_gib > 0
+                          ? cfg.placement.max_host_memory_gib * kGiB
+                          : static_cast<double>(std::max<int64_t>(0, available_host_bytes()));
+  b.host_bytes = host / per_node;
+  if (!cfg.zero.nvme_path.empty()) {
+    std::error_code ec;
+    const auto space = std::filesystem::space(cfg.zero.nvme_path, ec);
+    check<ConfigError>(!ec,
+                       "--nvme-path {}: {} (--offload auto counts its free space: give an "
+                       "existing directory on the disk for the swap files)",
+                       cfg.zero.nvme_path, ec.message());
+    b.nvme_bytes = static_cast<double>(space.available) / per_node;
+  }
+  return b;
+}
+
+TrainConfig with_placement(const TrainConfig& cfg, const Placement& chosen, int64_t model_context) {
+  TrainConfig c = cfg;
+  const ParallelPlan& p = chosen.plan;
+  c.zero.stage = p.zero_stage;
+  c.zero.offload_optimizer_device = device_name(p.optimizer_offload);
+  c.zero.offload_param_device = device_name(p.param_offload);
+  c.zero.offload_ratio =
+      p.optimizer_offload == OffloadDevice::kNone ? 1.0 : p.optimizer_offload_ratio;
+  c.strategy = p.zero_stage == 0                             ? StrategyKind::kDataParallel
+               : p.zero_stage == 1                           ? StrategyKind::kZero1
+               : p.zero_stage == 3                           ? StrategyKind::kZero3
+               : p.optimizer_offload != OffloadDevice::kNone ? StrategyKind::kOffload
+                                                             : StrategyKind::kZero2;
+  c.strategy_name = to_string(c.strategy);
+  c.strategy_source = "--offload auto";
+  c.placement.automatic = false;  // placed: validate() checks it as any placed run
+  c.placement.gpu_memory_gib = 0;
+  c.placement.max_host_memory_gib = 0;
+  validate(c, model_context);
+  c.placement = cfg.placement;  // recorded with the run
+  return c;
+}
+
+TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& model,
+                                     Backend& backend, Communicator& comm, Console& out) {
+  const PlacementBudget mine = rank_budget(cfg, backend);
+  // The smallest budgets of all ranks: every rank then plans the same.
+  ScalarAllReduce reduce(backend, comm, 3);
+  const double values[3] = {mine.gpu_bytes, mine.host_bytes, mine.nvme_bytes};
+  const std::vector<double> all = reduce.gather(values);
+  PlacementBudget budget = mine;
+  for (size_t r = 0; r < all.size() / 3; ++r) {
+    budget.gpu_bytes = std::min(budget.gpu_bytes, all[r * 3]);
+    budget.host_bytes = std::min(budget.host_bytes, all[r * 3 + 1]);
+    budget.nvme_bytes = std::min(budget.nvme_bytes, all[r * 3 + 2]);
+  }
+  MemoryEstimateOptions o;
+  o.model = model;
+  o.gpus = cfg.world_size;
+  o.micro_batch = cfg.micro_batch_size;
+  o.max_length = cfg.max_length;
+  o.activation_checkpointing = cfg.activation_checkpointing;
+  o.optimizer = cfg.optimizer;
+  if (cfg.zero.reduce_bucket_size_set) o.reduce_bucket_size = cfg.zero.reduce_bucket_size;
+  o.zero3 = Zero3Limits{cfg.zero.stage3_prefetch_bucket_size, cfg.zero.stage3_max_live_parameters,
+                        cfg.zero.stage3_max_reuse_distance};
+  o.persistence_threshold = cfg.zero.stage3_param_persistence_threshold;
+  const MachineRates rates;
+  const PlacementPlan plan = plan_placement(
+      o, budget, rates,
+      static_cast<double>(cfg.micro_batch_size * cfg.max_length * cfg.gradient_accumulation_steps));
+  if (!plan.chosen) {
+    // The candidate that lacks the least memory, for the message.
+    const Placement* closest = nullptr;
+    double least = 0;
+    for (const Placement& p : plan.candidates) {
+      const double lack = std::max(0.0, p.gpu_bytes - budget.gpu_bytes) +
+                          std::max(0.0, p.host_bytes - budget.host_bytes) +
+                          std::max(0.0, p.nvme_bytes - budget.nvme_bytes);
+      if (!closest || lack < least) {
+        closest = &p;
+        least = lack;
+      }
+    }
+    ConfigError e(fmt::format(
+        "--offload auto: no placement of {} fits {} of GPU memory, {} of host memory and {} of "
+        "NVMe per rank; the closest, {}, does not fit: {}. Use more GPUs, raise --gpu-memory / "
+        "--max-host-memory, give --nvme-path a disk with room, or add --activation-checkpointing "
+        "or a smaller --batch-size (`shardtrain estimate --gpu-memory` lists every plan)",
+        model.name, human_bytes(budget.gpu_bytes), human_bytes(budget.host_bytes),
+        human_bytes(budget.nvme_bytes), closest ? closest->name : "none",
+        closest ? closest->over : "no candidates"));
+    e.mark_same_on_every_rank();
+    throw e;
+  }
+  const Placement& c = plan.candidates[*plan.chosen];
+  out.line(
+      "placement (--offload auto): {} of {} plans fit GPU {}, host {}, NVMe {} per rank; chose "
+      "{}: GPU {}, host {}, NVMe {}, {} over PCIe and {} of disk per step, predicted step {:.3f} "
+      "s (bound by {})",
+      std::count_if(plan.candidates.begin(), plan.candidates.end(),
+                    [](const Placement& p) { return p.fits; }),
+      plan.candidates.size(), human_bytes(budget.gpu_bytes), human_bytes(budget.host_bytes),
+      human_bytes(budget.nvme_bytes), c.name, human_bytes(c.gpu_bytes), human_bytes(c.host_bytes),
+      human_bytes(c.nvme_bytes), human_bytes(c.pcie_bytes), human_bytes(c.disk_bytes), c.step_s,
+      c.bound);
+  return with_placement(cfg, c, model.n_positions);
+}
+
+}  // namespace shardtrain
