@@ -217,7 +217,7 @@ void check_strategy(const TrainConfig& c) {
         "fraction in [0, 1] of the optimizer state to offload (1 = all of it, the default)",
         c.zero.offload_ratio));
   }
-  const ParallelPlan plan = plan_of(c);
+  const ParallelPlan& plan = c.plan;
   if (plan.optimizer_offload == OffloadDevice::kNone &&
       (c.zero.offload_delayed_update || c.zero.offload_ratio != 1.0)) {
     throw ConfigError(
@@ -440,9 +440,10 @@ void check_automatic_placement(const TrainConfig& c) {
 
 void validate(TrainConfig& cfg, int64_t model_context) {
   check_automatic_placement(cfg);  // first: it names the setting that conflicts with it
+  // The plan is derived here, once; everything after validation reads cfg.plan.
+  cfg.plan = plan_of(cfg);
   check_strategy(cfg);
   check_stage3(cfg.zero);
-  cfg.plan = plan_of(cfg);
 
   if (cfg.device != "auto" && cfg.device != "cpu" && cfg.device != "cuda") {
     throw ConfigError(fmt::format("--device '{}' is not valid: use auto, cpu or cuda", cfg.device));
@@ -692,7 +693,7 @@ std::vector<std::string> model_config_warnings(const TrainConfig& cfg,
   std::vector<std::string> out;
   const int64_t threshold = cfg.zero.stage3_param_persistence_threshold;
   // A layer with fewer parameters than the threshold stays replicated (parallel/zero3.cpp).
-  if (plan_of(cfg).zero_stage == 3 && largest_layer_numel > 0 && threshold > largest_layer_numel) {
+  if (cfg.plan.zero_stage == 3 && largest_layer_numel > 0 && threshold > largest_layer_numel) {
     out.push_back(fmt::format(
         "zero_optimization.stage3_param_persistence_threshold {} is above the largest layer of "
         "model '{}' ({} parameters): every layer stays replicated: zero3 then saves no parameter "

@@ -11,8 +11,7 @@ namespace shardtrain {
 
 StrategyOptions strategy_options(const TrainConfig& cfg) {
   StrategyOptions o;
-  o.plan =
-      plan_of(cfg);  // the same as the cfg.plan validate() derives, also for configs it never saw
+  o.plan = cfg.plan;  // derived once, by validate()
   o.optimizer = OptimizerHyper{cfg.beta1, cfg.beta2, cfg.adam_eps, cfg.weight_decay};
   o.optimizer.kind = cfg.optimizer;
   o.optimizer.momentum = cfg.momentum;
