@@ -9,30 +9,6 @@
 
 namespace shardtrain {
 
-StrategyOptions strategy_options(const TrainConfig& cfg) {
-  StrategyOptions o;
-  o.plan = cfg.plan;  // derived once, by validate()
-  o.optimizer = OptimizerHyper{cfg.beta1, cfg.beta2, cfg.adam_eps, cfg.weight_decay};
-  o.optimizer.kind = cfg.optimizer;
-  o.optimizer.momentum = cfg.momentum;
-  o.optimizer.nesterov = cfg.nesterov;
-  o.reduce_bucket_size = cfg.zero.reduce_bucket_size;
-  o.reduce_bucket_size_set = cfg.zero.reduce_bucket_size_set;
-  o.allgather_bucket_size = cfg.zero.allgather_bucket_size;
-  o.overlap_comm = cfg.zero.overlap_comm;
-  o.prefetch_bucket_size = cfg.zero.stage3_prefetch_bucket_size;
-  o.param_persistence_threshold = cfg.zero.stage3_param_persistence_threshold;
-  o.max_live_parameters = cfg.zero.stage3_max_live_parameters;
-  o.max_reuse_distance = cfg.zero.stage3_max_reuse_distance;
-  o.delayed_update = cfg.zero.offload_delayed_update;
-  o.nvme_path = cfg.zero.nvme_path;
-  o.aio = cfg.aio;
-  if (hierarchical_reduction(cfg)) o.hierarchical_ranks_per_node = cfg.ranks_per_node;
-  o.hpz_partition_size = cfg.zero.hpz_partition_size;
-  o.quantized_gradients = cfg.zero.quantized_gradients;
-  return o;
-}
-
 std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend& backend,
                                         Communicator& comm) {
   const ParallelPlan& plan = options.plan;
@@ -70,11 +46,6 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend&
       throw ConfigError(
           fmt::format("ZeRO stage {} does not exist: use 0, 1, 2 or 3", plan.zero_stage));
   }
-}
-
-std::unique_ptr<Strategy> make_strategy(const TrainConfig& cfg, Backend& backend,
-                                        Communicator& comm) {
-  return make_strategy(strategy_options(cfg), backend, comm);
 }
 
 void check_state_kind(OptimizerKind saved, OptimizerKind configured) {

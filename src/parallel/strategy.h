@@ -64,9 +64,6 @@ struct HostMemory {
   size_t nvme = 0;      ///< bytes of the swap file under nvme_path
 };
 
-/// The options `cfg` (validated: its plan set) gives its strategy.
-StrategyOptions strategy_options(const TrainConfig& cfg);
-
 /// One of the fp32 quantities a checkpoint holds per element of the flat layout.
 enum class StateTensor { kParams, kExpAvg, kExpAvgSq };
 
@@ -170,9 +167,6 @@ class Strategy : public LayerHooks {
 /// ConfigError for a plan it cannot run (offload below stage 1, a bad offload ratio, SGD with
 /// NVMe) or of several pipeline stages (make_pipeline_strategy's).
 std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend& backend,
-                                        Communicator& comm);
-/// make_strategy(strategy_options(cfg), ...).
-std::unique_ptr<Strategy> make_strategy(const TrainConfig& cfg, Backend& backend,
                                         Communicator& comm);
 
 /// Throws CheckpointError when optimizer state saved by `saved` is loaded into a run of

@@ -24,6 +24,7 @@
 #include "optim/loss_scaler.h"
 #include "parallel/strategy.h"
 #include "train/flops_profiler.h"
+#include "train/strategy_from_config.h"
 #include "train/train_common.h"
 #include "train/train_step.h"
 #include "train/trainer.h"

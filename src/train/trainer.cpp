@@ -30,6 +30,7 @@
 #include "train/automatic_placement.h"
 #include "train/flops_profiler.h"
 #include "train/pipeline_step.h"
+#include "train/strategy_from_config.h"
 #include "train/train_common.h"
 #include "train/train_step.h"
 

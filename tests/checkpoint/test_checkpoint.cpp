@@ -31,6 +31,7 @@
 #include "model/gpt2.h"
 #include "parallel/strategy.h"
 #include "tiny_gpt2.h"
+#include "train/strategy_from_config.h"
 #include "train/trainer.h"
 
 using namespace shardtrain;

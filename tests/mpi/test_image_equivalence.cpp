@@ -23,6 +23,7 @@
 #include "model/image/image_zoo.h"
 #include "optim/loss_scaler.h"
 #include "parallel/strategy.h"
+#include "train/strategy_from_config.h"
 #include "train/train_step.h"
 
 namespace st = shardtrain;

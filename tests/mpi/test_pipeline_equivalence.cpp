@@ -41,6 +41,7 @@
 #include "optim/loss_scaler.h"
 #include "parallel/pipeline/pipeline_parallel.h"
 #include "parallel/strategy.h"
+#include "train/strategy_from_config.h"
 #include "train/train_step.h"
 
 namespace st = shardtrain;

@@ -22,6 +22,7 @@
 #include "model/gpt2.h"
 #include "mpi_test_support.h"
 #include "parallel/strategy.h"
+#include "train/strategy_from_config.h"
 
 namespace st = shardtrain;
 namespace fs = std::filesystem;

@@ -34,6 +34,7 @@
 #include "model/gpt2.h"
 #include "optim/loss_scaler.h"
 #include "parallel/strategy.h"
+#include "train/strategy_from_config.h"
 #include "train/train_step.h"
 
 namespace st = shardtrain;

@@ -49,6 +49,7 @@
 #include "parallel/pipeline/pipeline_parallel.h"
 #include "parallel/strategy.h"
 #include "train/image_trainer.h"
+#include "train/strategy_from_config.h"
 #include "train/train_common.h"
 #include "train/trainer.h"
 

@@ -54,6 +54,7 @@
 #include "parallel/buckets.h"
 #include "parallel/strategy.h"
 #include "parallel/zero3.h"
+#include "train/strategy_from_config.h"
 #include "train/train_step.h"
 
 namespace st = shardtrain;

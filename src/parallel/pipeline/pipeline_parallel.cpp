@@ -471,19 +471,4 @@ void PipelineParallel::load_state(const FullState&) {
       "the pipeline strategy loads sharded checkpoints only (load_sharded_checkpoint)");
 }
 
-std::unique_ptr<PipelineParallel> make_pipeline_strategy(const TrainConfig& cfg, Backend& backend,
-                                                         Communicator& world) {
-  PipelineOptions o;
-  o.stages = cfg.pipeline.stages;
-  o.schedule = cfg.pipeline.schedule;
-  o.virtual_stages = cfg.pipeline.virtual_stages;
-  o.partition = parse_partition_method(cfg.pipeline.partition_method);
-  o.activation_checkpointing =
-      cfg.activation_checkpointing || cfg.pipeline.activation_checkpoint_interval > 0;
-  o.trace_dir = cfg.trace_dir;
-  o.micro_batch = cfg.micro_batch_size;
-  o.seq_len = cfg.max_length;
-  return std::make_unique<PipelineParallel>(o, strategy_options(cfg), backend, world);
-}
-
 }  // namespace shardtrain

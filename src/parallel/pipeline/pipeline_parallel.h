@@ -161,8 +161,4 @@ class PipelineParallel final : public Strategy {
   std::vector<std::string> layer_names_;
 };
 
-/// The pipeline strategy for `cfg` (strategy pipeline). Throws ConfigError as the constructor.
-std::unique_ptr<PipelineParallel> make_pipeline_strategy(const TrainConfig& cfg, Backend& backend,
-                                                         Communicator& world);
-
 }  // namespace shardtrain
