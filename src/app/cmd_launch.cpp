@@ -337,13 +337,14 @@ int launch(LaunchOptions& o) {
     if (o.nproc->count() == 0) plan.nproc_per_node = std::max(1, gpus);
     check<ConfigError>(
         plan.nproc_per_node <= gpus,
-        "--nproc-per-node {} asks for {} GPUs but this node has {} visible{}: pass "
-        "--nproc-per-node {} or fewer, or --device cpu",
+        "--nproc-per-node {} asks for {} GPUs but this node has {} visible{}: {}",
         plan.nproc_per_node, plan.nproc_per_node, gpus,
         std::getenv("CUDA_VISIBLE_DEVICES")
             ? fmt::format(" (CUDA_VISIBLE_DEVICES={})", std::getenv("CUDA_VISIBLE_DEVICES"))
             : std::string(),
-        gpus);
+        gpus > 0 ? fmt::format("pass --nproc-per-node {} or fewer, or --device cpu", gpus)
+                 : std::string("run on CPU ranks with --device cpu, or on a machine whose GPUs "
+                               "nvidia-smi lists"));
   }
   check<ConfigError>(
       plan.rank_offset < 0 || plan.rank_offset + plan.nproc_per_node <= plan.total_ranks(),

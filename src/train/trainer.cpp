@@ -474,11 +474,17 @@ std::string save_gpt2_checkpoint(const TrainConfig& cfg, const GPT2Config& model
 
 /// Prints the run's last line and records it in metrics.jsonl.
 void report_done(const TrainSummary& summary, Console& out, MetricsWriter& metrics) {
-  out.line(
-      "done | {} steps | {:.1f} s | loss {:.4f} → {:.4f} | validation loss {:.4f} | perplexity "
-      "{:.2f}",
-      summary.steps, summary.seconds, summary.first_loss, summary.last_loss, summary.val_loss,
-      summary.val_ppl);
+  if (summary.losses.empty())  // resumed at its last step: there was nothing left to train
+    out.line(
+        "done | {} steps | no step left to run: the checkpoint is at the run's last step (raise "
+        "--max-steps or --epochs to train on) | validation loss {:.4f} | perplexity {:.2f}",
+        summary.steps, summary.val_loss, summary.val_ppl);
+  else
+    out.line(
+        "done | {} steps | {:.1f} s | loss {:.4f} → {:.4f} | validation loss {:.4f} | perplexity "
+        "{:.2f}",
+        summary.steps, summary.seconds, summary.first_loss, summary.last_loss, summary.val_loss,
+        summary.val_ppl);
   metrics.write({{"event", "done"},
                  {"step", summary.steps},
                  {"time_s", summary.seconds},

@@ -208,6 +208,8 @@ TEST(Launch, BadRequestsFailClearly) {
   EXPECT_NE(r.output.find("--nproc-per-node 4096 asks for 4096 GPUs but this node has"),
             std::string::npos)
       << r.output;
+  // Never "pass --nproc-per-node 0 or fewer" on a machine without GPUs.
+  EXPECT_EQ(r.output.find("--nproc-per-node 0 or fewer"), std::string::npos) << r.output;
   r = run("launch --node-rank 2 --nnodes 2 --master-addr h --exec -- true");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("--node-rank 2 must be below --nnodes 2"), std::string::npos) << r.output;

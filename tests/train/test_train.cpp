@@ -172,6 +172,17 @@ TEST(Train, ResumeContinuesTheSameTrajectoryBitForBit) {
   const char* shard = "rank-00000-of-00001.safetensors";
   EXPECT_EQ(read_file(fs::path(straight.output_dir) / "checkpoint-000012" / shard),
             read_file(fs::path(second.output_dir) / "checkpoint-000012" / shard));
+
+  // Resumed at its last step, a run says there is nothing left (not "loss 0.0000 → 0.0000").
+  TrainConfig third = c;
+  third.output_dir = (dir / "third").string();
+  third.resume = (fs::path(second.output_dir) / "checkpoint-000012").string();
+  testing::internal::CaptureStdout();
+  const TrainSummary d = train(third, *comm);
+  const std::string printed = testing::internal::GetCapturedStdout();
+  EXPECT_TRUE(d.losses.empty());
+  EXPECT_NE(printed.find("done | 12 steps | no step left to run"), std::string::npos) << printed;
+  EXPECT_EQ(printed.find("loss 0.0000"), std::string::npos) << printed;
   fs::remove_all(dir);
 }
 
