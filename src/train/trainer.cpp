@@ -249,10 +249,17 @@ void print_banner(Console& out, const TrainConfig& cfg, const BannerFacts& f) {
       f.plan.global_batch, cfg.max_length, with_commas(f.plan.global_batch * cfg.max_length));
   if (pipelined)
     for (const std::string& l : *f.pipeline) out.line("  {}", l);
-  out.line(
-      "  data: {} — {} training samples ({} tokens), {} validation samples; loaded in {:.1f} s",
-      f.data.name, with_commas(f.data.train.size()), with_commas(f.data.train.num_tokens()),
-      f.data.valid ? with_commas(f.data.valid->size()) : std::string("no"), f.data.seconds);
+  // --num-samples: the samples used, out of the corpus's (whose tokens are counted).
+  const PackedDataset& train = f.data.train;
+  const std::string samples =
+      train.size() < train.available()
+          ? fmt::format("{} training samples of the corpus's {} ({} tokens)",
+                        with_commas(train.size()), with_commas(train.available()),
+                        with_commas(train.num_tokens()))
+          : fmt::format("{} training samples ({} tokens)", with_commas(train.size()),
+                        with_commas(train.num_tokens()));
+  out.line("  data: {} — {}, {} validation samples; loaded in {:.1f} s", f.data.name, samples,
+           f.data.valid ? with_commas(f.data.valid->size()) : std::string("no"), f.data.seconds);
   out.line("  steps: {} ({} per epoch{}), warmup {}, {} schedule, {}, clip {:g}",
            f.plan.total_steps, f.plan.steps_per_epoch,
            cfg.max_steps > 0 ? fmt::format(", --max-steps {}", cfg.max_steps)

@@ -183,6 +183,8 @@ TEST(Train, ResumeContinuesTheSameTrajectoryBitForBit) {
   EXPECT_TRUE(d.losses.empty());
   EXPECT_NE(printed.find("done | 12 steps | no step left to run"), std::string::npos) << printed;
   EXPECT_EQ(printed.find("loss 0.0000"), std::string::npos) << printed;
+  // --num-samples 24: the banner counts the samples used, out of the corpus's.
+  EXPECT_NE(printed.find("24 training samples of the corpus's "), std::string::npos) << printed;
   fs::remove_all(dir);
 }
 
