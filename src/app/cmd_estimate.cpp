@@ -4,12 +4,10 @@
 #include <fmt/core.h>
 
 #include <algorithm>
-#include <filesystem>
 #include <memory>
 #include <string>
 
 #include "app/commands.h"
-#include "core/error.h"
 #include "model/gpt2_config.h"
 #include "parallel/memory_estimator.h"
 #include "parallel/placement_planner.h"
@@ -36,16 +34,8 @@ void run_estimate(const EstimateFlags& f) {
   if (f.gpu_memory_gib <= 0) return;
   const int per_node = f.gpus_per_node > 0 ? std::min(f.gpus_per_node, o.gpus) : o.gpus;
   constexpr double kGiB = 1024.0 * 1024 * 1024;
-  PlacementBudget budget;
-  budget.gpu_bytes = f.gpu_memory_gib * kGiB;
-  budget.host_bytes = f.host_memory_gib * kGiB / per_node;
-  if (!f.nvme_path.empty()) {
-    std::error_code ec;
-    const auto space = std::filesystem::space(f.nvme_path, ec);
-    check<ConfigError>(!ec, "--nvme-path {}: {} (give a directory on the disk for the swap files)",
-                       f.nvme_path, ec.message());
-    budget.nvme_bytes = static_cast<double>(space.available) / per_node;
-  }
+  const PlacementBudget budget =
+      rank_budget(f.gpu_memory_gib * kGiB, f.host_memory_gib * kGiB, f.nvme_path, per_node);
   MachineRates rates =
       f.limits_file.empty() ? MachineRates{} : MachineRates::from_limits_file(f.limits_file);
   if (f.gpu_tflops > 0) rates.gpu_flops = f.gpu_tflops * 1e12;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <tuple>
@@ -29,6 +30,24 @@ std::optional<double> number_at(const nlohmann::json& j, std::initializer_list<c
 std::string ratio_name(const char* base, double r) { return fmt::format("{} r={:g}", base, r); }
 
 }  // namespace
+
+PlacementBudget rank_budget(double gpu_bytes, double node_host_bytes, const std::string& nvme_path,
+                            int ranks_per_node) {
+  const double per_node = std::max(1, ranks_per_node);
+  PlacementBudget b;
+  b.gpu_bytes = gpu_bytes;
+  b.host_bytes = node_host_bytes / per_node;
+  if (!nvme_path.empty()) {
+    std::error_code ec;
+    const auto space = std::filesystem::space(nvme_path, ec);
+    check<ConfigError>(!ec,
+                       "--nvme-path {}: {} (its free space is the NVMe budget: give an existing "
+                       "directory on the disk for the swap files)",
+                       nvme_path, ec.message());
+    b.nvme_bytes = static_cast<double>(space.available) / per_node;
+  }
+  return b;
+}
 
 MachineRates MachineRates::from_limits_file(const std::string& path) {
   std::ifstream in(path);

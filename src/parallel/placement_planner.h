@@ -41,6 +41,12 @@ struct PlacementBudget {
   double nvme_bytes = 0;
 };
 
+/// One rank's budget: `gpu_bytes` of its GPU, and its share of a node of `ranks_per_node` ranks
+/// that hold `node_host_bytes` of host memory and the disk of `nvme_path` (its free space; none
+/// when `nvme_path` is empty). Throws ConfigError when `nvme_path` cannot be read.
+PlacementBudget rank_budget(double gpu_bytes, double node_host_bytes, const std::string& nvme_path,
+                            int ranks_per_node);
+
 /// The machine's measured rates. The defaults are one H100 machine's (docs/BENCHMARKS.md,
 /// "Machine limits"): pinned copies 55 GB/s each way, shardtrain's CPU AdamW 137.5 GB/s
 /// (4.91 G parameters/s), the disk 1.86 GB/s reading and writing at once; the GPU at 40% of the

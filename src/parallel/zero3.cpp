@@ -15,13 +15,13 @@
 // reads (the LM head reads the embedding's wte). Position p of the pass (forward of layer p,
 // then backward of layer 2n-1-p) thus needs a known set of units. Around each position:
 //   before: wait for the units it needs (all-gathering any not yet gathered into a piece of
-//           the shared DeviceArena, or a buffer of their own when it has no room), then prefetch — start the all-gathers of the
-//           units the next positions need, in order, until stage3_prefetch_bucket_size elements
-//           ahead are covered or stage3_max_live_parameters elements would be exceeded. The
-//           all-gathers run on the communicator's stream (NCCL; MPI's nonblocking collectives on
-//           CPU) while the current layer computes. Backward also takes a zeroed full gradient
-//           buffer for each unit it writes first (the head for the embedding: tied gradients are
-//           accumulated into ONE buffer and reduced once).
+//           the shared DeviceArena, or a buffer of their own when it has no room), then prefetch —
+//           start the all-gathers of the units the next positions need, in order, until
+//           stage3_prefetch_bucket_size elements ahead are covered or stage3_max_live_parameters
+//           elements would be exceeded. The all-gathers run on the communicator's stream (NCCL;
+//           MPI's nonblocking collectives on CPU) while the current layer computes. Backward also
+//           takes a zeroed full gradient buffer for each unit it writes first (the head for the
+//           embedding: tied gradients are accumulated into ONE buffer and reduced once).
 //   after:  a unit whose next use lies more than stage3_max_reuse_distance elements of gathered
 //           parameters ahead (or nowhere in this pass, or that would keep more than
 //           stage3_max_live_parameters alive) is released; backward reduce-scatters the gradient
@@ -72,8 +72,7 @@ class Zero3 final : public ZeroStrategy {
     try {
       drain_reductions();
       for (auto& w : replica_reductions_) w->wait();
-      for (Unit& u : units_)
-        if (u.gathering) u.gathering->wait();
+      release_all();  // waits for each gathered unit's all-gather still in flight
     } catch (const std::exception&) {
       // A rank failed: the job is stopping (the communicator stopped the others).
     }
@@ -337,9 +336,10 @@ class Zero3 final : public ZeroStrategy {
     x.params = Tensor();
   }
 
+  /// Releases every gathered unit (one per layer once set up; none before: safe to destroy).
   void release_all() {
-    for (int l = 0; l < model_->num_layers(); ++l)
-      if (unit(l).gathered.numel() > 0) release(l);
+    for (size_t l = 0; l < units_.size(); ++l)
+      if (units_[l].gathered.numel() > 0) release(static_cast<int>(l));
   }
 
   /// Gives unit `layer` a zeroed full gradient buffer for this backward (several ranks).

@@ -1,7 +1,6 @@
 #include "train/automatic_placement.h"
 
 #include <algorithm>
-#include <filesystem>
 #include <vector>
 
 #include "backend/host_transfer.h"
@@ -14,40 +13,24 @@ namespace {
 
 constexpr double kGiB = 1024.0 * 1024 * 1024;
 
-const char* device_name(OffloadDevice d) {
-  return d == OffloadDevice::kCpu ? "cpu" : d == OffloadDevice::kNvme ? "nvme" : "none";
-}
-
 }  // namespace
 
 PlacementBudget rank_budget(const TrainConfig& cfg, const Backend& backend) {
-  const double per_node = std::max(1, cfg.ranks_per_node);
-  PlacementBudget b;
-  b.gpu_bytes = cfg.placement.gpu_memory_gib > 0
-                    ? cfg.placement.gpu_memory_gib * kGiB
-                    : static_cast<double>(backend.device_memory_bytes());
+  const double gpu = cfg.placement.gpu_memory_gib > 0
+                         ? cfg.placement.gpu_memory_gib * kGiB
+                         : static_cast<double>(backend.device_memory_bytes());
   const double host = cfg.placement.max_host_memory_gib > 0
                           ? cfg.placement.max_host_memory_gib * kGiB
                           : static_cast<double>(std::max<int64_t>(0, available_host_bytes()));
-  b.host_bytes = host / per_node;
-  if (!cfg.zero.nvme_path.empty()) {
-    std::error_code ec;
-    const auto space = std::filesystem::space(cfg.zero.nvme_path, ec);
-    check<ConfigError>(!ec,
-                       "--nvme-path {}: {} (--offload auto counts its free space: give an "
-                       "existing directory on the disk for the swap files)",
-                       cfg.zero.nvme_path, ec.message());
-    b.nvme_bytes = static_cast<double>(space.available) / per_node;
-  }
-  return b;
+  return rank_budget(gpu, host, cfg.zero.nvme_path, cfg.ranks_per_node);
 }
 
 TrainConfig with_placement(const TrainConfig& cfg, const Placement& chosen, int64_t model_context) {
   TrainConfig c = cfg;
   const ParallelPlan& p = chosen.plan;
   c.zero.stage = p.zero_stage;
-  c.zero.offload_optimizer_device = device_name(p.optimizer_offload);
-  c.zero.offload_param_device = device_name(p.param_offload);
+  c.zero.offload_optimizer_device = to_string(p.optimizer_offload);
+  c.zero.offload_param_device = to_string(p.param_offload);
   c.zero.offload_ratio =
       p.optimizer_offload == OffloadDevice::kNone ? 1.0 : p.optimizer_offload_ratio;
   c.strategy = p.zero_stage == 0                             ? StrategyKind::kDataParallel
