@@ -11,12 +11,14 @@ namespace shardtrain {
 /// SplitMix64 generator. The whole state is `state`; copying it forks the stream.
 struct SplitMix64 {
   uint64_t state = 0;
+  /// What each draw adds to `state`: adding k·kGamma skips k draws ahead.
+  static constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
 
   __extension__ typedef unsigned __int128 U128;  // GCC/Clang; __extension__ silences -Wpedantic
 
   /// Next 64 uniformly distributed bits.
   uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    uint64_t z = (state += kGamma);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);

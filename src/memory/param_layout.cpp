@@ -92,31 +92,61 @@ std::vector<const ParamTensor*> ParamLayout::tensors() const {
   return out;
 }
 
+namespace {
+
+/// Elements [from, to) of tensor `t`'s initial values into dst[0, to - from). Each tensor draws
+/// from its own SplitMix64 stream, which advances its state by a constant per draw: the stream is
+/// skipped ahead to the first draw the segment needs, so any segment equals the same elements of
+/// the whole tensor.
+void init_tensor_segment(const ParamTensor& t, uint64_t seed, int64_t from, int64_t to,
+                         float* dst) {
+  if (t.init_std == 0.0f && t.init_uniform <= 0.0f) {
+    std::fill(dst, dst + (to - from), t.init_value);
+    return;
+  }
+  SplitMix64 rng{seed ^ fnv1a64(t.name)};
+  if (t.init_uniform > 0.0f) {
+    rng.state += static_cast<uint64_t>(from) * SplitMix64::kGamma;  // one draw per element
+    for (int64_t i = from; i < to; ++i)
+      dst[i - from] = static_cast<float>(t.init_uniform * (2.0 * rng.uniform() - 1.0));
+    return;
+  }
+  // Box–Muller: two independent normals per pair of uniforms (two draws per pair of elements).
+  const int64_t first_pair = from / 2;
+  rng.state += static_cast<uint64_t>(2 * first_pair) * SplitMix64::kGamma;
+  for (int64_t i = 2 * first_pair; i < to; i += 2) {
+    const double u1 = 1.0 - rng.uniform(), u2 = rng.uniform();
+    const double r = std::sqrt(-2.0 * std::log(u1));
+    if (i >= from)
+      dst[i - from] = static_cast<float>(t.init_std * r * std::cos(2.0 * std::numbers::pi * u2));
+    if (i + 1 < to && i + 1 < t.numel)
+      dst[i + 1 - from] =
+          static_cast<float>(t.init_std * r * std::sin(2.0 * std::numbers::pi * u2));
+  }
+}
+
+}  // namespace
+
 void init_layout_parameters(const ParamLayout& layout, float* host, uint64_t seed) {
   const auto tensors = layout.tensors();
 #pragma omp parallel for schedule(dynamic)
   for (size_t k = 0; k < tensors.size(); ++k) {
     const ParamTensor& t = *tensors[k];
-    float* p = host + t.offset;
-    if (t.init_uniform > 0.0f) {
-      SplitMix64 rng{seed ^ fnv1a64(t.name)};
-      for (int64_t i = 0; i < t.numel; ++i)
-        p[i] = static_cast<float>(t.init_uniform * (2.0 * rng.uniform() - 1.0));
-      continue;
-    }
-    if (t.init_std == 0.0f) {
-      for (int64_t i = 0; i < t.numel; ++i) p[i] = t.init_value;
-      continue;
-    }
-    SplitMix64 rng{seed ^ fnv1a64(t.name)};
-    for (int64_t i = 0; i < t.numel; i += 2) {
-      // Box–Muller: two independent normals per pair of uniforms.
-      const double u1 = 1.0 - rng.uniform(), u2 = rng.uniform();
-      const double r = std::sqrt(-2.0 * std::log(u1));
-      p[i] = static_cast<float>(t.init_std * r * std::cos(2.0 * std::numbers::pi * u2));
-      if (i + 1 < t.numel)
-        p[i + 1] = static_cast<float>(t.init_std * r * std::sin(2.0 * std::numbers::pi * u2));
-    }
+    init_tensor_segment(t, seed, 0, t.numel, host + t.offset);
+  }
+}
+
+void init_layout_range(const ParamLayout& layout, uint64_t seed, int64_t offset, int64_t numel,
+                       float* out) {
+  ST_ASSERT(offset >= 0 && numel >= 0 && offset + numel <= layout.numel());
+  std::fill(out, out + numel, 0.0f);  // padding
+  const auto tensors = layout.tensors();
+#pragma omp parallel for schedule(dynamic)
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const ParamTensor& t = *tensors[k];
+    const int64_t lo = std::max(offset, t.offset),
+                  hi = std::min(offset + numel, t.offset + t.numel);
+    if (lo < hi) init_tensor_segment(t, seed, lo - t.offset, hi - t.offset, out + (lo - offset));
   }
 }
 

@@ -85,4 +85,11 @@ class ParamLayout {
 /// buffer is sharded or which other tensors exist. Padding elements are left untouched.
 void init_layout_parameters(const ParamLayout& layout, float* host, uint64_t seed);
 
+/// Flat elements [offset, offset + numel) of what init_layout_parameters writes, into
+/// out[0, numel) (fp32; padding elements 0), without the rest of the model: each tensor's stream
+/// is skipped ahead to the range. What a strategy initialises from when no rank may hold the
+/// whole model on the host (Strategy::setup_from).
+void init_layout_range(const ParamLayout& layout, uint64_t seed, int64_t offset, int64_t numel,
+                       float* out);
+
 }  // namespace shardtrain

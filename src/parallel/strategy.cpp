@@ -48,6 +48,12 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend&
   }
 }
 
+void Strategy::setup_from(Model& model, const ParameterSource& source) {
+  std::vector<float> init(static_cast<size_t>(model.layout().numel()));
+  source(0, model.layout().numel(), init.data());
+  setup(model, init);
+}
+
 void check_state_kind(OptimizerKind saved, OptimizerKind configured) {
   check<CheckpointError>(
       saved == configured,

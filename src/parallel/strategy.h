@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,6 +56,9 @@ struct StrategyOptions {
   /// NVMe offload: the directory of the swap files and DeepSpeed's aio settings.
   std::string nvme_path;
   AioConfig aio;
+  /// Optimizer on NVMe: elements whose optimizer state stays in host memory
+  /// (ZeroConfig::offload_optimizer_max_in_cpu).
+  int64_t optimizer_max_in_cpu = 0;
 };
 
 /// Host memory a rank holds for offloaded state (bytes).
@@ -91,6 +95,13 @@ class Strategy : public LayerHooks {
   /// (host fp32, layout.numel() elements, identical on every rank), or leaves every parameter 0
   /// when `init_params` is empty (a checkpoint is loaded next: no rank then holds a full copy).
   virtual void setup(Model& model, const std::vector<float>& init_params) = 0;
+  /// Writes the initial fp32 parameters of flat elements [offset, offset + numel) into
+  /// out[0, numel) (e.g. init_layout_range).
+  using ParameterSource = std::function<void(int64_t offset, int64_t numel, float* out)>;
+  /// setup() with the parameters drawn range by range from `source`: the ZeRO strategies ask
+  /// only for what this rank owns, in pieces, so no rank holds the whole model on the host
+  /// (a 12B model's fp32 copy is 49 GB). This default draws the whole model and calls setup().
+  virtual void setup_from(Model& model, const ParameterSource& source);
   /// Starts an optimizer step: zeroes the gradients this rank accumulates into.
   virtual void zero_grad() = 0;
   /// Declares which micro-batch of the accumulation window runs next (0-based of `count`):

@@ -40,9 +40,19 @@ class ZeroStrategy : public Strategy {
   }
 
   void setup(Model& model, const std::vector<float>& init) final {
+    ST_ASSERT(init.empty() || static_cast<int64_t>(init.size()) == model.layout().numel());
+    ParameterSource copy;
+    if (!init.empty())
+      copy = [&init](int64_t offset, int64_t numel, float* out) {
+        std::copy_n(init.data() + offset, numel, out);
+      };
+    setup_from(model, copy);
+  }
+
+  /// Without a source every parameter stays 0 (a checkpoint is loaded next).
+  void setup_from(Model& model, const ParameterSource& source) final {
     model_ = &model;
     const ParamLayout& layout = model.layout();
-    ST_ASSERT(init.empty() || static_cast<int64_t>(init.size()) == layout.numel());
     world_ = comm_.world_size();
     rank_ = comm_.rank();
     dtype_ = backend_.compute_dtype();
@@ -101,7 +111,7 @@ class ZeroStrategy : public Strategy {
     if (opt_.hierarchical_ranks_per_node > 0 && world_ > 1)
       hierarchical_ = std::make_unique<HierarchicalReduction>(
           comm_, opt_.hierarchical_ranks_per_node, backend_, opt_.quantized_gradients);
-    if (!init.empty()) write_full(init.data(), nullptr, nullptr, 0);  // else all zero
+    if (source) write_params(source);  // else all zero
     bind_layers();
     model.set_hooks(this);
   }
@@ -424,6 +434,22 @@ class ZeroStrategy : public Strategy {
       if (exp_avg_sq) write_state(StateTensor::kExpAvgSq, r.offset, r.numel, exp_avg_sq + r.offset);
     }
     finish_load(optimizer_steps);
+  }
+
+  /// Sets the parameters of the owned ranges from `source` (fp32, pieces of at most 2^28
+  /// elements: 1 GiB of host memory at a time), m and v zero, then finish_load. Collective.
+  void write_params(const ParameterSource& source) {
+    constexpr int64_t kPiece = int64_t{1} << 28;
+    std::vector<float> piece;
+    for (const FlatRange& r : load_ranges()) {
+      for (int64_t at = 0; at < r.numel; at += kPiece) {
+        const int64_t n = std::min(kPiece, r.numel - at);
+        piece.resize(static_cast<size_t>(n));
+        source(r.offset + at, n, piece.data());
+        write_state(StateTensor::kParams, r.offset + at, n, piece.data());
+      }
+    }
+    finish_load(0);
   }
 
   /// Allocates the gradient buffers (called once from setup, after the partition is known).

@@ -20,6 +20,7 @@
 #include "data/bpe_tokenizer.h"
 #include "data/dataset.h"
 #include "io/atomic_file.h"
+#include "memory/param_layout.h"
 #include "model/gpt2.h"
 #include "monitor/metrics.h"
 #include "monitor/monitor.h"
@@ -195,15 +196,11 @@ GPT2Data load_gpt2_data(const TrainConfig& cfg, Console& out) {
   return GPT2Data{files.name, std::move(train), std::move(valid), seconds_since(t0)};
 }
 
-/// The full fp32 parameters [layout numel] a fresh run starts from: --init-from (Hugging Face
-/// safetensors, or a shardtrain checkpoint) or the model's initialization with cfg.seed.
+/// The full fp32 parameters [layout numel] of --init-from (Hugging Face safetensors, or a
+/// shardtrain checkpoint).
 std::vector<float> initial_parameters(const TrainConfig& cfg, const GPT2Config& model_cfg,
                                       GPT2Model& model) {
   std::vector<float> init(static_cast<size_t>(model.layout().numel()), 0.0f);
-  if (cfg.init_from.empty()) {
-    model.init_parameters(init.data(), cfg.seed);
-    return init;
-  }
   const fs::path p = cfg.init_from;
   if (fs::is_directory(p) && fs::exists(p / "model.safetensors") &&
       !fs::exists(p / "manifest.json")) {
@@ -546,7 +543,16 @@ TrainSummary train(const TrainConfig& requested, Communicator& comm) {
   std::unique_ptr<Strategy> strategy = pipelined
                                            ? std::unique_ptr<Strategy>(std::move(pipeline_owner))
                                            : make_strategy(cfg, *backend, comm);
-  strategy->setup(model, resume ? std::vector<float>{} : initial_parameters(cfg, model_cfg, model));
+  if (resume) {
+    strategy->setup(model, {});
+  } else if (cfg.init_from.empty()) {
+    // Drawn range by range: a rank never holds the whole model's fp32 copy on the host.
+    strategy->setup_from(model, [&](int64_t offset, int64_t numel, float* dst) {
+      init_layout_range(model.layout(), cfg.seed, offset, numel, dst);
+    });
+  } else {
+    strategy->setup(model, initial_parameters(cfg, model_cfg, model));
+  }
   TrainingProgress progress;
   progress.seed = cfg.seed;
   if (resume)

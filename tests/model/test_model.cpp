@@ -2,8 +2,12 @@
 // parameters (tied LM head counted once), with tensor offsets aligned and layers contiguous.
 #include <gtest/gtest.h>
 
+#include <utility>
+#include <vector>
+
 #include "backend/backend.h"
 #include "core/error.h"
+#include "memory/param_layout.h"
 #include "model/gpt2.h"
 #include "stage_parts.h"
 #include "tiny_gpt2.h"
@@ -43,6 +47,33 @@ TEST(Presets, LayoutIsContiguousAndAligned) {
   EXPECT_EQ(next, model.layout().numel());
   EXPECT_NE(model.layout().find("transformer.h.3.mlp.c_proj.weight"), nullptr);
   EXPECT_EQ(model.layout().find("lm_head.weight"), nullptr);  // tied to transformer.wte.weight
+}
+
+// A range of the initialisation equals the same elements of the whole model's: ranges that start
+// and end mid-tensor, on odd elements (inside a Box–Muller pair), in padding, across tensors and
+// layers — what ZeRO ranks draw for their owned slices instead of the whole model.
+TEST(Presets, InitialisationOfAnyRangeEqualsTheWholeModels) {
+  auto be = make_cpu_backend();
+  GPT2Model model(gpt2_preset("gpt2-tiny"), *be);
+  const ParamLayout& layout = model.layout();
+  std::vector<float> whole(static_cast<size_t>(layout.numel()), 0.0f);
+  model.init_parameters(whole.data(), 1234);
+  const ParamTensor& wpe = *layout.find("transformer.wpe.weight");
+  const ParamTensor& ln = *layout.find("transformer.h.0.ln_1.weight");
+  const std::pair<int64_t, int64_t> ranges[] = {
+      {0, layout.numel()},         {wpe.offset + 1, 7},
+      {wpe.offset + 3, 1000},      {ln.offset - 5, 20},
+      {layout.numel() - 333, 333}, {layout.numel() / 3 + 1, layout.numel() / 3}};
+  for (const auto& [offset, numel] : ranges) {
+    std::vector<float> part(static_cast<size_t>(numel), -1.0f);
+    init_layout_range(layout, 1234, offset, numel, part.data());
+    for (int64_t i = 0; i < numel; ++i)
+      ASSERT_EQ(part[static_cast<size_t>(i)], whole[static_cast<size_t>(offset + i)])
+          << "element " << offset + i << " of range [" << offset << ", " << offset + numel << ")";
+  }
+  std::vector<float> other(whole.size());
+  init_layout_range(layout, 1235, 0, layout.numel(), other.data());
+  EXPECT_NE(other, whole);  // the seed matters
 }
 
 TEST(Presets, UnknownNameSuggestsTheClosest) {
