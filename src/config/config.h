@@ -56,6 +56,11 @@ struct ZeroConfig {
   /// one-step delayed parameter update (arXiv 2101.06840, §4.3): the CPU step of step t overlaps
   /// the GPU's step t+1, which computes on the parameters of step t-1.
   bool offload_delayed_update = false;
+  /// offload_optimizer.max_in_cpu (shardtrain's key, after offload_param's): with the optimizer on
+  /// NVMe, the elements per rank whose optimizer state (fp32 master, m, v: 12 bytes each) stays in
+  /// host memory; the rest is paged from the swap file. 0 (default): all of it on NVMe, as
+  /// DeepSpeed does. >= 0.
+  int64_t offload_optimizer_max_in_cpu = 0;
   // (contiguous_gradients and reduce_scatter are not options here: ZeRO gradients always live
   // in contiguous flat buffers and are always reduce-scattered; the reader warns when a
   // DeepSpeed config turns them off.)

@@ -648,7 +648,9 @@ class DeepSpeedReader {
     const json* off = find_object(z, key, "zero_optimization",
                                   "an object {\"device\": \"none\" | \"cpu\" | \"nvme\", ...}");
     if (off == nullptr) return current;
-    check_keys(*off, prefix, kOffloadHonoured, ignored);
+    KeyList honoured = kOffloadHonoured;
+    if (std::string(key) == "offload_optimizer") honoured.push_back("max_in_cpu");
+    check_keys(*off, prefix, honoured, ignored);
     if (auto dev = get_string(*off, "device", prefix, "\"none\", \"cpu\" or \"nvme\"")) {
       if (!is_offload_device(*dev)) {
         bad_value(prefix + ".device", off->at("device"), "\"none\", \"cpu\" or \"nvme\"");
@@ -668,6 +670,11 @@ class DeepSpeedReader {
       auto r = get_number(*off, "ratio", prefix, 0.0, false, fraction);
       if (r && *r > 1.0) bad_value(prefix + ".ratio", off->at("ratio"), fraction);
       if (r) cfg_.zero.offload_ratio = *r;
+    }
+    if (has(*off, "max_in_cpu") && std::string(key) == "offload_optimizer") {
+      if (auto v = get_int(*off, "max_in_cpu", prefix, 0,
+                           "an integer >= 0 (elements whose optimizer state stays in host memory)"))
+        cfg_.zero.offload_optimizer_max_in_cpu = *v;
     }
     if (has(*off, "delayed_update")) {
       if (std::string(key) != "offload_optimizer")

@@ -189,9 +189,12 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
     e.strategies.push_back(s);
   }
   // Offloaded plans: r of the fp32 state (K bytes per element) and its step on the host; the
-  // gradients of those elements staged in pinned memory (bf16, twice with the delayed update).
+  // gradients of those elements staged in pinned memory (bf16, twice with the delayed update),
+  // except where stage 3's offloaded parameters take them in place (host_optimizer.h, "Gradients
+  // in the parameters' place": without the delayed update).
   const double psi = static_cast<double>(e.parameters), n = o.gpus, r = o.offload_ratio;
   const double shard = psi / n, staging = (o.delayed_update ? 2.0 : 1.0) * kBf16 * r * shard;
+  const double stage3_staging = o.delayed_update ? staging : 0.0;
   const double fixed = kCublasWorkspaceBytes + kCudaContextBytes +
                        (o.gpus > 1 ? static_cast<double>(kPeerStagingBytes) : 0.0);
   // NVMe staging: three slots of the largest stage-3 unit's [master | m | v] (the embedding).
@@ -224,9 +227,15 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
         (p.stage3
              ? zero3_transient_bytes(o.model, o.gpus, o.zero3, o.persistence_threshold, true)
              : gradient_bucket_bytes(StrategyKind::kZero2, o.model, o.gpus, bucket_elements(o)));
-    s.host_pinned = staging + (p.stage3 ? kBf16 * shard : 0.0);
-    s.host_pageable = p.nvme ? 3.0 * 12.0 * r * largest_unit : K * r * shard;
-    s.nvme = p.nvme ? 12.0 * r * shard : 0.0;
+    s.host_pinned = p.stage3 ? stage3_staging + kBf16 * shard : staging;
+    s.host_pageable = K * r * shard;
+    if (p.nvme) {
+      // offload_optimizer.max_in_cpu elements keep their state in memory; the rest is paged
+      // through three slots of the largest unit's [master | m | v] (the embedding).
+      const double in_cpu = std::min(static_cast<double>(o.optimizer_max_in_cpu), r * shard);
+      s.nvme = 12.0 * (r * shard - in_cpu);
+      s.host_pageable = 12.0 * in_cpu + (s.nvme > 0 ? 3.0 * 12.0 * r * largest_unit : 0.0);
+    }
     e.strategies.push_back(s);
   }
   return e;

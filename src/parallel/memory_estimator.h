@@ -46,6 +46,9 @@ struct MemoryEstimateOptions {
   int64_t persistence_threshold = 100'000;  ///< stage3_param_persistence_threshold
   double offload_ratio = 1.0;               ///< offload_optimizer.ratio of the offloaded rows
   bool delayed_update = false;              ///< offload: two pinned gradient buffers instead of one
+  /// infinity: elements per rank whose optimizer state stays in host memory
+  /// (offload_optimizer.max_in_cpu); the rest is on NVMe.
+  int64_t optimizer_max_in_cpu = 0;
   /// AdamW: K = 12 bytes of optimizer state per parameter (fp32 master, m, v); SGD: K = 8
   /// (fp32 master, momentum buffer).
   OptimizerKind optimizer = OptimizerKind::kAdamW;

@@ -86,7 +86,7 @@ PlacementPlan plan_placement(const MemoryEstimateOptions& options, const Placeme
     p.pcie_bytes =
         (optimizer_out ? 2 * 2 * r * psi_per_rank : 0) + (params_out ? 2 * 2 * psi_per_rank : 0);
     p.host_traffic = optimizer_out ? (2.0 * K + 4) * r * psi_per_rank : 0;
-    p.disk_bytes = p.plan.optimizer_offload == OffloadDevice::kNvme ? 2 * 12 * r * psi_per_rank : 0;
+    p.disk_bytes = 2 * p.nvme_bytes;  // every byte on NVMe is read and written each step
     p.compute_s = compute_s;
     const std::tuple<double, const char*> terms[] = {
         {compute_s, "compute"},
@@ -111,8 +111,25 @@ PlacementPlan plan_placement(const MemoryEstimateOptions& options, const Placeme
     p.over = over;
   };
 
+  // Ratios tried: quarters, and for each offloaded plan the smallest ratio (in steps of 0.05)
+  // whose GPU share of the optimizer state fits the GPU budget (its GPU bytes fall linearly in r).
+  std::vector<double> ratios = {0.25, 0.5, 0.75, 1.0};
+  {
+    MemoryEstimateOptions o0 = options, o1 = options;
+    o0.offload_ratio = 0.0;
+    o1.offload_ratio = 1.0;
+    const MemoryEstimate e0 = estimate_memory(o0), e1 = estimate_memory(o1);
+    for (size_t k = 0; k < e0.strategies.size() && k < e1.strategies.size(); ++k) {
+      const double g0 = e0.strategies[k].total(), g1 = e1.strategies[k].total();
+      if (!e1.strategies[k].offloaded || g0 <= g1 || g1 > budget.gpu_bytes) continue;
+      const double r = std::ceil((g0 - budget.gpu_bytes) / (g0 - g1) * 20.0 - 1e-9) / 20.0;
+      if (r > 0 && r < 1 && std::find(ratios.begin(), ratios.end(), r) == ratios.end())
+        ratios.push_back(r);
+    }
+    std::sort(ratios.begin(), ratios.end());
+  }
   bool on_gpu_done = false;
-  for (const double r : {0.25, 0.5, 0.75, 1.0}) {
+  for (const double r : ratios) {
     MemoryEstimateOptions o = options;
     o.offload_ratio = r;
     const MemoryEstimate e = estimate_memory(o);
@@ -148,6 +165,17 @@ PlacementPlan plan_placement(const MemoryEstimateOptions& options, const Placeme
         continue;
       }
       if (p.plan.optimizer_offload != OffloadDevice::kNone) p.plan.optimizer_offload_ratio = r;
+      if (p.plan.optimizer_offload == OffloadDevice::kNvme) {
+        // The optimizer state the host budget still holds stays there (max_in_cpu); only the
+        // rest is paged from NVMe.
+        const double room = std::max(0.0, budget.host_bytes - p.host_bytes);
+        const double elements = std::round(p.nvme_bytes / 12.0);
+        const double in_cpu = std::min(std::floor(room / 12.0), elements);
+        if (in_cpu >= elements) continue;  // all in memory: the zero3-offload row
+        p.optimizer_max_in_cpu = static_cast<int64_t>(in_cpu);
+        p.host_bytes += 12.0 * in_cpu;
+        p.nvme_bytes = 12.0 * (elements - in_cpu);
+      }
       cost(p, psi_per_rank, r);
       out.candidates.push_back(std::move(p));
     }

@@ -68,6 +68,10 @@ struct MachineRates {
 struct Placement {
   std::string name;   ///< e.g. "zero2", "offload r=0.5", "infinity r=1"
   ParallelPlan plan;  ///< the ZeRO stage and where the optimizer state and parameters live
+  /// infinity: elements per rank whose optimizer state stays in host memory (the host budget
+  /// left after the pinned parameters and the swap slots, 12 bytes each): what
+  /// offload_optimizer.max_in_cpu is set to. The rest goes to NVMe.
+  int64_t optimizer_max_in_cpu = 0;
   double gpu_bytes = 0, host_bytes = 0, nvme_bytes = 0;  ///< per rank
   double pcie_bytes = 0;                                 ///< per rank per step, both directions
   double host_traffic = 0;  ///< bytes the CPU optimizer moves per rank per step

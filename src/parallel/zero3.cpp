@@ -188,6 +188,11 @@ class Zero3 final : public ZeroStrategy {
     return sharded_.slice(u.offset, p.shard);
   }
 
+  Tensor host_params(size_t i) const override {
+    if (!params_offloaded() || unit(parts_[i].bucket.first_layer).resident) return {};
+    return own_params(i);
+  }
+
   Tensor gather_target(size_t i) const override {
     const BucketPartition& p = parts_[i];
     const Unit& u = unit(p.bucket.first_layer);

@@ -94,11 +94,17 @@ class ZeroStrategy : public Strategy {
     }
     host_.reset();
     if (opt_.plan.optimizer_offload != OffloadDevice::kNone) {
-      SwapOptions swap{opt_.nvme_path, rank_, opt_.aio};
+      SwapOptions swap{opt_.nvme_path, rank_, opt_.aio, opt_.optimizer_max_in_cpu};
+      std::vector<Tensor> in_host;  // host-stepped elements whose parameters live on the host
+      for (size_t i = 0; i < parts_.size(); ++i) {
+        const Tensor t = host_params(i);
+        in_host.push_back(t.empty() ? t : t.slice1d(on_device_[i], host_ranges[i].numel));
+      }
       host_ = std::make_unique<HostOptimizer>(
           backend_, layout, std::move(host_ranges), opt_.optimizer, dtype_, dtype_,
           opt_.delayed_update,
-          opt_.plan.optimizer_offload == OffloadDevice::kNvme ? &swap : nullptr);
+          opt_.plan.optimizer_offload == OffloadDevice::kNvme ? &swap : nullptr,
+          std::move(in_host));
     }
     sent_.assign(parts_.size(), false);
     pending_.clear();
@@ -368,6 +374,9 @@ class ZeroStrategy : public Strategy {
     const BucketPartition& p = parts_[i];
     return params_.slice(p.padded_offset + static_cast<int64_t>(rank_) * p.shard, p.shard);
   }
+  /// This rank's slice of part `i` [shard] when it lives in host memory (stage 3's offloaded
+  /// parameters; the offloaded optimizer lands its gradient there), else an empty tensor.
+  virtual Tensor host_params(size_t /*i*/) const { return {}; }
   /// Where part `i`'s updated slices are all-gathered after a step ([padded], own_params(i) its
   /// slice rank), or an empty tensor when nothing needs gathering (stage 3's sharded parts).
   virtual Tensor gather_target(size_t i) const {

@@ -33,6 +33,7 @@ TrainConfig with_placement(const TrainConfig& cfg, const Placement& chosen, int6
   c.zero.offload_param_device = to_string(p.param_offload);
   c.zero.offload_ratio =
       p.optimizer_offload == OffloadDevice::kNone ? 1.0 : p.optimizer_offload_ratio;
+  c.zero.offload_optimizer_max_in_cpu = chosen.optimizer_max_in_cpu;
   c.strategy = p.zero_stage == 0                             ? StrategyKind::kDataParallel
                : p.zero_stage == 1                           ? StrategyKind::kZero1
                : p.zero_stage == 3                           ? StrategyKind::kZero3

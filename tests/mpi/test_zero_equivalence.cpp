@@ -38,6 +38,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -611,8 +612,10 @@ struct TempDir {
 };
 
 // ZeRO-Offload / ZeRO-Infinity: the optimizer stepped on the CPU (all of it, half of it, none of
-// it), its state in memory or paged to a swap file, parameters offloaded at stage 3 — each must
-// reach the one-rank reference's state: the CPU AdamW equals the device one within fp32 rounding.
+// it), its state in memory, paged to a swap file, or split between them (max_in_cpu), parameters
+// offloaded at stage 3 — each must reach the one-rank reference's state: the CPU AdamW equals the
+// device one within fp32 rounding. Offloaded parameters take their gradients in place (no pinned
+// gradient buffer), and max_in_cpu moves state from the swap file to memory.
 TEST_F(ZeroEquivalence, OffloadMatchesOneRank) {
   using D = st::OffloadDevice;
   TempDir dir;
@@ -620,19 +623,43 @@ TEST_F(ZeroEquivalence, OffloadMatchesOneRank) {
     int stage;
     D opt, param;
     double ratio;
+    int64_t max_in_cpu = 0;  ///< elements per rank with their optimizer state in memory (NVMe)
   };
-  for (const Case& c : {Case{1, D::kCpu, D::kNone, 1.0}, Case{2, D::kCpu, D::kNone, 1.0},
-                        Case{2, D::kCpu, D::kNone, 0.5}, Case{2, D::kCpu, D::kNone, 0.0},
-                        Case{3, D::kCpu, D::kNone, 1.0}, Case{3, D::kCpu, D::kCpu, 1.0},
-                        Case{2, D::kNvme, D::kNone, 1.0}, Case{3, D::kNvme, D::kCpu, 0.5}}) {
-    Trainee run(offload_options(c.stage, c.opt, c.param, c.ratio, dir.path), *comm,
-                reference().init);
+  const auto per_rank = static_cast<int64_t>(reference().init.size()) / world();
+  std::map<std::string, st::HostMemory> seen;
+  for (const Case& c :
+       {Case{1, D::kCpu, D::kNone, 1.0}, Case{2, D::kCpu, D::kNone, 1.0},
+        Case{2, D::kCpu, D::kNone, 0.5}, Case{2, D::kCpu, D::kNone, 0.0},
+        Case{3, D::kCpu, D::kNone, 1.0}, Case{3, D::kCpu, D::kCpu, 1.0},
+        Case{2, D::kNvme, D::kNone, 1.0}, Case{3, D::kNvme, D::kCpu, 0.5},
+        Case{3, D::kNvme, D::kCpu, 1.0}, Case{3, D::kNvme, D::kCpu, 1.0, per_rank / 2}}) {
+    st::StrategyOptions o = offload_options(c.stage, c.opt, c.param, c.ratio, dir.path);
+    o.optimizer_max_in_cpu = c.max_in_cpu;
+    Trainee run(o, *comm, reference().init);
     const st::HostMemory h = run.strategy->host_memory();
     EXPECT_EQ(h.nvme > 0, c.opt == D::kNvme);
     EXPECT_EQ(h.pageable > 0, c.ratio > 0);
+    const std::string key = fmt::format("{}{}{}", c.stage, st::to_string(c.opt), c.ratio);
+    if (c.stage == 3 && c.ratio == 1.0 && c.max_in_cpu == 0) {
+      seen[key + st::to_string(c.param)] = h;
+      if (c.param == D::kCpu && c.opt == D::kCpu) {
+        // Offloaded parameters (2 bytes per element) hold the gradients too: far less pinned
+        // memory than the parameters plus a gradient buffer of the same size.
+        const st::HostMemory device_params = seen.at("3cpu1none");
+        EXPECT_LT(h.pinned, device_params.pinned * 3 / 2)
+            << "offloaded parameters and a separate pinned gradient buffer";
+      }
+    }
+    if (c.max_in_cpu > 0) {
+      const st::HostMemory all_nvme = seen.at("3nvme1cpu");
+      EXPECT_LT(h.nvme, all_nvme.nvme) << "max_in_cpu " << c.max_in_cpu;
+      EXPECT_GT(h.nvme, 0u) << "max_in_cpu " << c.max_in_cpu << " of " << per_rank;
+      EXPECT_GT(h.pageable, all_nvme.pageable) << "max_in_cpu " << c.max_in_cpu;
+    }
     train_and_expect_reference(
-        fmt::format("stage {} ×{} optimizer on {} (ratio {}), parameters on {}", c.stage, world(),
-                    st::to_string(c.opt), c.ratio, st::to_string(c.param)),
+        fmt::format("stage {} ×{} optimizer on {} (ratio {}, max_in_cpu {}), parameters on {}",
+                    c.stage, world(), st::to_string(c.opt), c.ratio, c.max_in_cpu,
+                    st::to_string(c.param)),
         run);
   }
   // The swap files are removed with their strategies.

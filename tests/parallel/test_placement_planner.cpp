@@ -4,6 +4,7 @@
 // machine's rates come from bench/host_limits.cu's JSON.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -81,27 +82,62 @@ TEST(PlacementPlanner, CandidatesCarryTheEstimatorsBytesAndTheTrafficFormulas) {
   const MemoryEstimate e = estimate_memory(full);
   const double shard = static_cast<double>(e.parameters) / o.gpus;
   for (const StrategyEstimate& s : e.strategies) {
-    if (!s.offloaded) continue;
+    if (!s.offloaded || s.name == "infinity") continue;
     const Placement& x = named(p, s.name + " r=1");
     EXPECT_DOUBLE_EQ(x.gpu_bytes, s.total()) << s.name;
     EXPECT_DOUBLE_EQ(x.host_bytes, s.host_pinned + s.host_pageable) << s.name;
     EXPECT_DOUBLE_EQ(x.nvme_bytes, s.nvme) << s.name;
   }
+  // With 512 GiB of host memory the optimizer state of infinity fits there: no infinity row (it
+  // would be zero3-offload's).
+  for (const Placement& x : p.candidates) EXPECT_EQ(x.name.find("infinity"), std::string::npos);
   // offload: bf16 gradients down and parameters up, 2·2Ψ/N; AdamW moves 28 bytes per element.
   EXPECT_DOUBLE_EQ(named(p, "offload r=1").pcie_bytes, 4 * shard);
   EXPECT_DOUBLE_EQ(named(p, "offload r=1").host_traffic, 28 * shard);
   EXPECT_DOUBLE_EQ(named(p, "offload r=0.5").pcie_bytes, 2 * shard);
   // Parameters on the host cross for the forward's and the backward's gathers: 2·2Ψ/N more.
   EXPECT_DOUBLE_EQ(named(p, "zero3-offload r=1").pcie_bytes, 8 * shard);
-  // NVMe: the fp32 master, m and v read and written once per step.
-  EXPECT_DOUBLE_EQ(named(p, "infinity r=1").disk_bytes, 24 * shard);
-  EXPECT_EQ(named(p, "infinity r=1").plan.optimizer_offload, OffloadDevice::kNvme);
-  EXPECT_EQ(named(p, "infinity r=1").plan.param_offload, OffloadDevice::kCpu);
-  EXPECT_EQ(named(p, "infinity r=1").bound, "disk");
+  // A host budget that holds the pinned parameters, the swap slots and a third of the state:
+  // that third stays in memory (max_in_cpu), the rest is on NVMe, read and written every step.
+  const StrategyEstimate& inf = *std::find_if(e.strategies.begin(), e.strategies.end(),
+                                              [](const auto& s) { return s.name == "infinity"; });
+  const double elements = std::round(inf.nvme / 12);
+  const double host = inf.host_pinned + inf.host_pageable + 12 * std::floor(elements / 3);
+  const PlacementPlan q = plan_placement(o, {80 * kGiB, host, 1e15}, MachineRates{}, 2048);
+  const Placement& x = named(q, "infinity r=1");
+  EXPECT_EQ(x.optimizer_max_in_cpu, static_cast<int64_t>(std::floor(elements / 3)));
+  EXPECT_DOUBLE_EQ(x.host_bytes, host);
+  EXPECT_DOUBLE_EQ(x.nvme_bytes, 12 * (elements - std::floor(elements / 3)));
+  EXPECT_DOUBLE_EQ(x.disk_bytes, 2 * x.nvme_bytes);
+  EXPECT_EQ(x.plan.optimizer_offload, OffloadDevice::kNvme);
+  EXPECT_EQ(x.plan.param_offload, OffloadDevice::kCpu);
+  EXPECT_EQ(x.bound, "disk");
   // SGD's state is 8 bytes per parameter: 20 bytes moved per element.
   o.optimizer = OptimizerKind::kSGD;
   const PlacementPlan sgd = plan_placement(o, {80 * kGiB, 512 * kGiB, 0}, MachineRates{}, 2048);
   EXPECT_DOUBLE_EQ(named(sgd, "offload r=1").host_traffic, 20 * shard);
+}
+
+// Besides the quarters, each offloaded plan is tried at the smallest ratio (a multiple of 0.05)
+// whose GPU share of the optimizer state fits the GPU: the GPU is filled before the host.
+TEST(PlacementPlanner, TriesTheRatioThatFillsTheGpu) {
+  const MemoryEstimateOptions o = xl_options();
+  MemoryEstimateOptions zero = o, one = o;
+  zero.offload_ratio = 0;
+  one.offload_ratio = 1;
+  const auto gpu = [&](const MemoryEstimateOptions& x) {
+    for (const StrategyEstimate& s : estimate_memory(x).strategies)
+      if (s.name == "zero3-offload") return s.total();
+    return 0.0;
+  };
+  const double g0 = gpu(zero), g1 = gpu(one);
+  const double budget = g1 + 0.37 * (g0 - g1);  // r = 0.63 fills it exactly: 0.65 is tried
+  const PlacementPlan p = plan_placement(o, {budget, 512 * kGiB, 0}, MachineRates{}, 2048);
+  const Placement& x = named(p, "zero3-offload r=0.65");
+  EXPECT_TRUE(x.fits) << x.over;
+  EXPECT_LE(x.gpu_bytes, budget);
+  EXPECT_GT(x.gpu_bytes, budget - 0.05 * (g0 - g1));
+  EXPECT_THROW(named(p, "zero3-offload r=0.6"), std::runtime_error);
 }
 
 TEST(PlacementPlanner, NothingFitsSaysWhy) {

@@ -14,7 +14,8 @@ namespace shardtrain {
 
 HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
                              std::vector<FlatRange> ranges, OptimizerHyper hyper, DType grad_dtype,
-                             DType param_dtype, bool delayed_update, const SwapOptions* swap)
+                             DType param_dtype, bool delayed_update, const SwapOptions* swap,
+                             std::vector<Tensor> host_params)
     : backend_(backend),
       ranges_(std::move(ranges)),
       grad_dtype_(grad_dtype),
@@ -26,48 +27,67 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
   check<ConfigError>(!swap || hyper.kind == OptimizerKind::kAdamW,
                      "--optimizer sgd with the optimizer offloaded to NVMe (infinity) is not "
                      "available: use --strategy offload (CPU) with SGD, or --optimizer adamw");
-  int64_t total = 0;
-  for (const FlatRange& r : ranges_) {
-    host_offset_.push_back(total);
-    total += r.numel;
+  ST_ASSERT(host_params.empty() || host_params.size() == ranges_.size());
+  if (!delayed_ && param_dtype != DType::kF16 && !host_params.empty()) {
+    in_params_.resize(ranges_.size());
+    for (size_t i = 0; i < ranges_.size(); ++i) {
+      const Tensor& t = host_params[i];
+      if (t.empty() || t.device != DeviceKind::kCPU || ranges_[i].numel == 0) continue;
+      ST_ASSERT(t.numel() == ranges_[i].numel && t.dtype == param_dtype);
+      in_params_[i] = t;
+    }
   }
-  if (swap) {
-    // [master | m | v] per range, each 4096-aligned; three staging slots of the largest range.
-    int64_t file = 0, largest = 0;
-    for (const FlatRange& r : ranges_) {
-      region_.push_back(file);
-      qbytes_.push_back(swap_round_up(r.numel * 4));
+  // Which ranges keep their state in memory: all without NVMe, else those that fit max_in_cpu.
+  int64_t in_cpu_left = swap ? swap->max_in_cpu : 0;
+  int64_t file = 0, largest = 0;
+  for (size_t i = 0; i < ranges_.size(); ++i) {
+    const FlatRange& r = ranges_[i];
+    host_offset_.push_back(pinned_total_);
+    if (!gradient_in_params(i)) pinned_total_ += r.numel;
+    const bool in_memory = !swap || r.numel <= in_cpu_left;
+    state_offset_.push_back(in_memory ? in_memory_ : -1);
+    if (in_memory) {
+      in_memory_ += r.numel;
+      if (swap) in_cpu_left -= r.numel;
+    }
+    if (swap) {
+      // [master | m | v] per range on NVMe, each 4096-aligned.
+      region_.push_back(in_memory ? -1 : file);
+      qbytes_.push_back(in_memory ? 0 : swap_round_up(r.numel * 4));
       file += 3 * qbytes_.back();
       largest = std::max(largest, 3 * qbytes_.back());
     }
-    check_nvme_path(swap->dir, swap_round_up(std::max<int64_t>(file, 1)),
+  }
+  if (file > 0) {
+    check_nvme_path(swap->dir, swap_round_up(file),
                     "zero_optimization.offload_optimizer.nvme_path (--nvme-path)");
-    swap_ =
-        std::make_unique<SwapFile>(swap->dir, swap->rank, std::max<int64_t>(file, 1), swap->aio);
+    swap_ = std::make_unique<SwapFile>(swap->dir, swap->rank, file, swap->aio);
     // A fresh swap file reads as zeros: m and v of a new run (the master weights come next).
+    // Three staging slots of the largest range on NVMe.
     slots_.resize(3);
     for (Slot& sl : slots_) sl.buf = AlignedHostBuffer(largest);
   } else {
-    // master, m and v (SGD: no v), zeroed.
-    state_[0] = AlignedHostBuffer(total * 4);
-    state_[1] = AlignedHostBuffer(total * 4);
-    state_[2] = AlignedHostBuffer(hyper.second_moment_numel(total) * 4);
+    region_.clear();
   }
-  total_ = total;
-  grads_[0] = PinnedBuffer(backend, grad_dtype, total);
-  if (delayed_) grads_[1] = PinnedBuffer(backend, grad_dtype, total);
+  // master, m and v (SGD: no v) of the ranges in memory, zeroed.
+  state_[0] = AlignedHostBuffer(in_memory_ * 4);
+  state_[1] = AlignedHostBuffer(in_memory_ * 4);
+  state_[2] = AlignedHostBuffer(hyper.second_moment_numel(in_memory_) * 4);
+  grads_[0] = PinnedBuffer(backend, grad_dtype, pinned_total_);
+  if (delayed_) grads_[1] = PinnedBuffer(backend, grad_dtype, pinned_total_);
   for (size_t i = 0; i < ranges_.size(); ++i) {
     const FlatRange& r = ranges_[i];
     // On NVMe the moments are handed to each step from a staging slot.
     const Tensor none(nullptr, DType::kF32, DeviceKind::kCPU, {r.numel});
     const Tensor v = hyper.kind == OptimizerKind::kSGD
                          ? Tensor(nullptr, DType::kF32, DeviceKind::kCPU, {0})
-                     : swap_ ? none
-                             : state_slice(2, host_offset_[i], r.numel);
-    adam_.push_back(r.numel == 0 ? nullptr
-                                 : std::make_unique<Optimizer>(
-                                       backend, layout, r.offset, r.numel, hyper,
-                                       swap_ ? none : state_slice(1, host_offset_[i], r.numel), v));
+                     : on_nvme(i) ? none
+                                  : state_slice(2, state_offset_[i], r.numel);
+    adam_.push_back(r.numel == 0
+                        ? nullptr
+                        : std::make_unique<Optimizer>(
+                              backend, layout, r.offset, r.numel, hyper,
+                              on_nvme(i) ? none : state_slice(1, state_offset_[i], r.numel), v));
   }
   to_host_ = backend.make_copy_stream();
   to_device_ = backend.make_copy_stream();
@@ -130,6 +150,10 @@ Tensor HostOptimizer::pinned(const PinnedBuffer& buf, size_t i) const {
   return buf.slice(host_offset_[i], ranges_[i].numel);
 }
 
+Tensor HostOptimizer::gradient_home(size_t i, int buffer) const {
+  return gradient_in_params(i) ? in_params_[i] : pinned(grads_[buffer], i);
+}
+
 void HostOptimizer::gradient_ready(size_t i, Tensor grad) {
   ST_ASSERT(i < ranges_.size() && grad.numel() == ranges_[i].numel && grad.dtype == grad_dtype_);
   if (ranges_[i].numel == 0) return;
@@ -138,7 +162,7 @@ void HostOptimizer::gradient_ready(size_t i, Tensor grad) {
   wait_part(i);
   const int b = delayed_ ? static_cast<int>(step_ % 2) : 0;
   to_host_->after_compute();
-  to_host_->to_host(pinned(grads_[b], i).data, grad.data, grad.bytes());
+  to_host_->to_host(gradient_home(i, b).data, grad.data, grad.bytes());
   grad_fence_[i] = to_host_->fence();
 }
 
@@ -165,15 +189,16 @@ void HostOptimizer::queue_update(double lr, double grad_scale, const std::vector
     // device's, so that the delayed mode holds it back.
     const bool on_host = target.device == DeviceKind::kCPU && backend_.kind() != DeviceKind::kCPU;
     ST_ASSERT(target.numel() == ranges_[i].numel && target.dtype == param_dtype_);
+    ST_ASSERT(!gradient_in_params(i) || target.data == in_params_[i].data);
     const uint64_t fence = grad_fence_[i];
-    // The next range this generation updates: its state is read ahead (NVMe).
+    // The next range on NVMe this generation updates: its state is read ahead.
     int64_t next = -1;
     for (size_t j = k + 1; j < order.size() && next < 0; ++j)
-      if (adam_[order[j]]) next = static_cast<int64_t>(order[j]);
+      if (adam_[order[j]] && on_nvme(order[j])) next = static_cast<int64_t>(order[j]);
     post([this, i, next, lr, grad_scale, target, on_host, buffer, gen, fence, to_device] {
       const auto t0 = std::chrono::steady_clock::now();
       to_host_->host_wait(fence);
-      const Tensor g = pinned(grads_[buffer], i);
+      const Tensor g = gradient_home(i, buffer);
       // The bf16 result overwrites the gradient it came from (same element size), unless the
       // parameters live in host memory, which is written directly.
       const Tensor out = on_host ? target : g;
@@ -231,8 +256,9 @@ HostOptimizer::Slot& HostOptimizer::page_in(size_t i, const Slot* keep) {
 void HostOptimizer::update_range(size_t i, int64_t next, const Tensor& grads, const Tensor& out,
                                  double lr, double grad_scale) {
   const int64_t n = ranges_[i].numel;
-  if (!swap_) {
-    adam_[i]->step_on_host(state_slice(0, host_offset_[i], n), grads, out, lr, grad_scale);
+  if (!on_nvme(i)) {
+    if (next >= 0) prefetch(static_cast<size_t>(next), nullptr);  // read while this one steps
+    adam_[i]->step_on_host(state_slice(0, state_offset_[i], n), grads, out, lr, grad_scale);
     return;
   }
   Slot& sl = page_in(i, nullptr);
@@ -261,7 +287,7 @@ void HostOptimizer::apply_in_flight() {
   for (size_t i : in_flight_.order) {
     uint64_t fence = 0;
     if (adam_[i]) {
-      const Tensor src = pinned(grads_[in_flight_.buffer], i);
+      const Tensor src = gradient_home(i, in_flight_.buffer);
       to_device_->to_device(in_flight_.targets[i].data, src.data, src.bytes());
       fence = to_device_->fence();
     }
@@ -326,15 +352,15 @@ int HostOptimizer::quantity(StateTensor q) {
 }
 
 Tensor HostOptimizer::state_slice(int k, int64_t offset, int64_t numel) {
-  return host_slice(state_[k].data(), DType::kF32, total_, offset, numel);
+  return host_slice(state_[k].data(), DType::kF32, in_memory_, offset, numel);
 }
 
 void HostOptimizer::read_state(StateTensor q, size_t i, int64_t offset, int64_t numel, float* dst) {
   ST_ASSERT(offset >= 0 && offset + numel <= ranges_[i].numel);
   ST_ASSERT(q != StateTensor::kExpAvgSq || kind_ == OptimizerKind::kAdamW);  // SGD: no v
   const int k = quantity(q);
-  if (!swap_) {
-    std::memcpy(dst, state_slice(k, host_offset_[i] + offset, numel).data,
+  if (!on_nvme(i)) {
+    std::memcpy(dst, state_slice(k, state_offset_[i] + offset, numel).data,
                 static_cast<size_t>(numel) * 4);
     return;
   }
@@ -349,8 +375,8 @@ void HostOptimizer::write_state(StateTensor q, size_t i, int64_t offset, int64_t
   ST_ASSERT(offset >= 0 && offset + numel <= ranges_[i].numel);
   ST_ASSERT(q != StateTensor::kExpAvgSq || kind_ == OptimizerKind::kAdamW);  // SGD: no v
   const int k = quantity(q);
-  if (!swap_) {
-    std::memcpy(state_slice(k, host_offset_[i] + offset, numel).data, src,
+  if (!on_nvme(i)) {
+    std::memcpy(state_slice(k, state_offset_[i] + offset, numel).data, src,
                 static_cast<size_t>(numel) * 4);
     return;
   }

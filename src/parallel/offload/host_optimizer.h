@@ -27,8 +27,17 @@
 // 1 and 2 are exact: g_1 = ∇f(W_0), g_2 = ∇f(W_1)). Gradients alternate between two pinned buffers
 // so that step s+1's copies do not overwrite the gradients update s is reading.
 //
-// State lives in pageable host memory (fp32 master, m, v: 12 bytes per element); the pinned
+// State lives in pageable host memory (fp32 master, m, v: 12 bytes per element), or in a swap
+// file on NVMe for the ranges beyond SwapOptions::max_in_cpu elements (ZeRO-Infinity). The pinned
 // buffers hold 2 bytes (bf16/fp16) per element, twice in delayed mode.
+//
+// Gradients in the parameters' place. When a range's parameters live in host memory themselves
+// (zero3's offload_param: `host_params`), its gradient is copied into them and the update reads
+// it there and overwrites it with the new parameters: the parameters are not read between the
+// end of backward and the update (the fp32 master weights are the truth), so the range needs no
+// pinned gradient buffer, and offloading parameters and optimizer costs 2 bytes of pinned memory
+// per element instead of 4. Not with the delayed update (the next forward reads the parameters
+// while the gradients wait) or fp16 (a skipped step would leave gradients in the parameters).
 #pragma once
 
 #include <condition_variable>
@@ -42,20 +51,24 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "parallel/offload/nvme_swap.h"
 #include "memory/host_buffer.h"
 #include "memory/param_layout.h"
 #include "optim/adamw.h"
+#include "parallel/offload/nvme_swap.h"
 #include "parallel/strategy.h"
 
 namespace shardtrain {
 
 /// Where the host state of an offloaded optimizer is paged to NVMe (ZeRO-Infinity, Rajbhandari
-/// et al., arXiv 2104.07857, §5): one swap file per rank under `dir` (parallel/offload/nvme_swap.h).
+/// et al., arXiv 2104.07857, §5): one swap file per rank under `dir`
+/// (parallel/offload/nvme_swap.h).
 struct SwapOptions {
   std::string dir;  ///< nvme_path
   int rank = 0;
   AioConfig aio;
+  /// offload_optimizer.max_in_cpu: elements whose state stays in host memory (12 bytes each);
+  /// ranges are kept in memory in order while they fit (first fit), the others go to the file.
+  int64_t max_in_cpu = 0;
 };
 
 class HostOptimizer {
@@ -66,10 +79,13 @@ class HostOptimizer {
   /// Throws RuntimeFailure when the host memory cannot be had (see Backend::allocate_pinned). With
   /// `swap` set, the fp32 master weights, m and v live in a swap file instead (read ahead of each
   /// range's CPU step, written behind it, three staging slots in host memory); ConfigError when
-  /// swap->dir is missing, unwritable or too small.
+  /// swap->dir is missing, unwritable or too small. `host_params`: empty, or per range the
+  /// range's parameters ([numel], param dtype) when they live in host memory — its gradient then
+  /// lands there and step() must target them (see "Gradients in the parameters' place"); ignored
+  /// with the delayed update or fp16.
   HostOptimizer(Backend& backend, const ParamLayout& layout, std::vector<FlatRange> ranges,
                 OptimizerHyper hyper, DType grad_dtype, DType param_dtype, bool delayed_update,
-                const SwapOptions* swap = nullptr);
+                const SwapOptions* swap = nullptr, std::vector<Tensor> host_params = {});
   ~HostOptimizer();
   HostOptimizer(const HostOptimizer&) = delete;
   HostOptimizer& operator=(const HostOptimizer&) = delete;
@@ -107,6 +123,10 @@ class HostOptimizer {
   size_t pageable_bytes() const;
   /// Bytes of the swap file (0 without NVMe).
   size_t nvme_bytes() const { return swap_ ? static_cast<size_t>(swap_->bytes()) : 0; }
+  /// Whether range i's state lives in the swap file (false: host memory).
+  bool on_nvme(size_t i) const { return !region_.empty() && region_[i] >= 0; }
+  /// Whether range i's gradient lands in its host parameters (no pinned gradient buffer).
+  bool gradient_in_params(size_t i) const { return !in_params_.empty() && !in_params_[i].empty(); }
   /// The swap file (null without NVMe), for its counters and whether it runs O_DIRECT.
   const SwapFile* swap_file() const { return swap_.get(); }
 
@@ -115,7 +135,7 @@ class HostOptimizer {
   void worker_loop();
   void rethrow_failure();
   /// The update of range i (worker thread): pages its state in when on NVMe, steps it, writes
-  /// it behind; `next`: the range the next task updates (read ahead), or -1.
+  /// it behind; `next`: the next range on NVMe this generation updates (read ahead), or -1.
   void update_range(size_t i, int64_t next, const Tensor& grads, const Tensor& out, double lr,
                     double grad_scale);
   /// Queues the update tasks of generation `gen` on gradient buffer `buffer`; `to_device`:
@@ -129,21 +149,27 @@ class HostOptimizer {
 
   Backend& backend_;
   std::vector<FlatRange> ranges_;
-  std::vector<int64_t> host_offset_;  ///< start of range i in the host buffers
+  std::vector<int64_t> host_offset_;   ///< start of range i in the pinned gradient buffers
+  std::vector<int64_t> state_offset_;  ///< start of range i in state_ (ranges in memory)
+  std::vector<Tensor> in_params_;      ///< per range: its host parameters holding its gradient
+  /// Where range i's gradient lands: its host parameters, or its slice of grads_[buffer].
+  Tensor gradient_home(size_t i, int buffer) const;
   DType grad_dtype_, param_dtype_;
   bool delayed_;
-  /// fp32 master weights, m and v [total_] (state_[quantity(q)]), unless on NVMe.
+  /// fp32 master weights, m and v [in_memory_] (state_[quantity(q)]) of the ranges in memory.
   AlignedHostBuffer state_[3];
-  OptimizerKind kind_;  ///< AdamW or SGD (no v: state_[2] is empty)
-  int64_t total_ = 0;   ///< Σ numel of the ranges
+  OptimizerKind kind_;        ///< AdamW or SGD (no v: state_[2] is empty)
+  int64_t in_memory_ = 0;     ///< Σ numel of the ranges whose state is in memory
+  int64_t pinned_total_ = 0;  ///< Σ numel of the ranges with a pinned gradient buffer
   static int quantity(StateTensor q);
   /// Elements [offset, offset + numel) of state_[k] as a host tensor.
   Tensor state_slice(int k, int64_t offset, int64_t numel);
   PinnedBuffer grads_[2];  ///< grad dtype [Σ numel]; [1] only in delayed mode
   std::vector<std::unique_ptr<Optimizer>> adam_;  ///< per range (null for empty ranges)
 
-  // NVMe: range i's [master | m | v] at file offset region_[i], each quantity qbytes_[i] long
-  // (4096-aligned); used by the worker thread only, except in read_state / write_state.
+  // NVMe: range i's [master | m | v] at file offset region_[i] (-1: in memory), each quantity
+  // qbytes_[i] long (4096-aligned); used by the worker thread only, except in read_state /
+  // write_state.
   struct Slot {
     AlignedHostBuffer buf;  ///< 3 quantities of the largest range
     int range = -1;         ///< range held (read issued), or -1
