@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <vector>
 
 #include "core/error.h"
 #include "core/hash.h"
@@ -140,13 +141,25 @@ void init_layout_range(const ParamLayout& layout, uint64_t seed, int64_t offset,
                        float* out) {
   ST_ASSERT(offset >= 0 && numel >= 0 && offset + numel <= layout.numel());
   std::fill(out, out + numel, 0.0f);  // padding
-  const auto tensors = layout.tensors();
+  // Pieces of at most kPiece elements (even: Box–Muller pairs stay whole) of every tensor the
+  // range overlaps, drawn in parallel: a few large tensors (a block's MLP weights) would
+  // otherwise leave most threads idle.
+  constexpr int64_t kPiece = int64_t{1} << 20;
+  struct Piece {
+    const ParamTensor* t;
+    int64_t from, to;
+  };
+  std::vector<Piece> pieces;
+  for (const ParamTensor* t : layout.tensors()) {
+    const int64_t lo = std::max(offset, t->offset) - t->offset;
+    const int64_t hi = std::min(offset + numel, t->offset + t->numel) - t->offset;
+    for (int64_t a = lo; a < hi; a = (a / kPiece + 1) * kPiece)
+      pieces.push_back({t, a, std::min(hi, (a / kPiece + 1) * kPiece)});
+  }
 #pragma omp parallel for schedule(dynamic)
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    const ParamTensor& t = *tensors[k];
-    const int64_t lo = std::max(offset, t.offset),
-                  hi = std::min(offset + numel, t.offset + t.numel);
-    if (lo < hi) init_tensor_segment(t, seed, lo - t.offset, hi - t.offset, out + (lo - offset));
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const Piece& p = pieces[k];
+    init_tensor_segment(*p.t, seed, p.from, p.to, out + (p.t->offset + p.from - offset));
   }
 }
 

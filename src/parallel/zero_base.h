@@ -543,6 +543,7 @@ class ZeroStrategy : public Strategy {
     std::vector<uint16_t> tmp(host_dst ? 0 : static_cast<size_t>(n));
     uint16_t* out = host_dst ? static_cast<uint16_t*>(dst.data) : tmp.data();
     const float* in = src.f32();
+#pragma omp parallel for schedule(static)
     for (int64_t k = 0; k < n; ++k)
       out[k] = dtype_ == DType::kBF16 ? float_to_bf16(in[k]) : float_to_fp16(in[k]);
     if (!host_dst) backend_.copy_from_host(dst.data, tmp.data(), static_cast<size_t>(n) * 2);

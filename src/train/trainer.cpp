@@ -215,6 +215,22 @@ std::vector<float> initial_parameters(const TrainConfig& cfg, const GPT2Config& 
   return init;
 }
 
+/// Sets `strategy` up on `model`: zeroed for a resume (the checkpoint is loaded next), from
+/// --init-from, or with the model's initialisation drawn range by range (a rank never holds the
+/// whole model's fp32 copy on the host: 49 GB for a 12B model).
+void set_up_parameters(Strategy& strategy, GPT2Model& model, const TrainConfig& cfg,
+                       const GPT2Config& model_cfg, bool resume) {
+  if (resume) {
+    strategy.setup(model, {});
+  } else if (cfg.init_from.empty()) {
+    strategy.setup_from(model, [&](int64_t offset, int64_t numel, float* out) {
+      init_layout_range(model.layout(), cfg.seed, offset, numel, out);
+    });
+  } else {
+    strategy.setup(model, initial_parameters(cfg, model_cfg, model));
+  }
+}
+
 /// What the banner reports besides the config.
 struct BannerFacts {
   const GPT2Config& model;
@@ -543,16 +559,7 @@ TrainSummary train(const TrainConfig& requested, Communicator& comm) {
   std::unique_ptr<Strategy> strategy = pipelined
                                            ? std::unique_ptr<Strategy>(std::move(pipeline_owner))
                                            : make_strategy(cfg, *backend, comm);
-  if (resume) {
-    strategy->setup(model, {});
-  } else if (cfg.init_from.empty()) {
-    // Drawn range by range: a rank never holds the whole model's fp32 copy on the host.
-    strategy->setup_from(model, [&](int64_t offset, int64_t numel, float* dst) {
-      init_layout_range(model.layout(), cfg.seed, offset, numel, dst);
-    });
-  } else {
-    strategy->setup(model, initial_parameters(cfg, model_cfg, model));
-  }
+  set_up_parameters(*strategy, model, cfg, model_cfg, resume.has_value());
   TrainingProgress progress;
   progress.seed = cfg.seed;
   if (resume)
