@@ -115,6 +115,11 @@
 #                   EXTRA_BINS). No peer
 #   image-ops       device time of each CUDA image op on MobileNetV2/VGG layer shapes, OPS_REPS=20
 #                   repetitions (needs bench_image_ops packed: EXTRA_BINS). No peer
+#   largest-model   the largest GPT one GPU trains per placement, 10 steps each (bench/
+#                   largest_model.py, LM_ROWS=gpu,offload,infinity,peer): everything on the GPU,
+#                   ZeRO-Offload, ZeRO-Infinity (the 12.2B shape), against the estimate and the
+#                   bound from the limits it measures first; LM_HOST_GIB=112 of host memory for
+#                   the plans. Peer: FSDP2 + CPUOffloadPolicy's largest
 #
 # Examples:
 #   bash bench/run.sh tests single-gpu                 # one GPU
@@ -124,7 +129,8 @@
 # bench/README.md: what each workload measures, its run time, and the pack -> copy -> run recipe.
 
 WORKLOADS=(limits tests single-gpu strategies zero3 offload pipeline multi-gpu nodes image-models checks
-           dropout image-accuracy pipeline-cpu comm-trace quantized-loss profile kernel-trace image-ops)
+           dropout image-accuracy pipeline-cpu comm-trace quantized-loss profile kernel-trace image-ops
+           largest-model)
 
 is_workload() { local w; for w in "${WORKLOADS[@]}"; do [ "$w" = "$1" ] && return 0; done; return 1; }
 usage() {

@@ -238,6 +238,21 @@ wl_offload() {
   dry || rm -rf "$NVME_PATH"/*_infinity 2>/dev/null  # bench_offload.py's swap folders
 }
 
+# ---- largest-model -------------------------------------------------------------------------------
+wl_largest_model() {
+  local threads=${USER_OMP:-$NCORES} rows=${LM_ROWS:-gpu,offload,infinity,peer}
+  local OMP_NUM_THREADS=$threads  # the CPU AdamW is bound by memory bandwidth: every core
+  export OMP_NUM_THREADS
+  peers || rows=${rows//,peer/}
+  nvme_dir
+  step largest_model 1800 python3 bench/largest_model.py --shardtrain "$ST" \
+    --limits-bin "$PACKED_ABS/bench_host_limits" --nvme-path "$NVME_PATH" --rows "$rows" \
+    --host-memory-gib "${LM_HOST_GIB:-112}" --out "$OUT/largest_model.json" --workdir "$LOGS/largest_model"
+  say "largest-model exit $?"
+  grab_from largest_model '^| row'
+  dry || rm -rf "$NVME_PATH"/shardtrain-swap-* 2>/dev/null
+}
+
 # ---- pipeline ------------------------------------------------------------------------------------
 # one-stage pipelines on one GPU against dp on the same batch: the executor's own cost
 pipeline_one_stage() {

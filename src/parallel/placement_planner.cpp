@@ -216,6 +216,11 @@ std::string format_placement_plan(const PlacementPlan& plan, const PlacementBudg
                      human_bytes(p.pcie_bytes), human_bytes(p.disk_bytes), p.step_s,
                      p.fits ? p.bound : "does not fit: " + p.over);
   }
+  for (const Placement& p : plan.candidates)
+    if (p.optimizer_max_in_cpu > 0)
+      s += fmt::format("  {}: offload_optimizer.max_in_cpu {} (elements whose optimizer state stays "
+                       "in host memory)\n",
+                       p.name, with_commas(p.optimizer_max_in_cpu));
   if (plan.chosen) {
     const Placement& c = plan.candidates[*plan.chosen];
     s += fmt::format(
