@@ -13,6 +13,7 @@ namespace shardtrain {
 void register_export_command(CLI::App& app) {
   auto checkpoint = std::make_shared<std::string>();
   auto output = std::make_shared<std::string>();
+  auto shard = std::make_shared<std::string>("5GB");
   CLI::App* cmd = app.add_subcommand(
       "export",
       "write a checkpoint as a Hugging Face GPT-2 directory (model.safetensors, config.json, "
@@ -22,9 +23,14 @@ void register_export_command(CLI::App& app) {
                   "checkpoint)")
       ->required();
   cmd->add_option("--output", *output, "directory to write")->required();
-  cmd->callback([checkpoint, output]() {
+  cmd->add_option("--max-shard-size", *shard,
+                  "larger weights are split into model-0000K-of-0000N.safetensors files of at "
+                  "most this size and model.safetensors.index.json, as transformers' "
+                  "save_pretrained (default 5GB)");
+  cmd->callback([checkpoint, output, shard]() {
+    const int64_t max_shard = parse_shard_size(*shard);
     const CheckpointInfo info = read_checkpoint_info(*checkpoint);
-    export_hf_model(info, *output, default_data_dir() / "gpt2-tokenizer");
+    export_hf_model(info, *output, default_data_dir() / "gpt2-tokenizer", HfDtype::kF32, max_shard);
     fmt::print("exported {} (model {}, step {}) to {}\n", info.dir.string(), info.model.name,
                info.progress.step, *output);
   });

@@ -4,6 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
+#include <map>
+#include <memory>
 
 #include "checkpoint/safetensors.h"
 #include "core/error.h"
@@ -105,10 +108,11 @@ HfDtype parse_hf_dtype(const std::string& s) {
 
 namespace {
 
-std::vector<SafetensorEntry> hf_entries(const ParamLayout& layout, HfDtype dtype) {
+std::vector<SafetensorEntry> hf_entries(const std::vector<const ParamTensor*>& tensors,
+                                        HfDtype dtype) {
   std::vector<SafetensorEntry> entries;
   const size_t esize = dtype == HfDtype::kF32 ? 4 : 2;
-  for (const ParamTensor* t : layout.tensors()) {
+  for (const ParamTensor* t : tensors) {
     SafetensorEntry e;
     e.name = t->name;
     e.dtype = dtype == HfDtype::kF32 ? "F32" : "BF16";
@@ -123,9 +127,13 @@ std::vector<SafetensorEntry> hf_entries(const ParamLayout& layout, HfDtype dtype
 }  // namespace
 
 HfWeightsWriter::HfWeightsWriter(const fs::path& file, const ParamLayout& layout, HfDtype dtype)
-    : tensors_(layout.tensors()),
+    : HfWeightsWriter(file, layout.tensors(), dtype) {}
+
+HfWeightsWriter::HfWeightsWriter(const fs::path& file, std::vector<const ParamTensor*> tensors,
+                                 HfDtype dtype)
+    : tensors_(std::move(tensors)),
       dtype_(dtype),
-      writer_(file, hf_entries(layout, dtype), {{"format", "pt"}}) {}
+      writer_(file, hf_entries(tensors_, dtype), {{"format", "pt"}}) {}
 
 void HfWeightsWriter::write(const ParamTensor& t, const float* data) {
   if (next_ >= tensors_.size() || tensors_[next_]->name != t.name)
@@ -165,17 +173,61 @@ void save_hf_weights(const fs::path& file, const ParamLayout& layout, const floa
   w.finish();
 }
 
+namespace {
+
+/// The safetensors files of a Hugging Face model: one file, or the shards a
+/// model.safetensors.index.json maps each tensor name to (opened when first needed).
+class HfWeightFiles {
+ public:
+  explicit HfWeightFiles(const fs::path& file) {
+    if (file.extension() != ".json") {
+      single_ = std::make_unique<SafetensorsFile>(file);
+      return;
+    }
+    std::ifstream in(file);
+    json index;
+    try {
+      index = json::parse(in);
+    } catch (const json::exception& e) {
+      throw CheckpointError(
+          fmt::format("{}: not a safetensors index: {}", file.string(), e.what()));
+    }
+    if (!index.contains("weight_map") || !index["weight_map"].is_object())
+      throw CheckpointError(fmt::format("{}: no \"weight_map\" object", file.string()));
+    for (const auto& [name, shard] : index["weight_map"].items())
+      if (shard.is_string()) map_[name] = file.parent_path() / shard.get<std::string>();
+  }
+  /// The file holding tensor `name`, or null.
+  const SafetensorsFile* find(const std::string& name) {
+    if (single_) return single_->contains(name) ? single_.get() : nullptr;
+    const auto it = map_.find(name);
+    if (it == map_.end()) return nullptr;
+    auto& f = open_[it->second.string()];
+    if (!f) f = std::make_unique<SafetensorsFile>(it->second);
+    return f->contains(name) ? f.get() : nullptr;
+  }
+
+ private:
+  std::unique_ptr<SafetensorsFile> single_;
+  std::map<std::string, fs::path> map_;
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> open_;
+};
+
+}  // namespace
+
 void load_hf_weights(const fs::path& file, const ParamLayout& layout, float* flat) {
-  SafetensorsFile st(file);
+  HfWeightFiles files(file);
   std::vector<std::string> problems;
   std::vector<float> tmp;
   for (const ParamTensor* t : layout.tensors()) {
     std::string name = t->name;
-    if (!st.contains(name)) name = short_name(t->name);
-    if (!st.contains(name)) {
+    const SafetensorsFile* found = files.find(name);
+    if (!found) found = files.find(name = short_name(t->name));
+    if (!found) {
       problems.push_back(fmt::format("missing tensor '{}'", t->name));
       continue;
     }
+    const SafetensorsFile& st = *found;
     const SafetensorEntry& e = st.entry(name);
     std::vector<int64_t> want = t->shape;
     if (t->hf_transposed) std::swap(want[0], want[1]);

@@ -131,7 +131,9 @@ FullState load_checkpoint_state(const CheckpointInfo& info, const ParamLayout& l
 
 /// Reads Hugging Face GPT-2 weights (model.safetensors of GPT2LMHeadModel or GPT2Model, names
 /// with or without the "transformer." prefix) into `flat` (layout.numel() fp32), transposing
-/// Conv1D weights. Throws CheckpointError naming each missing or mis-shaped tensor.
+/// Conv1D weights. `file` may also be a sharded model's model.safetensors.index.json: each
+/// tensor is read from the shard its weight_map names. Throws CheckpointError naming each
+/// missing or mis-shaped tensor, or an index that cannot be read.
 void load_hf_weights(const std::filesystem::path& file, const ParamLayout& layout, float* flat);
 
 /// Writes the weights in `flat` as a Hugging Face model.safetensors (fp32, HF names/layouts).
@@ -151,6 +153,9 @@ HfDtype parse_hf_dtype(const std::string& s);
 class HfWeightsWriter {
  public:
   HfWeightsWriter(const std::filesystem::path& file, const ParamLayout& layout, HfDtype dtype);
+  /// A file of `tensors` only (a shard of a sharded export), written in their order.
+  HfWeightsWriter(const std::filesystem::path& file, std::vector<const ParamTensor*> tensors,
+                  HfDtype dtype);
   /// `data`: tensor `t` in our layout (t.numel fp32 values, linear weights [out, in]).
   void write(const ParamTensor& t, const float* data);
   WrittenFile finish();

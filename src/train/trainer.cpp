@@ -202,9 +202,11 @@ std::vector<float> initial_parameters(const TrainConfig& cfg, const GPT2Config& 
                                       GPT2Model& model) {
   std::vector<float> init(static_cast<size_t>(model.layout().numel()), 0.0f);
   const fs::path p = cfg.init_from;
-  if (fs::is_directory(p) && fs::exists(p / "model.safetensors") &&
-      !fs::exists(p / "manifest.json")) {
+  const bool hf_dir = fs::is_directory(p) && !fs::exists(p / "manifest.json");
+  if (hf_dir && fs::exists(p / "model.safetensors")) {
     load_hf_weights(p / "model.safetensors", model.layout(), init.data());
+  } else if (hf_dir && fs::exists(p / "model.safetensors.index.json")) {  // a sharded export
+    load_hf_weights(p / "model.safetensors.index.json", model.layout(), init.data());
   } else if (fs::is_directory(p)) {
     const CheckpointInfo from = read_checkpoint_info(p);
     require_gpt2_run(from, model_cfg);

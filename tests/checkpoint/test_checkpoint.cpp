@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -528,6 +529,65 @@ TEST(ShardedCheckpoint, ConsolidateEqualsTheDataParallelExport) {
   // The checkpoint's own bf16 model (written before the directory was published) is the same file.
   EXPECT_EQ(read_file(ck / "model.safetensors"), read_file(dir / "bf16" / "model.safetensors"));
   EXPECT_TRUE(info.files.contains("model.safetensors"));
+  fs::remove_all(dir);
+}
+
+// Weights larger than the shard size are split as transformers' save_pretrained splits them:
+// model-0000K-of-0000N.safetensors files of at most that size (whole tensors in order) and an
+// index whose weight_map names every tensor's file; they load back tensor for tensor (through the
+// index, as --init-from reads an exported directory), and a later single-file export of the same
+// directory removes the index.
+TEST(ShardedCheckpoint, ExportSplitsLargeWeightsIntoShardsWithAnIndex) {
+  const fs::path dir = temp_dir("hf_shards");
+  Fixture f;
+  const fs::path ck = save_as_ranks(dir, "ck", f.layout(), f.state, 2, f.info);
+  const CheckpointInfo info = read_checkpoint_info(ck);
+  const fs::path tokenizer = default_data_dir() / "gpt2-tokenizer";
+  const int64_t total = f.layout().num_parameters() * 4;
+  const int64_t max_shard = total / 3;
+  export_hf_model(info, dir / "hf", tokenizer, HfDtype::kF32, max_shard);
+  EXPECT_FALSE(fs::exists(dir / "hf" / "model.safetensors"));
+  const nlohmann::json index =
+      nlohmann::json::parse(read_file(dir / "hf" / "model.safetensors.index.json"));
+  EXPECT_EQ(index["metadata"]["total_size"].get<int64_t>(), total);
+  std::set<std::string> files;
+  for (const auto& [name, file] : index["weight_map"].items())
+    files.insert(file.get<std::string>());
+  ASSERT_GE(files.size(), 3u);
+  const size_t n = files.size();
+  int64_t largest_tensor = 0;
+  for (const ParamTensor* t : f.layout().tensors())
+    largest_tensor = std::max(largest_tensor, t->numel * 4);
+  size_t k = 0;
+  for (const std::string& file : files) {
+    EXPECT_EQ(file, fmt::format("model-{:05d}-of-{:05d}.safetensors", ++k, n));
+    const SafetensorsFile st(dir / "hf" / file);
+    int64_t bytes = 0;
+    for (const auto& [name, e] : st.entries()) {
+      EXPECT_EQ(index["weight_map"][name].get<std::string>(), file) << name;
+      bytes += static_cast<int64_t>(e.bytes);
+    }
+    EXPECT_LE(bytes, std::max(max_shard, largest_tensor)) << file;
+  }
+  EXPECT_EQ(index["weight_map"].size(), f.layout().tensors().size());
+  // Loads back through the index: every tensor equals the checkpoint's.
+  std::vector<float> back(static_cast<size_t>(f.layout().numel()), 0.0f);
+  load_hf_weights(dir / "hf" / "model.safetensors.index.json", f.layout(), back.data());
+  for (const ParamTensor* t : f.layout().tensors())
+    for (int64_t i = 0; i < t->numel; ++i)
+      ASSERT_EQ(back[static_cast<size_t>(t->offset + i)],
+                f.state.params[static_cast<size_t>(t->offset + i)])
+          << t->name << " element " << i;
+  // One file again: the index goes, so nothing reads the stale shards.
+  export_hf_model(info, dir / "hf", tokenizer, HfDtype::kF32);
+  EXPECT_TRUE(fs::exists(dir / "hf" / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(dir / "hf" / "model.safetensors.index.json"));
+  EXPECT_EQ(parse_shard_size("5GB"), 5'000'000'000);
+  EXPECT_EQ(parse_shard_size("500MB"), 500'000'000);
+  EXPECT_EQ(parse_shard_size("2GiB"), int64_t{2} << 30);
+  EXPECT_EQ(parse_shard_size("4096"), 4096);
+  EXPECT_THROW(parse_shard_size("5 parsecs"), ConfigError);
+  EXPECT_THROW(parse_shard_size("0"), ConfigError);
   fs::remove_all(dir);
 }
 
