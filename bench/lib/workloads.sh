@@ -250,7 +250,7 @@ wl_largest_model() {
     --host-memory-gib "${LM_HOST_GIB:-112}" --out "$OUT/largest_model.json" --workdir "$LOGS/largest_model"
   say "largest-model exit $?"
   grab_from largest_model '^| row'
-  dry || rm -rf "$NVME_PATH"/shardtrain-swap-* 2>/dev/null
+  dry || rm -rf "$NVME_PATH"/shardtrain-swap-* "$NVME_PATH"/shardtrain-params-* 2>/dev/null
 }
 
 # ---- pipeline ------------------------------------------------------------------------------------

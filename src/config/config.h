@@ -61,6 +61,14 @@ struct ZeroConfig {
   /// host memory; the rest is paged from the swap file. 0 (default): all of it on NVMe, as
   /// DeepSpeed does. >= 0.
   int64_t offload_optimizer_max_in_cpu = 0;
+  /// offload_param.max_in_cpu: with offload_param "nvme", the parameter elements per rank kept in
+  /// pinned host memory (whole layers in order while they fit); the others are paged from a swap
+  /// file through offload_param.buffer_count pinned buffers (ZeRO-Infinity's parameter half).
+  /// -1 (default, unlike DeepSpeed's 1e9): all in host memory. >= 0.
+  int64_t offload_param_max_in_cpu = -1;
+  /// offload_param.buffer_count: pinned buffers (each the size of the largest layer's slice) the
+  /// paged parameters are read ahead into. >= 2; default 5, as DeepSpeed.
+  int offload_param_buffer_count = 5;
   // (contiguous_gradients and reduce_scatter are not options here: ZeRO gradients always live
   // in contiguous flat buffers and are always reduce-scattered; the reader warns when a
   // DeepSpeed config turns them off.)

@@ -649,7 +649,8 @@ class DeepSpeedReader {
                                   "an object {\"device\": \"none\" | \"cpu\" | \"nvme\", ...}");
     if (off == nullptr) return current;
     KeyList honoured = kOffloadHonoured;
-    if (std::string(key) == "offload_optimizer") honoured.push_back("max_in_cpu");
+    honoured.push_back("max_in_cpu");
+    if (std::string(key) == "offload_param") honoured.push_back("buffer_count");
     check_keys(*off, prefix, honoured, ignored);
     if (auto dev = get_string(*off, "device", prefix, "\"none\", \"cpu\" or \"nvme\"")) {
       if (!is_offload_device(*dev)) {
@@ -671,10 +672,18 @@ class DeepSpeedReader {
       if (r && *r > 1.0) bad_value(prefix + ".ratio", off->at("ratio"), fraction);
       if (r) cfg_.zero.offload_ratio = *r;
     }
-    if (has(*off, "max_in_cpu") && std::string(key) == "offload_optimizer") {
+    if (has(*off, "max_in_cpu")) {
+      const bool param = std::string(key) == "offload_param";
       if (auto v = get_int(*off, "max_in_cpu", prefix, 0,
-                           "an integer >= 0 (elements whose optimizer state stays in host memory)"))
-        cfg_.zero.offload_optimizer_max_in_cpu = *v;
+                           param ? "an integer >= 0 (parameter elements kept in host memory)"
+                                 : "an integer >= 0 (elements whose optimizer state stays in "
+                                   "host memory)"))
+        (param ? cfg_.zero.offload_param_max_in_cpu : cfg_.zero.offload_optimizer_max_in_cpu) = *v;
+    }
+    if (has(*off, "buffer_count") && std::string(key) == "offload_param") {
+      if (auto v = get_int(*off, "buffer_count", prefix, 2,
+                           "an integer >= 2 (pinned buffers the paged parameters are read into)"))
+        cfg_.zero.offload_param_buffer_count = static_cast<int>(std::min<int64_t>(*v, 1024));
     }
     if (has(*off, "delayed_update")) {
       if (std::string(key) != "offload_optimizer")

@@ -178,8 +178,7 @@ inline const KeyList kOffloadOptimizerIgnored = {
     "buffer_count",  "pin_memory",          "pipeline_read",      "pipeline_write", "fast_init",
     "super_offload", "convert_grad_on_cpu", "cpuadam_cores_perc", "pipeline",
 };
-inline const KeyList kOffloadParamIgnored = {"buffer_count", "buffer_size", "max_in_cpu",
-                                             "pin_memory"};
+inline const KeyList kOffloadParamIgnored = {"buffer_size", "pin_memory"};
 
 // The top-level aio section (the NVMe swap's I/O; AioConfig). intra_op_parallelism is
 // DeepSpeed's other name of thread_count; use_gds (GPUDirect Storage) is not implemented.

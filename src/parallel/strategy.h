@@ -59,6 +59,10 @@ struct StrategyOptions {
   /// Optimizer on NVMe: elements whose optimizer state stays in host memory
   /// (ZeroConfig::offload_optimizer_max_in_cpu).
   int64_t optimizer_max_in_cpu = 0;
+  /// Stage 3 with offload_param "nvme": elements per rank of parameters kept in host memory (-1:
+  /// all), and the pinned buffers the rest is paged through (ZeroConfig documents both).
+  int64_t param_max_in_cpu = -1;
+  int param_buffer_count = 5;
 };
 
 /// Host memory a rank holds for offloaded state (bytes).

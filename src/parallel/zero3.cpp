@@ -42,6 +42,7 @@
 #include "memory/host_buffer.h"
 #include "parallel/device_arena.h"
 #include "parallel/hierarchical_reduction.h"
+#include "parallel/offload/param_swap.h"
 #include "parallel/zero3_schedule.h"
 #include "parallel/zero_base.h"
 
@@ -80,6 +81,8 @@ class Zero3 final : public ZeroStrategy {
   std::string name() const override { return "zero3"; }
 
   void zero_grad() override {
+    // Gradients of parameters paged from NVMe are read off the device by their update tasks.
+    if (host_) host_->wait_staged_reads();
     drain_reductions();
     start_cross_node_count();
     if (hybrid_ && hybrid_->quantized) hybrid_->quantized->reset_network_bytes();
@@ -155,7 +158,35 @@ class Zero3 final : public ZeroStrategy {
     }
     resident_ = FlatBuffer(backend_, dtype_, resident);
     if (params_offloaded()) {
-      // offload_param: the rank's slices in pinned host memory, copied to the device per layer.
+      // offload_param: the rank's slices in pinned host memory, copied to the device per layer;
+      // with "nvme" and max_in_cpu, the slices past it are paged from a swap file instead.
+      std::vector<int64_t> paged(static_cast<size_t>(n), 0);
+      if (opt_.plan.param_offload == OffloadDevice::kNvme && opt_.param_max_in_cpu >= 0) {
+        int64_t left = opt_.param_max_in_cpu;
+        sharded = 0;
+        for (int l = 0; l < n; ++l) {
+          Unit& u = units_[static_cast<size_t>(l)];
+          if (u.resident) continue;
+          const int64_t shard = parts_[static_cast<size_t>(part_of(l))].shard;
+          u.on_nvme = shard > left;
+          if (u.on_nvme) {
+            paged[static_cast<size_t>(l)] = shard;
+          } else {
+            left -= shard;
+            u.offset = sharded;
+            sharded += shard;
+          }
+        }
+      }
+      if (std::any_of(paged.begin(), paged.end(), [](int64_t x) { return x > 0; })) {
+        check<ConfigError>(opt_.plan.optimizer_offload != OffloadDevice::kNone &&
+                               opt_.plan.optimizer_offload_ratio == 1.0,
+                           "parameters paged from NVMe (offload_param.max_in_cpu) need the whole "
+                           "optimizer offloaded (offload_optimizer.device \"cpu\" or \"nvme\", "
+                           "ratio 1): set them, or raise offload_param.max_in_cpu");
+        param_swap_ = std::make_unique<ParamSwap>(backend_, opt_.nvme_path, rank_, opt_.aio, dtype_,
+                                                  std::move(paged), opt_.param_buffer_count);
+      }
       host_shards_ = PinnedBuffer(backend_, dtype_, sharded);
       if (sharded > 0) std::memset(host_shards_.data(), 0, host_shards_.bytes());
       copies_ = backend_.make_copy_stream();
@@ -177,19 +208,34 @@ class Zero3 final : public ZeroStrategy {
     return {resident_.view()};
   }
   size_t param_bytes() const override { return resident_.bytes() + sharded_.bytes(); }
-  size_t extra_pinned_bytes() const override { return host_shards_.bytes(); }
+  size_t extra_pinned_bytes() const override {
+    return host_shards_.bytes() + (param_swap_ ? param_swap_->pinned_bytes() : 0);
+  }
+  size_t extra_nvme_bytes() const override { return param_swap_ ? param_swap_->nvme_bytes() : 0; }
+  bool params_paged(size_t i) const override { return unit(parts_[i].bucket.first_layer).on_nvme; }
+  void write_paged_params(size_t i, const void* params, int64_t numel) override {
+    param_swap_->write(parts_[i].bucket.first_layer, params, numel);
+  }
+  void set_host_params(size_t i, Tensor master) override {
+    if (!params_paged(i)) return ZeroStrategy::set_host_params(i, master);
+    std::vector<char> tmp(static_cast<size_t>(master.numel()) * dtype_size(dtype_));
+    write_host_params(Tensor(tmp.data(), dtype_, DeviceKind::kCPU, {master.numel()}), master);
+    param_swap_->write(parts_[i].bucket.first_layer, tmp.data(), master.numel());
+  }
 
   Tensor own_params(size_t i) const override {
     const BucketPartition& p = parts_[i];
     const Unit& u = unit(p.bucket.first_layer);
     if (u.resident)
       return resident_.slice(u.offset + static_cast<int64_t>(rank_) * p.shard, p.shard);
+    if (u.on_nvme) return Tensor(nullptr, dtype_, DeviceKind::kCPU, {p.shard});  // no memory
     if (params_offloaded()) return host_shards_.slice(u.offset, p.shard);
     return sharded_.slice(u.offset, p.shard);
   }
 
   Tensor host_params(size_t i) const override {
-    if (!params_offloaded() || unit(parts_[i].bucket.first_layer).resident) return {};
+    const Unit& u = unit(parts_[i].bucket.first_layer);
+    if (!params_offloaded() || u.resident || u.on_nvme) return {};
     return own_params(i);
   }
 
@@ -205,6 +251,7 @@ class Zero3 final : public ZeroStrategy {
     release_all();
     // The host shards change next: no copy to the device may still be reading them.
     if (copies_ && last_copy_) copies_->host_wait(last_copy_);
+    if (param_swap_) param_swap_->drop_all();  // staged copies are stale from now on
   }
 
   void allocate_gradients() override {
@@ -245,6 +292,7 @@ class Zero3 final : public ZeroStrategy {
   /// One layer's state on this rank.
   struct Unit {
     bool resident = false;  ///< full parameters always present (persistent, or one rank)
+    bool on_nvme = false;   ///< offloaded slice paged from NVMe (param_swap_)
     int64_t offset = 0;     ///< in resident_ (padded unit) or sharded_ (this rank's slice)
     ArenaBuffer gathered;   ///< partitioned unit: its full parameters [padded] while gathered
     std::unique_ptr<Work> gathering;  ///< the all-gather into `gathered`, until waited for
@@ -283,6 +331,7 @@ class Zero3 final : public ZeroStrategy {
     for (int u : schedule_.prefetch(
              p, [&](int u) { return unit(u).gathered.numel() > 0; }, live_numel_))
       start_gather(u);
+    if (param_swap_) read_ahead(p);
     for (int u : uses) {
       Unit& x = unit(u);
       if (x.gathering) {
@@ -291,6 +340,18 @@ class Zero3 final : public ZeroStrategy {
       }
       bind(u);
     }
+  }
+
+  /// Paged parameters: starts reading the units the next positions use (as many as the staging
+  /// buffers hold) whose latest update has been written.
+  void read_ahead(int p) {
+    const int last = std::min(schedule_.num_positions(), p + opt_.param_buffer_count);
+    for (int q = p + 1; q < last; ++q)
+      for (int u : schedule_.uses(q)) {
+        const Unit& x = unit(u);
+        if (x.on_nvme && x.gathered.numel() == 0 && update_landed(static_cast<size_t>(part_of(u))))
+          param_swap_->prefetch(u);
+      }
   }
 
   /// After position `p` ran: release what is not needed again soon.
@@ -312,14 +373,16 @@ class Zero3 final : public ZeroStrategy {
     x.gathered = ArenaBuffer(backend_, &arena_, dtype_, p.padded);  // fully overwritten below
     const Tensor own = own_params(static_cast<size_t>(part_of(layer)));
     if (params_offloaded()) {
-      // The slice comes from host memory on the copy stream (ordered after the compute stream's
-      // work so far, which may still read the piece's previous user), then the all-gather runs in
-      // place.
+      // The slice comes from host memory (paged in from NVMe first) on the copy stream (ordered
+      // after the compute stream's work so far, which may still read the piece's previous user),
+      // then the all-gather runs in place.
       Tensor slot = x.gathered.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
+      const Tensor src = x.on_nvme ? param_swap_->acquire(layer) : own;
       copies_->after_compute();
-      copies_->to_device(slot.data, own.data, own.bytes());
+      copies_->to_device(slot.data, src.data, src.bytes());
       last_copy_ = copies_->fence();
       copies_->compute_waits(last_copy_);
+      if (x.on_nvme) param_swap_->release(layer, *copies_, last_copy_);
       if (world_ > 1) x.gathering = comm_.all_gather(x.gathered.view(), slot);
     } else {
       x.gathering = comm_.all_gather(x.gathered.view(), own);
@@ -415,6 +478,9 @@ class Zero3 final : public ZeroStrategy {
   PinnedBuffer host_shards_;            ///< offload_param: sharded_ in pinned host memory instead
   std::unique_ptr<CopyStream> copies_;  ///< offload_param: host → device copies of the slices
   uint64_t last_copy_ = 0;
+  /// offload_param nvme: the slices past max_in_cpu (declared after copies_, which its buffers'
+  /// last copies use, so it goes first).
+  std::unique_ptr<ParamSwap> param_swap_;
   bool params_offloaded() const { return opt_.plan.param_offload != OffloadDevice::kNone; }
   FlatBuffer grad_shard_;  ///< [shard_numel_] compute dtype: Σ over micro-steps, ranks
   Zero3Schedule schedule_;

@@ -100,11 +100,18 @@ class ZeroStrategy : public Strategy {
         const Tensor t = host_params(i);
         in_host.push_back(t.empty() ? t : t.slice1d(on_device_[i], host_ranges[i].numel));
       }
+      StagedParams staged;
+      for (size_t i = 0; i < parts_.size(); ++i) staged.ranges.push_back(params_paged(i));
+      if (std::find(staged.ranges.begin(), staged.ranges.end(), true) == staged.ranges.end())
+        staged.ranges.clear();
+      staged.write = [this](size_t i, const void* params, int64_t numel) {
+        write_paged_params(i, params, numel);
+      };
       host_ = std::make_unique<HostOptimizer>(
           backend_, layout, std::move(host_ranges), opt_.optimizer, dtype_, dtype_,
           opt_.delayed_update,
-          opt_.plan.optimizer_offload == OffloadDevice::kNvme ? &swap : nullptr,
-          std::move(in_host));
+          opt_.plan.optimizer_offload == OffloadDevice::kNvme ? &swap : nullptr, std::move(in_host),
+          std::move(staged));
     }
     sent_.assign(parts_.size(), false);
     pending_.clear();
@@ -179,7 +186,7 @@ class ZeroStrategy : public Strategy {
   HostMemory host_memory() const override {
     if (!host_) return {};
     return {host_->pinned_bytes() + extra_pinned_bytes(), host_->pageable_bytes(),
-            host_->nvme_bytes()};
+            host_->nvme_bytes() + extra_nvme_bytes()};
   }
   double host_step_seconds() const override { return host_ ? host_->last_step_seconds() : 0; }
 
@@ -285,8 +292,7 @@ class ZeroStrategy : public Strategy {
         const int64_t n = host_->range(i).numel;
         std::vector<float> m(static_cast<size_t>(n));
         host_->read_state(StateTensor::kParams, i, 0, n, m.data());
-        write_host_params(own_params(i).slice1d(g, n),
-                          Tensor(m.data(), DType::kF32, DeviceKind::kCPU, {n}));
+        set_host_params(i, Tensor(m.data(), DType::kF32, DeviceKind::kCPU, {n}));
       }
       publish(i, window);
     }
@@ -377,6 +383,21 @@ class ZeroStrategy : public Strategy {
   /// This rank's slice of part `i` [shard] when it lives in host memory (stage 3's offloaded
   /// parameters; the offloaded optimizer lands its gradient there), else an empty tensor.
   virtual Tensor host_params(size_t /*i*/) const { return {}; }
+  /// Whether part `i`'s slice is paged from NVMe (stage 3's offload_param.max_in_cpu): it has no
+  /// memory of its own; the offloaded optimizer stages its gradient and writes its updates
+  /// through write_paged_params.
+  virtual bool params_paged(size_t /*i*/) const { return false; }
+  /// Stores the first `numel` elements of part `i`'s slice (compute dtype, host memory) where
+  /// it is paged to. Called from the optimizer's worker thread.
+  virtual void write_paged_params(size_t /*i*/, const void* /*params*/, int64_t /*numel*/) {
+    ST_ASSERT(false && "write_paged_params: no paged parameters");
+  }
+  /// Sets part `i`'s host-stepped parameters from its fp32 master weights `master` (host).
+  virtual void set_host_params(size_t i, Tensor master) {
+    write_host_params(own_params(i).slice1d(on_device_[i], master.numel()), master);
+  }
+  /// NVMe bytes a stage holds besides the optimizer's (stage 3's paged parameters).
+  virtual size_t extra_nvme_bytes() const { return 0; }
   /// Where part `i`'s updated slices are all-gathered after a step ([padded], own_params(i) its
   /// slice rank), or an empty tensor when nothing needs gathering (stage 3's sharded parts).
   virtual Tensor gather_target(size_t i) const {
@@ -398,6 +419,8 @@ class ZeroStrategy : public Strategy {
     if (!host_) return;
     for (size_t i = 0; i < parts_.size(); ++i) offload_gradient(i);
   }
+  /// Whether part `i`'s latest update has reached its parameters (non-blocking).
+  bool update_landed(size_t i) const { return pending_.empty() || !pending_[i] || host_->ready(i); }
   /// Offload: part `i`'s update has reached its parameters (and been all-gathered).
   void ensure_published(size_t i) {
     if (pending_.empty() || !pending_[i]) return;

@@ -23,6 +23,8 @@ StrategyOptions strategy_options(const TrainConfig& cfg) {
   o.nvme_path = cfg.zero.nvme_path;
   o.aio = cfg.aio;
   o.optimizer_max_in_cpu = cfg.zero.offload_optimizer_max_in_cpu;
+  o.param_max_in_cpu = cfg.zero.offload_param_max_in_cpu;
+  o.param_buffer_count = cfg.zero.offload_param_buffer_count;
   if (hierarchical_reduction(cfg)) o.hierarchical_ranks_per_node = cfg.ranks_per_node;
   o.hpz_partition_size = cfg.zero.hpz_partition_size;
   o.quantized_gradients = cfg.zero.quantized_gradients;

@@ -306,10 +306,16 @@ void print_banner(Console& out, const TrainConfig& cfg, const BannerFacts& f) {
                                                        : to_string(cfg.plan.param_offload),
         human_bytes(static_cast<double>(h.pinned)), human_bytes(static_cast<double>(h.pageable)),
         human_bytes(static_cast<double>(h.nvme)));
-    if (cfg.plan.param_offload == OffloadDevice::kNvme)
+    if (cfg.plan.param_offload == OffloadDevice::kNvme && cfg.zero.offload_param_max_in_cpu < 0)
       out.line(
-          "  note: offload_param.device \"nvme\": this release keeps the offloaded parameters in "
-          "pinned host memory (2 bytes per parameter); the optimizer state is on NVMe");
+          "  note: offload_param.device \"nvme\" without offload_param.max_in_cpu keeps the "
+          "offloaded parameters in pinned host memory (2 bytes per parameter); set max_in_cpu to "
+          "page the rest from NVMe");
+    else if (cfg.plan.param_offload == OffloadDevice::kNvme)
+      out.line(
+          "  parameters: up to {} elements per rank in pinned host memory, the other layers paged "
+          "from NVMe through {} pinned buffers (offload_param.max_in_cpu, buffer_count)",
+          with_commas(cfg.zero.offload_param_max_in_cpu), cfg.zero.offload_param_buffer_count);
     if (cfg.zero.offload_delayed_update)
       out.line(
           "  delayed parameter update (ZeRO-Offload DPU, arXiv 2101.06840 §4.3): from step 3 on, "

@@ -164,6 +164,33 @@ TEST_F(ConfigTest, JsonOffloadErrors) {
   EXPECT_CONTAINS(msg, "\"gpu\"");
 }
 
+// max_in_cpu of both halves and offload_param.buffer_count are read (DeepSpeed spells them so);
+// buffer_size and pin_memory are ignored with a warning; bad values name the key.
+TEST_F(ConfigTest, JsonOffloadMaxInCpuAndBufferCount) {
+  const std::string path = write("offcpu.json", R"({"zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "max_in_cpu": 5e8},
+      "offload_param": {"device": "nvme", "nvme_path": "/tmp", "max_in_cpu": 1000000,
+                        "buffer_count": 3, "buffer_size": 100000000}}})");
+  const TrainConfig cfg = finalize({"--deepspeed-config", path});
+  EXPECT_EQ(cfg.zero.offload_optimizer_max_in_cpu, 500'000'000);
+  EXPECT_EQ(cfg.zero.offload_param_max_in_cpu, 1'000'000);
+  EXPECT_EQ(cfg.zero.offload_param_buffer_count, 3);
+  ASSERT_FALSE(warnings_.empty());
+  EXPECT_CONTAINS(warnings_[0], "zero_optimization.offload_param.buffer_size");
+  EXPECT_EQ(warnings_[0].find("max_in_cpu"), std::string::npos) << warnings_[0];
+  const TrainConfig plain = finalize(
+      {"--deepspeed-config",
+       write("off0.json",
+             R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})")});
+  EXPECT_EQ(plain.zero.offload_param_max_in_cpu, -1);  // all in host memory
+  const std::string bad = write("offb.json", R"({"zero_optimization": {"stage": 3,
+      "offload_param": {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 1}}})");
+  EXPECT_CONTAINS(config_error([&] {
+                    finalize({"--deepspeed-config", bad});
+                  }),
+                  "zero_optimization.offload_param.buffer_count");
+}
+
 TEST_F(ConfigTest, JsonStageDecidesOverStrategyFlagWithWarning) {
   const std::string path = write("ds.json", R"({"zero_optimization": {"stage": 0}})");
   const TrainConfig cfg = finalize({"--strategy", "zero2", "--deepspeed-config", path});

@@ -623,7 +623,8 @@ TEST_F(ZeroEquivalence, OffloadMatchesOneRank) {
     int stage;
     D opt, param;
     double ratio;
-    int64_t max_in_cpu = 0;  ///< elements per rank with their optimizer state in memory (NVMe)
+    int64_t max_in_cpu = 0;     ///< elements per rank with their optimizer state in memory (NVMe)
+    int64_t param_in_cpu = -1;  ///< offload_param.max_in_cpu (-1: all in host memory)
   };
   const auto per_rank = static_cast<int64_t>(reference().init.size()) / world();
   std::map<std::string, st::HostMemory> seen;
@@ -632,12 +633,16 @@ TEST_F(ZeroEquivalence, OffloadMatchesOneRank) {
         Case{2, D::kCpu, D::kNone, 0.5}, Case{2, D::kCpu, D::kNone, 0.0},
         Case{3, D::kCpu, D::kNone, 1.0}, Case{3, D::kCpu, D::kCpu, 1.0},
         Case{2, D::kNvme, D::kNone, 1.0}, Case{3, D::kNvme, D::kCpu, 0.5},
-        Case{3, D::kNvme, D::kCpu, 1.0}, Case{3, D::kNvme, D::kCpu, 1.0, per_rank / 2}}) {
+        Case{3, D::kNvme, D::kCpu, 1.0}, Case{3, D::kNvme, D::kCpu, 1.0, per_rank / 2},
+        Case{3, D::kCpu, D::kNvme, 1.0, 0, 0}, Case{3, D::kCpu, D::kNvme, 1.0, 0, per_rank / 3},
+        Case{3, D::kNvme, D::kNvme, 1.0, per_rank / 2, per_rank / 3}}) {
     st::StrategyOptions o = offload_options(c.stage, c.opt, c.param, c.ratio, dir.path);
     o.optimizer_max_in_cpu = c.max_in_cpu;
+    o.param_max_in_cpu = c.param_in_cpu;
+    o.param_buffer_count = 2;  // the fewest: every read waits for a free buffer
     Trainee run(o, *comm, reference().init);
     const st::HostMemory h = run.strategy->host_memory();
-    EXPECT_EQ(h.nvme > 0, c.opt == D::kNvme);
+    EXPECT_EQ(h.nvme > 0, c.opt == D::kNvme || c.param_in_cpu >= 0);
     EXPECT_EQ(h.pageable > 0, c.ratio > 0);
     const std::string key = fmt::format("{}{}{}", c.stage, st::to_string(c.opt), c.ratio);
     if (c.stage == 3 && c.ratio == 1.0 && c.max_in_cpu == 0) {
@@ -650,20 +655,49 @@ TEST_F(ZeroEquivalence, OffloadMatchesOneRank) {
             << "offloaded parameters and a separate pinned gradient buffer";
       }
     }
-    if (c.max_in_cpu > 0) {
+    if (c.param_in_cpu == 0) {  // every layer partitioned (no persistence): all paged
+      EXPECT_GE(h.nvme, static_cast<size_t>(per_rank) * sizeof(float)) << "parameters paged";
+    }
+    if (c.max_in_cpu > 0 && c.param_in_cpu < 0) {
       const st::HostMemory all_nvme = seen.at("3nvme1cpu");
       EXPECT_LT(h.nvme, all_nvme.nvme) << "max_in_cpu " << c.max_in_cpu;
       EXPECT_GT(h.nvme, 0u) << "max_in_cpu " << c.max_in_cpu << " of " << per_rank;
       EXPECT_GT(h.pageable, all_nvme.pageable) << "max_in_cpu " << c.max_in_cpu;
     }
     train_and_expect_reference(
-        fmt::format("stage {} ×{} optimizer on {} (ratio {}, max_in_cpu {}), parameters on {}",
+        fmt::format("stage {} ×{} optimizer on {} (ratio {}, max_in_cpu {}), parameters on {} "
+                    "(max_in_cpu {})",
                     c.stage, world(), st::to_string(c.opt), c.ratio, c.max_in_cpu,
-                    st::to_string(c.param)),
+                    st::to_string(c.param), c.param_in_cpu),
         run);
   }
   // The swap files are removed with their strategies.
   EXPECT_TRUE(std::filesystem::is_empty(dir.path));
+}
+
+// Parameters paged from NVMe take their updates from the CPU optimizer: an optimizer kept partly
+// on the GPU (ratio < 1) or the delayed update is refused at set-up, naming the keys.
+TEST_F(ZeroEquivalence, ParamPagingRefusesPartialOffloadAndTheDelayedUpdate) {
+  using D = st::OffloadDevice;
+  TempDir dir;
+  st::StrategyOptions o = offload_options(3, D::kCpu, D::kNvme, 0.5, dir.path);
+  o.param_max_in_cpu = 0;
+  try {
+    Trainee run(o, *comm, reference().init);
+    ADD_FAILURE() << "ratio 0.5 with paged parameters was accepted";
+  } catch (const st::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("offload_param.max_in_cpu"), std::string::npos)
+        << e.what();
+  }
+  o = offload_options(3, D::kCpu, D::kNvme, 1.0, dir.path);
+  o.param_max_in_cpu = 0;
+  o.delayed_update = true;
+  try {
+    Trainee run(o, *comm, reference().init);
+    ADD_FAILURE() << "the delayed update with paged parameters was accepted";
+  } catch (const st::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("delayed_update"), std::string::npos) << e.what();
+  }
 }
 
 // Resume across offload settings: a state saved by offload (optimizer on the CPU) continues on

@@ -15,9 +15,10 @@ namespace shardtrain {
 HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
                              std::vector<FlatRange> ranges, OptimizerHyper hyper, DType grad_dtype,
                              DType param_dtype, bool delayed_update, const SwapOptions* swap,
-                             std::vector<Tensor> host_params)
+                             std::vector<Tensor> host_params, StagedParams staged_params)
     : backend_(backend),
       ranges_(std::move(ranges)),
+      staged_(std::move(staged_params)),
       grad_dtype_(grad_dtype),
       param_dtype_(param_dtype),
       delayed_(delayed_update),
@@ -28,6 +29,10 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
                      "--optimizer sgd with the optimizer offloaded to NVMe (infinity) is not "
                      "available: use --strategy offload (CPU) with SGD, or --optimizer adamw");
   ST_ASSERT(host_params.empty() || host_params.size() == ranges_.size());
+  ST_ASSERT(staged_.ranges.empty() || (staged_.ranges.size() == ranges_.size() && staged_.write));
+  check<ConfigError>(staged_.ranges.empty() || !delayed_update,
+                     "offload_optimizer.delayed_update with parameters paged from NVMe "
+                     "(offload_param.max_in_cpu) is not available: drop one of them");
   if (!delayed_ && param_dtype != DType::kF16 && !host_params.empty()) {
     in_params_.resize(ranges_.size());
     for (size_t i = 0; i < ranges_.size(); ++i) {
@@ -43,7 +48,7 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
   for (size_t i = 0; i < ranges_.size(); ++i) {
     const FlatRange& r = ranges_[i];
     host_offset_.push_back(pinned_total_);
-    if (!gradient_in_params(i)) pinned_total_ += r.numel;
+    if (!gradient_in_params(i) && !staged(i)) pinned_total_ += r.numel;
     const bool in_memory = !swap || r.numel <= in_cpu_left;
     state_offset_.push_back(in_memory ? in_memory_ : -1);
     if (in_memory) {
@@ -91,6 +96,15 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
   }
   to_host_ = backend.make_copy_stream();
   to_device_ = backend.make_copy_stream();
+  int64_t largest_staged = 0;
+  for (size_t i = 0; i < ranges_.size(); ++i)
+    if (staged(i)) largest_staged = std::max(largest_staged, ranges_[i].numel);
+  if (largest_staged > 0) {
+    staged_slot_ = PinnedBuffer(backend, grad_dtype, largest_staged);
+    staged_copies_ = backend.make_copy_stream();
+  }
+  staged_src_.resize(ranges_.size());
+  staged_read_gen_.assign(ranges_.size(), 0);
   grad_fence_.assign(ranges_.size(), 0);
   ready_gen_.assign(ranges_.size(), 0);
   ready_fence_.assign(ranges_.size(), 0);
@@ -160,6 +174,12 @@ void HostOptimizer::gradient_ready(size_t i, Tensor grad) {
   // The buffer may still be feeding the previous update's copy to the device: the compute stream
   // (and thus this copy, queued after it) waits for that first.
   wait_part(i);
+  if (staged(i)) {
+    // Read by the update task; the worker's copies start after the compute stream's work so far.
+    staged_copies_->after_compute();
+    staged_src_[i] = grad;
+    return;
+  }
   const int b = delayed_ ? static_cast<int>(step_ % 2) : 0;
   to_host_->after_compute();
   to_host_->to_host(gradient_home(i, b).data, grad.data, grad.bytes());
@@ -188,7 +208,7 @@ void HostOptimizer::queue_update(double lr, double grad_scale, const std::vector
     // CPU backend "device" memory is host memory too, but it is the model's: copied like a
     // device's, so that the delayed mode holds it back.
     const bool on_host = target.device == DeviceKind::kCPU && backend_.kind() != DeviceKind::kCPU;
-    ST_ASSERT(target.numel() == ranges_[i].numel && target.dtype == param_dtype_);
+    ST_ASSERT(staged(i) || (target.numel() == ranges_[i].numel && target.dtype == param_dtype_));
     ST_ASSERT(!gradient_in_params(i) || target.data == in_params_[i].data);
     const uint64_t fence = grad_fence_[i];
     // The next range on NVMe this generation updates: its state is read ahead.
@@ -197,6 +217,17 @@ void HostOptimizer::queue_update(double lr, double grad_scale, const std::vector
       if (adam_[order[j]] && on_nvme(order[j])) next = static_cast<int64_t>(order[j]);
     post([this, i, next, lr, grad_scale, target, on_host, buffer, gen, fence, to_device] {
       const auto t0 = std::chrono::steady_clock::now();
+      if (staged(i)) {
+        update_staged(i, next, lr, grad_scale, gen);
+        const double dt =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::lock_guard<std::mutex> lock(mu_);
+        done_gen_[i] = ready_gen_[i] = gen;
+        ready_fence_[i] = 0;
+        acc_seconds_ += dt;
+        if (--tasks_left_ == 0) last_seconds_ = acc_seconds_;
+        return;
+      }
       to_host_->host_wait(fence);
       const Tensor g = gradient_home(i, buffer);
       // The bf16 result overwrites the gradient it came from (same element size), unless the
@@ -268,6 +299,37 @@ void HostOptimizer::update_range(size_t i, int64_t next, const Tensor& grads, co
   const auto view = [&](int k) { return Tensor(base + k * q, DType::kF32, DeviceKind::kCPU, {n}); };
   adam_[i]->step_on_host(view(0), grads, out, lr, grad_scale, view(1), view(2));
   sl.write = swap_->write_async(region_[i], base, 3 * q);  // written behind the next steps
+}
+
+void HostOptimizer::update_staged(size_t i, int64_t next, double lr, double grad_scale,
+                                  int64_t gen) {
+  const Tensor g = staged_slot_.slice(0, ranges_[i].numel);
+  staged_copies_->to_host(g.data, staged_src_[i].data, g.bytes());
+  staged_copies_->host_wait(staged_copies_->fence());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    staged_read_gen_[i] = gen;
+  }
+  cv_.notify_all();
+  update_range(i, next, g, g, lr, grad_scale);  // the new parameters overwrite the gradient
+  staged_.write(i, g.data, g.numel());
+}
+
+bool HostOptimizer::ready(size_t i) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ready_gen_[i] >= wanted_gen_[i];
+}
+
+void HostOptimizer::wait_staged_reads() {
+  if (staged_.ranges.empty()) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] {
+    if (failure_) return true;
+    for (size_t i = 0; i < ranges_.size(); ++i)
+      if (staged(i) && adam_[i] && staged_read_gen_[i] < wanted_gen_[i]) return false;
+    return true;
+  });
+  rethrow_failure();
 }
 
 void HostOptimizer::apply_in_flight() {
@@ -412,6 +474,8 @@ double HostOptimizer::last_step_seconds() const {
   return last_seconds_;
 }
 
-size_t HostOptimizer::pinned_bytes() const { return grads_[0].bytes() + grads_[1].bytes(); }
+size_t HostOptimizer::pinned_bytes() const {
+  return grads_[0].bytes() + grads_[1].bytes() + staged_slot_.bytes();
+}
 
 }  // namespace shardtrain

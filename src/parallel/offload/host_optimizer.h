@@ -71,6 +71,17 @@ struct SwapOptions {
   int64_t max_in_cpu = 0;
 };
 
+/// Ranges whose parameters are paged from NVMe (zero3's offload_param.max_in_cpu: param_swap.h).
+/// Such a range has no host memory of its own: its gradient stays on the device until its update
+/// task copies it into a staging buffer, and the task hands the new parameters to `write` instead
+/// of a target. Not with the delayed update.
+struct StagedParams {
+  std::vector<bool> ranges;  ///< per range; empty: none
+  /// Called on the worker thread with the range and its new parameters ([numel], param dtype);
+  /// returns once they are stored.
+  std::function<void(size_t range, const void* params, int64_t numel)> write;
+};
+
 class HostOptimizer {
  public:
   /// Host state for `ranges` (flat-layout element ranges, one per strategy part, any may be
@@ -85,7 +96,8 @@ class HostOptimizer {
   /// with the delayed update or fp16.
   HostOptimizer(Backend& backend, const ParamLayout& layout, std::vector<FlatRange> ranges,
                 OptimizerHyper hyper, DType grad_dtype, DType param_dtype, bool delayed_update,
-                const SwapOptions* swap = nullptr, std::vector<Tensor> host_params = {});
+                const SwapOptions* swap = nullptr, std::vector<Tensor> host_params = {},
+                StagedParams staged_params = {});
   ~HostOptimizer();
   HostOptimizer(const HostOptimizer&) = delete;
   HostOptimizer& operator=(const HostOptimizer&) = delete;
@@ -106,6 +118,12 @@ class HostOptimizer {
   /// Blocks until range i's latest update has been queued for the device, then orders the
   /// compute stream after its copy. Rethrows a failure of the worker.
   void wait_part(size_t i);
+  /// Whether range i's latest update is done (non-blocking; what wait_part waits for).
+  bool ready(size_t i) const;
+  /// Blocks until every staged range's gradient of the last step has been copied off the device
+  /// (before anything overwrites the gradients there). Rethrows a worker failure.
+  void wait_staged_reads();
+  bool staged(size_t i) const { return !staged_.ranges.empty() && staged_.ranges[i]; }
   /// Every queued update done and copied (waits on the host). Rethrows a worker failure.
   void wait_all();
 
@@ -152,6 +170,13 @@ class HostOptimizer {
   std::vector<int64_t> host_offset_;   ///< start of range i in the pinned gradient buffers
   std::vector<int64_t> state_offset_;  ///< start of range i in state_ (ranges in memory)
   std::vector<Tensor> in_params_;      ///< per range: its host parameters holding its gradient
+  StagedParams staged_;
+  std::vector<Tensor> staged_src_;             ///< per staged range: its device gradient this step
+  std::vector<int64_t> staged_read_gen_;       ///< per range: generation whose gradient was read
+  PinnedBuffer staged_slot_;                   ///< the staged range being updated (worker only)
+  std::unique_ptr<CopyStream> staged_copies_;  ///< its device → host copies (worker only)
+  /// The staged update of range i (worker thread): gradient off the device, step, write.
+  void update_staged(size_t i, int64_t next, double lr, double grad_scale, int64_t gen);
   /// Where range i's gradient lands: its host parameters, or its slice of grads_[buffer].
   Tensor gradient_home(size_t i, int buffer) const;
   DType grad_dtype_, param_dtype_;

@@ -232,7 +232,8 @@ struct SwapFile::Impl {
   }
 };
 
-SwapFile::SwapFile(const std::string& dir, int rank, int64_t bytes, const AioConfig& aio)
+SwapFile::SwapFile(const std::string& dir, int rank, int64_t bytes, const AioConfig& aio,
+                   const std::string& kind)
     : impl_(std::make_unique<Impl>()) {
   check<ConfigError>(aio.block_size >= kAlignment && aligned(aio.block_size),
                      "aio.block_size {} is not valid: use a multiple of {} bytes (O_DIRECT "
@@ -249,7 +250,7 @@ SwapFile::SwapFile(const std::string& dir, int rank, int64_t bytes, const AioCon
   m.aio = aio;
   m.bytes = std::max(kAlignment, swap_round_up(bytes));
   m.path = (std::filesystem::path(dir) /
-            fmt::format("shardtrain-swap-rank{}-{}.bin", rank, static_cast<long>(::getpid())))
+            fmt::format("shardtrain-{}-rank{}-{}.bin", kind, rank, static_cast<long>(::getpid())))
                .string();
 
   // Refuse up front rather than let fallocate fill the disk part way.

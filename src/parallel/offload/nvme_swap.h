@@ -52,7 +52,8 @@ struct SwapTicket {
   uint64_t id = 0;
 };
 
-/// A swap file of one rank: `dir`/shardtrain-swap-rank<rank>-<pid>.bin.
+/// A swap file of one rank: `dir`/shardtrain-<kind>-rank<rank>-<pid>.bin (kind "swap" for the
+/// optimizer state, "params" for stage 3's parameters).
 ///
 /// - Created (truncated) and preallocated with fallocate (or sparse), so a fresh file reads as
 ///   zeros; removed by the destructor after all its
@@ -77,7 +78,8 @@ class SwapFile {
   /// RuntimeFailure when the directory's filesystem has too little free space (naming the bytes
   /// needed and free) or the file cannot be created or preallocated, and ConfigError for an
   /// invalid `aio` (naming the aio key).
-  SwapFile(const std::string& dir, int rank, int64_t bytes, const AioConfig& aio);
+  SwapFile(const std::string& dir, int rank, int64_t bytes, const AioConfig& aio,
+           const std::string& kind = "swap");
   /// Waits for every transfer (errors are dropped), closes and removes the file.
   ~SwapFile();
   SwapFile(const SwapFile&) = delete;
