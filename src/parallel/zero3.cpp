@@ -144,6 +144,12 @@ class Zero3 final : public ZeroStrategy {
     units_.clear();
     units_.resize(static_cast<size_t>(n));
     int64_t resident = 0, sharded = 0;
+    // offload_param "nvme" with max_in_cpu: the partitioned slices past it are paged from a swap
+    // file (first fit, in layer order) instead of living in pinned host memory.
+    const bool paging =
+        opt_.plan.param_offload == OffloadDevice::kNvme && opt_.param_max_in_cpu >= 0;
+    int64_t in_cpu_left = opt_.param_max_in_cpu;
+    std::vector<int64_t> paged_numel(static_cast<size_t>(n), 0);
     for (int l = 0; l < n; ++l) {
       Unit& u = units_[static_cast<size_t>(l)];
       const BucketPartition& p = parts_[static_cast<size_t>(part_of(l))];
@@ -153,39 +159,28 @@ class Zero3 final : public ZeroStrategy {
       // Offloaded parameters stream in per layer even on one rank.
       u.resident =
           (world_ == 1 && !params_offloaded()) || params < opt_.param_persistence_threshold;
+      if (paging && !u.resident) {
+        if (p.shard > in_cpu_left) {
+          paged_numel[static_cast<size_t>(l)] = p.shard;
+          continue;
+        }
+        in_cpu_left -= p.shard;
+      }
       u.offset = u.resident ? resident : sharded;
       (u.resident ? resident : sharded) += u.resident ? p.padded : p.shard;
     }
     resident_ = FlatBuffer(backend_, dtype_, resident);
     if (params_offloaded()) {
-      // offload_param: the rank's slices in pinned host memory, copied to the device per layer;
-      // with "nvme" and max_in_cpu, the slices past it are paged from a swap file instead.
-      std::vector<int64_t> paged(static_cast<size_t>(n), 0);
-      if (opt_.plan.param_offload == OffloadDevice::kNvme && opt_.param_max_in_cpu >= 0) {
-        int64_t left = opt_.param_max_in_cpu;
-        sharded = 0;
-        for (int l = 0; l < n; ++l) {
-          Unit& u = units_[static_cast<size_t>(l)];
-          if (u.resident) continue;
-          const int64_t shard = parts_[static_cast<size_t>(part_of(l))].shard;
-          u.on_nvme = shard > left;
-          if (u.on_nvme) {
-            paged[static_cast<size_t>(l)] = shard;
-          } else {
-            left -= shard;
-            u.offset = sharded;
-            sharded += shard;
-          }
-        }
-      }
-      if (std::any_of(paged.begin(), paged.end(), [](int64_t x) { return x > 0; })) {
+      // offload_param: the rank's slices in pinned host memory (those not paged), copied to the
+      // device per layer.
+      if (std::any_of(paged_numel.begin(), paged_numel.end(), [](int64_t x) { return x > 0; })) {
         check<ConfigError>(opt_.plan.optimizer_offload != OffloadDevice::kNone &&
                                opt_.plan.optimizer_offload_ratio == 1.0,
                            "parameters paged from NVMe (offload_param.max_in_cpu) need the whole "
                            "optimizer offloaded (offload_optimizer.device \"cpu\" or \"nvme\", "
                            "ratio 1): set them, or raise offload_param.max_in_cpu");
         param_swap_ = std::make_unique<ParamSwap>(backend_, opt_.nvme_path, rank_, opt_.aio, dtype_,
-                                                  std::move(paged), opt_.param_buffer_count);
+                                                  std::move(paged_numel), opt_.param_buffer_count);
       }
       host_shards_ = PinnedBuffer(backend_, dtype_, sharded);
       if (sharded > 0) std::memset(host_shards_.data(), 0, host_shards_.bytes());
@@ -212,7 +207,7 @@ class Zero3 final : public ZeroStrategy {
     return host_shards_.bytes() + (param_swap_ ? param_swap_->pinned_bytes() : 0);
   }
   size_t extra_nvme_bytes() const override { return param_swap_ ? param_swap_->nvme_bytes() : 0; }
-  bool params_paged(size_t i) const override { return unit(parts_[i].bucket.first_layer).on_nvme; }
+  bool params_paged(size_t i) const override { return paged(parts_[i].bucket.first_layer); }
   void write_paged_params(size_t i, const void* params, int64_t numel) override {
     param_swap_->write(parts_[i].bucket.first_layer, params, numel);
   }
@@ -228,14 +223,15 @@ class Zero3 final : public ZeroStrategy {
     const Unit& u = unit(p.bucket.first_layer);
     if (u.resident)
       return resident_.slice(u.offset + static_cast<int64_t>(rank_) * p.shard, p.shard);
-    if (u.on_nvme) return Tensor(nullptr, dtype_, DeviceKind::kCPU, {p.shard});  // no memory
+    if (paged(p.bucket.first_layer))
+      return Tensor(nullptr, dtype_, DeviceKind::kCPU, {p.shard});  // no memory of its own
     if (params_offloaded()) return host_shards_.slice(u.offset, p.shard);
     return sharded_.slice(u.offset, p.shard);
   }
 
   Tensor host_params(size_t i) const override {
-    const Unit& u = unit(parts_[i].bucket.first_layer);
-    if (!params_offloaded() || u.resident || u.on_nvme) return {};
+    const int layer = parts_[i].bucket.first_layer;
+    if (!params_offloaded() || unit(layer).resident || paged(layer)) return {};
     return own_params(i);
   }
 
@@ -292,7 +288,6 @@ class Zero3 final : public ZeroStrategy {
   /// One layer's state on this rank.
   struct Unit {
     bool resident = false;  ///< full parameters always present (persistent, or one rank)
-    bool on_nvme = false;   ///< offloaded slice paged from NVMe (param_swap_)
     int64_t offset = 0;     ///< in resident_ (padded unit) or sharded_ (this rank's slice)
     ArenaBuffer gathered;   ///< partitioned unit: its full parameters [padded] while gathered
     std::unique_ptr<Work> gathering;  ///< the all-gather into `gathered`, until waited for
@@ -349,7 +344,7 @@ class Zero3 final : public ZeroStrategy {
     for (int q = p + 1; q < last; ++q)
       for (int u : schedule_.uses(q)) {
         const Unit& x = unit(u);
-        if (x.on_nvme && x.gathered.numel() == 0 && update_landed(static_cast<size_t>(part_of(u))))
+        if (paged(u) && x.gathered.numel() == 0 && update_landed(static_cast<size_t>(part_of(u))))
           param_swap_->prefetch(u);
       }
   }
@@ -377,12 +372,13 @@ class Zero3 final : public ZeroStrategy {
       // after the compute stream's work so far, which may still read the piece's previous user),
       // then the all-gather runs in place.
       Tensor slot = x.gathered.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
-      const Tensor src = x.on_nvme ? param_swap_->acquire(layer) : own;
+      const bool from_nvme = paged(layer);
+      const Tensor src = from_nvme ? param_swap_->acquire(layer) : own;
       copies_->after_compute();
       copies_->to_device(slot.data, src.data, src.bytes());
       last_copy_ = copies_->fence();
       copies_->compute_waits(last_copy_);
-      if (x.on_nvme) param_swap_->release(layer, *copies_, last_copy_);
+      if (from_nvme) param_swap_->release(layer, *copies_, last_copy_);
       if (world_ > 1) x.gathering = comm_.all_gather(x.gathered.view(), slot);
     } else {
       x.gathering = comm_.all_gather(x.gathered.view(), own);
@@ -482,6 +478,8 @@ class Zero3 final : public ZeroStrategy {
   /// last copies use, so it goes first).
   std::unique_ptr<ParamSwap> param_swap_;
   bool params_offloaded() const { return opt_.plan.param_offload != OffloadDevice::kNone; }
+  /// Whether layer `l`'s slice is paged from NVMe (param_swap_).
+  bool paged(int l) const { return param_swap_ && param_swap_->on_nvme(l); }
   FlatBuffer grad_shard_;  ///< [shard_numel_] compute dtype: Σ over micro-steps, ranks
   Zero3Schedule schedule_;
   int64_t live_numel_ = 0;           ///< elements of gathered (non-resident) units held now

@@ -217,27 +217,22 @@ void HostOptimizer::queue_update(double lr, double grad_scale, const std::vector
       if (adam_[order[j]] && on_nvme(order[j])) next = static_cast<int64_t>(order[j]);
     post([this, i, next, lr, grad_scale, target, on_host, buffer, gen, fence, to_device] {
       const auto t0 = std::chrono::steady_clock::now();
+      // A staged range (parameters paged from NVMe) has no target: update_staged stores it.
+      Tensor out;
       if (staged(i)) {
         update_staged(i, next, lr, grad_scale, gen);
-        const double dt =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        std::lock_guard<std::mutex> lock(mu_);
-        done_gen_[i] = ready_gen_[i] = gen;
-        ready_fence_[i] = 0;
-        acc_seconds_ += dt;
-        if (--tasks_left_ == 0) last_seconds_ = acc_seconds_;
-        return;
+      } else {
+        to_host_->host_wait(fence);
+        const Tensor g = gradient_home(i, buffer);
+        // The bf16 result overwrites the gradient it came from (same element size), unless the
+        // parameters live in host memory, which is written directly.
+        out = on_host ? target : g;
+        update_range(i, next, g, out, lr, grad_scale);
       }
-      to_host_->host_wait(fence);
-      const Tensor g = gradient_home(i, buffer);
-      // The bf16 result overwrites the gradient it came from (same element size), unless the
-      // parameters live in host memory, which is written directly.
-      const Tensor out = on_host ? target : g;
-      update_range(i, next, g, out, lr, grad_scale);
       const double dt =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       uint64_t copied = 0;
-      if (to_device && !on_host) {
+      if (to_device && !on_host && !staged(i)) {
         to_device_->to_device(target.data, out.data, out.bytes());
         copied = to_device_->fence();
       }

@@ -15,17 +15,17 @@ ParamSwap::ParamSwap(Backend& backend, const std::string& dir, int rank, const A
                      "zero_optimization.offload_param.buffer_count {} is too small: parameters "
                      "paged from NVMe need at least 2 buffers (one read ahead while one is copied)",
                      buffers);
-  const auto esize = static_cast<int64_t>(dtype_size(dtype));
   int64_t file = 0, largest = 0;
-  for (const int64_t n : numel_) {
-    region_.push_back(n > 0 ? file : -1);
-    file += swap_round_up(n * esize);
-    largest = std::max(largest, swap_round_up(n * esize));
+  for (size_t u = 0; u < numel_.size(); ++u) {
+    region_.push_back(numel_[u] > 0 ? file : -1);
+    file += region_bytes(u);
+    largest = std::max(largest, region_bytes(u));
   }
   check_nvme_path(dir, file, "zero_optimization.offload_param.nvme_path (--nvme-path)");
   file_ = std::make_unique<SwapFile>(dir, rank, file, aio, "params");
   buffers_.resize(static_cast<size_t>(buffers));
-  for (Buffer& b : buffers_) b.mem = PinnedBuffer(backend, dtype, largest / esize);
+  for (Buffer& b : buffers_)
+    b.mem = PinnedBuffer(backend, dtype, largest / static_cast<int64_t>(dtype_size(dtype)));
 }
 
 ParamSwap::~ParamSwap() {
@@ -34,6 +34,10 @@ ParamSwap::~ParamSwap() {
   } catch (const std::exception&) {
     // Unwinding after an error: the file goes with file_.
   }
+}
+
+int64_t ParamSwap::region_bytes(size_t u) const {
+  return swap_round_up(numel_[u] * static_cast<int64_t>(dtype_size(dtype_)));
 }
 
 ParamSwap::Buffer* ParamSwap::holding(int u) {
@@ -67,8 +71,7 @@ void ParamSwap::prefetch(int u) {
   if (!b) return;
   const auto i = static_cast<size_t>(u);
   b->unit = u;
-  b->read = file_->read_async(region_[i], b->mem.data(),
-                              swap_round_up(numel_[i] * static_cast<int64_t>(dtype_size(dtype_))));
+  b->read = file_->read_async(region_[i], b->mem.data(), region_bytes(i));
 }
 
 Tensor ParamSwap::acquire(int u) {
@@ -112,15 +115,7 @@ void ParamSwap::write(int u, const void* src, int64_t count) {
   std::memcpy(staging.data(), src, static_cast<size_t>(count * esize));
   std::memset(static_cast<char*>(staging.data()) + count * esize, 0,
               static_cast<size_t>(bytes - count * esize));
-  file_->wait(file_->write_async(region_[i], staging.data(), swap_round_up(bytes)));
-}
-
-void ParamSwap::read(int u, void* dst) {
-  const auto i = static_cast<size_t>(u);
-  const int64_t bytes = numel_[i] * static_cast<int64_t>(dtype_size(dtype_));
-  AlignedHostBuffer tmp(bytes);
-  file_->wait(file_->read_async(region_[i], tmp.data(), swap_round_up(bytes)));
-  std::memcpy(dst, tmp.data(), static_cast<size_t>(bytes));
+  file_->wait(file_->write_async(region_[i], staging.data(), region_bytes(i)));
 }
 
 size_t ParamSwap::pinned_bytes() const {

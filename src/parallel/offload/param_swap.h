@@ -56,8 +56,6 @@ class ParamSwap {
   /// Writes `count` elements of `src` (dtype, host memory), zeros after them, as unit u's slice;
   /// blocks until it is on disk. Any thread.
   void write(int u, const void* src, int64_t count);
-  /// Reads unit u's slice into `dst` ([numel(u)] elements); blocking.
-  void read(int u, void* dst);
 
   size_t pinned_bytes() const;
   size_t nvme_bytes() const;
@@ -72,6 +70,8 @@ class ParamSwap {
     uint64_t fence = 0;
   };
   Buffer* holding(int u);
+  /// Bytes of unit u's region: its slice rounded up to the O_DIRECT alignment.
+  int64_t region_bytes(size_t u) const;
   /// A buffer that may be overwritten now (waits for its copy), oldest first; null if every
   /// buffer is reserved.
   Buffer* free_buffer();
