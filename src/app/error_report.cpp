@@ -4,12 +4,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
 #include <thread>
 
 #include "comm/dist_env.h"
+#include "core/error.h"
 
 namespace shardtrain {
 namespace {
@@ -40,6 +45,47 @@ RankOfJob rank_of_job() {
   }
 }
 
+/// `message` fit for a terminal and a log: control bytes other than line ends escaped (\xNN),
+/// and each line cut to kMaxLine bytes with its length said: the last guard for input that
+/// reached a message unbounded.
+std::string bounded_message(std::string_view message) {
+  constexpr size_t kMaxLine = 4096;
+  std::string out;
+  size_t line = 0;
+  for (size_t i = 0; i < message.size(); ++i) {
+    const auto c = static_cast<unsigned char>(message[i]);
+    if (c == '\n') {
+      out.push_back('\n');
+      line = 0;
+      continue;
+    }
+    if (line == kMaxLine) {
+      const size_t end = message.find('\n', i);
+      const size_t rest = (end == std::string_view::npos ? message.size() : end) - i;
+      out += "... (" + std::to_string(kMaxLine + rest) + " bytes)";
+      i += rest - 1;
+      line = kMaxLine + 1;
+      continue;
+    }
+    if (line > kMaxLine) continue;
+    if (c < 0x20 || c == 0x7F) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out.push_back('\\');
+      if (c == '\t') {
+        out.push_back('t');
+      } else {
+        out.push_back('x');
+        out.push_back(kHex[c >> 4]);
+        out.push_back(kHex[c & 15]);
+      }
+    } else {
+      out.push_back(static_cast<char>(c));
+    }
+    ++line;
+  }
+  return out;
+}
+
 }  // namespace
 
 ErrorReport plan_error_report(std::string_view lead, std::string_view message,
@@ -48,7 +94,7 @@ ErrorReport plan_error_report(std::string_view lead, std::string_view message,
   r.text = std::string(lead);
   if (world > 1 && !(rank == 0 && same_on_every_rank) && !names_its_rank(message))
     r.text += "rank " + std::to_string(rank) + ": ";
-  r.text += message;
+  r.text += bounded_message(message);
   if (r.text.empty() || r.text.back() != '\n') r.text += '\n';
   r.delay_s = world > 1 && rank != 0 ? std::max(0.0, grace_s) : 0.0;
   return r;
@@ -70,6 +116,50 @@ void report_fatal_error(std::string_view lead, std::string_view message, bool sa
     write_to_stderr("error: (the error could not be reported)\n");
   }
 }
+
+FatalError classify_exception(const std::exception_ptr& e) {
+  FatalError f;
+  try {
+    std::rethrow_exception(e);
+  } catch (const ConfigError& x) {
+    f = {2, x.what(), x.same_on_every_rank()};
+  } catch (const DataError& x) {
+    f = {2, x.what(), x.same_on_every_rank()};
+  } catch (const CheckpointError& x) {
+    f = {2, x.what(), x.same_on_every_rank()};
+  } catch (const Error& x) {
+    f = {1, x.what(), x.same_on_every_rank()};
+  } catch (const std::bad_alloc&) {
+    f = {1, std::string(kOutOfHostMemory), false};
+  } catch (const std::exception& x) {
+    f = {1, x.what(), false};
+  } catch (...) {
+    f = {1, "an unknown exception (a bug in shardtrain: please report it)", false};
+  }
+  return f;
+}
+
+namespace {
+
+[[noreturn]] void on_terminate() {
+  static std::atomic<bool> entered{false};
+  if (entered.exchange(true)) std::abort();  // a second thread, or the handler itself failed
+  const std::exception_ptr e = std::current_exception();
+  if (!e) {
+    write_to_stderr(
+        "error: std::terminate was called without an exception (a bug in shardtrain: please "
+        "report it)\n");
+    std::abort();
+  }
+  const FatalError f = classify_exception(e);
+  std::fflush(stdout);
+  report_fatal_error("error: ", f.message, f.same_on_every_rank);
+  std::_Exit(f.status);
+}
+
+}  // namespace
+
+void install_terminate_handler() { std::set_terminate(on_terminate); }
 
 bool is_first_rank() {
   const RankOfJob job = rank_of_job();

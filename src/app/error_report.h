@@ -16,6 +16,7 @@
 // A single process (no launcher variables, or world size 1) prints "error: MESSAGE" at once.
 #pragma once
 
+#include <exception>
 #include <string>
 #include <string_view>
 
@@ -44,6 +45,27 @@ double error_report_grace_s();
 /// comm/dist_env.h; a single process when they are absent or malformed), then the wait and the
 /// write. Never throws.
 void report_fatal_error(std::string_view lead, std::string_view message, bool same_on_every_rank);
+
+/// What a process that ran out of host memory (std::bad_alloc) says.
+inline constexpr std::string_view kOutOfHostMemory =
+    "out of host memory; use a smaller model, --batch-size or --max-length (or check "
+    "--image-size and the images' sizes)";
+
+/// The exit status and message for the exception `e` (rethrown inside): shardtrain's bad-input
+/// errors (ConfigError, DataError, CheckpointError) 2, its other errors, std::bad_alloc
+/// (kOutOfHostMemory) and other exceptions 1. Never throws.
+struct FatalError {
+  int status = 1;
+  std::string message;
+  bool same_on_every_rank = false;
+};
+FatalError classify_exception(const std::exception_ptr& e);
+
+/// Makes an exception that escapes where none may — an OpenMP region, a thread, a noexcept
+/// function — end the process as main()'s own catch would: one "error: ..." line
+/// (report_fatal_error) and exit status 1 or 2 (classify_exception), instead of "terminate
+/// called after throwing ..." and SIGABRT. std::terminate without an exception still aborts.
+void install_terminate_handler();
 
 /// Whether this process is rank 0 of its job or a single process (from the launcher's
 /// variables, as report_fatal_error). Never throws.

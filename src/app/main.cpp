@@ -35,22 +35,13 @@ void select_openblas_kernels(char** argv) {
 
 int main(int argc, char** argv) {
   select_openblas_kernels(argv);
+  shardtrain::install_terminate_handler();
   CLI::App app{
       "shardtrain — train GPT-2-family models on CPUs and GPUs with data parallelism, "
       "ZeRO and pipeline parallelism"};
   app.set_version_flag("--version", std::string("shardtrain ") + SHARDTRAIN_VERSION);
   app.require_subcommand(1);
-  shardtrain::register_train_command(app);
-  shardtrain::register_tokenize_command(app);
-  shardtrain::register_generate_command(app);
-  shardtrain::register_launch_command(app);
-  shardtrain::register_export_command(app);
-  shardtrain::register_estimate_command(app);
-  shardtrain::register_consolidate_command(app);
-  shardtrain::register_pipeline_sim_command(app);
-  shardtrain::register_data_dir_command(app);
-  shardtrain::register_compare_command(app);
-  shardtrain::register_report_command(app);
+  shardtrain::register_all_commands(app);
   // Errors end the program here, reported by report_fatal_error (app/error_report.h): one
   // write() per message, and in a job of several ranks an error every rank raises the same way
   // once (by rank 0), while one that differs by rank names its rank.
@@ -67,25 +58,10 @@ int main(int argc, char** argv) {
     }
     if (!err.str().empty()) report_fatal_error("", err.str(), true);
     return status;
-  } catch (const shardtrain::ConfigError& e) {
-    report_fatal_error("error: ", e.what(), e.same_on_every_rank());
-    return 2;
-  } catch (const shardtrain::DataError& e) {
-    report_fatal_error("error: ", e.what(), e.same_on_every_rank());
-    return 2;
-  } catch (const shardtrain::CheckpointError& e) {
-    report_fatal_error("error: ", e.what(), e.same_on_every_rank());
-    return 2;
-  } catch (const shardtrain::Error& e) {
-    report_fatal_error("error: ", e.what(), e.same_on_every_rank());
-    return 1;
-  } catch (const std::bad_alloc&) {
-    report_fatal_error(
-        "error: ", "out of host memory; use a smaller model, --batch-size or --max-length", false);
-    return 1;
-  } catch (const std::exception& e) {
-    report_fatal_error("error: ", e.what(), false);
-    return 1;
+  } catch (...) {
+    const shardtrain::FatalError f = shardtrain::classify_exception(std::current_exception());
+    report_fatal_error("error: ", f.message, f.same_on_every_rank);
+    return f.status;
   }
   return 0;
 }

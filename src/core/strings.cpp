@@ -28,10 +28,12 @@ std::size_t edit_distance(std::string_view a, std::string_view b) {
 
 std::optional<std::string> closest_match(std::string_view name,
                                          const std::vector<std::string>& candidates) {
+  if (name.empty() || name.size() > kMaxSuggestedWord) return std::nullopt;
   const std::string key = lowercase(name);
   std::optional<std::string> best;
   std::size_t best_distance = std::numeric_limits<std::size_t>::max();
   for (const auto& c : candidates) {
+    if (c.size() > kMaxSuggestedWord) continue;
     const std::size_t d = edit_distance(key, lowercase(c));
     if (d < best_distance) {
       best_distance = d;
@@ -48,6 +50,98 @@ std::optional<std::string> closest_match(std::string_view name,
 std::string did_you_mean(std::string_view word, const std::vector<std::string>& candidates) {
   const auto m = closest_match(word, candidates);
   return m ? fmt::format(" (did you mean '{}'?)", *m) : std::string();
+}
+
+namespace {
+
+/// Length of the valid UTF-8 sequence of 2 to 4 bytes at the start of `s`, or 0.
+std::size_t utf8_sequence(std::string_view s) {
+  const auto b = [&](std::size_t i) { return static_cast<unsigned char>(s[i]); };
+  const unsigned char c = b(0);
+  std::size_t len = 0;
+  if (c >= 0xC2 && c <= 0xDF)
+    len = 2;
+  else if (c >= 0xE0 && c <= 0xEF)
+    len = 3;
+  else if (c >= 0xF0 && c <= 0xF4)
+    len = 4;
+  if (len == 0 || s.size() < len) return 0;
+  for (std::size_t k = 1; k < len; ++k)
+    if ((b(k) & 0xC0) != 0x80) return 0;
+  // Overlong forms, surrogates and code points above U+10FFFF (RFC 3629).
+  if ((c == 0xE0 && b(1) < 0xA0) || (c == 0xED && b(1) > 0x9F) || (c == 0xF0 && b(1) < 0x90) ||
+      (c == 0xF4 && b(1) > 0x8F))
+    return 0;
+  return len;
+}
+
+/// The first `max_bytes` bytes of `text` escaped for a message whose quotes are `quote`.
+std::string escape_for_message(std::string_view text, std::size_t max_bytes, char quote) {
+  const std::string_view shown = text.substr(0, max_bytes);
+  std::string out;
+  for (std::size_t i = 0; i < shown.size();) {
+    const auto c = static_cast<unsigned char>(shown[i]);
+    if (c >= 0x80) {
+      const std::size_t len = utf8_sequence(shown.substr(i));
+      if (len > 0) {
+        out.append(shown.substr(i, len));
+        i += len;
+      } else {
+        out += fmt::format("\\x{:02x}", c);
+        ++i;
+      }
+      continue;
+    }
+    switch (c) {
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\0':
+        out += "\\0";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      default:
+        if (c == static_cast<unsigned char>(quote)) {
+          out += '\\';
+          out.push_back(quote);
+          break;
+        }
+        if (c < 0x20 || c == 0x7F)
+          out += fmt::format("\\x{:02x}", c);
+        else
+          out.push_back(static_cast<char>(c));
+    }
+    ++i;
+  }
+  return out;
+}
+
+std::string cut_note(std::string_view text, std::size_t max_bytes) {
+  return text.size() > max_bytes
+             ? fmt::format("... ({} bytes)", with_commas(static_cast<long long>(text.size())))
+             : std::string();
+}
+
+}  // namespace
+
+std::string excerpt(std::string_view text, std::size_t max_bytes) {
+  std::string out = "'";
+  out += escape_for_message(text, max_bytes, '\'');
+  out += '\'';
+  out += cut_note(text, max_bytes);
+  return out;
+}
+
+std::string escaped(std::string_view text, std::size_t max_bytes) {
+  return escape_for_message(text, max_bytes, '"') + cut_note(text, max_bytes);
 }
 
 std::string join(const std::vector<std::string>& items, std::string_view sep) {

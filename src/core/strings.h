@@ -16,8 +16,23 @@ std::size_t edit_distance(std::string_view a, std::string_view b);
 std::optional<std::string> closest_match(std::string_view name,
                                          const std::vector<std::string>& candidates);
 
-/// " (did you mean 'x'?)" for the closest candidate, or "" when none is close.
+/// " (did you mean 'x'?)" for the closest candidate, or "" when none is close. Words longer than
+/// kMaxSuggestedWord bytes get no suggestion (no typo is that long, and the edit distance costs
+/// |word| × |candidate|).
 std::string did_you_mean(std::string_view word, const std::vector<std::string>& candidates);
+
+/// The longest word closest_match() and did_you_mean() compare, in bytes.
+inline constexpr std::size_t kMaxSuggestedWord = 64;
+
+/// A bounded, printable excerpt of untrusted input for messages: `text` in single quotes with
+/// control bytes, NUL, DEL, backslash and the quote escaped (\n, \t, \0, \xNN, \', \\) and
+/// invalid UTF-8 bytes shown as \xNN. When `text` is longer than `max_bytes` bytes, the first
+/// `max_bytes` bytes are quoted and followed by "... (N bytes)". Never longer than about
+/// 4 × max_bytes + 40 characters, whatever the input.
+std::string excerpt(std::string_view text, std::size_t max_bytes = 64);
+
+/// excerpt() without the quotes, for text shown inside other quotes (a JSON key path in "...").
+std::string escaped(std::string_view text, std::size_t max_bytes = 64);
 
 std::string join(const std::vector<std::string>& items, std::string_view sep);
 
