@@ -19,4 +19,11 @@ void register_data_dir_command(CLI::App& app);      // app/cmd_data_dir.cpp
 void register_compare_command(CLI::App& app);       // app/cmd_compare.cpp
 void register_report_command(CLI::App& app);        // app/cmd_report.cpp
 
+/// Registers every subcommand above, then gives every numeric flag of each a check of what its
+/// variable can hold: a FLOAT flag refuses nan, inf and numbers beyond a double; an INT or UINT
+/// flag refuses anything but a decimal integer within 64 bits (and a UINT one a negative
+/// number). (CLI11 reads "nan" as a double, saturates 99999999999999999999 and wraps -5 into an
+/// unsigned variable.) app/cli_numbers.cpp.
+void register_all_commands(CLI::App& app);
+
 }  // namespace shardtrain

@@ -49,6 +49,20 @@ CLI::Validator int_at_least(int64_t min) {
       "");
 }
 
+/// A decimal integer in [0, 2^64).
+CLI::Validator unsigned_64() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        uint64_t v = 0;
+        const char* end = s.data() + s.size();
+        auto [ptr, ec] = std::from_chars(s.data(), end, v);
+        if (s.empty() || ec != std::errc() || ptr != end)
+          return fmt::format("must be an integer in [0, 18446744073709551615], got '{}'", s);
+        return {};
+      },
+      "");
+}
+
 /// -1 (automatic / all) or an integer >= 1.
 CLI::Validator minus_one_or_positive() {
   return CLI::Validator(
@@ -81,6 +95,16 @@ CLI::Validator number_in(double lo, bool lo_open, double hi, bool hi_open) {
 }
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+/// A finite number (CLI11 itself reads "nan" and "inf").
+CLI::Validator finite_number() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        if (!to_double(s)) return fmt::format("must be a finite number, got '{}'", s);
+        return {};
+      },
+      "");
+}
 
 CLI::Validator one_of(std::vector<std::string> values) {
   return CLI::Validator(
@@ -178,7 +202,8 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
   cmd.add_option("--offload-ratio", cfg.zero.offload_ratio,
                  "offload, infinity: fraction of the optimizer state and step on the host, the "
                  "rest on the GPU (DeepSpeed offload_optimizer.ratio) (default: 1)")
-      ->type_name("R");
+      ->type_name("R")
+      ->check(finite_number());  // validate() checks [0, 1], naming the JSON key too
   cmd.add_option_function<std::string>(
          "--offload", [&cfg](const std::string&) { cfg.placement.automatic = true; },
          "auto: choose the ZeRO stage and where the optimizer state and the parameters live "
@@ -191,12 +216,12 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  "--offload auto: GiB of memory per GPU the plan may use (default: the GPU's "
                  "total; needed on CPU ranks)")
       ->type_name("GIB")
-      ->check(CLI::PositiveNumber);
+      ->check(number_in(0, true, kInf, false));
   cmd.add_option("--max-host-memory", cfg.placement.max_host_memory_gib,
                  "--offload auto: GiB of host memory per node the plan may use (default: the "
                  "node's available memory)")
       ->type_name("GIB")
-      ->check(CLI::PositiveNumber);
+      ->check(number_in(0, true, kInf, false));
   cmd.add_flag("--offload-delayed-update", cfg.zero.offload_delayed_update,
                "offload: ZeRO-Offload's one-step delayed parameter update: the CPU step of step "
                "t runs while the GPU computes step t+1 on the parameters of step t-1 (default: "
@@ -304,7 +329,8 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
   cmd.add_option(
          "--seed", cfg.seed,
          fmt::format("random seed for initialisation and data order (default: {})", cfg.seed))
-      ->type_name("N");
+      ->type_name("N")
+      ->check(unsigned_64());
 
   cmd.add_option("--dropout", cfg.dropout,
                  "dropout probability in [0, 1) for the embedding, the attention probabilities "

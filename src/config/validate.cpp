@@ -211,7 +211,7 @@ void check_strategy(const TrainConfig& c) {
         "offload_param and offload only the optimizer (offload_optimizer)",
         c.zero.offload_param_device, file, c.zero.stage));
   }
-  if (c.zero.offload_ratio < 0 || c.zero.offload_ratio > 1) {
+  if (!(c.zero.offload_ratio >= 0 && c.zero.offload_ratio <= 1)) {
     throw ConfigError(fmt::format(
         "offload ratio {} (--offload-ratio / offload_optimizer.ratio) is not valid: use a "
         "fraction in [0, 1] of the optimizer state to offload (1 = all of it, the default)",
