@@ -8,10 +8,14 @@
 #include <map>
 #include <memory>
 
+#include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 #include "core/error.h"
+#include "core/file_input.h"
 #include "core/half.h"
 #include "core/hash.h"
+#include "core/json_input.h"
+#include "core/strings.h"
 #include "io/atomic_file.h"
 
 namespace shardtrain {
@@ -184,18 +188,24 @@ class HfWeightFiles {
       single_ = std::make_unique<SafetensorsFile>(file);
       return;
     }
-    std::ifstream in(file);
-    json index;
-    try {
-      index = json::parse(in);
-    } catch (const json::exception& e) {
-      throw CheckpointError(
-          fmt::format("{}: not a safetensors index: {}", file.string(), e.what()));
+    const json index = parse_json_or_throw<CheckpointError>(
+        read_file(file), fmt::format("safetensors index {}", file.string()));
+    const auto map = index.is_object() ? index.find("weight_map") : index.end();
+    if (map == index.end() || !map->is_object())
+      throw CheckpointError(fmt::format(
+          "safetensors index {} has no \"weight_map\" object (tensor name -> shard file)",
+          file.string()));
+    for (const auto& [name, shard] : map->items()) {
+      const std::string s = shard.is_string() ? shard.get<std::string>() : std::string();
+      // A shard is a file beside the index: no path may lead elsewhere.
+      if (s.empty() || s.find('/') != std::string::npos || s == "." || s == "..")
+        throw CheckpointError(fmt::format(
+            "safetensors index {}: weight_map[{}] is {}; it must name a shard file in the same "
+            "directory (e.g. \"model-00001-of-00002.safetensors\")",
+            file.string(), excerpt(name),
+            shard.is_string() ? excerpt(s) : json_type_phrase(shard)));
+      map_[name] = file.parent_path() / s;
     }
-    if (!index.contains("weight_map") || !index["weight_map"].is_object())
-      throw CheckpointError(fmt::format("{}: no \"weight_map\" object", file.string()));
-    for (const auto& [name, shard] : index["weight_map"].items())
-      if (shard.is_string()) map_[name] = file.parent_path() / shard.get<std::string>();
   }
   /// The file holding tensor `name`, or null.
   const SafetensorsFile* find(const std::string& name) {
@@ -296,6 +306,27 @@ fs::path create_checkpoint_tmp_dir(const fs::path& output_dir, const std::string
   return tmp_dir;
 }
 
+std::vector<fs::path> remove_partial_checkpoints(const fs::path& output_dir) {
+  std::vector<fs::path> removed;
+  std::error_code ec;
+  for (fs::directory_iterator it(output_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const bool partial =
+        name.rfind(".checkpoint-", 0) == 0 &&
+        (name.find(".tmp.") != std::string::npos || name.find(".old.") != std::string::npos) &&
+        it->is_directory(ec);
+    if (partial) removed.push_back(it->path());
+  }
+  std::sort(removed.begin(), removed.end());
+  for (const fs::path& p : removed) {
+    fs::remove_all(p, ec);
+    if (ec)
+      throw RuntimeFailure(
+          fmt::format("cannot remove the partial checkpoint {}: {}", p.string(), ec.message()));
+  }
+  return removed;
+}
+
 fs::path publish_checkpoint_dir(const fs::path& output_dir, const fs::path& tmp_dir,
                                 const std::string& name) {
   std::error_code ec;
@@ -318,19 +349,6 @@ fs::path publish_checkpoint_dir(const fs::path& output_dir, const fs::path& tmp_
   fsync_path(output_dir);
   write_file_atomic(output_dir / "latest", name + "\n");
   return final_dir;
-}
-
-const char* manifest_optimizer_type(OptimizerKind k) {
-  return k == OptimizerKind::kSGD ? "SGD" : "AdamW";
-}
-
-OptimizerKind parse_manifest_optimizer_type(const std::string& type, const fs::path& dir) {
-  for (OptimizerKind k : {OptimizerKind::kAdamW, OptimizerKind::kSGD})
-    if (type == manifest_optimizer_type(k)) return k;
-  throw CheckpointError(fmt::format(
-      "{}/manifest.json: optimizer.type \"{}\" is not one this build knows (AdamW, SGD): the "
-      "checkpoint was written by a newer shardtrain, or the manifest is corrupt",
-      dir.string(), type));
 }
 
 fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
@@ -366,21 +384,28 @@ fs::path save_checkpoint(const fs::path& output_dir, const std::string& name,
                      {"flat_numel", layout.numel()}}},
                    {"config", info.config},
                    {"files", files}};
-  write_file_atomic(tmp_dir / "manifest.json", manifest.dump(2) + "\n");
+  write_file_atomic(tmp_dir / "manifest.json", manifest_text(std::move(manifest)));
   return publish_checkpoint_dir(output_dir, tmp_dir, name);
 }
 
 fs::path resolve_checkpoint(const fs::path& dir) {
   if (fs::exists(dir / "manifest.json")) return dir;
   if (fs::exists(dir / "latest")) {
-    std::string name = read_file(dir / "latest");
+    std::string name =
+        read_input_file_or_throw<CheckpointError>(dir / "latest", "checkpoint pointer", 4096);
     while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    // `latest` names a checkpoint directory beside it, nothing elsewhere.
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+      throw CheckpointError(fmt::format(
+          "{}/latest holds {}, not the name of a checkpoint directory beside it (e.g. "
+          "checkpoint-000300): the file is corrupt; pass a checkpoint directory instead",
+          dir.string(), excerpt(name)));
     const fs::path p = dir / name;
     if (fs::exists(p / "manifest.json")) return p;
     throw CheckpointError(
-        fmt::format("{}/latest names '{}', which has no manifest.json: the "
+        fmt::format("{}/latest names {}, which has no manifest.json: the "
                     "checkpoint was removed; pass a checkpoint directory instead",
-                    dir.string(), name));
+                    dir.string(), excerpt(name)));
   }
   throw CheckpointError(fmt::format(
       "no checkpoint at {}: expected a checkpoint directory (with manifest.json) or an output "
@@ -389,60 +414,11 @@ fs::path resolve_checkpoint(const fs::path& dir) {
 }
 
 CheckpointInfo read_checkpoint_info(const fs::path& path) {
-  CheckpointInfo info;
-  info.dir = resolve_checkpoint(path);
-  json m;
-  try {
-    m = json::parse(read_file(info.dir / "manifest.json"));
-    if (m.at("format") != kCheckpointFormat)
-      throw CheckpointError(fmt::format("{}/manifest.json is not a shardtrain checkpoint manifest",
-                                        info.dir.string()));
-    info.version = m.at("version").get<int>();
-    if (info.version > kCheckpointVersion)
-      throw CheckpointError(
-          fmt::format("{} was written by a newer shardtrain (format version {}); "
-                      "upgrade shardtrain to read it",
-                      info.dir.string(), m.at("version").get<int>()));
-    const json& mj = m.at("model");
-    if (mj.value("kind", "gpt2") == "image") {
-      ImageCheckpointModel im;
-      im.name = mj.at("name");
-      im.num_classes = mj.at("num_classes");
-      const json& in = mj.at("input_shape");
-      im.channels = in.at(0);
-      im.height = in.at(1);
-      im.width = in.at(2);
-      info.image = im;
-      info.model.name = im.name;
-    } else {
-      info.model.name = mj.at("name");
-      info.model.n_layer = mj.at("n_layer");
-      info.model.n_head = mj.at("n_head");
-      info.model.n_embd = mj.at("n_embd");
-      info.model.vocab_size = mj.at("vocab_size");
-      info.model.n_positions = mj.at("n_positions");
-      info.model.embd_pdrop = mj.value("embd_pdrop", 0.0f);
-      info.model.attn_pdrop = mj.value("attn_pdrop", 0.0f);
-      info.model.resid_pdrop = mj.value("resid_pdrop", 0.0f);
-    }
-    const json& pj = m.at("progress");
-    info.progress.step = pj.at("step");
-    info.progress.epoch = pj.at("epoch");
-    info.progress.step_in_epoch = pj.at("step_in_epoch");
-    info.progress.tokens_seen = pj.at("tokens_seen");
-    info.progress.seed = pj.at("rng").at("seed");
-    info.config = m.value("config", json::object());
-    info.files = m.at("files");
-    info.optimizer_step = m.at("optimizer").at("step");
-    info.optimizer = parse_manifest_optimizer_type(
-        m.at("optimizer").value("type", std::string("AdamW")), info.dir);
-    info.loss_scaler = m.value("loss_scaler", json());
-  } catch (const json::exception& e) {
-    throw CheckpointError(
-        fmt::format("{}/manifest.json is corrupt: {}", info.dir.string(), e.what()));
-  }
-  info.manifest = std::move(m);
-  return info;
+  const fs::path dir = resolve_checkpoint(path);
+  return parse_checkpoint_manifest(
+      read_input_file_or_throw<CheckpointError>(dir / "manifest.json", "checkpoint manifest",
+                                                kMaxConfigFileBytes),
+      dir);
 }
 
 FullState load_checkpoint_state(const CheckpointInfo& info, const ParamLayout& layout,

@@ -107,6 +107,14 @@ std::filesystem::path publish_checkpoint_dir(const std::filesystem::path& output
                                              const std::filesystem::path& tmp_dir,
                                              const std::string& name);
 
+/// Removes the directories a save that never finished left in `output_dir`
+/// (`.checkpoint-*.tmp.ID`, being assembled, and `.checkpoint-*.old.PID`, being replaced), and
+/// returns them. A finished
+/// checkpoint and `latest` are never touched. Call it before this run saves anything. Throws
+/// RuntimeFailure naming a directory that cannot be removed.
+std::vector<std::filesystem::path> remove_partial_checkpoints(
+    const std::filesystem::path& output_dir);
+
 /// Saves `state` as a format-1 (full state) checkpoint `output_dir/name` and points
 /// `output_dir/latest` at it. Returns the directory. Throws RuntimeFailure on I/O errors (the
 /// previous checkpoint stays intact).

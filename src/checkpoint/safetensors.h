@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace shardtrain {
@@ -59,13 +60,36 @@ void write_safetensors(const std::filesystem::path& path,
                        const std::vector<SafetensorEntry>& entries,
                        const std::map<std::string, std::string>& metadata = {});
 
-/// Bytes per element of a safetensors dtype ("F32": 4, "BF16": 2, ...); 0 when unknown.
+/// Bytes per element of a safetensors dtype ("F32": 4, "BF16": 2, "F8_E4M3": 1, ...); 0 for a
+/// name the format does not define.
 size_t safetensors_dtype_size(const std::string& dtype);
+
+/// The largest header a safetensors file may declare, in bytes (the format's own reader refuses
+/// more than 100,000,000).
+inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100'000'000;
+
+/// A safetensors file's header, validated against the file's size.
+struct SafetensorsHeader {
+  uint64_t data_start = 0;  ///< byte offset of the data section: 8 + the header's length
+  std::map<std::string, SafetensorEntry> entries;
+  std::map<std::string, std::string> metadata;
+};
+
+/// Parses and validates the header of a safetensors file of `file_size` bytes whose first bytes
+/// are `prefix` (at least 8 + the declared header length of them, or the whole file). Checks
+/// that the header length fits the file, that the header is a JSON object (nested at most 4
+/// levels), that "__metadata__" is an object of strings, and that every tensor has a known dtype, a
+/// shape of non-negative integers whose element count × the dtype's size equals its data_offsets'
+/// span (computed without overflow), and offsets that lie inside the data section and overlap no
+/// other tensor's. `name` names the file in messages. Throws CheckpointError saying which tensor
+/// and field is wrong, with bounded excerpts of the input; never reads outside `prefix`.
+SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t file_size,
+                                           const std::string& name);
 
 class SafetensorsFile {
  public:
-  /// Reads the header of `path`. Throws CheckpointError naming the file when it is missing,
-  /// truncated or not safetensors.
+  /// Reads and validates the header of `path` (parse_safetensors_header). Throws CheckpointError
+  /// naming the file when it is missing, not a regular file, truncated or not valid safetensors.
   explicit SafetensorsFile(const std::filesystem::path& path);
 
   const std::map<std::string, SafetensorEntry>& entries() const { return entries_; }

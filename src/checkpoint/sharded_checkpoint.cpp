@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 #include "core/error.h"
 #include "io/atomic_file.h"
@@ -373,7 +374,7 @@ fs::path save_sharded_checkpoint(const fs::path& output_dir, const std::string& 
       manifest["files"]["model.safetensors"] = {{"bytes", m.bytes}, {"fnv1a64", hex(m.fnv1a64)}};
       if (!info.image) save_hf_config(tmp_dir, info.model);
     }
-    write_file_atomic(tmp_dir / "manifest.json", manifest.dump(2) + "\n");
+    write_file_atomic(tmp_dir / "manifest.json", manifest_text(std::move(manifest)));
     publish_checkpoint_dir(output_dir, tmp_dir, name);
   }
   comm.barrier();

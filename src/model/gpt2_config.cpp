@@ -6,8 +6,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <tuple>
 
 #include "core/error.h"
+#include "core/file_input.h"
+#include "core/json_input.h"
 #include "core/strings.h"
 
 namespace shardtrain {
@@ -61,18 +64,18 @@ int read_dim(const json& j, const DimKey& d, const std::string& source) {
   }
   if (!v->is_number_integer()) {
     throw ConfigError(fmt::format("{}: '{}' is {} but must be a positive integer (e.g. \"{}\": {})",
-                                  source, used, v->dump(), used, d.example));
+                                  source, used, json_excerpt(*v), used, d.example));
   }
   const bool negative = v->is_number_unsigned() ? false : v->get<int64_t>() < 0;
   if (negative || v->get<int64_t>() == 0) {
-    throw ConfigError(
-        fmt::format("{}: '{}' is {}: {} must be at least 1", source, used, v->dump(), d.meaning));
+    throw ConfigError(fmt::format("{}: '{}' is {}: {} must be at least 1", source, used,
+                                  json_excerpt(*v), d.meaning));
   }
   if (v->is_number_unsigned() ? v->get<uint64_t>() > static_cast<uint64_t>(d.max)
                               : v->get<int64_t>() > d.max) {
     throw ConfigError(
         fmt::format("{}: '{}' is {}, beyond the {} shardtrain accepts for {}: is it a typo?",
-                    source, used, v->dump(), d.max, d.meaning));
+                    source, used, json_excerpt(*v), d.max, d.meaning));
   }
   return v->get<int>();
 }
@@ -140,23 +143,21 @@ std::vector<std::string> gpt2_preset_names() {
 
 GPT2Config parse_gpt2_config(const std::string& text, const std::string& source,
                              const std::string& name) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw ConfigError(fmt::format("{} is not valid JSON: {}", source, e.what()));
-  }
+  JsonInputResult parsed = parse_json_input(text);
+  if (!parsed.error.empty())
+    throw ConfigError(fmt::format("{} is not valid JSON: {}", source, parsed.error));
+  const json j = std::move(parsed.value);
   if (!j.is_object()) {
     throw ConfigError(fmt::format(
         "{}: expected a JSON object with n_layer, n_embd, n_head, n_positions and vocab_size, "
         "found {}",
-        source, j.type_name()));
+        source, json_type_phrase(j)));
   }
   if (j.contains("model_type") && j.at("model_type") != "gpt2") {
     throw ConfigError(fmt::format(
         "{}: model_type is {} but shardtrain trains GPT-2 models only: use \"model_type\": "
         "\"gpt2\" (or leave it out)",
-        source, j.at("model_type").dump()));
+        source, json_excerpt(j.at("model_type"))));
   }
   if (j.contains("activation_function")) {
     const json& a = j.at("activation_function");
@@ -164,7 +165,7 @@ GPT2Config parse_gpt2_config(const std::string& text, const std::string& source,
       throw ConfigError(fmt::format(
           "{}: activation_function is {} but shardtrain's GPT-2 computes the tanh GELU: use "
           "\"gelu_new\" (or leave it out)",
-          source, a.dump()));
+          source, json_excerpt(a)));
     }
   }
 
@@ -213,7 +214,7 @@ GPT2Config parse_gpt2_config(const std::string& text, const std::string& source,
       throw ConfigError(fmt::format(
           "{}: n_inner is {} but shardtrain's GPT-2 MLP is 4·n_embd = {} wide: use \"n_inner\": "
           "null (or leave it out)",
-          source, inner.dump(), 4 * int64_t{c.n_embd}));
+          source, json_excerpt(inner), 4 * int64_t{c.n_embd}));
     }
   }
   // Dropout probabilities (Hugging Face's GPT-2 configs say 0.1): absent or null means 0.
@@ -225,12 +226,29 @@ GPT2Config parse_gpt2_config(const std::string& text, const std::string& source,
     if (!v.is_number()) {
       throw ConfigError(fmt::format(
           "{}: {} is {} but must be a dropout probability in [0, 1) (e.g. 0.1, or 0 for none)",
-          source, key, v.dump()));
+          source, key, json_excerpt(v)));
     }
     c.*field = v.get<float>();
   }
   validate_dropout(c, source);
   return c;
+}
+
+void validate_gpt2_shape(const GPT2Config& c, const std::string& source) {
+  const ModelDimLimits& m = kMaxModelDims;
+  for (auto [key, value, max] :
+       {std::tuple{"n_layer", c.n_layer, m.n_layer}, std::tuple{"n_embd", c.n_embd, m.n_embd},
+        std::tuple{"n_head", c.n_head, m.n_head},
+        std::tuple{"n_positions", c.n_positions, m.n_positions},
+        std::tuple{"vocab_size", c.vocab_size, m.vocab_size}}) {
+    if (value < 1 || value > max)
+      throw ConfigError(
+          fmt::format("{}: {} is {}; it must be an integer in [1, {}]", source, key, value, max));
+  }
+  if (c.n_embd % c.n_head != 0)
+    throw ConfigError(
+        fmt::format("{}: n_embd {} is not divisible by n_head {}", source, c.n_embd, c.n_head));
+  validate_dropout(c, source);
 }
 
 void validate_dropout(const GPT2Config& c, const std::string& source) {
@@ -273,12 +291,9 @@ GPT2Config resolve_model(const std::string& name_or_path) {
           name_or_path));
     }
   }
-  std::ifstream in(file, std::ios::binary);
-  if (!in) {
-    throw ConfigError(fmt::format("--model {}: cannot read {}", name_or_path, file.string()));
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
+  const std::string text = read_input_file_or_throw<ConfigError>(
+      file, fmt::format("--model {}: the model config", excerpt(name_or_path, 200)),
+      kMaxConfigFileBytes);
 
   // The model's name in logs and checkpoints: the file's stem, or its directory's name for the
   // conventional config.json.
@@ -286,7 +301,7 @@ GPT2Config resolve_model(const std::string& name_or_path) {
   std::string name = file.stem().string();
   if (file.filename() == "config.json") name = abs.parent_path().filename().string();
   if (name.empty() || name == "." || name == "..") name = "custom";
-  return parse_gpt2_config(text.str(), file.string(), name);
+  return parse_gpt2_config(text, file.string(), name);
 }
 
 }  // namespace shardtrain

@@ -42,6 +42,12 @@ struct GPT2Config {
 /// they came from (a file, --dropout) in the message.
 void validate_dropout(const GPT2Config& c, const std::string& source);
 
+/// Throws ConfigError, naming `source`, unless `c` is a shape the model code can build: every
+/// dimension in [1, kMaxModelDims], n_head dividing n_embd, dropout probabilities in [0, 1).
+/// (It does not ask for the GPT-2 tokenizer's vocabulary: parse_gpt2_config does.) Every shape
+/// read from a file passes through it before anything is sized by it.
+void validate_gpt2_shape(const GPT2Config& c, const std::string& source);
+
 /// Looks up a preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-mini, gpt2-tiny, gpt2-micro.
 /// Throws ConfigError listing the valid names (and the closest one) for an unknown name.
 GPT2Config gpt2_preset(const std::string& name);
