@@ -22,6 +22,7 @@
 
 #include "core/error.h"
 #include "core/process.h"
+#include "core/strings.h"
 
 extern char** environ;
 
@@ -90,51 +91,6 @@ std::pair<int, int> parse_nnodes(const std::string& value) {
                      "(e.g. --nnodes {}:{})",
                      value, lo, hi, hi, lo);
   return {lo, hi};
-}
-
-std::vector<HostSlots> parse_hostfile(const std::string& text, const std::string& name) {
-  std::vector<HostSlots> hosts;
-  std::map<std::string, int> seen;
-  std::istringstream in(text);
-  std::string raw;
-  int line_no = 0;
-  while (std::getline(in, raw)) {
-    ++line_no;
-    std::string line = raw.substr(0, raw.find('#'));
-    line = trim(line);
-    if (line.empty()) continue;
-    std::istringstream words(line);
-    std::string host, slots, extra;
-    words >> host >> slots;
-    const bool more = static_cast<bool>(words >> extra);
-    int n = 0;
-    bool ok = !host.empty() && slots.rfind("slots=", 0) == 0 && !more;
-    if (ok) {
-      const std::string v = slots.substr(6);
-      ok = !v.empty() && v.size() <= 6 && v.find_first_not_of("0123456789") == std::string::npos;
-      if (ok) n = std::atoi(v.c_str());
-      ok = ok && n >= 1;
-    }
-    check<ConfigError>(ok,
-                       "hostfile {} line {}: '{}': expected 'HOST slots=N' with N ≥ 1 (e.g. "
-                       "'worker-1 slots=8'); '#' starts a comment",
-                       name, line_no, trim(raw));
-    const auto [it, fresh] = seen.emplace(host, line_no);
-    check<ConfigError>(fresh, "hostfile {} line {}: host '{}' is listed again (first on line {})",
-                       name, line_no, host, it->second);
-    hosts.push_back({host, n, line_no});
-  }
-  check<ConfigError>(!hosts.empty(), "hostfile {} lists no host: add lines like 'worker-1 slots=8'",
-                     name);
-  return hosts;
-}
-
-std::vector<HostSlots> read_hostfile(const std::string& path) {
-  std::ifstream f(path);
-  check<ConfigError>(f.good(), "cannot read hostfile {}: {}", path, std::strerror(errno));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return parse_hostfile(ss.str(), path);
 }
 
 std::vector<ChildSpec> rank_processes(const LaunchPlan& plan, const std::string& self_exe) {

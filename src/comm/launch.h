@@ -9,23 +9,9 @@
 #include <utility>
 #include <vector>
 
+#include "comm/hostfile.h"
+
 namespace shardtrain {
-
-/// One line of a hostfile: "HOST slots=N".
-struct HostSlots {
-  std::string host;
-  int slots = 1;
-  int line = 0;  ///< 1-based line number in the file
-};
-
-/// Parses a hostfile in DeepSpeed's (and Open MPI's) format: one "HOST slots=N" per line (N ≥ 1),
-/// '#' starts a comment, blank lines are skipped. `name` names the file in messages. Throws
-/// ConfigError naming the line for anything else (e.g. "node1 slot=4", "node1 slots=0", a host
-/// listed twice) and when no host is listed.
-std::vector<HostSlots> parse_hostfile(const std::string& text, const std::string& name);
-
-/// Reads and parses the hostfile at `path`. Throws ConfigError when it cannot be read.
-std::vector<HostSlots> read_hostfile(const std::string& path);
 
 /// Parses the value of `--nnodes`: "N" (a fixed count) or "MIN:MAX" (torchrun's elastic node
 /// count: the job runs on any count of nodes in [MIN, MAX]), with 1 ≤ MIN ≤ MAX ≤ 65536. Returns

@@ -15,11 +15,14 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <type_traits>
 #include <utility>
 
 #include "config/config.h"
 #include "config/deepspeed_keys.h"
 #include "core/error.h"
+#include "core/file_input.h"
+#include "core/json_input.h"
 #include "core/strings.h"
 
 namespace shardtrain {
@@ -33,8 +36,10 @@ constexpr const char* kDocsUrl = "https://www.deepspeed.ai/docs/config-json/";
 
 bool is_offload_device(const std::string& d) { return d == "none" || d == "cpu" || d == "nvme"; }
 
+/// "prefix.key" for messages; the key is input, so it is escaped and bounded.
 std::string path_of(const std::string& prefix, const std::string& key) {
-  return prefix.empty() ? key : prefix + "." + key;
+  const std::string shown = escaped(key, kMaxSuggestedWord);
+  return prefix.empty() ? shown : prefix + "." + shown;
 }
 
 std::string dashed_flag(std::string_view name) {
@@ -130,7 +135,7 @@ class DeepSpeedReader {
 
   [[noreturn]] void bad_value(const std::string& path, const json& v,
                               std::string_view expected) const {
-    fail(fmt::format("\"{}\": {} is not valid: expected {}", path, v.dump(), expected));
+    fail(fmt::format("\"{}\": {} is not valid: expected {}", path, json_excerpt(v), expected));
   }
 
   [[noreturn]] void unknown_key(const std::string& prefix, const std::string& key,
@@ -278,6 +283,17 @@ class DeepSpeedReader {
       if (in_json) overridden_.push_back(fmt::format("{} over {}", dashed_flag(flag), path));
       return false;
     }
+    // A value the field cannot hold is refused, not narrowed (an int of 2^40, a float of 1e300).
+    if constexpr (std::is_integral_v<Field> && std::is_integral_v<Value> &&
+                  !std::is_same_v<Field, bool>) {
+      if (!std::in_range<Field>(value))
+        fail(fmt::format("\"{}\": {} is out of range: at most {}", path, value,
+                         std::numeric_limits<Field>::max()));
+    } else if constexpr (std::is_floating_point_v<Field> && std::is_arithmetic_v<Value>) {
+      if (std::fabs(static_cast<double>(value)) >
+          static_cast<double>(std::numeric_limits<Field>::max()))
+        fail(fmt::format("\"{}\": {} is out of range", path, value));
+    }
     field = static_cast<Field>(value);
     return true;
   }
@@ -330,10 +346,10 @@ class DeepSpeedReader {
       const bool known =
           std::any_of(kDeepSpeedOptimizers.begin(), kDeepSpeedOptimizers.end(),
                       [&](const std::string& n) { return lowercase(n) == lower_type; });
-      fail(
-          fmt::format("\"optimizer.type\": \"{}\" is {}{}: shardtrain implements Adam/AdamW "
-                      "and SGD only; set \"type\": \"AdamW\" or \"SGD\"",
-                      type, known ? "not available in shardtrain" : "not a known optimizer", hint));
+      fail(fmt::format(
+          "\"optimizer.type\": \"{}\" is {}{}: shardtrain implements Adam/AdamW "
+          "and SGD only; set \"type\": \"AdamW\" or \"SGD\"",
+          escaped(type), known ? "not available in shardtrain" : "not a known optimizer", hint));
     }
     const json* params = find_object(opt, "params", "optimizer", "an object of Adam parameters");
     const json empty = json::object();
@@ -438,7 +454,7 @@ class DeepSpeedReader {
       fail(
           fmt::format("\"{}.dampening\": {} is not available in shardtrain (SGD runs with "
                       "dampening 0): remove it or set it to 0",
-                      prefix, d->dump()));
+                      prefix, json_excerpt(*d)));
     }
     if (auto mx = get_bool(p, "maximize", prefix); mx && *mx) {
       fail(
@@ -995,68 +1011,22 @@ class DeepSpeedReader {
 };
 
 /// Parses the file, accepting comments (DeepSpeed reads configs with hjson) and rejecting
-/// duplicate keys (as DeepSpeed does).
+/// duplicate keys (as DeepSpeed does), nesting beyond 64 levels and numbers beyond a double.
 json parse_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw ConfigError(fmt::format("cannot open DeepSpeed config '{}' (--deepspeed-config): {}",
-                                  path, std::strerror(errno)));
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-
-  struct Frame {
-    std::string name;
-    std::set<std::string> keys;
-  };
-  std::vector<Frame> frames;
-  std::string last_key;
-  std::string duplicate;
-  json::parser_callback_t cb = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
-    switch (event) {
-      case json::parse_event_t::object_start:
-        frames.push_back({frames.empty() ? std::string() : last_key, {}});
-        break;
-      case json::parse_event_t::object_end:
-        if (!frames.empty()) frames.pop_back();
-        break;
-      case json::parse_event_t::key: {
-        last_key = parsed.get<std::string>();
-        if (!frames.empty() && !frames.back().keys.insert(last_key).second && duplicate.empty()) {
-          std::vector<std::string> names;
-          for (std::size_t i = 1; i < frames.size(); ++i) names.push_back(frames[i].name);
-          names.push_back(last_key);
-          duplicate = join(names, ".");
-        }
-        break;
-      }
-      default:
-        break;
-    }
-    return true;
-  };
-  json root;
-  try {
-    root = json::parse(text.str(), cb, /*allow_exceptions=*/true, /*ignore_comments=*/true);
-  } catch (const json::parse_error& e) {
-    std::string what = e.what();
-    // Drop nlohmann's "[json.exception.parse_error.101] " prefix.
-    if (auto pos = what.find("] ");
-        what.rfind("[json.exception", 0) == 0 && pos != std::string::npos) {
-      what = what.substr(pos + 2);
-    }
-    throw ConfigError(fmt::format(
-        "cannot parse DeepSpeed config '{}' (--deepspeed-config): {} (byte {}): fix the JSON "
-        "syntax there (comments are allowed, trailing commas are not)",
-        path, what, e.byte));
-  }
-  if (!duplicate.empty()) {
+  const std::string what = fmt::format("DeepSpeed config '{}' (--deepspeed-config)", path);
+  const std::string text = read_input_file_or_throw<ConfigError>(
+      path, "DeepSpeed config (--deepspeed-config)", kMaxConfigFileBytes);
+  JsonInputOptions options;
+  options.allow_comments = true;
+  options.reject_duplicate_keys = true;
+  JsonInputResult r = parse_json_input(text, options);
+  if (!r.error.empty()) {
     throw ConfigError(
-        fmt::format("DeepSpeed config '{}': key \"{}\" appears twice in the same "
-                    "object: DeepSpeed rejects duplicate keys; keep only one",
-                    path, duplicate));
+        fmt::format("cannot parse {}: {}: fix the JSON there (comments are allowed, "
+                    "trailing commas are not; DeepSpeed rejects duplicate keys)",
+                    what, r.error));
   }
-  return root;
+  return std::move(r.value);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <system_error>
 
 #include "core/error.h"
+#include "core/file_input.h"
 #include "core/hash.h"
 #include "core/rng.h"
 #include "core/strings.h"
@@ -285,9 +286,9 @@ void write_token_file(const fs::path& path, const std::vector<uint16_t>& ids, ui
 }
 
 std::string read_all_bytes(const fs::path& path, const char* what) {
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) {
-    throw DataError(fmt::format("{} {} is a directory, not a file", what, path.string()));
+  if (const std::string problem = regular_file_problem(path);
+      !problem.empty() && problem != "not found") {
+    throw DataError(fmt::format("{} {} {}", what, path.string(), problem));
   }
   FILE* f = std::fopen(path.c_str(), "rb");
   if (f == nullptr) {
@@ -383,6 +384,23 @@ std::string shown_path(const fs::path& path) {
 
 }  // namespace
 
+void check_token_ids(const std::vector<uint16_t>& ids, int64_t vocab_size, const std::string& name,
+                     const std::string& model) {
+  if (vocab_size > 0xFFFF) return;  // every uint16 id has a row
+  uint16_t largest = 0;
+  for (const uint16_t id : ids) largest = std::max(largest, id);  // vectorized: no early exit
+  if (largest < vocab_size) return;
+  const auto first =
+      std::find_if(ids.begin(), ids.end(), [&](uint16_t id) { return id >= vocab_size; });
+  throw DataError(fmt::format(
+      "{} holds token id {} at position {} (the largest is {}), but {}'s vocabulary has {} ids "
+      "(0 to {}): the file was made with another tokenizer (one with added tokens?). Re-tokenize "
+      "the text with `shardtrain tokenize`, or train a model with a larger vocab_size (a "
+      "config.json with \"vocab_size\": {})",
+      name, *first, with_commas(first - ids.begin()), largest, model, vocab_size, vocab_size - 1,
+      int64_t{largest} + 1));
+}
+
 std::vector<uint16_t> load_tokens(const fs::path& path, const BpeTokenizer& tok,
                                   const fs::path& cache_dir,
                                   const std::function<void(const std::string&)>& log) {
@@ -473,10 +491,11 @@ DatasetFiles resolve_dataset(const std::string& dataset, const std::string& trai
                              const std::string& valid_file, const std::string& data_dir) {
   DatasetFiles files;
   auto require_file = [](const fs::path& p, const std::string& fix) {
-    std::error_code ec;
-    if (!fs::is_regular_file(p, ec)) {
-      throw DataError(fmt::format("{} not found: {}", p.string(), fix));
-    }
+    const std::string problem = regular_file_problem(p);
+    if (problem == "not found") throw DataError(fmt::format("{} not found: {}", p.string(), fix));
+    if (!problem.empty())
+      throw DataError(fmt::format("{} {}: pass a text file or a token file (shardtrain tokenize)",
+                                  p.string(), problem));
   };
   if (!dataset.empty()) {
     if (!train_file.empty()) {

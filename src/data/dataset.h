@@ -49,6 +49,13 @@ std::string read_all_bytes(const std::filesystem::path& path, const char* what);
 std::vector<uint16_t> read_token_file(const std::filesystem::path& path,
                                       TokenFileHeader* header = nullptr);
 
+/// Throws DataError unless every id of `ids` is below `vocab_size`, the model's vocabulary
+/// (an embedding row exists for it). `name` names the file, `model` the model, in the message,
+/// which gives the first id out of range and its position. One pass over the ids (about 1 ms per
+/// 10 million tokens).
+void check_token_ids(const std::vector<uint16_t>& ids, int64_t vocab_size, const std::string& name,
+                     const std::string& model);
+
 /// Tokenizes the exact bytes of the text file `path`, reusing the cached token file in
 /// `cache_dir` while the text's hash and the tokenizer's fingerprint are unchanged (the cache
 /// is rewritten otherwise). A token file given as `path` is read directly. `log` receives

@@ -65,16 +65,41 @@ IdxArray read_idx(const std::filesystem::path& path) {
     const uint32_t v =
         (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | uint32_t{b[3]};
     out.dims.push_back(v);
-    total *= v;
+    // The product is checked before it is formed: it never wraps.
+    if (v != 0 && total > kMaxIdxElements / v)
+      total = kMaxIdxElements + 1;
+    else
+      total *= v;
+    if (total > kMaxIdxElements)
+      throw DataError(fmt::format(
+          "{} declares dimensions {}{}: more than {} elements, too many to be real; the file is "
+          "corrupt or not IDX",
+          path, fmt::join(out.dims, "×"), d + 1 < ndims ? "×..." : "", kMaxIdxElements));
   }
-  if (total > (uint64_t{1} << 36))
-    throw DataError(fmt::format("{} declares {} elements: too many to be real", path, total));
-  out.data.resize(total);
-  if (!read_exact(f.get(), out.data.data(), total))
-    throw DataError(fmt::format(
-        "{} is truncated: its header promises {} bytes of data (dimensions {}); download or "
-        "reinstall it",
-        path, total, fmt::join(out.dims, "×")));
+  const uint64_t header = 4 + 4 * static_cast<uint64_t>(ndims);
+  if (gzdirect(f.get()) == 1) {  // an uncompressed file: its size is known before reading
+    std::error_code size_error;
+    const uint64_t size = std::filesystem::file_size(path, size_error);
+    if (!size_error && size != header + total)
+      throw DataError(fmt::format(
+          "{} is {} bytes but its header (dimensions {}) promises {} bytes of data after {} "
+          "bytes of header: the file is {}; download or reinstall it",
+          path, size, fmt::join(out.dims, "×"), total, header,
+          size < header + total ? "truncated" : "followed by extra bytes"));
+  }
+  // Read in pieces, so that a compressed file's header cannot make us allocate what its data
+  // does not hold.
+  constexpr uint64_t kPiece = uint64_t{64} << 20;
+  while (out.data.size() < total) {
+    const uint64_t have = out.data.size();
+    const uint64_t n = std::min(kPiece, total - have);
+    out.data.resize(have + n);
+    if (!read_exact(f.get(), out.data.data() + have, n))
+      throw DataError(fmt::format(
+          "{} is truncated: its header promises {} bytes of data (dimensions {}); download or "
+          "reinstall it",
+          path, total, fmt::join(out.dims, "×")));
+  }
   return out;
 }
 

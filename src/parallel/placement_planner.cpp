@@ -10,6 +10,8 @@
 #include <tuple>
 
 #include "core/error.h"
+#include "core/file_input.h"
+#include "core/json_input.h"
 #include "core/strings.h"
 
 namespace shardtrain {
@@ -50,17 +52,13 @@ PlacementBudget rank_budget(double gpu_bytes, double node_host_bytes, const std:
 }
 
 MachineRates MachineRates::from_limits_file(const std::string& path) {
-  std::ifstream in(path);
-  check<ConfigError>(static_cast<bool>(in),
-                     "cannot read the limits file {}: give the limits.json that `bash bench/run.sh "
-                     "limits` writes (bench/host_limits.cu)",
-                     path);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw ConfigError(fmt::format("the limits file {} is not valid JSON: {}", path, e.what()));
-  }
+  const std::string text = read_input_file_or_throw<ConfigError>(
+      path, "the limits file (the limits.json `bash bench/run.sh limits` writes)",
+      kMaxConfigFileBytes);
+  JsonInputResult parsed = parse_json_input(text);
+  if (!parsed.error.empty())
+    throw ConfigError(fmt::format("the limits file {} is not valid JSON: {}", path, parsed.error));
+  const nlohmann::json j = std::move(parsed.value);
   MachineRates r;
   const auto h2d = number_at(j, {"pcie", "h2d_bytes_per_s"});
   const auto d2h = number_at(j, {"pcie", "d2h_bytes_per_s"});

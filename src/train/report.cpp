@@ -11,6 +11,7 @@
 
 #include "config/config.h"
 #include "core/error.h"
+#include "core/json_input.h"
 #include "io/atomic_file.h"
 #include "model/gpt2_config.h"
 #include "monitor/plot.h"
@@ -54,7 +55,11 @@ RunRecord read_run(const fs::path& dir) {
   r.label = dir.filename().string();
   if (std::ifstream in(dir / "run.json"); in) {
     try {
-      const json j = json::parse(in);
+      std::ostringstream text;
+      text << in.rdbuf();
+      JsonInputResult parsed = parse_json_input(text.str());
+      if (!parsed.error.empty()) throw std::runtime_error(parsed.error);
+      const json j = std::move(parsed.value);
       r.model = j.value("model", "");
       r.strategy = j.value("strategy", "");
       r.device = j.value("device", "");
@@ -72,9 +77,9 @@ RunRecord read_run(const fs::path& dir) {
         r.device = "cpu";
       const double flops = num(j, "flops_per_token"), peak = num(j, "peak_tflops");
       r.mfu = flops / (peak * 1e12 * r.world_size);  // × tokens/s below
-    } catch (const json::exception& e) {
+    } catch (const std::exception& e) {              // not JSON, or a key of another type
       r.ok = false;
-      r.failure = fmt::format("{} is not valid JSON: {}", (dir / "run.json").string(), e.what());
+      r.failure = fmt::format("{} is not valid: {}", (dir / "run.json").string(), e.what());
     }
   }
   std::ifstream in(dir / "metrics.jsonl");

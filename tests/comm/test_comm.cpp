@@ -296,7 +296,20 @@ TEST(Hostfile, BadLinesAreNamed) {
   expect_config_error([] { st::parse_hostfile("a slots=2\n\na slots=3\n", "hf"); },
                       "line 3: host 'a' is listed again (first on line 1)");
   expect_config_error([] { st::parse_hostfile("# nothing\n\n", "hf"); }, "lists no host");
-  expect_config_error([] { st::read_hostfile("/nonexistent/hostfile"); }, "cannot read hostfile");
+  expect_config_error([] { st::read_hostfile("/nonexistent/hostfile"); },
+                      "cannot open hostfile '/nonexistent/hostfile': no such file");
+  expect_config_error([] { st::read_hostfile("/dev/zero"); }, "not a regular file");
+}
+
+TEST(Hostfile, AHostIsNeverAnOptionOfSshOrMpirun) {
+  expect_config_error([] { st::parse_hostfile("-oProxyCommand=x slots=1\n", "hf"); },
+                      "hostfile hf line 1: host '-oProxyCommand=x' is not a host name or address");
+  expect_config_error([] { st::parse_hostfile(std::string("no\0de slots=1\n", 15), "hf"); },
+                      "'no\\0de'");
+  expect_config_error([] { st::parse_hostfile("a;rm slots=1\n", "hf"); }, "not a host name");
+  const auto hosts = st::parse_hostfile("[fe80::1] slots=2\nalice@node-3 slots=1\n", "hf");
+  ASSERT_EQ(hosts.size(), 2u);
+  EXPECT_EQ(hosts[0].host, "[fe80::1]");
 }
 
 // ---- launch command lines ----------------------------------------------------------------------

@@ -246,17 +246,6 @@ std::vector<ModulePtr> build_single(const ImageModelSpec& spec, const std::strin
 
 }  // namespace
 
-const std::vector<std::string>& image_model_names() {
-  static const std::vector<std::string> names = {"cnn",      "mobilenet_v2", "efficientnet_b0",
-                                                 "vgg11_bn", "vgg16_bn",     "cnn_lstm"};
-  return names;
-}
-
-bool is_image_model(const std::string& name) {
-  const auto& n = image_model_names();
-  return std::find(n.begin(), n.end(), name) != n.end() || name.starts_with("ensemble:");
-}
-
 std::unique_ptr<ImageModel> make_image_model(const ImageModelSpec& spec, Backend& backend) {
   constexpr std::string_view kEnsemble = "ensemble:";
   if (!spec.name.starts_with(kEnsemble))
