@@ -32,7 +32,7 @@ void keep_metrics_through(const std::filesystem::path& path, int64_t step) {
   write_file_atomic(path, kept);
 }
 
-MetricsWriter::MetricsWriter(const std::filesystem::path& path) {
+MetricsWriter::MetricsWriter(const std::filesystem::path& path) : path_(path) {
   file_ = std::fopen(path.c_str(), "a");
   if (!file_)
     throw RuntimeFailure(
@@ -46,8 +46,14 @@ MetricsWriter::~MetricsWriter() {
 void MetricsWriter::write(const nlohmann::json& record) {
   if (!file_) return;
   const std::string line = record.dump() + "\n";
-  std::fwrite(line.data(), 1, line.size(), file_);
-  std::fflush(file_);
+  errno = 0;
+  const bool ok =
+      std::fwrite(line.data(), 1, line.size(), file_) == line.size() && std::fflush(file_) == 0;
+  if (!ok)
+    throw RuntimeFailure(fmt::format(
+        "writing {} failed: {}: free some space (or point --output-dir elsewhere) and resume "
+        "from the last checkpoint",
+        path_.string(), errno != 0 ? std::strerror(errno) : "short write"));
 }
 
 }  // namespace shardtrain

@@ -23,17 +23,23 @@ class MetricsWriter {
   explicit MetricsWriter(const std::filesystem::path& path);
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;
-  MetricsWriter(MetricsWriter&& o) noexcept : file_(o.file_) { o.file_ = nullptr; }
+  MetricsWriter(MetricsWriter&& o) noexcept : file_(o.file_), path_(std::move(o.path_)) {
+    o.file_ = nullptr;
+  }
   MetricsWriter& operator=(MetricsWriter&& o) noexcept {
     std::swap(file_, o.file_);
+    std::swap(path_, o.path_);
     return *this;
   }
   ~MetricsWriter();
-  /// Appends one record and flushes it. No-op when not opened (non-zero ranks).
+  /// Appends one record and flushes it. No-op when not opened (non-zero ranks). Throws
+  /// RuntimeFailure naming the file when it cannot be written (a full disk): a run whose log is
+  /// lost stops, rather than ending with exit 0 and an empty file.
   void write(const nlohmann::json& record);
 
  private:
   std::FILE* file_ = nullptr;
+  std::filesystem::path path_;
 };
 
 }  // namespace shardtrain

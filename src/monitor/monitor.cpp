@@ -43,8 +43,14 @@ void CsvMonitor::add_scalar(std::string_view tag, double value, int64_t step) {
     }
     it = files_.emplace(std::string(tag), f).first;
   }
-  fmt::print(it->second, "{},{}\n", step, value);
-  std::fflush(it->second);
+  errno = 0;
+  const std::string line = fmt::format("{},{}\n", step, value);
+  if (std::fwrite(line.data(), 1, line.size(), it->second) != line.size() ||
+      std::fflush(it->second) != 0)
+    throw RuntimeFailure(fmt::format(
+        "writing {} failed: {}: free some space and resume from the "
+        "last checkpoint",
+        file_of(dir_, tag).string(), errno != 0 ? std::strerror(errno) : "short write"));
 }
 
 Monitor::Monitor(const MonitorConfig& cfg, int rank, std::string_view config_text) {

@@ -45,7 +45,8 @@ std::string number(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v
 void write_text(const fs::path& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out << text;
-  check<RuntimeFailure>(static_cast<bool>(out), "cannot write {}", path.string());
+  out.close();  // a full disk shows when the buffer is written
+  check<RuntimeFailure>(static_cast<bool>(out), "cannot write {} (disk full?)", path.string());
 }
 
 std::string read_text(const fs::path& path) {

@@ -70,6 +70,9 @@ class Zero3 final : public ZeroStrategy {
   /// that never came, e.g. after an evaluation forward) before the buffers go: one left in flight
   /// would land in freed memory.
   ~Zero3() override {
+    // The optimizer's last update tasks write into this strategy's parameters: let them finish
+    // before the arena that holds them goes.
+    if (host_) host_->drain();
     try {
       drain_reductions();
       for (auto& w : replica_reductions_) w->wait();

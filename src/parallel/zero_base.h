@@ -32,6 +32,7 @@ class ZeroStrategy : public Strategy {
   /// Waits for the parameter all-gathers still in flight (launched by step()) before their
   /// buffers go.
   ~ZeroStrategy() override {
+    if (host_) host_->drain();  // its tasks write into the parameters freed below
     try {
       for (size_t i = 0; i < gathers_.size(); ++i) wait_gather(i);
     } catch (const std::exception&) {

@@ -225,13 +225,15 @@ std::optional<int64_t> logs_continue_after(bool resumed, int64_t step) {
   return std::nullopt;
 }
 
-MetricsWriter open_run_metrics(const TrainConfig& cfg, bool rank0,
+MetricsWriter open_run_metrics(const TrainConfig& cfg, bool rank0, Console& out,
                                std::optional<int64_t> continue_after) {
   if (!rank0) return MetricsWriter();
   const fs::path out_dir = cfg.output_dir;
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   check<ConfigError>(!ec, "cannot create --output-dir {}: {}", out_dir.string(), ec.message());
+  for (const fs::path& p : remove_partial_checkpoints(out_dir))
+    out.line("removed {}: a partial checkpoint an interrupted save left behind", p.string());
   if (continue_after) keep_metrics_through(out_dir / "metrics.jsonl", *continue_after);
   return MetricsWriter(out_dir / "metrics.jsonl");
 }

@@ -222,8 +222,10 @@ nlohmann::json config_snapshot(const TrainConfig& c);
 /// (0.9, 0.999) wd 0.01" or "SGD lr 0.1 momentum 0.9 nesterov wd 5e-05 (L2)".
 std::string describe_optimizer(const TrainConfig& c);
 
-/// Rank 0: creates cfg.output_dir and opens its metrics.jsonl (other ranks: a closed writer).
-MetricsWriter open_run_metrics(const TrainConfig& cfg, bool rank0,
+/// Rank 0: creates cfg.output_dir, removes the partial checkpoint directories an interrupted
+/// save left in it (saying so on `out`), and opens its metrics.jsonl (other ranks: a closed
+/// writer).
+MetricsWriter open_run_metrics(const TrainConfig& cfg, bool rank0, Console& out,
                                std::optional<int64_t> continue_after = std::nullopt);
 
 /// TensorBoard / CSV scalars (rank 0; --tensorboard-all-ranks: every rank's own events), with

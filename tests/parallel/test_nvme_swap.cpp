@@ -6,11 +6,13 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -154,7 +156,8 @@ TEST_P(SwapRoundTrip, ManyBlocksByteExact) {
   EXPECT_EQ(fs::path(f.path()).parent_path(), dir_);
   EXPECT_EQ(fs::path(f.path()).filename(), fmt::format("shardtrain-swap-rank3-{}.bin", ::getpid()));
   EXPECT_EQ(f.bytes(), 2 * region);
-  EXPECT_EQ(static_cast<int64_t>(fs::file_size(f.path())), 2 * region);
+  EXPECT_EQ(f.file_size(), 2 * region);
+  EXPECT_TRUE(files().empty());  // nameless: nothing in the directory even while it is open
   EXPECT_EQ(f.direct(), supports_direct(dir()));
   EXPECT_EQ(f.aio().thread_count, aio.thread_count);
   round_trip(f, region);
@@ -248,7 +251,7 @@ TEST_F(NvmeSwapTest, TransfersFromSeveralThreads) {
 
 // ---- the file -----------------------------------------------------------------------------------
 
-TEST_F(NvmeSwapTest, DestructorWaitsAndRemovesTheFile) {
+TEST_F(NvmeSwapTest, TheFileHasNoNameAndTheDestructorWaitsForItsWrites) {
   std::string path;
   {
     AioConfig aio;
@@ -258,10 +261,26 @@ TEST_F(NvmeSwapTest, DestructorWaitsAndRemovesTheFile) {
     fill(data, 9);
     SwapFile f(dir(), 7, 2 * kMiB, aio);
     path = f.path();
-    EXPECT_TRUE(fs::exists(path));
+    EXPECT_FALSE(fs::exists(path));  // nameless from the start: no exit can leave it behind
+    EXPECT_TRUE(files().empty());
+    EXPECT_EQ(f.file_size(), 2 * kMiB);
     f.write_async(0, data.data(), data.bytes());  // still in flight when the file goes
   }
-  EXPECT_FALSE(fs::exists(path));
+  EXPECT_TRUE(files().empty());
+}
+
+TEST_F(NvmeSwapTest, NothingIsLeftWhenTheProcessIsKilled) {
+  // A child opens a swap file and is killed with SIGKILL while it holds it.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    SwapFile f(dir(), 0, 4 * kMiB, AioConfig{});
+    ::kill(::getpid(), SIGKILL);
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFSIGNALED(status));
   EXPECT_TRUE(files().empty());
 }
 
@@ -272,7 +291,7 @@ TEST_F(NvmeSwapTest, SizeIsRoundedUpToTheAlignment) {
   EXPECT_EQ(swap_round_up(8192), 8192);
   SwapFile f(dir(), 0, 1, AioConfig{});
   EXPECT_EQ(f.bytes(), 4096);
-  EXPECT_EQ(static_cast<int64_t>(fs::file_size(f.path())), 4096);
+  EXPECT_EQ(f.file_size(), 4096);
   SwapFile empty(dir(), 1, 0, AioConfig{});
   EXPECT_EQ(empty.bytes(), 4096);
 }

@@ -128,6 +128,11 @@ HostOptimizer::~HostOptimizer() {
   if (worker_.joinable()) worker_.join();
 }
 
+void HostOptimizer::drain() noexcept {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return tasks_.empty() && !busy_; });
+}
+
 void HostOptimizer::post(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -145,12 +150,17 @@ void HostOptimizer::worker_loop() {
       if (tasks_.empty()) return;  // stop_ and drained
       task = std::move(tasks_.front());
       tasks_.pop_front();
+      busy_ = true;
     }
     try {
       task();
     } catch (...) {
       std::lock_guard<std::mutex> lock(mu_);
       if (!failure_) failure_ = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
     }
     cv_.notify_all();
   }

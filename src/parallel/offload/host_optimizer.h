@@ -126,6 +126,9 @@ class HostOptimizer {
   bool staged(size_t i) const { return !staged_.ranges.empty() && staged_.ranges[i]; }
   /// Every queued update done and copied (waits on the host). Rethrows a worker failure.
   void wait_all();
+  /// Blocks until no task is queued or running, dropping their errors: for the owner's destructor,
+  /// before the memory the tasks write (the model's parameters) is freed. Never throws.
+  void drain() noexcept;
 
   /// Copies quantity `q` of elements [offset, offset + numel) of range i to `dst` (fp32), or sets
   /// them from `src`; blocking (reads the swap file). Call wait_all() first.
@@ -219,6 +222,7 @@ class HostOptimizer {
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
   bool stop_ = false;
+  bool busy_ = false;  ///< the worker is running a task
   std::exception_ptr failure_;
   /// Per range: update generation queued for the device (and its copy fence); the strategy waits
   /// for `wanted_` (the generation the device must see).

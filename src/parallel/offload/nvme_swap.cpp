@@ -225,10 +225,10 @@ struct SwapFile::Impl {
     done_cv.wait(lock, [&] { return queue.empty() && in_flight == 0; });
   }
 
+  /// Closes the file; having no name, it is gone with its descriptor.
   void close_and_remove() {
     if (fd >= 0) ::close(fd);
     fd = -1;
-    ::unlink(path.c_str());
   }
 };
 
@@ -261,19 +261,28 @@ SwapFile::SwapFile(const std::string& dir, int rank, int64_t bytes, const AioCon
         m.path, bytes_text(m.bytes), bytes_text(*free)));
   }
 
-  const int flags = O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC;
+  // The file has no name once it is open (O_TMPFILE; where the filesystem lacks it, a named file
+  // unlinked at once), so no exit — SIGTERM, SIGKILL, a restart by launch — leaves it behind:
+  // its blocks return to the filesystem when the descriptor closes.
+  const auto open_unnamed = [&](int extra) {
+    int fd = ::open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC | extra, 0600);
+    if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR)) {
+      fd = ::open(m.path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | extra, 0600);
+      if (fd >= 0) ::unlink(m.path.c_str());
+    }
+    return fd;
+  };
   const char* env = std::getenv("SHARDTRAIN_SWAP_DIRECT");
   const bool want_direct = env == nullptr || std::string(env) != "0";
   if (want_direct) {
-    m.fd = ::open(m.path.c_str(), flags | O_DIRECT, 0600);
+    m.fd = open_unnamed(O_DIRECT);
     m.direct = m.fd >= 0;
   }
   if (m.fd < 0 && (!want_direct || errno == EINVAL)) {  // EINVAL: O_DIRECT refused
-    m.fd = ::open(m.path.c_str(), flags, 0600);
+    m.fd = open_unnamed(0);
   }
   if (m.fd < 0) {
     const int err = errno;
-    ::unlink(m.path.c_str());
     throw RuntimeFailure(fmt::format("cannot create the swap file '{}': {}: check nvme_path",
                                      m.path, errno_text(err)));
   }
@@ -302,12 +311,12 @@ SwapFile::SwapFile(const std::string& dir, int rank, int64_t bytes, const AioCon
           throw RuntimeFailure(
               fmt::format("cannot write the swap file '{}': {}", m.path, errno_text(err)));
         }
-        ::close(m.fd);
+        // Buffered I/O on the same (nameless) file.
         m.direct = false;
-        m.fd = ::open(m.path.c_str(), O_RDWR | O_CLOEXEC);
-        if (m.fd < 0) {
-          throw RuntimeFailure(
-              fmt::format("cannot reopen the swap file '{}': {}", m.path, errno_text(errno)));
+        const int fl = ::fcntl(m.fd, F_GETFL);
+        if (fl < 0 || ::fcntl(m.fd, F_SETFL, fl & ~O_DIRECT) != 0) {
+          throw RuntimeFailure(fmt::format("cannot turn O_DIRECT off for the swap file '{}': {}",
+                                           m.path, errno_text(errno)));
         }
       }
     }
@@ -384,6 +393,14 @@ void SwapFile::wait_all() {
 }
 
 const std::string& SwapFile::path() const { return impl_->path; }
+
+int64_t SwapFile::file_size() const {
+  struct stat st {};
+  if (::fstat(impl_->fd, &st) != 0)
+    throw RuntimeFailure(
+        fmt::format("cannot stat the swap file '{}': {}", impl_->path, errno_text(errno)));
+  return static_cast<int64_t>(st.st_size);
+}
 int64_t SwapFile::bytes() const { return impl_->bytes; }
 bool SwapFile::direct() const { return impl_->direct; }
 const AioConfig& SwapFile::aio() const { return impl_->aio; }

@@ -1,6 +1,6 @@
 // NVMe swap of ZeRO-Infinity: state paged to one file per rank with direct asynchronous I/O.
 //
-// A SwapFile is one preallocated file under the nvme_path directory, opened with O_DIRECT (page
+// A SwapFile is one preallocated, nameless file under the nvme_path directory, opened with O_DIRECT (page
 // cache bypassed), read and written asynchronously by a small pool of threads issuing
 // pread/pwrite. A transfer is split into requests of aio.block_size bytes; at most
 // aio.queue_depth of them are in flight at once (AioConfig in config/config.h maps DeepSpeed's
@@ -100,7 +100,12 @@ class SwapFile {
   /// transfers not yet waited for (all of them are collected).
   void wait_all();
 
+  /// Where the file lives, for messages: `nvme_path`/shardtrain-KIND-rankR-PID.bin. The file
+  /// itself has no name (O_TMPFILE, or unlinked as soon as it is opened where the filesystem
+  /// lacks O_TMPFILE), so nothing is left behind on any exit; this is the name it would have.
   const std::string& path() const;
+  /// The open file's size as the filesystem reports it (fstat), in bytes.
+  int64_t file_size() const;
   /// Size of the file: a multiple of swap_alignment().
   int64_t bytes() const;
   /// Whether I/O bypasses the page cache (O_DIRECT); false: buffered fallback.
