@@ -24,6 +24,7 @@
 #include "optim/loss_scaler.h"
 #include "parallel/strategy.h"
 #include "train/flops_profiler.h"
+#include "train/rank_agreement.h"
 #include "train/strategy_from_config.h"
 #include "train/train_common.h"
 #include "train/train_step.h"
@@ -525,6 +526,7 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
 
   // ---- model and device ----
   std::unique_ptr<Backend> backend = make_backend(cfg.device, local_rank_of(comm), cfg.precision);
+  check_ranks_agree(cfg, cfg.model, *backend, comm);  // the first collective
   const bool on_gpu = backend->kind() == DeviceKind::kCUDA;
   ComputeStreamScope compute_stream(comm, *backend);
   LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
@@ -559,7 +561,7 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
   }
   const std::optional<int64_t> continue_after =
       logs_continue_after(resume.has_value(), progress.step);
-  MetricsWriter metrics = open_run_metrics(cfg, rank0, continue_after);
+  MetricsWriter metrics = open_run_metrics(cfg, rank0, out, continue_after);
   const json snapshot = config_snapshot(cfg);
   Monitor monitor = open_run_monitor(cfg, comm.rank(), snapshot.dump(2), continue_after);
   const ImageRunFacts facts{

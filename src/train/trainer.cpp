@@ -31,6 +31,7 @@
 #include "train/automatic_placement.h"
 #include "train/flops_profiler.h"
 #include "train/pipeline_step.h"
+#include "train/rank_agreement.h"
 #include "train/strategy_from_config.h"
 #include "train/train_common.h"
 #include "train/train_step.h"
@@ -177,20 +178,24 @@ struct GPT2Data {
   double seconds = 0;  ///< loading (and tokenizing, when not cached)
 };
 
-GPT2Data load_gpt2_data(const TrainConfig& cfg, Console& out) {
+GPT2Data load_gpt2_data(const TrainConfig& cfg, const GPT2Config& model, Console& out) {
   const auto t0 = Clock::now();
   BpeTokenizer tokenizer = BpeTokenizer::load_default();
   const DatasetFiles files =
       resolve_dataset(cfg.dataset, cfg.train_file, cfg.valid_file, cfg.data_dir);
   const fs::path cache_dir = cfg.cache_dir.empty() ? default_cache_dir() : fs::path(cfg.cache_dir);
   auto log = [&](const std::string& m) { out.line("data: {}", m); };
-  PackedDataset train(load_tokens(files.train, tokenizer, cache_dir, log), cfg.max_length,
-                      files.name);
+  // Every id indexes the embedding: one out of the vocabulary would read and write past it.
+  auto tokens = [&](const fs::path& file) {
+    std::vector<uint16_t> ids = load_tokens(file, tokenizer, cache_dir, log);
+    check_token_ids(ids, model.vocab_size, file.string(), model.name);
+    return ids;
+  };
+  PackedDataset train(tokens(files.train), cfg.max_length, files.name);
   train.limit(cfg.num_samples);
   std::optional<PackedDataset> valid;
   if (!files.valid.empty()) {
-    valid.emplace(load_tokens(files.valid, tokenizer, cache_dir, log), cfg.max_length,
-                  files.name + " validation");
+    valid.emplace(tokens(files.valid), cfg.max_length, files.name + " validation");
     if (cfg.eval_samples > 0 && cfg.eval_samples < valid->size()) valid->limit(cfg.eval_samples);
   }
   return GPT2Data{files.name, std::move(train), std::move(valid), seconds_since(t0)};
@@ -410,6 +415,7 @@ StepResult profiled_gpt2_step(const TrainConfig& cfg, const GPT2Config& model_cf
   if (rank0 && !profile.output_file.empty()) {
     std::ofstream f(profile.output_file);
     for (const std::string& l : lines) f << l << '\n';
+    f.close();  // a full disk shows when the buffer is written
     if (!f) {
       out.line("warning: flops profiler: cannot write '{}': {}", profile.output_file,
                std::strerror(errno));
@@ -502,23 +508,29 @@ std::string save_gpt2_checkpoint(const TrainConfig& cfg, const GPT2Config& model
 
 /// Prints the run's last line and records it in metrics.jsonl.
 void report_done(const TrainSummary& summary, Console& out, MetricsWriter& metrics) {
+  // Without a validation set nothing was measured: say so, rather than "nan" and "0.00".
+  const bool validated = std::isfinite(summary.val_loss);
+  const std::string validation = validated
+                                     ? fmt::format("validation loss {:.4f} | perplexity {:.2f}",
+                                                   summary.val_loss, summary.val_ppl)
+                                     : std::string("no validation (no validation set)");
   if (summary.losses.empty())  // resumed at its last step: there was nothing left to train
     out.line(
         "done | {} steps | no step left to run: the checkpoint is at the run's last step (raise "
-        "--max-steps or --epochs to train on) | validation loss {:.4f} | perplexity {:.2f}",
-        summary.steps, summary.val_loss, summary.val_ppl);
+        "--max-steps or --epochs to train on) | {}",
+        summary.steps, validation);
   else
-    out.line(
-        "done | {} steps | {:.1f} s | loss {:.4f} → {:.4f} | validation loss {:.4f} | perplexity "
-        "{:.2f}",
-        summary.steps, summary.seconds, summary.first_loss, summary.last_loss, summary.val_loss,
-        summary.val_ppl);
-  metrics.write({{"event", "done"},
-                 {"step", summary.steps},
-                 {"time_s", summary.seconds},
-                 {"final_loss", summary.last_loss},
-                 {"val_loss", summary.val_loss},
-                 {"val_ppl", summary.val_ppl}});
+    out.line("done | {} steps | {:.1f} s | loss {:.4f} → {:.4f} | {}", summary.steps,
+             summary.seconds, summary.first_loss, summary.last_loss, validation);
+  nlohmann::json done = {{"event", "done"},
+                         {"step", summary.steps},
+                         {"time_s", summary.seconds},
+                         {"final_loss", summary.last_loss}};
+  if (validated) {
+    done["val_loss"] = summary.val_loss;
+    done["val_ppl"] = summary.val_ppl;
+  }
+  metrics.write(done);
 }
 
 }  // namespace
@@ -533,6 +545,7 @@ TrainSummary train(const TrainConfig& requested, Communicator& comm) {
   GPT2Config model_cfg = resolve_train_model(requested);
   std::unique_ptr<Backend> backend =
       make_backend(requested.device, local_rank_of(comm), requested.precision);
+  check_ranks_agree(requested, model_cfg.shape_string(), *backend, comm);  // the first collective
   const TrainConfig cfg = requested.placement.automatic
                               ? with_automatic_placement(requested, model_cfg, *backend, comm, out)
                               : requested;
@@ -549,7 +562,7 @@ TrainSummary train(const TrainConfig& requested, Communicator& comm) {
 
   // ---- data: the D = world / P replicas of a pipeline share it, its stages read the same
   // micro-batches (rank = stage·D + replica, pipeline_parallel.h) ----
-  const GPT2Data data = load_gpt2_data(cfg, out);
+  const GPT2Data data = load_gpt2_data(cfg, model_cfg, out);
   const int replicas = comm.world_size() / (pipelined ? cfg.pipeline.stages : 1);
   DistributedSampler sampler(data.train.size(), cfg.micro_batch_size,
                              cfg.gradient_accumulation_steps, comm.rank() % replicas, replicas,
@@ -574,7 +587,7 @@ TrainSummary train(const TrainConfig& requested, Communicator& comm) {
     progress = resume_from(*resume, model.layout(), *strategy, comm, scaler, plan.total_steps);
   const std::optional<int64_t> continue_after =
       logs_continue_after(resume.has_value(), progress.step);
-  MetricsWriter metrics = open_run_metrics(cfg, rank0, continue_after);
+  MetricsWriter metrics = open_run_metrics(cfg, rank0, out, continue_after);
   Monitor monitor =
       open_run_monitor(cfg, comm.rank(), config_snapshot(cfg).dump(2), continue_after);
   const std::vector<std::string> pipeline_lines =
