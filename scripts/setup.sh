@@ -9,8 +9,19 @@
 # libpng, libturbojpeg and zlib decode image data (PNG, JPEG, gzip'd IDX); dataset-fashion-mnist
 # is Fashion-MNIST (--dataset fashion-mnist). slurm-wlm and munge host the one-host SLURM cluster
 # on which the tests run examples/slurm's batch scripts (scripts/slurm_single_host.sh).
+#
+# Then the two builds the checks of scripts/test.sh need (skipped with --no-checks):
+#   ./build-sanitize  the unit tests under AddressSanitizer and UBSan (g++, CPU only)
+#   ./build-fuzz      the fuzz targets of the file readers (clang's libFuzzer, tests/fuzz/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+CHECKS=1
+for arg in "$@"; do
+  case "$arg" in
+    --no-checks) CHECKS=0 ;;
+    *) echo "usage: bash scripts/setup.sh [--no-checks]" >&2; exit 2 ;;
+  esac
+done
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
@@ -21,9 +32,21 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   libgtest-dev libopenmpi-dev openmpi-bin librsvg2-bin libprotobuf-dev protobuf-compiler \
   gnuplot-nox libpng-dev libturbojpeg0-dev zlib1g-dev dataset-fashion-mnist \
   slurm-wlm munge python3 python3-pip >/dev/null
+if [ "$CHECKS" = 1 ]; then
+  # clang and its libFuzzer runtime (Debian: libclang-rt-dev; Ubuntu ships it with clang).
+  $SUDO apt-get install -y -qq --no-install-recommends clang libclang-rt-dev >/dev/null 2>&1 ||
+    $SUDO apt-get install -y -qq --no-install-recommends clang >/dev/null
+fi
 # Debian 12 marks its Python as externally managed: --break-system-packages lets pip install there.
 python3 -m pip install --quiet --break-system-packages tensorboard ||
   echo "warning: pip could not install tensorboard: the TensorBoard reader test will be skipped" >&2
 if [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$(nproc)"
+if [ "$CHECKS" = 1 ]; then
+  cmake -S . -B build-sanitize -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHARDTRAIN_SANITIZE=ON \
+    -DSHARDTRAIN_CUDA=OFF
+  cmake --build build-sanitize -j "$(nproc)" --target unit_tests
+  cmake -S tests/fuzz -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++
+  cmake --build build-fuzz -j "$(nproc)"
+fi
