@@ -32,6 +32,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/json_input.h"
 #include "core/hash.h"
 #include "data/data_dir.h"
 
@@ -396,13 +397,12 @@ BpeTokenizer BpeTokenizer::load(const fs::path& dir) {
   impl->fingerprint = fnv1a64(merges_text, fnv1a64(encoder_text));
 
   // encoder.json: {"token spelled through bytes_to_unicode": id, ...}, ids exactly 0..n-1.
-  nlohmann::json encoder;
-  try {
-    encoder = nlohmann::json::parse(encoder_text);
-  } catch (const nlohmann::json::exception& e) {
+  JsonInputResult parsed = parse_json_input(encoder_text);
+  if (!parsed.error.empty()) {
     throw DataError(fmt::format("GPT-2 tokenizer file {} is not valid JSON ({}); {}",
-                                encoder_path.string(), e.what(), kFilesHint));
+                                encoder_path.string(), parsed.error, kFilesHint));
   }
+  const nlohmann::json encoder = std::move(parsed.value);
   if (!encoder.is_object() || encoder.empty()) {
     throw DataError(fmt::format(
         "GPT-2 tokenizer file {} must be a non-empty JSON object mapping token strings to ids; {}",
