@@ -324,7 +324,14 @@ class Zero3 final : public ZeroStrategy {
   void enter_pos(int p) {
     const auto& uses = schedule_.uses(p);
     // Offloaded optimizer: the units' updates must have landed (and resident ones been gathered).
-    for (int u : uses) ensure_published(static_cast<size_t>(part_of(u)));
+    // Resident units are all-gathered by step() (launch_gather) while the next forward starts:
+    // that all-gather must be complete before a layer reads them. (Without this wait the forward
+    // read whatever part of the other ranks' slices MPI had delivered: on 2 CPU ranks of a
+    // 16-core machine zero3 then drifted from one rank by 7e-4 after 4 steps.)
+    for (int u : uses) {
+      ensure_published(static_cast<size_t>(part_of(u)));
+      wait_gather(static_cast<size_t>(part_of(u)));
+    }
     for (int u : uses) start_gather(u);
     for (int u : schedule_.prefetch(
              p, [&](int u) { return unit(u).gathered.numel() > 0; }, live_numel_))

@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -455,6 +456,86 @@ TEST_F(ZeroEquivalence, HybridShardingMatchesOneRank) {
 // and backward (reuse distance large) or released and gathered again (0), with and without
 // activation checkpointing. All must land on the one-rank dp reference, and each rank must hold
 // less model state than zero2 and about 16Ψ/N.
+/// A communicator whose all-gathers deliver their data only when waited for (into a buffer of
+/// their own until then), as MPI may on a machine where the ranks' progress is truly concurrent:
+/// whoever reads an all-gather's output before wait() sees the old contents, every time.
+class LateAllGathers final : public st::Communicator {
+ public:
+  explicit LateAllGathers(st::Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  std::string backend_name() const override { return inner_.backend_name(); }
+  std::unique_ptr<st::Work> all_reduce(st::Tensor t, st::ReduceOp op) override {
+    return inner_.all_reduce(t, op);
+  }
+  std::unique_ptr<st::Work> reduce_scatter(st::Tensor out, st::Tensor in,
+                                           st::ReduceOp op) override {
+    return inner_.reduce_scatter(out, in, op);
+  }
+  std::unique_ptr<st::Work> all_gather(st::Tensor output, st::Tensor input) override {
+    auto late = std::make_unique<Late>();
+    late->output = output;
+    late->staging.assign(static_cast<const char*>(output.data),
+                         static_cast<const char*>(output.data) + output.bytes());
+    const st::Tensor staged(late->staging.data(), output.dtype, output.device, {output.numel()});
+    // An in-place input is this rank's slice of `output`: gather from its copy in the staging.
+    const auto* own = static_cast<const char*>(output.data) + input.bytes() * rank();
+    const st::Tensor from =
+        input.data == own
+            ? st::Tensor(late->staging.data() + input.bytes() * rank(), input.dtype, input.device,
+                         {input.numel()})
+            : input;
+    late->inner = inner_.all_gather(staged, from);
+    return late;
+  }
+  std::unique_ptr<st::Work> broadcast(st::Tensor t, int root) override {
+    return inner_.broadcast(t, root);
+  }
+  std::unique_ptr<st::Work> all_to_all(st::Tensor out, st::Tensor in) override {
+    return inner_.all_to_all(out, in);
+  }
+  std::unique_ptr<st::Work> send(st::Tensor t, int peer) override { return inner_.send(t, peer); }
+  std::unique_ptr<st::Work> recv(st::Tensor t, int peer) override { return inner_.recv(t, peer); }
+  void barrier() override { inner_.barrier(); }
+  std::unique_ptr<st::Communicator> split(const std::vector<int>& ranks) override {
+    return inner_.split(ranks);
+  }
+
+ private:
+  struct Late final : st::Work {
+    st::Tensor output;
+    std::vector<char> staging;
+    std::unique_ptr<st::Work> inner;
+    bool delivered = false;
+    ~Late() override {
+      if (!delivered) inner->wait();  // never leave MPI writing into freed staging
+    }
+    void wait() override {
+      if (delivered) return;
+      inner->wait();
+      std::memcpy(output.data, staging.data(), staging.size());
+      delivered = true;
+    }
+    bool completed() override { return delivered; }
+  };
+  st::Communicator& inner_;
+};
+
+TEST_F(ZeroEquivalence, Zero3WaitsForEveryAllGatherBeforeReadingItsUnit) {
+  // Resident units (persistence 5000) are all-gathered by step() while the next forward starts;
+  // prefetched units are gathered ahead of their layer. With all-gathers that land only when
+  // waited for, any read before the wait sees stale parameters and the run leaves the reference.
+  if (world() == 1) GTEST_SKIP() << "one rank gathers nothing";
+  const Reference& ref = reference();
+  LateAllGathers late(*comm);
+  for (const int64_t prefetch : {int64_t{0}, int64_t{4'000}}) {
+    Trainee run(zero3_options(5'000, prefetch, 0), late, ref.init);
+    train_and_expect_reference(
+        fmt::format("zero3 ×{} persistence 5000 prefetch {}, late all-gathers", world(), prefetch),
+        run);
+  }
+}
+
 TEST_F(ZeroEquivalence, Zero3OptionsAllMatchOneRank) {
   const Reference& ref = reference();
   struct Case {
