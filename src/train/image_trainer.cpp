@@ -526,9 +526,9 @@ ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) 
 
   // ---- model and device ----
   std::unique_ptr<Backend> backend = make_backend(cfg.device, local_rank_of(comm), cfg.precision);
-  check_ranks_agree(cfg, cfg.model, *backend, comm);  // the first collective
   const bool on_gpu = backend->kind() == DeviceKind::kCUDA;
   ComputeStreamScope compute_stream(comm, *backend);
+  check_ranks_agree(cfg, cfg.model, *backend, comm);  // the first collective
   LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
   ImageModelSpec spec;
   std::unique_ptr<ImageModel> model = build_image_model(cfg, data, spec, *backend, comm);

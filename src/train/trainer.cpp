@@ -545,15 +545,16 @@ TrainSummary train(const TrainConfig& requested, Communicator& comm) {
   GPT2Config model_cfg = resolve_train_model(requested);
   std::unique_ptr<Backend> backend =
       make_backend(requested.device, local_rank_of(comm), requested.precision);
+  // Collectives must start after the kernels that produce their inputs (the backend computes on
+  // its own non-default stream), and must not use that stream once the backend (declared before
+  // this guard) destroys it. Set before the first collective: on the legacy default stream an
+  // all-gather would not wait for the copy of its input.
+  ComputeStreamScope compute_stream(comm, *backend);
   check_ranks_agree(requested, model_cfg.shape_string(), *backend, comm);  // the first collective
   const TrainConfig cfg = requested.placement.automatic
                               ? with_automatic_placement(requested, model_cfg, *backend, comm, out)
                               : requested;
   const bool on_gpu = backend->kind() == DeviceKind::kCUDA;
-  // Collectives must start after the kernels that produce their inputs (the backend computes on
-  // its own non-default stream), and must not use that stream once the backend (declared before
-  // this guard) destroys it.
-  ComputeStreamScope compute_stream(comm, *backend);
   LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
   GPT2Model model(model_cfg, *backend, cfg.activation_checkpointing);
   const bool pipelined = cfg.strategy == StrategyKind::kPipeline;
