@@ -25,8 +25,11 @@ Optimizer::Optimizer(Backend& backend, const ParamLayout& layout, int64_t offset
     exp_avg = owned_m_.view();
     exp_avg_sq = owned_v_.view();
   }
+  // bf16 moments: host state of the CPU AdamW only (step_on_host).
+  const bool host_bf16 = exp_avg.dtype == DType::kBF16 && exp_avg_sq.dtype == DType::kBF16 &&
+                         exp_avg.device == DeviceKind::kCPU && hyper_.kind == OptimizerKind::kAdamW;
   ST_ASSERT(exp_avg.numel() == numel && exp_avg_sq.numel() == hyper_.second_moment_numel(numel) &&
-            exp_avg.dtype == DType::kF32 && exp_avg_sq.dtype == DType::kF32);
+            ((exp_avg.dtype == DType::kF32 && exp_avg_sq.dtype == DType::kF32) || host_bf16));
   m_ = exp_avg;
   v_ = exp_avg_sq;
   // Cut [offset, offset+numel) into runs of equal decay; padding between tensors is "no decay"
@@ -128,9 +131,19 @@ void Optimizer::step_on_host(Tensor master, Tensor grads, Tensor params_out, dou
     void* out = params_out.empty()
                     ? nullptr
                     : static_cast<char*>(params_out.data) + s.begin * dtype_size(params_out.dtype);
-    cpu_adamw(master.f32() + s.begin, static_cast<const char*>(grads.data) + s.begin * gsz,
-              grads.dtype, exp_avg.f32() + s.begin, exp_avg_sq.f32() + s.begin, out,
-              params_out.empty() ? DType::kF32 : params_out.dtype, s.count, a, simd);
+    const void* g = static_cast<const char*>(grads.data) + s.begin * gsz;
+    const DType odt = params_out.empty() ? DType::kF32 : params_out.dtype;
+    if (exp_avg.dtype == DType::kBF16) {
+      ST_ASSERT(exp_avg_sq.dtype == DType::kBF16);
+      const StochasticRounding sr{static_cast<uint64_t>(offset_ + s.begin),
+                                  static_cast<uint32_t>(t_)};
+      cpu_adamw_bf16_moments(
+          master.f32() + s.begin, g, grads.dtype, static_cast<uint16_t*>(exp_avg.data) + s.begin,
+          static_cast<uint16_t*>(exp_avg_sq.data) + s.begin, out, odt, s.count, a, sr, simd);
+    } else {
+      cpu_adamw(master.f32() + s.begin, g, grads.dtype, exp_avg.f32() + s.begin,
+                exp_avg_sq.f32() + s.begin, out, odt, s.count, a, simd);
+    }
   }
 }
 

@@ -63,7 +63,9 @@ class Optimizer {
   /// The same update over host memory with the CPU AdamW / SGD (optim/cpu_adamw.h: threaded,
   /// fused with the conversions): master fp32, grads bf16/fp16/fp32, params_out (may be empty) in
   /// its dtype, all host tensors [numel]. m and v are the object's own state unless `exp_avg` /
-  /// `exp_avg_sq` are given (host fp32 [numel]: state paged in from NVMe).
+  /// `exp_avg_sq` are given (host fp32 [numel]: state paged in from NVMe). Moments in bf16 (host
+  /// tensors, AdamW) are stepped by cpu_adamw_bf16_moments, rounded stochastically with the
+  /// bits of (flat index, step).
   void step_on_host(Tensor master, Tensor grads, Tensor params_out, double lr, double grad_scale,
                     Tensor exp_avg = {}, Tensor exp_avg_sq = {});
 

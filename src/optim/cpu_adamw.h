@@ -34,6 +34,36 @@ void cpu_adamw(float* master, const void* grad, DType grad_dtype, float* m, floa
                void* params_out, DType out_dtype, int64_t n, const Backend::AdamWArgs& args,
                CpuSimd simd);
 
+/// Where the random bits of stochastic rounding come from: element `index_base + i` of step
+/// `step` draws hash(index, step) (a 32-bit integer hash), so that the rounding of an element
+/// does not depend on how the elements are split into calls, threads or ranks.
+struct StochasticRounding {
+  uint64_t index_base = 0;  ///< flat-layout index of element 0 of the call
+  uint32_t step = 0;        ///< optimizer step (1-based)
+};
+
+/// cpu_adamw with the moments m and v stored as bf16 [n] (2 bytes each instead of 4: 8 bytes of
+/// state per element with the fp32 master, as llmq keeps its host optimizer state). Each step
+/// reads m and v, updates them in fp32 exactly as cpu_adamw does, uses the fp32 values for this
+/// step's update, and stores them rounded stochastically to bf16 (round up with probability
+/// equal to the dropped fraction, so that E[stored] = value: rounding to nearest would freeze v,
+/// whose relative change per step, 1 − β2 = 0.1%, is below bf16's 0.4% resolution; Gupta et al.,
+/// "Deep Learning with Limited Numerical Precision", arXiv 1502.02551, §3). The random bits
+/// come from `rounding` (see StochasticRounding). Reads 4 + 2 + 2 + 2 and writes 4 + 2 + 2 + 2
+/// bytes per element for bf16 gradients and parameters (20 instead of 28).
+void cpu_adamw_bf16_moments(float* master, const void* grad, DType grad_dtype, uint16_t* m,
+                            uint16_t* v, void* params_out, DType out_dtype, int64_t n,
+                            const Backend::AdamWArgs& args, StochasticRounding rounding,
+                            CpuSimd simd);
+
+/// fp32 → bf16 rounded stochastically with the 16 random bits `random` (the low 16 bits are
+/// used): ⌊(bits(x) + random) / 2^16⌋; NaN stays NaN, ±inf stays ±inf. What the vector paths of
+/// cpu_adamw_bf16_moments compute lane by lane.
+uint16_t bf16_stochastic(float x, uint32_t random);
+
+/// The 32 random bits element `index` of step `step` rounds with (StochasticRounding).
+uint32_t stochastic_rounding_bits(uint64_t index, uint32_t step);
+
 /// One SGD step (torch.optim.SGD, dampening 0; the formula of Backend::sgd) over `n` elements in
 /// host memory, for the offloaded optimizer: g = grad·grad_scale + wd·p; buf = first_step ? g :
 /// μ·buf + g; d = nesterov ? g + μ·buf : buf (d = g when μ = 0); p −= lr·d. master fp32 [n] and

@@ -9,20 +9,27 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/half.h"
 
 namespace shardtrain {
 
 HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
                              std::vector<FlatRange> ranges, OptimizerHyper hyper, DType grad_dtype,
                              DType param_dtype, bool delayed_update, const SwapOptions* swap,
-                             std::vector<Tensor> host_params, StagedParams staged_params)
+                             std::vector<Tensor> host_params, StagedParams staged_params,
+                             DType moment_dtype)
     : backend_(backend),
       ranges_(std::move(ranges)),
       staged_(std::move(staged_params)),
       grad_dtype_(grad_dtype),
       param_dtype_(param_dtype),
       delayed_(delayed_update),
-      kind_(hyper.kind) {
+      kind_(hyper.kind),
+      moment_dtype_(moment_dtype) {
+  ST_ASSERT(moment_dtype == DType::kF32 || moment_dtype == DType::kBF16);
+  check<ConfigError>(moment_dtype == DType::kF32 || hyper.kind == OptimizerKind::kAdamW,
+                     "offload_optimizer.moments_dtype \"bf16\" needs AdamW: SGD's momentum "
+                     "buffer stays fp32; drop the key or use --optimizer adamw");
   ST_ASSERT(dtype_size(grad_dtype) == dtype_size(param_dtype));  // results overwrite gradients
   // The swap file pages master, m and v of AdamW together (strategy.cpp refuses SGD with NVMe).
   check<ConfigError>(!swap || hyper.kind == OptimizerKind::kAdamW,
@@ -59,8 +66,10 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
       // [master | m | v] per range on NVMe, each 4096-aligned.
       region_.push_back(in_memory ? -1 : file);
       qbytes_.push_back(in_memory ? 0 : swap_round_up(r.numel * 4));
-      file += 3 * qbytes_.back();
-      largest = std::max(largest, 3 * qbytes_.back());
+      mbytes_.push_back(
+          in_memory ? 0 : swap_round_up(r.numel * static_cast<int64_t>(dtype_size(moment_dtype))));
+      file += region_bytes(i);
+      largest = std::max(largest, region_bytes(i));
     }
   }
   if (file > 0) {
@@ -75,15 +84,16 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
     region_.clear();
   }
   // master, m and v (SGD: no v) of the ranges in memory, zeroed.
+  const auto msize = static_cast<int64_t>(dtype_size(moment_dtype));
   state_[0] = AlignedHostBuffer(in_memory_ * 4);
-  state_[1] = AlignedHostBuffer(in_memory_ * 4);
-  state_[2] = AlignedHostBuffer(hyper.second_moment_numel(in_memory_) * 4);
+  state_[1] = AlignedHostBuffer(in_memory_ * msize);
+  state_[2] = AlignedHostBuffer(hyper.second_moment_numel(in_memory_) * msize);
   grads_[0] = PinnedBuffer(backend, grad_dtype, pinned_total_);
   if (delayed_) grads_[1] = PinnedBuffer(backend, grad_dtype, pinned_total_);
   for (size_t i = 0; i < ranges_.size(); ++i) {
     const FlatRange& r = ranges_[i];
     // On NVMe the moments are handed to each step from a staging slot.
-    const Tensor none(nullptr, DType::kF32, DeviceKind::kCPU, {r.numel});
+    const Tensor none(nullptr, moment_dtype, DeviceKind::kCPU, {r.numel});
     const Tensor v = hyper.kind == OptimizerKind::kSGD
                          ? Tensor(nullptr, DType::kF32, DeviceKind::kCPU, {0})
                      : on_nvme(i) ? none
@@ -274,7 +284,7 @@ void HostOptimizer::prefetch(size_t i, const Slot* keep) {
     if (sl.range == static_cast<int>(i)) return;
   Slot& v = victim(keep);
   v.range = static_cast<int>(i);
-  v.read = swap_->read_async(region_[i], v.buf.data(), 3 * qbytes_[i]);
+  v.read = swap_->read_async(region_[i], v.buf.data(), region_bytes(i));
 }
 
 HostOptimizer::Slot& HostOptimizer::page_in(size_t i, const Slot* keep) {
@@ -300,10 +310,11 @@ void HostOptimizer::update_range(size_t i, int64_t next, const Tensor& grads, co
   Slot& sl = page_in(i, nullptr);
   if (next >= 0) prefetch(static_cast<size_t>(next), &sl);  // read ahead of the next step
   char* base = static_cast<char*>(sl.buf.data());
-  const int64_t q = qbytes_[i];
-  const auto view = [&](int k) { return Tensor(base + k * q, DType::kF32, DeviceKind::kCPU, {n}); };
+  const auto view = [&](int k) {
+    return Tensor(base + quantity_offset(i, k), dtype_of(k), DeviceKind::kCPU, {n});
+  };
   adam_[i]->step_on_host(view(0), grads, out, lr, grad_scale, view(1), view(2));
-  sl.write = swap_->write_async(region_[i], base, 3 * q);  // written behind the next steps
+  sl.write = swap_->write_async(region_[i], base, region_bytes(i));  // behind the next steps
 }
 
 void HostOptimizer::update_staged(size_t i, int64_t next, double lr, double grad_scale,
@@ -419,22 +430,47 @@ int HostOptimizer::quantity(StateTensor q) {
 }
 
 Tensor HostOptimizer::state_slice(int k, int64_t offset, int64_t numel) {
-  return host_slice(state_[k].data(), DType::kF32, in_memory_, offset, numel);
+  return host_slice(state_[k].data(), dtype_of(k), in_memory_, offset, numel);
 }
+
+namespace {
+
+/// n values of `dtype` (fp32 or bf16) at `src` as fp32 at `dst`, and back (bf16 rounded to
+/// nearest even: a checkpoint's fp32 moments loaded into bf16 state).
+void to_f32(const void* src, DType dtype, int64_t n, float* dst) {
+  if (dtype == DType::kF32) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+    return;
+  }
+  const auto* h = static_cast<const uint16_t*>(src);
+  for (int64_t j = 0; j < n; ++j) dst[j] = bf16_to_float(h[j]);
+}
+
+void from_f32(const float* src, int64_t n, DType dtype, void* dst) {
+  if (dtype == DType::kF32) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+    return;
+  }
+  auto* h = static_cast<uint16_t*>(dst);
+  for (int64_t j = 0; j < n; ++j) h[j] = float_to_bf16(src[j]);
+}
+
+}  // namespace
 
 void HostOptimizer::read_state(StateTensor q, size_t i, int64_t offset, int64_t numel, float* dst) {
   ST_ASSERT(offset >= 0 && offset + numel <= ranges_[i].numel);
   ST_ASSERT(q != StateTensor::kExpAvgSq || kind_ == OptimizerKind::kAdamW);  // SGD: no v
   const int k = quantity(q);
   if (!on_nvme(i)) {
-    std::memcpy(dst, state_slice(k, state_offset_[i] + offset, numel).data,
-                static_cast<size_t>(numel) * 4);
+    to_f32(state_slice(k, state_offset_[i] + offset, numel).data, dtype_of(k), numel, dst);
     return;
   }
   swap_->wait_all();
-  AlignedHostBuffer tmp(qbytes_[i]);
-  swap_->wait(swap_->read_async(region_[i] + k * qbytes_[i], tmp.data(), qbytes_[i]));
-  std::memcpy(dst, static_cast<const float*>(tmp.data()) + offset, static_cast<size_t>(numel) * 4);
+  AlignedHostBuffer tmp(quantity_bytes(i, k));
+  swap_->wait(swap_->read_async(region_[i] + quantity_offset(i, k), tmp.data(), tmp.bytes()));
+  const size_t esize = dtype_size(dtype_of(k));
+  to_f32(static_cast<const char*>(tmp.data()) + static_cast<size_t>(offset) * esize, dtype_of(k),
+         numel, dst);
 }
 
 void HostOptimizer::write_state(StateTensor q, size_t i, int64_t offset, int64_t numel,
@@ -443,17 +479,18 @@ void HostOptimizer::write_state(StateTensor q, size_t i, int64_t offset, int64_t
   ST_ASSERT(q != StateTensor::kExpAvgSq || kind_ == OptimizerKind::kAdamW);  // SGD: no v
   const int k = quantity(q);
   if (!on_nvme(i)) {
-    std::memcpy(state_slice(k, state_offset_[i] + offset, numel).data, src,
-                static_cast<size_t>(numel) * 4);
+    from_f32(src, numel, dtype_of(k), state_slice(k, state_offset_[i] + offset, numel).data);
     return;
   }
   swap_->wait_all();
   for (Slot& sl : slots_) sl.range = -1;  // staged copies are stale now
-  AlignedHostBuffer tmp(qbytes_[i]);
-  const int64_t at = region_[i] + k * qbytes_[i];
-  swap_->wait(swap_->read_async(at, tmp.data(), qbytes_[i]));
-  std::memcpy(static_cast<float*>(tmp.data()) + offset, src, static_cast<size_t>(numel) * 4);
-  swap_->wait(swap_->write_async(at, tmp.data(), qbytes_[i]));
+  AlignedHostBuffer tmp(quantity_bytes(i, k));
+  const int64_t at = region_[i] + quantity_offset(i, k);
+  swap_->wait(swap_->read_async(at, tmp.data(), tmp.bytes()));
+  const size_t esize = dtype_size(dtype_of(k));
+  from_f32(src, numel, dtype_of(k),
+           static_cast<char*>(tmp.data()) + static_cast<size_t>(offset) * esize);
+  swap_->wait(swap_->write_async(at, tmp.data(), tmp.bytes()));
 }
 
 size_t HostOptimizer::pageable_bytes() const {

@@ -27,9 +27,10 @@
 // 1 and 2 are exact: g_1 = ∇f(W_0), g_2 = ∇f(W_1)). Gradients alternate between two pinned buffers
 // so that step s+1's copies do not overwrite the gradients update s is reading.
 //
-// State lives in pageable host memory (fp32 master, m, v: 12 bytes per element), or in a swap
-// file on NVMe for the ranges beyond SwapOptions::max_in_cpu elements (ZeRO-Infinity). The pinned
-// buffers hold 2 bytes (bf16/fp16) per element, twice in delayed mode.
+// State lives in pageable host memory (fp32 master, m, v: 12 bytes per element; 8 with bf16
+// moments, cpu_adamw_bf16_moments), or in a swap file on NVMe for the ranges beyond
+// SwapOptions::max_in_cpu elements (ZeRO-Infinity). The pinned buffers hold 2 bytes (bf16/fp16)
+// per element, twice in delayed mode.
 //
 // Gradients in the parameters' place. When a range's parameters live in host memory themselves
 // (zero3's offload_param: `host_params`), its gradient is copied into them and the update reads
@@ -93,11 +94,12 @@ class HostOptimizer {
   /// swap->dir is missing, unwritable or too small. `host_params`: empty, or per range the
   /// range's parameters ([numel], param dtype) when they live in host memory — its gradient then
   /// lands there and step() must target them (see "Gradients in the parameters' place"); ignored
-  /// with the delayed update or fp16.
+  /// with the delayed update or fp16. `moment_dtype`: kF32, or kBF16 (AdamW only: m and v in
+  /// bf16, rounded stochastically; read_state/write_state still move fp32).
   HostOptimizer(Backend& backend, const ParamLayout& layout, std::vector<FlatRange> ranges,
                 OptimizerHyper hyper, DType grad_dtype, DType param_dtype, bool delayed_update,
                 const SwapOptions* swap = nullptr, std::vector<Tensor> host_params = {},
-                StagedParams staged_params = {});
+                StagedParams staged_params = {}, DType moment_dtype = DType::kF32);
   ~HostOptimizer();
   HostOptimizer(const HostOptimizer&) = delete;
   HostOptimizer& operator=(const HostOptimizer&) = delete;
@@ -190,14 +192,16 @@ class HostOptimizer {
   int64_t in_memory_ = 0;     ///< Σ numel of the ranges whose state is in memory
   int64_t pinned_total_ = 0;  ///< Σ numel of the ranges with a pinned gradient buffer
   static int quantity(StateTensor q);
-  /// Elements [offset, offset + numel) of state_[k] as a host tensor.
+  DType moment_dtype_ = DType::kF32;  ///< m and v: kF32 or kBF16
+  DType dtype_of(int k) const { return k == 0 ? DType::kF32 : moment_dtype_; }
+  /// Elements [offset, offset + numel) of state_[k] as a host tensor (dtype_of(k)).
   Tensor state_slice(int k, int64_t offset, int64_t numel);
   PinnedBuffer grads_[2];  ///< grad dtype [Σ numel]; [1] only in delayed mode
   std::vector<std::unique_ptr<Optimizer>> adam_;  ///< per range (null for empty ranges)
 
-  // NVMe: range i's [master | m | v] at file offset region_[i] (-1: in memory), each quantity
-  // qbytes_[i] long (4096-aligned); used by the worker thread only, except in read_state /
-  // write_state.
+  // NVMe: range i's [master | m | v] at file offset region_[i] (-1: in memory), the master
+  // qbytes_[i] long and each moment mbytes_[i] (4096-aligned); used by the worker thread only,
+  // except in read_state / write_state.
   struct Slot {
     AlignedHostBuffer buf;  ///< 3 quantities of the largest range
     int range = -1;         ///< range held (read issued), or -1
@@ -209,7 +213,13 @@ class HostOptimizer {
   void prefetch(size_t i, const Slot* keep);
   Slot& victim(const Slot* keep);
   std::unique_ptr<SwapFile> swap_;
-  std::vector<int64_t> region_, qbytes_;
+  std::vector<int64_t> region_, qbytes_, mbytes_;
+  /// Where quantity k of range i starts in its region, and its bytes there.
+  int64_t quantity_offset(size_t i, int k) const {
+    return k == 0 ? 0 : qbytes_[i] + (k - 1) * mbytes_[i];
+  }
+  int64_t quantity_bytes(size_t i, int k) const { return k == 0 ? qbytes_[i] : mbytes_[i]; }
+  int64_t region_bytes(size_t i) const { return qbytes_[i] + 2 * mbytes_[i]; }
   std::vector<Slot> slots_;
   size_t next_victim_ = 0;
   std::unique_ptr<CopyStream> to_host_, to_device_;
