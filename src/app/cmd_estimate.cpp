@@ -82,6 +82,17 @@ void register_estimate_command(CLI::App& app) {
                   "offloaded plans: fraction r of the optimizer state on the host (default 1)");
   cmd->add_flag("--offload-delayed-update", o.delayed_update,
                 "offloaded plans: the delayed update's second pinned gradient buffer");
+  cmd->add_option_function<std::string>(
+         "--offload-moments-dtype", [&o](const std::string& s) { o.bf16_moments = s == "bf16"; },
+         "offloaded plans: dtype of AdamW's m and v on the host and NVMe: fp32 (default) or bf16 "
+         "(8 bytes of state per parameter instead of 12)")
+      ->type_name("DTYPE")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  cmd->add_option("--offload-forward-group", o.forward_group,
+                  "offload with activation checkpointing: micro-batches whose forward runs layer "
+                  "by layer (train's --offload-forward-group; default 1): their layer inputs are "
+                  "live at once")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--zero-hpz-partition-size", o.hpz_partition_size,
                   "zero3 hybrid sharding: add the row zero3-hybrid, sharded within groups of G "
                   "GPUs (e.g. a node's) and replicated across them (default 1: no such row)")

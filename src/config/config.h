@@ -61,6 +61,18 @@ struct ZeroConfig {
   /// host memory; the rest is paged from the swap file. 0 (default): all of it on NVMe, as
   /// DeepSpeed does. >= 0.
   int64_t offload_optimizer_max_in_cpu = 0;
+  /// offload_optimizer.forward_group (shardtrain's key; --offload-forward-group): micro-batches at
+  /// the start of each step whose forward runs layer by layer (layer 0 of all of them, then layer
+  /// 1, …), so that the host's update, which lands layer by layer, overlaps that many forwards
+  /// instead of one. Same results bit for bit; costs (group − 1) · (n_layer + 1) · B·T·n_embd
+  /// activations in the compute dtype. Needs activation checkpointing. 0 (default): every
+  /// micro-batch of the step when the optimizer is offloaded and activation checkpointing is on,
+  /// else 1 (off). >= 0.
+  int64_t offload_forward_group = 0;
+  /// offload_optimizer.moments_dtype (shardtrain's key; --offload-moments-dtype): "fp32" (default)
+  /// or "bf16": AdamW's m and v of the host-stepped elements in bf16, rounded stochastically
+  /// (optim/cpu_adamw.h), so the host and NVMe state is 8 bytes per element instead of 12.
+  std::string offload_moments_dtype = "fp32";
   /// offload_param.max_in_cpu: with offload_param "nvme", the parameter elements per rank kept in
   /// pinned host memory (whole layers in order while they fit); the others are paged from a swap
   /// file through offload_param.buffer_count pinned buffers (ZeRO-Infinity's parameter half).
@@ -383,6 +395,12 @@ void apply_deepspeed_config(const std::string& path, TrainConfig& cfg,
 /// gradient across the network, the hierarchical one 2(n−1)/n over n nodes, fewer whenever a node
 /// has more than one rank; with one rank per node they are the same, and it stays off.
 bool hierarchical_reduction(const TrainConfig& cfg);
+
+/// Micro-batches at the start of each step whose forward runs layer by layer
+/// (zero.offload_forward_group resolved; TrainStepOptions::forward_group): the key's value when
+/// given (≥ 1); by default every micro-batch of the step when the optimizer is offloaded under
+/// ZeRO stage 1 or 2 with activation checkpointing, else 1. Meaningful after validate().
+int64_t forward_group(const TrainConfig& cfg);
 
 /// The data-parallel degree D: world_size, or world_size / pipeline.stages for --strategy
 /// pipeline (the replicas of the pipeline). Meaningful after validate().

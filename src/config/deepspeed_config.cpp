@@ -709,6 +709,30 @@ class DeepSpeedReader {
                         prefix, file_));
       if (auto v = get_bool(*off, "delayed_update", prefix)) cfg_.zero.offload_delayed_update = *v;
     }
+    if (has(*off, "moments_dtype")) {
+      if (std::string(key) != "offload_optimizer")
+        throw ConfigError(fmt::format(
+            "{}.moments_dtype in '{}': the moments' dtype belongs to offload_optimizer; move it "
+            "there",
+            prefix, file_));
+      const char* choices = "\"fp32\" or \"bf16\" (AdamW's m and v on the host)";
+      if (auto d = get_string(*off, "moments_dtype", prefix, choices)) {
+        if (*d != "fp32" && *d != "bf16")
+          bad_value(prefix + ".moments_dtype", off->at("moments_dtype"), choices);
+        cfg_.zero.offload_moments_dtype = *d;
+      }
+    }
+    if (has(*off, "forward_group")) {
+      if (std::string(key) != "offload_optimizer")
+        throw ConfigError(
+            fmt::format("{}.forward_group in '{}': the forward group belongs to offload_optimizer; "
+                        "move it there",
+                        prefix, file_));
+      if (auto v = get_int(*off, "forward_group", prefix, 0,
+                           "an integer >= 0 (micro-batches whose forward runs layer by layer; 0: "
+                           "all of the step's)"))
+        cfg_.zero.offload_forward_group = *v;
+    }
     return current;
   }
 

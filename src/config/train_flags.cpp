@@ -226,6 +226,19 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                "offload: ZeRO-Offload's one-step delayed parameter update: the CPU step of step "
                "t runs while the GPU computes step t+1 on the parameters of step t-1 (default: "
                "off, exact)");
+  cmd.add_option("--offload-moments-dtype", cfg.zero.offload_moments_dtype,
+                 "offload: dtype of AdamW's m and v on the host and NVMe: fp32 (default) or "
+                 "bf16 (rounded stochastically; 8 bytes of state per parameter instead of 12)")
+      ->type_name("DTYPE")
+      ->check(one_of({"fp32", "bf16"}));
+  cmd.add_option("--offload-forward-group", cfg.zero.offload_forward_group,
+                 "offload: micro-batches at the start of each step whose forward runs layer by "
+                 "layer, so that the host's update overlaps that many forwards (same results; "
+                 "costs their layer inputs in GPU memory; needs activation checkpointing). "
+                 "Default 0: every micro-batch of the step with an offloaded optimizer and "
+                 "activation checkpointing, else 1")
+      ->type_name("N")
+      ->check(int_at_least(0));
   cmd.add_option("--nvme-path", cfg.zero.nvme_path,
                  "infinity: directory for the per-rank swap files of state offloaded to NVMe "
                  "(DeepSpeed offload_optimizer.nvme_path)")

@@ -225,6 +225,29 @@ void check_strategy(const TrainConfig& c) {
         "need the optimizer offloaded: use --strategy offload (or infinity), or set "
         "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
   }
+  if (c.zero.offload_moments_dtype != "fp32") {
+    check<ConfigError>(plan.optimizer_offload != OffloadDevice::kNone || c.placement.automatic,
+                       "--offload-moments-dtype {} (offload_optimizer.moments_dtype) is the dtype "
+                       "of the host's AdamW moments: offload the optimizer (--strategy offload, "
+                       "infinity or --offload auto), or drop it",
+                       c.zero.offload_moments_dtype);
+    check<ConfigError>(c.optimizer == OptimizerKind::kAdamW,
+                       "--offload-moments-dtype {} needs AdamW (SGD's momentum buffer stays "
+                       "fp32): drop it, or use --optimizer adamw",
+                       c.zero.offload_moments_dtype);
+  }
+  if (c.zero.offload_forward_group > 1) {
+    check<ConfigError>(c.activation_checkpointing,
+                       "--offload-forward-group {} (offload_optimizer.forward_group) keeps the "
+                       "layer inputs of that many micro-batches, which needs activation "
+                       "checkpointing: add --activation-checkpointing, or set it to 1",
+                       c.zero.offload_forward_group);
+    check<ConfigError>(plan.zero_stage < 3,
+                       "--offload-forward-group {} (offload_optimizer.forward_group) is not "
+                       "available with ZeRO stage 3, which gathers each layer per micro-batch: "
+                       "set it to 1, or use ZeRO stage 1 or 2 (--strategy offload)",
+                       c.zero.offload_forward_group);
+  }
   if (c.zero.offload_delayed_update && plan.param_offload != OffloadDevice::kNone) {
     throw ConfigError(
         "the delayed parameter update (--offload-delayed-update) is not available with "
@@ -362,6 +385,14 @@ bool hierarchical_reduction(const TrainConfig& cfg) {
                         cfg.strategy == StrategyKind::kZero2 ||
                         (cfg.strategy == StrategyKind::kZero3 && cfg.zero.hpz_partition_size <= 1);
   return eligible && cfg.ranks_per_node > 1 && cfg.world_size > cfg.ranks_per_node;
+}
+
+int64_t forward_group(const TrainConfig& cfg) {
+  if (cfg.zero.offload_forward_group > 0) return cfg.zero.offload_forward_group;
+  const bool overlaps = cfg.plan.optimizer_offload != OffloadDevice::kNone &&
+                        cfg.plan.zero_stage < 3 && cfg.strategy != StrategyKind::kPipeline &&
+                        cfg.activation_checkpointing;
+  return overlaps ? std::max<int64_t>(1, cfg.gradient_accumulation_steps) : 1;
 }
 
 int data_parallel_size(const TrainConfig& cfg) {

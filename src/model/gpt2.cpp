@@ -29,6 +29,7 @@ GPT2Model::GPT2Model(const GPT2Config& config, Backend& backend, bool activation
 GPT2Model::~GPT2Model() = default;
 
 void GPT2Model::build(const std::vector<int>& ids, bool head_places_shared) {
+  head_places_shared_ = head_places_shared;
   check<ConfigError>(config_.n_embd % config_.n_head == 0,
                      "model {}: n_embd {} is not divisible by n_head {}", config_.name,
                      config_.n_embd, config_.n_head);
@@ -111,9 +112,10 @@ void GPT2Model::reserve(int s, int64_t B, int64_t T) {
     sl.B = B;
     sl.T = T;
   }
-  for (auto& l : layers_) {
-    l->use_slot(s);
-    l->reserve(backend_, B, T);
+  for (int i = 0; i < n; ++i) {
+    Layer& l = *layers_[static_cast<size_t>(i)];
+    l.use_slot(layer_slot(i, s));
+    l.reserve(backend_, B, T);
   }
 }
 
@@ -166,7 +168,7 @@ void GPT2Model::forward_layers(int s, int first, int last) {
   for (int i = first; i < last; ++i) {
     if (hooks_) hooks_->before_forward(i);
     Layer& l = *layers_[static_cast<size_t>(i)];
-    l.use_slot(s);
+    l.use_slot(layer_slot(i, s));
     const bool embed = i == 0 && has_embedding();
     const bool head = i == n - 1 && has_head();
     l.forward(backend_, sl.ctx, embed ? Tensor() : activation(s, i),
@@ -192,7 +194,7 @@ void GPT2Model::backward_layers(int s, int first, int last, BackwardPass pass) {
   for (int i = last - 1; i >= first; --i) {
     if (hooks) hooks_->before_backward(i);
     Layer& l = *layers_[static_cast<size_t>(i)];
-    l.use_slot(s);
+    l.use_slot(layer_slot(i, s));
     const Tensor in = i == 0 && has_embedding() ? Tensor() : activation(s, i);
     if (hand_off && i == 0) {  // wpe's gradient here, wte's rows to the hooks
       embedding_backward_positions(backend_, l, sl.ctx, dresid);
@@ -241,6 +243,37 @@ uint64_t micro_batch_dropout_seed(uint64_t run_seed, int64_t rank, int64_t step,
 }
 
 void GPT2Model::backward() { backward_layers(0, 0, num_layers(), BackwardPass::kFull); }
+
+void GPT2Model::stage_micro_batch(int k, const ModelInput& in, float grad_scale) {
+  ST_ASSERT(supports_layer_major_forward() && in.tokens && in.targets);
+  prepare(k, in.tokens, in.targets, in.batch, in.seq_len, grad_scale, true, in.dropout_seed);
+}
+
+void GPT2Model::forward_layer_major(int count) {
+  ST_ASSERT(supports_layer_major_forward() && count >= 1);
+  const int n = num_layers();
+  for (int i = 0; i + 1 < n; ++i) {
+    if (hooks_) hooks_->before_forward(i);
+    Layer& l = *layers_[static_cast<size_t>(i)];
+    for (int s = 0; s < count; ++s) {
+      Slot& sl = slot(s);
+      l.use_slot(s);
+      l.forward(backend_, sl.ctx, i == 0 ? Tensor() : activation(s, i), activation(s, i + 1));
+      if (hooks_) hooks_->between_layers();
+    }
+    if (hooks_) hooks_->after_forward(i);
+  }
+}
+
+double GPT2Model::forward_head_layer_major(int k) {
+  const int n = num_layers();
+  forward_layers(k, n - 1, n);  // the head, in slot 0
+  return slot_loss(k);
+}
+
+void GPT2Model::backward_layer_major(int k) {
+  backward_layers(k, 0, num_layers(), BackwardPass::kFull);
+}
 
 std::vector<float> GPT2Model::logits_at(int64_t b, int64_t t) {
   ST_ASSERT(has_head());

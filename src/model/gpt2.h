@@ -155,6 +155,16 @@ class GPT2Model final : public Model {
   }
   /// Backward over all layers after forward(..., for_backward=true); accumulates into grads.
   void backward() override;
+
+  /// Model's layer-major forward (model.h): micro-batch k in activation slot k; the head keeps
+  /// one slot (slot 0) for all of them. Needs activation checkpointing and the whole model.
+  bool supports_layer_major_forward() const override {
+    return checkpointing_ && head_places_shared_;
+  }
+  void stage_micro_batch(int k, const ModelInput& input, float grad_scale) override;
+  void forward_layer_major(int count) override;
+  double forward_head_layer_major(int k) override;
+  void backward_layer_major(int k) override;
   /// 6·N + 12·n_layer·n_embd·T FLOPs per token (Kaplan et al., arXiv 2001.08361, §2.1, with
   /// attention), times T tokens.
   double train_flops_per_sample(int64_t seq_len) const override;
@@ -210,6 +220,13 @@ class GPT2Model final : public Model {
   GPT2Config config_;
   Backend& backend_;
   bool checkpointing_;
+  /// The whole model: its head's logits host the blocks' recomputed set, so the head keeps one
+  /// activation slot, slot 0, whatever slot its micro-batch is in (head_slot()).
+  bool head_places_shared_ = false;
+  /// The activation slot layer `i` uses for the micro-batch in slot `s`.
+  int layer_slot(int i, int s) const {
+    return head_places_shared_ && i == num_layers() - 1 ? 0 : s;
+  }
   std::vector<int> ids_;
   ParamLayout layout_;
   std::vector<std::unique_ptr<Layer>> layers_;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -134,6 +135,41 @@ class Model {
     const double loss = forward(input, grad_scale, true);
     backward();
     return loss;
+  }
+
+  // ---- layer-major forward (several micro-batches per layer) ---------------------------------
+  // A step's first micro-batches may run their forward layer by layer — layer 0 of every one of
+  // them, then layer 1, … — before each finishes (its loss, then its backward) in turn. The
+  // arithmetic of every micro-batch, and the order in which their gradients accumulate, are those
+  // of forward()/backward() one micro-batch after the other: the results are the same bit for
+  // bit. What changes is when each layer's parameters are first read: the k-th layer is needed
+  // only after the layers before it have run on all the micro-batches, so a parameter update
+  // that lands layer by layer (an offloaded optimizer's host step) overlaps a forward G times
+  // longer (GreedySnake, arXiv 2512.17570, §4: "vertical" scheduling of micro-batches).
+
+  /// Whether forward_layer_major() can run now (GPT-2 under activation checkpointing).
+  virtual bool supports_layer_major_forward() const { return false; }
+  /// Sets micro-batch k (0, 1, … in order) of the next forward_layer_major() for training, as
+  /// forward(input, grad_scale, true) would: copies its data (the pointers need not outlive the
+  /// call).
+  virtual void stage_micro_batch(int /*k*/, const ModelInput& /*input*/, float /*grad_scale*/) {
+    throw std::logic_error("stage_micro_batch: not supported by this model");
+  }
+  /// Forward of every layer but the last (the head) for the `count` micro-batches staged,
+  /// layer-major: the hooks' before_forward(i) and after_forward(i) run once around layer i of
+  /// all of them. Keeps each micro-batch's layer inputs (count · layers · B·T·C elements in the
+  /// compute dtype) until it is finished.
+  virtual void forward_layer_major(int /*count*/) {
+    throw std::logic_error("forward_layer_major: not supported by this model");
+  }
+  /// The head's forward of micro-batch k of the last forward_layer_major(); returns its mean
+  /// loss. Then backward_layer_major(k), before the next k (0, 1, … in order).
+  virtual double forward_head_layer_major(int /*k*/) {
+    throw std::logic_error("forward_head_layer_major: not supported by this model");
+  }
+  /// The whole backward of micro-batch k, as backward() after its forward.
+  virtual void backward_layer_major(int /*k*/) {
+    throw std::logic_error("backward_layer_major: not supported by this model");
   }
 
   /// Dense FLOPs of one training step's forward + backward per sample (6·N·T-style analytic

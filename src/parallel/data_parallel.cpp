@@ -66,6 +66,8 @@ class DataParallel final : public Strategy {
     return hierarchical_ ? hierarchical_->network_bytes() : 0;
   }
 
+  /// No hook acts in forward.
+  bool allows_layer_major_forward() const override { return true; }
   void begin_micro_step(int64_t index, int64_t count) override {
     last_micro_ = index + 1 == count;
     if (last_micro_) readiness_.reset();

@@ -42,6 +42,12 @@ int optimizer_state_bytes_per_parameter(OptimizerKind k) {
   return k == OptimizerKind::kSGD ? 8 : 12;
 }
 
+int host_state_bytes_per_parameter(const MemoryEstimateOptions& o) {
+  return o.optimizer == OptimizerKind::kAdamW && o.bf16_moments
+             ? 8
+             : optimizer_state_bytes_per_parameter(o.optimizer);
+}
+
 double zero_model_state_bytes(StrategyKind s, int64_t psi, int gpus, int k_bytes) {
   check<ConfigError>(gpus >= 1, "--gpus {} is not valid: use 1 or more", gpus);
   const double P = static_cast<double>(psi), N = gpus, K = k_bytes;
@@ -222,19 +228,23 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
     s.formula = p.formula;
     s.model_states = (p.stage3 ? 0.0 : kBf16 * psi) + kBf16 * shard + (1 - r) * K * shard;
     s.activations = e.activations.total();
+    if (!p.stage3 && o.activation_checkpointing && o.forward_group > 1)  // forward_layer_major
+      s.activations +=
+          static_cast<double>(o.forward_group - 1) * (e.activations.residual + e.activations.io);
     s.buffers =
         fixed +
         (p.stage3
              ? zero3_transient_bytes(o.model, o.gpus, o.zero3, o.persistence_threshold, true)
              : gradient_bucket_bytes(StrategyKind::kZero2, o.model, o.gpus, bucket_elements(o)));
     s.host_pinned = p.stage3 ? stage3_staging + kBf16 * shard : staging;
-    s.host_pageable = K * r * shard;
+    const double Kh = host_state_bytes_per_parameter(o);
+    s.host_pageable = Kh * r * shard;
     if (p.nvme) {
       // offload_optimizer.max_in_cpu elements keep their state in memory; the rest is paged
       // through three slots of the largest unit's [master | m | v] (the embedding).
       const double in_cpu = std::min(static_cast<double>(o.optimizer_max_in_cpu), r * shard);
-      s.nvme = 12.0 * (r * shard - in_cpu);
-      s.host_pageable = 12.0 * in_cpu + (s.nvme > 0 ? 3.0 * 12.0 * r * largest_unit : 0.0);
+      s.nvme = Kh * (r * shard - in_cpu);
+      s.host_pageable = Kh * in_cpu + (s.nvme > 0 ? 3.0 * Kh * r * largest_unit : 0.0);
     }
     e.strategies.push_back(s);
   }

@@ -46,6 +46,13 @@ struct MemoryEstimateOptions {
   int64_t persistence_threshold = 100'000;  ///< stage3_param_persistence_threshold
   double offload_ratio = 1.0;               ///< offload_optimizer.ratio of the offloaded rows
   bool delayed_update = false;              ///< offload: two pinned gradient buffers instead of one
+  /// offload (stages 1–2) with activation checkpointing: micro-batches whose layer inputs are
+  /// live at once (offload_optimizer.forward_group, resolved): (group − 1) more sets of the
+  /// residual stream and the micro-batch's tokens, targets and losses. >= 1.
+  int64_t forward_group = 1;
+  /// Offloaded plans: AdamW's host and NVMe moments in bf16 (offload_optimizer.moments_dtype):
+  /// 8 bytes of host state per parameter instead of 12.
+  bool bf16_moments = false;
   /// infinity: elements per rank whose optimizer state stays in host memory
   /// (offload_optimizer.max_in_cpu); the rest is on NVMe.
   int64_t optimizer_max_in_cpu = 0;
@@ -59,6 +66,9 @@ struct MemoryEstimateOptions {
 
 /// The ZeRO paper's K (bytes of fp32 optimizer state per parameter) of `k`: 12 or 8.
 int optimizer_state_bytes_per_parameter(OptimizerKind k);
+/// Bytes of optimizer state per host-stepped parameter in host memory or on NVMe: K, or 8 for
+/// AdamW with bf16 moments (fp32 master, bf16 m and v).
+int host_state_bytes_per_parameter(const MemoryEstimateOptions& o);
 
 /// Activation memory (bytes) of one micro-batch, by part.
 struct ActivationEstimate {

@@ -33,12 +33,20 @@ std::string ratio_name(const char* base, double r) { return fmt::format("{} r={:
 
 }  // namespace
 
+PlacementMargins placement_margins(double gpu_bytes, double host_bytes, double nvme_bytes) {
+  constexpr double kMiB = 1024.0 * 1024, kGiB = 1024 * kMiB;
+  PlacementMargins m;
+  // Small budgets (a CPU rank planning for --gpu-memory 0.62) keep most of theirs.
+  m.gpu = std::min(0.10 * gpu_bytes, 512 * kMiB + 0.02 * gpu_bytes);
+  m.host = std::min(0.25 * host_bytes, 4 * kGiB + 0.06 * host_bytes);
+  m.nvme = std::min(0.10 * nvme_bytes, 1 * kGiB + 0.02 * nvme_bytes);
+  return m;
+}
+
 PlacementBudget rank_budget(double gpu_bytes, double node_host_bytes, const std::string& nvme_path,
                             int ranks_per_node) {
   const double per_node = std::max(1, ranks_per_node);
-  PlacementBudget b;
-  b.gpu_bytes = gpu_bytes;
-  b.host_bytes = node_host_bytes / per_node;
+  double node_nvme = 0;
   if (!nvme_path.empty()) {
     std::error_code ec;
     const auto space = std::filesystem::space(nvme_path, ec);
@@ -46,8 +54,16 @@ PlacementBudget rank_budget(double gpu_bytes, double node_host_bytes, const std:
                        "--nvme-path {}: {} (its free space is the NVMe budget: give an existing "
                        "directory on the disk for the swap files)",
                        nvme_path, ec.message());
-    b.nvme_bytes = static_cast<double>(space.available) / per_node;
+    node_nvme = static_cast<double>(space.available);
   }
+  const PlacementMargins m = placement_margins(gpu_bytes, node_host_bytes, node_nvme);
+  PlacementBudget b;
+  b.gpu_bytes = gpu_bytes - m.gpu;
+  b.host_bytes = (node_host_bytes - m.host) / per_node;
+  b.nvme_bytes = (node_nvme - m.nvme) / per_node;
+  b.gpu_margin = m.gpu;
+  b.host_margin = m.host / per_node;
+  b.nvme_margin = m.nvme / per_node;
   return b;
 }
 
@@ -75,7 +91,7 @@ MachineRates MachineRates::from_limits_file(const std::string& path) {
 PlacementPlan plan_placement(const MemoryEstimateOptions& options, const PlacementBudget& budget,
                              const MachineRates& rates, double tokens_per_step) {
   PlacementPlan out;
-  const int K = optimizer_state_bytes_per_parameter(options.optimizer);
+  const int K = host_state_bytes_per_parameter(options);  // what the CPU optimizer reads and writes
   const double compute_s =
       options.model.flops_per_token(options.max_length) * tokens_per_step / rates.gpu_flops;
   const auto cost = [&](Placement& p, double psi_per_rank, double r) {
@@ -167,12 +183,12 @@ PlacementPlan plan_placement(const MemoryEstimateOptions& options, const Placeme
         // The optimizer state the host budget still holds stays there (max_in_cpu); only the
         // rest is paged from NVMe.
         const double room = std::max(0.0, budget.host_bytes - p.host_bytes);
-        const double elements = std::round(p.nvme_bytes / 12.0);
-        const double in_cpu = std::min(std::floor(room / 12.0), elements);
+        const double elements = std::round(p.nvme_bytes / K);
+        const double in_cpu = std::min(std::floor(room / K), elements);
         if (in_cpu >= elements) continue;  // all in memory: the zero3-offload row
         p.optimizer_max_in_cpu = static_cast<int64_t>(in_cpu);
-        p.host_bytes += 12.0 * in_cpu;
-        p.nvme_bytes = 12.0 * (elements - in_cpu);
+        p.host_bytes += K * in_cpu;
+        p.nvme_bytes = K * (elements - in_cpu);
       }
       cost(p, psi_per_rank, r);
       out.candidates.push_back(std::move(p));
@@ -199,11 +215,14 @@ PlacementPlan plan_placement(const MemoryEstimateOptions& options, const Placeme
 std::string format_placement_plan(const PlacementPlan& plan, const PlacementBudget& budget,
                                   const MachineRates& rates) {
   std::string s = fmt::format(
-      "Placement within GPU {}, host {}, NVMe {} per rank (rates: PCIe {:.1f} GB/s, CPU optimizer "
+      "Placement within GPU {}, host {}, NVMe {} per rank — what is left after margins of {}, {} "
+      "and {} for the allocator's slack, the process's own memory and the OS, and the file "
+      "system (rates: PCIe {:.1f} GB/s, CPU optimizer "
       "{:.1f} GB/s, disk {:.2f} GB/s, GPU {:.0f} TFLOP/s effective):\n\n",
       human_bytes(budget.gpu_bytes), human_bytes(budget.host_bytes), human_bytes(budget.nvme_bytes),
-      rates.pcie_bytes_per_s / 1e9, rates.host_bytes_per_s / 1e9, rates.disk_bytes_per_s / 1e9,
-      rates.gpu_flops / 1e12);
+      human_bytes(budget.gpu_margin), human_bytes(budget.host_margin),
+      human_bytes(budget.nvme_margin), rates.pcie_bytes_per_s / 1e9, rates.host_bytes_per_s / 1e9,
+      rates.disk_bytes_per_s / 1e9, rates.gpu_flops / 1e12);
   s += fmt::format("  {:<21} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}  {}\n", "plan", "GPU",
                    "host", "NVMe", "PCIe/step", "disk/step", "step (s)", "bound / fits");
   for (size_t i = 0; i < plan.candidates.size(); ++i) {
@@ -216,9 +235,10 @@ std::string format_placement_plan(const PlacementPlan& plan, const PlacementBudg
   }
   for (const Placement& p : plan.candidates)
     if (p.optimizer_max_in_cpu > 0)
-      s += fmt::format("  {}: offload_optimizer.max_in_cpu {} (elements whose optimizer state stays "
-                       "in host memory)\n",
-                       p.name, with_commas(p.optimizer_max_in_cpu));
+      s += fmt::format(
+          "  {}: offload_optimizer.max_in_cpu {} (elements whose optimizer state stays "
+          "in host memory)\n",
+          p.name, with_commas(p.optimizer_max_in_cpu));
   if (plan.chosen) {
     const Placement& c = plan.candidates[*plan.chosen];
     s += fmt::format(

@@ -39,11 +39,31 @@ struct PlacementBudget {
   double gpu_bytes = 0;
   double host_bytes = 0;
   double nvme_bytes = 0;
+  /// What was set aside before these figures (placement_margins), for the messages.
+  double gpu_margin = 0, host_margin = 0, nvme_margin = 0;
 };
+
+/// Bytes a plan may not count on, of a GPU of `gpu_bytes`, a node's `host_bytes` of free host
+/// memory and `nvme_bytes` of free disk. The estimate counts what shardtrain allocates (model
+/// states, activations, buffers, CUDA context and cuBLAS workspace); the margins cover what it
+/// does not:
+///   GPU   the caching allocator's slack (blocks rounded up, fragmentation): 512 MiB + 2%;
+///   host  the process's own memory besides the plan (the CUDA, cuBLAS and NCCL host state, the
+///         data set, the tokenizer, malloc's arenas, the transient pieces of the set-up) and what
+///         the OS keeps for itself (page tables of the pinned memory, the kernel's free reserve):
+///         4 GiB + 6%. A plan at 125.12 of a 125 GiB machine was ended by the OOM killer; the
+///         measured RSS of the offloaded runs in docs/BENCHMARKS.md exceeds the estimate by less;
+///   NVMe  the file system's own use: 1 GiB + 2%.
+/// Each at most 10% (GPU, NVMe) or 25% (host) of what there is, so that small budgets keep most.
+struct PlacementMargins {
+  double gpu = 0, host = 0, nvme = 0;
+};
+PlacementMargins placement_margins(double gpu_bytes, double host_bytes, double nvme_bytes);
 
 /// One rank's budget: `gpu_bytes` of its GPU, and its share of a node of `ranks_per_node` ranks
 /// that hold `node_host_bytes` of host memory and the disk of `nvme_path` (its free space; none
-/// when `nvme_path` is empty). Throws ConfigError when `nvme_path` cannot be read.
+/// when `nvme_path` is empty), each less its placement_margins. Throws ConfigError when
+/// `nvme_path` cannot be read.
 PlacementBudget rank_budget(double gpu_bytes, double node_host_bytes, const std::string& nvme_path,
                             int ranks_per_node);
 

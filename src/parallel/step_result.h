@@ -34,6 +34,11 @@ struct TrainStepOptions {
   /// The run's seed, from which each micro-batch's dropout seed is drawn
   /// (micro_batch_dropout_seed(seed, data-parallel rank, step, micro-batch index)).
   uint64_t dropout_seed = 0;
+  /// Micro-batches at the start of each step whose forward runs layer-major (Model's
+  /// forward_layer_major: layer 0 of all of them, then layer 1, …) when the model and the strategy
+  /// allow it; 1 = each micro-batch on its own. The results are the same bit for bit; what
+  /// changes is how long the forward overlaps a parameter update that lands layer by layer.
+  int64_t forward_group = 1;
 };
 
 /// What one step did.

@@ -59,6 +59,8 @@ struct StrategyOptions {
   /// Optimizer on NVMe: elements whose optimizer state stays in host memory
   /// (ZeroConfig::offload_optimizer_max_in_cpu).
   int64_t optimizer_max_in_cpu = 0;
+  /// The host-stepped AdamW moments' dtype: kF32, or kBF16 (ZeroConfig::offload_moments_dtype).
+  DType optimizer_moment_dtype = DType::kF32;
   /// Stage 3 with offload_param "nvme": elements per rank of parameters kept in host memory (-1:
   /// all), and the pinned buffers the rest is paged through (ZeroConfig documents both).
   int64_t param_max_in_cpu = -1;
@@ -119,6 +121,10 @@ class Strategy : public LayerHooks {
   /// The optimizer (AdamW or SGD) on this rank's part with gradients multiplied by `grad_scale`,
   /// then makes the updated parameters visible to the model on every rank.
   virtual void step(double lr, double grad_scale) = 0;
+
+  /// Whether the model may run a step's first forwards layer-major (Model::forward_layer_major):
+  /// this strategy's hooks act per layer, not per micro-batch, in forward.
+  virtual bool allows_layer_major_forward() const { return false; }
 
   /// Collects the full state on every rank (collective: every rank must call it).
   virtual FullState gather_state() = 0;

@@ -95,6 +95,8 @@ class Zero3 final : public ZeroStrategy {
 
   void begin_micro_step(int64_t index, int64_t count) override { last_micro_ = index + 1 == count; }
 
+  /// Its gathers and releases follow the positions of one micro-step (zero3_schedule.h).
+  bool allows_layer_major_forward() const override { return false; }
   void before_forward(int layer) override {
     if (layer == 0) release_all();
     enter_pos(layer);

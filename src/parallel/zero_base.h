@@ -112,7 +112,7 @@ class ZeroStrategy : public Strategy {
           backend_, layout, std::move(host_ranges), opt_.optimizer, dtype_, dtype_,
           opt_.delayed_update,
           opt_.plan.optimizer_offload == OffloadDevice::kNvme ? &swap : nullptr, std::move(in_host),
-          std::move(staged));
+          std::move(staged), opt_.optimizer_moment_dtype);
     }
     sent_.assign(parts_.size(), false);
     pending_.clear();
@@ -143,6 +143,10 @@ class ZeroStrategy : public Strategy {
     publish_all();
     for (size_t i = 0; i < gathers_.size(); ++i) wait_gather(i);
   }
+
+  /// Stages 1 and 2 act around a layer's forward per layer (its update published and gathered),
+  /// not per micro-batch; stage 3 overrides (its gathers follow a per-micro-step schedule).
+  bool allows_layer_major_forward() const override { return true; }
 
   double grad_norm(double scale) override {
     double local = 0;

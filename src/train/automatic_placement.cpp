@@ -68,7 +68,12 @@ TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& m
   o.micro_batch = cfg.micro_batch_size;
   o.max_length = cfg.max_length;
   o.activation_checkpointing = cfg.activation_checkpointing;
+  // The forward group the offload row would run with (forward_group() of that plan).
+  o.forward_group = cfg.zero.offload_forward_group > 0 ? cfg.zero.offload_forward_group
+                    : cfg.activation_checkpointing     ? cfg.gradient_accumulation_steps
+                                                       : 1;
   o.optimizer = cfg.optimizer;
+  o.bf16_moments = cfg.zero.offload_moments_dtype == "bf16";
   if (cfg.zero.reduce_bucket_size_set) o.reduce_bucket_size = cfg.zero.reduce_bucket_size;
   o.zero3 = Zero3Limits{cfg.zero.stage3_prefetch_bucket_size, cfg.zero.stage3_max_live_parameters,
                         cfg.zero.stage3_max_reuse_distance};
@@ -92,7 +97,8 @@ TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& m
     }
     ConfigError e(fmt::format(
         "--offload auto: no placement of {} fits {} of GPU memory, {} of host memory and {} of "
-        "NVMe per rank; the closest, {}, does not fit: {}. Use more GPUs, raise --gpu-memory / "
+        "NVMe per rank (what is left after the margins `shardtrain estimate --gpu-memory` "
+        "prints); the closest, {}, does not fit: {}. Use more GPUs, raise --gpu-memory / "
         "--max-host-memory, give --nvme-path a disk with room, or add --activation-checkpointing "
         "or a smaller --batch-size (`shardtrain estimate --gpu-memory` lists every plan)",
         model.name, human_bytes(budget.gpu_bytes), human_bytes(budget.host_bytes),
@@ -102,6 +108,11 @@ TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& m
     throw e;
   }
   const Placement& c = plan.candidates[*plan.chosen];
+  out.line(
+      "placement (--offload auto): margins per rank of {} (GPU allocator slack), {} (host: the "
+      "process's own memory and the OS) and {} (NVMe) set aside",
+      human_bytes(budget.gpu_margin), human_bytes(budget.host_margin),
+      human_bytes(budget.nvme_margin));
   out.line(
       "placement (--offload auto): {} of {} plans fit GPU {}, host {}, NVMe {} per rank; chose "
       "{}: GPU {}, host {}, NVMe {}, {} over PCIe and {} of disk per step, predicted step {:.3f} "

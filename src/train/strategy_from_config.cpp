@@ -23,6 +23,7 @@ StrategyOptions strategy_options(const TrainConfig& cfg) {
   o.nvme_path = cfg.zero.nvme_path;
   o.aio = cfg.aio;
   o.optimizer_max_in_cpu = cfg.zero.offload_optimizer_max_in_cpu;
+  o.optimizer_moment_dtype = cfg.zero.offload_moments_dtype == "bf16" ? DType::kBF16 : DType::kF32;
   o.param_max_in_cpu = cfg.zero.offload_param_max_in_cpu;
   o.param_buffer_count = cfg.zero.offload_param_buffer_count;
   if (hierarchical_reduction(cfg)) o.hierarchical_ranks_per_node = cfg.ranks_per_node;

@@ -1,5 +1,6 @@
 #include "train/train_step.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -34,10 +35,13 @@ StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batch
   if (clock_) clock_->mark();
   strategy_.zero_grad();
   double loss = 0;
-  for (int64_t k = 0; k < accum; ++k) {
-    const MicroBatch mb = batches(k);
-    strategy_.begin_micro_step(k, accum);
-    const ModelInput input{
+  // The first `group` micro-batches: their forwards layer by layer (Model::forward_layer_major),
+  // then each one's head and backward in turn; the rest one after the other.
+  const int64_t group = std::min(accum, options_.forward_group);
+  const bool layer_major =
+      group > 1 && model_.supports_layer_major_forward() && strategy_.allows_layer_major_forward();
+  const auto input_of = [&](int64_t k, const MicroBatch& mb) {
+    return ModelInput{
         .batch = mb.batch,
         .seq_len = mb.seq_len,
         .tokens = mb.tokens,
@@ -46,8 +50,36 @@ StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batch
         .pixel_affine = mb.pixel_affine,
         .targets = mb.targets,
         .dropout_seed = micro_batch_dropout_seed(options_.dropout_seed, comm_.rank(), step, k)};
-    // Each micro-batch's loss is a mean over its tokens (or images), scaled for fp16.
-    const auto grad_scale = static_cast<float>(r.loss_scale / static_cast<double>(mb.loss_units()));
+  };
+  // Each micro-batch's loss is a mean over its tokens (or images), scaled for fp16.
+  const auto scale_of = [&](const MicroBatch& mb) {
+    return static_cast<float>(r.loss_scale / static_cast<double>(mb.loss_units()));
+  };
+  int64_t first = 0;
+  if (layer_major) {
+    for (int64_t k = 0; k < group; ++k) {
+      const MicroBatch mb = batches(k);
+      model_.stage_micro_batch(static_cast<int>(k), input_of(k, mb), scale_of(mb));
+    }
+    model_.forward_layer_major(static_cast<int>(group));
+    if (clock_) {  // the grouped forward, then (the head's forward, backward) per micro-batch
+      clock_->mark();
+      clock_->mark();
+    }
+    for (int64_t k = 0; k < group; ++k) {
+      strategy_.begin_micro_step(k, accum);
+      loss += model_.forward_head_layer_major(static_cast<int>(k));
+      if (clock_) clock_->mark();
+      model_.backward_layer_major(static_cast<int>(k));
+      if (clock_) clock_->mark();
+    }
+    first = group;
+  }
+  for (int64_t k = first; k < accum; ++k) {
+    const MicroBatch mb = batches(k);
+    strategy_.begin_micro_step(k, accum);
+    const ModelInput input = input_of(k, mb);
+    const float grad_scale = scale_of(mb);
     if (clock_) {  // the phases are timed apart
       loss += model_.forward(input, grad_scale, true);
       clock_->mark();

@@ -304,9 +304,10 @@ void print_banner(Console& out, const TrainConfig& cfg, const BannerFacts& f) {
       cfg.plan.param_offload != OffloadDevice::kNone) {
     const HostMemory h = f.strategy.host_memory();
     out.line(
-        "  offload: optimizer on {} (ratio {:g}), parameters on {} | host memory per rank: {} "
+        "  offload: optimizer on {} (ratio {:g}{}), parameters on {} | host memory per rank: {} "
         "pinned, {} pageable, {} on NVMe",
         to_string(cfg.plan.optimizer_offload), cfg.plan.optimizer_offload_ratio,
+        cfg.zero.offload_moments_dtype == "bf16" ? ", bf16 moments" : "",
         cfg.plan.param_offload == OffloadDevice::kNone ? std::string("the device")
                                                        : to_string(cfg.plan.param_offload),
         human_bytes(static_cast<double>(h.pinned)), human_bytes(static_cast<double>(h.pageable)),
@@ -321,6 +322,11 @@ void print_banner(Console& out, const TrainConfig& cfg, const BannerFacts& f) {
           "  parameters: up to {} elements per rank in pinned host memory, the other layers paged "
           "from NVMe through {} pinned buffers (offload_param.max_in_cpu, buffer_count)",
           with_commas(cfg.zero.offload_param_max_in_cpu), cfg.zero.offload_param_buffer_count);
+    if (const int64_t g = forward_group(cfg); g > 1)
+      out.line(
+          "  forward group: the first {} micro-batches of each step run their forward layer by "
+          "layer, overlapping the host's update (offload_optimizer.forward_group)",
+          std::min(g, cfg.gradient_accumulation_steps));
     if (cfg.zero.offload_delayed_update)
       out.line(
           "  delayed parameter update (ZeRO-Offload DPU, arXiv 2101.06840 §4.3): from step 3 on, "
@@ -628,7 +634,7 @@ TrainSummary train(const TrainConfig& requested, Communicator& comm) {
   std::unique_ptr<StreamClock> clock =
       cfg.wall_clock_breakdown ? backend->make_stream_clock() : nullptr;
   const TrainStepOptions step_options{cfg.gradient_accumulation_steps, cfg.gradient_clipping,
-                                      cfg.seed};
+                                      cfg.seed, forward_group(cfg)};
   TrainStep train_step(model, *strategy, comm, *backend, scaler, step_options, clock.get());
   std::optional<PipelineStep> pipeline_step;
   if (pipeline) pipeline_step.emplace(*pipeline, scaler, step_options);

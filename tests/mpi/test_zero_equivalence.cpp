@@ -129,7 +129,7 @@ struct Trainee {
     const int64_t B = kMicroSamples / W;
     std::vector<int32_t> tokens(static_cast<size_t>(B * kT)), targets(tokens.size());
     st::TrainStep train_step(model, *strategy, comm, *backend, scaler,
-                             st::TrainStepOptions{kAccum, kClip});
+                             st::TrainStepOptions{kAccum, kClip, 0, forward_group});
     for (int64_t step = first; step < first + count; ++step) {
       const st::MicroBatchSource batch = [&](int64_t k) {
         for (int64_t i = 0; i < B; ++i) {
@@ -167,6 +167,8 @@ struct Trainee {
   std::vector<double> losses;  ///< per step, mean over the global batch (TrainStep)
   /// The samples trained on (sample_tokens: uniform random tokens).
   std::vector<int32_t> (*data)(int64_t) = sample_tokens;
+  /// TrainStepOptions::forward_group: micro-batches whose forward runs layer-major.
+  int64_t forward_group = 1;
 };
 
 struct Diff {
@@ -480,11 +482,10 @@ class LateAllGathers final : public st::Communicator {
     const st::Tensor staged(late->staging.data(), output.dtype, output.device, {output.numel()});
     // An in-place input is this rank's slice of `output`: gather from its copy in the staging.
     const auto* own = static_cast<const char*>(output.data) + input.bytes() * rank();
-    const st::Tensor from =
-        input.data == own
-            ? st::Tensor(late->staging.data() + input.bytes() * rank(), input.dtype, input.device,
-                         {input.numel()})
-            : input;
+    const st::Tensor from = input.data == own
+                                ? st::Tensor(late->staging.data() + input.bytes() * rank(),
+                                             input.dtype, input.device, {input.numel()})
+                                : input;
     late->inner = inner_.all_gather(staged, from);
     return late;
   }
@@ -754,6 +755,92 @@ TEST_F(ZeroEquivalence, OffloadMatchesOneRank) {
   }
   // The swap files are removed with their strategies.
   EXPECT_TRUE(std::filesystem::is_empty(dir.path));
+}
+
+// bf16 moments (offload_optimizer.moments_dtype): the host's m and v in bf16, rounded
+// stochastically with bits of (flat index, step). In memory and on NVMe the arithmetic is the same
+// (bit for bit); a checkpoint moves the moments as fp32 and back without changing a bit (a resume
+// continues the run exactly); and the run stays near the fp32 reference.
+TEST_F(ZeroEquivalence, Bf16MomentsAreExactAcrossPlacementsAndResume) {
+  using D = st::OffloadDevice;
+  const Reference& ref = reference();
+  TempDir dir;
+  const auto bf16 = [&](int stage, D opt, D param) {
+    st::StrategyOptions o = offload_options(stage, opt, param, 1.0, dir.path);
+    o.optimizer_moment_dtype = st::DType::kBF16;
+    return o;
+  };
+  Trainee memory(bf16(2, D::kCpu, D::kNone), *comm, ref.init);
+  Trainee nvme(bf16(2, D::kNvme, D::kNone), *comm, ref.init);
+  memory.train(0, kSteps);
+  nvme.train(0, kSteps);
+  const st::FullState a = memory.strategy->gather_state(), b = nvme.strategy->gather_state();
+  EXPECT_TRUE(a.params == b.params && a.exp_avg == b.exp_avg && a.exp_avg_sq == b.exp_avg_sq)
+      << "bf16 moments: memory and NVMe differ";
+  // Near the fp32 run: the parameters within 1% of the distance the reference moved them.
+  double off = 0, moved = 0;
+  for (size_t i = 0; i < a.params.size(); ++i) {
+    off += std::pow(double(a.params[i]) - ref.at_checkpoint.params[i], 2);
+    moved += std::pow(double(ref.at_checkpoint.params[i]) - ref.init[i], 2);
+  }
+  if (rank() == 0)
+    std::printf("  bf16 moments ×%d: parameters %.2e of the distance moved off the fp32 run\n",
+                world(), std::sqrt(off / moved));
+  EXPECT_LE(std::sqrt(off / moved), 1e-2);
+  // Resume: the saved state loaded into a fresh strategy continues as the run itself does.
+  memory.train(kSteps, kMore);
+  Trainee resumed(bf16(3, D::kNvme, D::kCpu), *comm, {});
+  resumed.strategy->load_state(a);
+  resumed.train(kSteps, kMore);
+  const st::FullState c = memory.strategy->gather_state(), d = resumed.strategy->gather_state();
+  EXPECT_TRUE(c.exp_avg == d.exp_avg && c.exp_avg_sq == d.exp_avg_sq)
+      << "bf16 moments: resumed moments differ";
+  // zero2 and zero3 sum gradients in another order: the parameters agree to fp32 rounding.
+  expect_state("bf16 moments, resumed at stage 3 on NVMe", d, c);
+}
+
+// The forward group (offload_optimizer.forward_group): the step's micro-batches run their forwards
+// layer by layer, then each its head and backward, while an offloaded optimizer's update lands
+// layer by layer. The arithmetic of every micro-batch and the order of the gradient accumulation
+// are unchanged, so the state after kSteps must equal the one-at-a-time run's bit for bit — for
+// the strategies that allow it, with the optimizer on the device, on the CPU (all of it, half of
+// it) and on NVMe, with and without activation checkpointing's recompute sharing its buffers.
+TEST_F(ZeroEquivalence, ForwardGroupEqualsOneMicroBatchAtATime) {
+  using D = st::OffloadDevice;
+  TempDir dir;
+  struct Case {
+    std::string name;
+    st::StrategyOptions options;
+  };
+  std::vector<Case> cases = {
+      {"dp", st::strategy_options(config(st::StrategyKind::kDataParallel, 10'000))},
+      {"zero1", st::strategy_options(config(st::StrategyKind::kZero1, 10'000))},
+      {"zero1 offload", offload_options(1, D::kCpu, D::kNone, 1.0)},
+      {"zero2 offload", offload_options(2, D::kCpu, D::kNone, 1.0)},
+      {"zero2 offload ratio 0.5", offload_options(2, D::kCpu, D::kNone, 0.5)},
+      {"zero2 offload nvme", offload_options(2, D::kNvme, D::kNone, 1.0, dir.path)}};
+  for (const Case& c : cases) {
+    Trainee one(c.options, *comm, reference().init, /*activation_checkpointing=*/true);
+    Trainee grouped(c.options, *comm, reference().init, /*activation_checkpointing=*/true);
+    grouped.forward_group = kAccum;
+    ASSERT_TRUE(grouped.model.supports_layer_major_forward()) << c.name;
+    ASSERT_TRUE(grouped.strategy->allows_layer_major_forward()) << c.name;
+    one.train(0, kSteps);
+    grouped.train(0, kSteps);
+    EXPECT_EQ(grouped.losses, one.losses) << c.name;
+    EXPECT_EQ(grouped.norms, one.norms) << c.name;
+    const st::FullState a = grouped.strategy->gather_state(), b = one.strategy->gather_state();
+    EXPECT_TRUE(a.params == b.params) << c.name << ": parameters differ";
+    EXPECT_TRUE(a.exp_avg == b.exp_avg) << c.name << ": m differs";
+    EXPECT_TRUE(a.exp_avg_sq == b.exp_avg_sq) << c.name << ": v differs";
+    // And both are the reference's run (the group changes nothing but the order of forwards).
+    if (rank() == 0)
+      std::printf("  forward group of %ld, %s: bit for bit\n", kAccum, c.name.c_str());
+    expect_state(c.name + ", forward group", a, reference().at_checkpoint);
+  }
+  // Stage 3 gathers per micro-step: it declines the group (the step then runs one at a time).
+  Trainee z3(offload_options(3, D::kCpu, D::kNone, 1.0), *comm, reference().init, true);
+  EXPECT_FALSE(z3.strategy->allows_layer_major_forward());
 }
 
 // Parameters paged from NVMe take their updates from the CPU optimizer: an optimizer kept partly
