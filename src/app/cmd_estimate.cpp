@@ -23,6 +23,7 @@ struct EstimateFlags {
   double host_memory_gib = 0;  ///< per node
   std::string nvme_path;       ///< its free space is the NVMe budget of a node
   int gpus_per_node = 0;       ///< 0: every GPU on one node
+  int64_t accumulation = 1;    ///< micro-batches per optimizer step (the plan's step time)
   std::string limits_file;     ///< bench/host_limits.cu's JSON
   double gpu_tflops = 0;       ///< effective; 0: MachineRates' default
 };
@@ -39,7 +40,7 @@ void run_estimate(const EstimateFlags& f) {
   MachineRates rates =
       f.limits_file.empty() ? MachineRates{} : MachineRates::from_limits_file(f.limits_file);
   if (f.gpu_tflops > 0) rates.gpu_flops = f.gpu_tflops * 1e12;
-  const double tokens = static_cast<double>(o.micro_batch * o.max_length);
+  const double tokens = static_cast<double>(o.micro_batch * o.max_length * f.accumulation);
   fmt::print("\n{}",
              format_placement_plan(plan_placement(o, budget, rates, tokens), budget, rates));
 }
@@ -78,6 +79,10 @@ void register_estimate_command(CLI::App& app) {
   cmd->add_option("--stage3-max-reuse-distance", o.zero3.max_reuse_distance,
                   "zero3: keep a layer needed again within this many elements (default "
                   "1,000,000,000)");
+  cmd->add_option("--gradient-accumulation-steps", f->accumulation,
+                  "placement plan: micro-batches per optimizer step, for the predicted step "
+                  "(default 1)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--offload-ratio", o.offload_ratio,
                   "offloaded plans: fraction r of the optimizer state on the host (default 1)");
   cmd->add_flag("--offload-delayed-update", o.delayed_update,
@@ -90,9 +95,9 @@ void register_estimate_command(CLI::App& app) {
       ->check(CLI::IsMember({"fp32", "bf16"}));
   cmd->add_option("--offload-forward-group", o.forward_group,
                   "offload with activation checkpointing: micro-batches whose forward runs layer "
-                  "by layer (train's --offload-forward-group; default 1): their layer inputs are "
-                  "live at once")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+                  "by layer (train's --offload-forward-group), their layer inputs live at once; "
+                  "0 (default): each plan chooses the fewest that hide the host's update and fit")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   cmd->add_option("--zero-hpz-partition-size", o.hpz_partition_size,
                   "zero3 hybrid sharding: add the row zero3-hybrid, sharded within groups of G "
                   "GPUs (e.g. a node's) and replicated across them (default 1: no such row)")

@@ -48,8 +48,9 @@ struct MemoryEstimateOptions {
   bool delayed_update = false;              ///< offload: two pinned gradient buffers instead of one
   /// offload (stages 1–2) with activation checkpointing: micro-batches whose layer inputs are
   /// live at once (offload_optimizer.forward_group, resolved): (group − 1) more sets of the
-  /// residual stream and the micro-batch's tokens, targets and losses. >= 1.
-  int64_t forward_group = 1;
+  /// residual stream and the micro-batch's tokens, targets and losses. 0: the placement planner
+  /// chooses per plan (the estimate counts 1).
+  int64_t forward_group = 0;
   /// Offloaded plans: AdamW's host and NVMe moments in bf16 (offload_optimizer.moments_dtype):
   /// 8 bytes of host state per parameter instead of 12.
   bool bf16_moments = false;

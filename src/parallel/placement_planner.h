@@ -1,16 +1,18 @@
 // Placement planner: where each part of the training state lives — GPU, pinned host memory or
-// NVMe — so that a model fits a machine's budgets with the fewest bytes crossing PCIe and the
-// disk per step (the question ZeRO-Offload and ZeRO-Infinity answer by hand: Ren et al., arXiv
-// 2101.06840 §4, and Rajbhandari et al., arXiv 2104.07857 §5).
+// NVMe — so that a model fits a machine's budgets with the shortest predicted step (the question
+// ZeRO-Offload and ZeRO-Infinity answer by hand: Ren et al., arXiv 2101.06840 §4, and
+// Rajbhandari et al., arXiv 2104.07857 §5).
 //
 // The candidates are the plans the engine runs, each from the memory estimator
 // (parallel/memory_estimator.h): dp, zero1, zero2, zero3 on the GPUs; offload (zero2 with a
 // fraction r of the optimizer state and its step on the host); zero3-offload (zero3, optimizer
 // fraction r and the parameters on the host); infinity (zero3, optimizer fraction r on NVMe,
 // parameters on the host), for r in {0.25, 0.5, 0.75, 1}. A candidate fits when its GPU, host
-// and NVMe bytes per rank are within the budgets. Of those that fit, the planner takes the one
-// with the fewest bytes per step over PCIe and the disk, then the shortest predicted step, then
-// the lowest ZeRO stage (DeepSpeed's advice: the least sharding that fits).
+// and NVMe bytes per rank are within the budgets (less placement_margins). Of those that fit, the
+// planner takes the one with the shortest predicted step; among those within 2% of it, the one
+// with the fewest bytes per step over PCIe and the disk, then the lowest ZeRO stage (DeepSpeed's
+// advice: the least sharding that fits). An offload plan (stages 1-2) also chooses its forward
+// group: the fewest micro-batches whose forward covers the host's update, as many as fit.
 //
 // Bytes per rank per step (Ψ parameters over N ranks, K bytes of optimizer state per parameter):
 //  * PCIe: an offloaded optimizer fraction r sends its bf16 gradients down and gets its bf16
@@ -18,11 +20,13 @@
 //    gathers and once for the backward's, 2·2Ψ/N;
 //  * host memory, by the CPU optimizer: (2K + 4)·rΨ/N (AdamW: read master, m, v and the bf16
 //    gradient, write master, m, v and the bf16 parameter: 28 bytes per element; SGD 20);
-//  * disk: NVMe optimizer state read and written once, 2·12rΨ/N.
-// The predicted step time is the slowest of: compute (6Ψ-style model FLOPs per token × tokens per
-// rank ÷ the GPU's effective FLOP/s), PCIe bytes ÷ the pinned copy bandwidth, host bytes ÷ the CPU
-// optimizer's bandwidth, disk bytes ÷ the disk bandwidth — as if everything overlapped, which
-// the engine's offload pipelines approach (docs/BENCHMARKS.md measures how close).
+//  * disk: NVMe optimizer state read and written once, 2·12rΨ/N (2·8rΨ/N with bf16 moments).
+// The predicted step time: compute (6Ψ-style model FLOPs per token × tokens per rank ÷ the GPU's
+// effective FLOP/s) plus what the host's update — host bytes ÷ the CPU optimizer's bandwidth, or
+// disk bytes ÷ the disk bandwidth when slower — does not hide behind the next forward (a quarter
+// of the compute under activation checkpointing, × forward group ÷ micro-batches: the update
+// needs the whole clipped gradient, so it cannot overlap backward), or PCIe bytes ÷ the pinned
+// copy bandwidth when slower (docs/BENCHMARKS.md measures how close).
 #pragma once
 
 #include <optional>
@@ -92,12 +96,18 @@ struct Placement {
   /// left after the pinned parameters and the swap slots, 12 bytes each): what
   /// offload_optimizer.max_in_cpu is set to. The rest goes to NVMe.
   int64_t optimizer_max_in_cpu = 0;
+  /// offload (stages 1-2): the forward group it runs with (offload_optimizer.forward_group); 1
+  /// for the other plans. Chosen when the options leave it to the plan (forward_group 0).
+  int64_t forward_group = 1;
   double gpu_bytes = 0, host_bytes = 0, nvme_bytes = 0;  ///< per rank
   double pcie_bytes = 0;                                 ///< per rank per step, both directions
   double host_traffic = 0;  ///< bytes the CPU optimizer moves per rank per step
   double disk_bytes = 0;    ///< per rank per step, read + written
   double compute_s = 0;     ///< the GPU's part of a step (seconds)
-  double step_s = 0;        ///< the predicted step: the slowest term (seconds)
+  /// The predicted step (seconds): the compute plus what the host's update (the slower of the CPU
+  /// optimizer and its disk traffic) does not hide behind the next forward (of the forward
+  /// group), or the PCIe traffic when slower.
+  double step_s = 0;
   std::string bound;        ///< which term: "compute", "PCIe", "host", "disk"
   bool fits = false;
   std::string over;  ///< what does not fit, with the bytes (empty when it fits)

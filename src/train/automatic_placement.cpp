@@ -34,6 +34,8 @@ TrainConfig with_placement(const TrainConfig& cfg, const Placement& chosen, int6
   c.zero.offload_ratio =
       p.optimizer_offload == OffloadDevice::kNone ? 1.0 : p.optimizer_offload_ratio;
   c.zero.offload_optimizer_max_in_cpu = chosen.optimizer_max_in_cpu;
+  // Stage 3 gathers per micro-step: no forward group there.
+  c.zero.offload_forward_group = p.zero_stage < 3 ? chosen.forward_group : 1;
   c.strategy = p.zero_stage == 0                             ? StrategyKind::kDataParallel
                : p.zero_stage == 1                           ? StrategyKind::kZero1
                : p.zero_stage == 3                           ? StrategyKind::kZero3
@@ -68,10 +70,8 @@ TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& m
   o.micro_batch = cfg.micro_batch_size;
   o.max_length = cfg.max_length;
   o.activation_checkpointing = cfg.activation_checkpointing;
-  // The forward group the offload row would run with (forward_group() of that plan).
-  o.forward_group = cfg.zero.offload_forward_group > 0 ? cfg.zero.offload_forward_group
-                    : cfg.activation_checkpointing     ? cfg.gradient_accumulation_steps
-                                                       : 1;
+  // The forward group of the offload rows: as given, else each plan chooses its own (0).
+  o.forward_group = cfg.activation_checkpointing ? cfg.zero.offload_forward_group : 1;
   o.optimizer = cfg.optimizer;
   o.bf16_moments = cfg.zero.offload_moments_dtype == "bf16";
   if (cfg.zero.reduce_bucket_size_set) o.reduce_bucket_size = cfg.zero.reduce_bucket_size;
@@ -79,9 +79,9 @@ TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& m
                         cfg.zero.stage3_max_reuse_distance};
   o.persistence_threshold = cfg.zero.stage3_param_persistence_threshold;
   const MachineRates rates;
-  const PlacementPlan plan = plan_placement(
-      o, budget, rates,
-      static_cast<double>(cfg.micro_batch_size * cfg.max_length * cfg.gradient_accumulation_steps));
+  const double tokens =  // per rank and step
+      static_cast<double>(cfg.micro_batch_size * cfg.max_length * cfg.gradient_accumulation_steps);
+  const PlacementPlan plan = plan_placement(o, budget, rates, tokens);
   if (!plan.chosen) {
     // The candidate that lacks the least memory, for the message.
     const Placement* closest = nullptr;
@@ -116,13 +116,15 @@ TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& m
   out.line(
       "placement (--offload auto): {} of {} plans fit GPU {}, host {}, NVMe {} per rank; chose "
       "{}: GPU {}, host {}, NVMe {}, {} over PCIe and {} of disk per step, predicted step {:.3f} "
-      "s (bound by {})",
+      "s (bound by {}): {:.0f} tokens/s per rank, MFU {:.1f}% (the step lines print the "
+      "measured ones)",
       std::count_if(plan.candidates.begin(), plan.candidates.end(),
                     [](const Placement& p) { return p.fits; }),
       plan.candidates.size(), human_bytes(budget.gpu_bytes), human_bytes(budget.host_bytes),
       human_bytes(budget.nvme_bytes), c.name, human_bytes(c.gpu_bytes), human_bytes(c.host_bytes),
       human_bytes(c.nvme_bytes), human_bytes(c.pcie_bytes), human_bytes(c.disk_bytes), c.step_s,
-      c.bound);
+      c.bound, tokens / c.step_s,
+      100.0 * model.flops_per_token(cfg.max_length) * tokens / c.step_s / (cfg.peak_tflops * 1e12));
   return with_placement(cfg, c, model.n_positions);
 }
 

@@ -52,7 +52,7 @@ TEST(PlacementPlanner, EnoughGpuMemoryKeepsEverythingOnTheGpuWithDp) {
   }
 }
 
-TEST(PlacementPlanner, ChosenPlanFitsAndCrossesPcieAndDiskLeast) {
+TEST(PlacementPlanner, ChosenPlanFitsAndHasTheShortestPredictedStep) {
   // gpt2-xl does not fit 20 GiB on the GPU; 64 GiB of host memory and 100 GiB of NVMe do.
   const PlacementBudget budget{20 * kGiB, 64 * kGiB, 100 * kGiB};
   const PlacementPlan p = plan_placement(xl_options(), budget, MachineRates{}, 4.0 * 512);
@@ -63,8 +63,12 @@ TEST(PlacementPlanner, ChosenPlanFitsAndCrossesPcieAndDiskLeast) {
   EXPECT_LE(c.gpu_bytes, budget.gpu_bytes);
   EXPECT_LE(c.host_bytes, budget.host_bytes);
   EXPECT_NE(c.plan.optimizer_offload, OffloadDevice::kNone);
+  // The shortest predicted step; of the plans within 2% of it, the fewest bytes over PCIe and the
+  // disk.
   for (const Placement& x : p.candidates) {
-    if (x.fits) {
+    if (!x.fits) continue;
+    EXPECT_LE(c.step_s, x.step_s * 1.02) << x.name;
+    if (std::abs(x.step_s - c.step_s) <= 0.02 * std::min(x.step_s, c.step_s)) {
       EXPECT_LE(c.pcie_bytes + c.disk_bytes, x.pcie_bytes + x.disk_bytes) << x.name;
     }
   }
