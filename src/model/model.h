@@ -145,7 +145,7 @@ class Model {
   // bit. What changes is when each layer's parameters are first read: the k-th layer is needed
   // only after the layers before it have run on all the micro-batches, so a parameter update
   // that lands layer by layer (an offloaded optimizer's host step) overlaps a forward G times
-  // longer (GreedySnake, arXiv 2512.17570, §4: "vertical" scheduling of micro-batches).
+  // longer (GreedySnake, arXiv 2512.17570: "vertical" scheduling of micro-batches).
 
   /// Whether forward_layer_major() can run now (GPT-2 under activation checkpointing).
   virtual bool supports_layer_major_forward() const { return false; }
