@@ -25,11 +25,36 @@ double rel_norm(const std::vector<float>& a, const std::vector<double>& ref) {
   return std::sqrt(num / den);
 }
 
-TEST(CpuAdamW, EveryPathMatchesTheReference) {
-  constexpr int64_t n = 4099;  // not a multiple of any vector width: the tails run too
+std::vector<CpuSimd> simd_paths() {
   std::vector<CpuSimd> paths{CpuSimd::kScalar};
   if (best_cpu_simd() >= CpuSimd::kAvx2) paths.push_back(CpuSimd::kAvx2);
   if (best_cpu_simd() >= CpuSimd::kAvx512) paths.push_back(CpuSimd::kAvx512);
+  return paths;
+}
+
+/// A standard normal draw (Box-Muller) from `rng`.
+float normal(SplitMix64& rng) {
+  return static_cast<float>(std::sqrt(-2 * std::log(1 - rng.uniform())) *
+                            std::cos(6.283185307179586 * rng.uniform()));
+}
+
+/// The test's AdamW at step `step` (1-based).
+Backend::AdamWArgs adamw_args(int step) {
+  Backend::AdamWArgs a{};
+  a.lr = 1e-3f;
+  a.beta1 = 0.9f;
+  a.beta2 = 0.999f;
+  a.eps = 1e-8f;
+  a.weight_decay = 0.1f;
+  a.grad_scale = 0.5f;
+  a.bias_correction1 = 1.0f - std::pow(0.9f, static_cast<float>(step));
+  a.bias_correction2 = 1.0f - std::pow(0.999f, static_cast<float>(step));
+  return a;
+}
+
+TEST(CpuAdamW, EveryPathMatchesTheReference) {
+  constexpr int64_t n = 4099;  // not a multiple of any vector width: the tails run too
+  const std::vector<CpuSimd> paths = simd_paths();
   std::printf("  SIMD paths tested: scalar%s%s\n", paths.size() > 1 ? ", avx2" : "",
               paths.size() > 2 ? ", avx512" : "");
   for (CpuSimd simd : paths) {
@@ -37,28 +62,16 @@ TEST(CpuAdamW, EveryPathMatchesTheReference) {
       for (DType odt : {DType::kF32, DType::kBF16, DType::kF16}) {
         SplitMix64 rng{0xada + static_cast<uint64_t>(simd) * 97 + static_cast<uint64_t>(gdt) * 7 +
                        static_cast<uint64_t>(odt)};
-        const auto normal = [&] {
-          return static_cast<float>(std::sqrt(-2 * std::log(1 - rng.uniform())) *
-                                    std::cos(6.283185307179586 * rng.uniform()));
-        };
         std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f);
-        for (auto& x : p) x = 0.02f * normal();
+        for (auto& x : p) x = 0.02f * normal(rng);
         std::vector<double> rp(p.begin(), p.end()), rm(n, 0.0), rv(n, 0.0);
         std::vector<uint16_t> g16(n), out16(n);
         std::vector<float> g32(n), out32(n);
-        Backend::AdamWArgs a{};
-        a.lr = 1e-3f;
-        a.beta1 = 0.9f;
-        a.beta2 = 0.999f;
-        a.eps = 1e-8f;
-        a.weight_decay = 0.1f;
-        a.grad_scale = 0.5f;
         for (int step = 1; step <= 3; ++step) {
-          a.bias_correction1 = 1.0f - std::pow(0.9f, static_cast<float>(step));
-          a.bias_correction2 = 1.0f - std::pow(0.999f, static_cast<float>(step));
+          const Backend::AdamWArgs a = adamw_args(step);
           std::vector<double> g(n);
           for (int64_t i = 0; i < n; ++i) {
-            const float x = normal();
+            const float x = normal(rng);
             if (gdt == DType::kF32) g32[i] = x, g[i] = x;
             if (gdt == DType::kBF16) g16[i] = float_to_bf16(x), g[i] = bf16_to_float(g16[i]);
             if (gdt == DType::kF16) g16[i] = float_to_fp16(x), g[i] = fp16_to_float(g16[i]);
@@ -107,42 +120,18 @@ TEST(CpuAdamW, ConversionsRoundToNearestEvenAndKeepNaN) {
 // bf16 moments (cpu_adamw_bf16_moments): every path follows the double-precision update within
 // what bf16 moments allow, the rounding is unbiased, and how the elements are split into calls
 // changes no bit.
-std::vector<CpuSimd> simd_paths() {
-  std::vector<CpuSimd> paths{CpuSimd::kScalar};
-  if (best_cpu_simd() >= CpuSimd::kAvx2) paths.push_back(CpuSimd::kAvx2);
-  if (best_cpu_simd() >= CpuSimd::kAvx512) paths.push_back(CpuSimd::kAvx512);
-  return paths;
-}
-
-Backend::AdamWArgs adamw_args(int step) {
-  Backend::AdamWArgs a{};
-  a.lr = 1e-3f;
-  a.beta1 = 0.9f;
-  a.beta2 = 0.999f;
-  a.eps = 1e-8f;
-  a.weight_decay = 0.1f;
-  a.grad_scale = 0.5f;
-  a.bias_correction1 = 1.0f - std::pow(0.9f, static_cast<float>(step));
-  a.bias_correction2 = 1.0f - std::pow(0.999f, static_cast<float>(step));
-  return a;
-}
-
 TEST(CpuAdamWBf16Moments, EveryPathFollowsTheReference) {
   constexpr int64_t n = 4099;
   for (CpuSimd simd : simd_paths()) {
     SplitMix64 rng{0xb16 + static_cast<uint64_t>(simd)};
-    const auto normal = [&] {
-      return static_cast<float>(std::sqrt(-2 * std::log(1 - rng.uniform())) *
-                                std::cos(6.283185307179586 * rng.uniform()));
-    };
     std::vector<float> p(n), g(n), out(n);
     std::vector<uint16_t> m(n, 0), v(n, 0);
-    for (auto& x : p) x = 0.02f * normal();
+    for (auto& x : p) x = 0.02f * normal(rng);
     const std::vector<double> p0(p.begin(), p.end());
     std::vector<double> rp = p0, rm(n, 0.0), rv(n, 0.0);
     for (int step = 1; step <= 20; ++step) {
       const Backend::AdamWArgs a = adamw_args(step);
-      for (auto& x : g) x = normal();
+      for (auto& x : g) x = normal(rng);
       cpu_adamw_bf16_moments(p.data(), g.data(), DType::kF32, m.data(), v.data(), out.data(),
                              DType::kF32, n, a,
                              StochasticRounding{1000, static_cast<uint32_t>(step)}, simd);
