@@ -5,9 +5,12 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "app/commands.h"
+#include "core/strings.h"
 #include "model/gpt2_config.h"
 #include "parallel/memory_estimator.h"
 #include "parallel/placement_planner.h"
@@ -24,9 +27,68 @@ struct EstimateFlags {
   std::string nvme_path;       ///< its free space is the NVMe budget of a node
   int gpus_per_node = 0;       ///< 0: every GPU on one node
   int64_t accumulation = 1;    ///< micro-batches per optimizer step (the plan's step time)
+  /// train_batch_size: sequences per optimizer step over all GPUs; > 0: also choose the
+  /// micro-batch and accumulation (choose_batch).
+  int64_t train_batch_size = 0;
+  double peak_tflops = 989.0;  ///< for the predicted MFU
   std::string limits_file;     ///< bench/host_limits.cu's JSON
   double gpu_tflops = 0;       ///< effective; 0: MachineRates' default
 };
+
+/// For a global batch of f.train_batch_size sequences: every micro-batch of 1, 2, 4, … 64 that
+/// divides it over the GPUs, with the accumulation that makes it up, planned as plan_placement
+/// plans one (the same budgets and rates); prints each one's chosen plan, its predicted step,
+/// tokens/s and MFU, and marks the fastest.
+void choose_batch(const EstimateFlags& f, const MemoryEstimateOptions& base,
+                  const PlacementBudget& budget, const MachineRates& rates) {
+  const int64_t S = f.train_batch_size, T = base.max_length;
+  fmt::print(
+      "\nGlobal batch {} sequences × {} tokens over {} GPU{}: micro-batch × accumulation and "
+      "the plan for each (predicted, at the rates above; MFU against {:g} TFLOP/s):\n\n",
+      with_commas(S), T, base.gpus, base.gpus > 1 ? "s" : "", f.peak_tflops);
+  fmt::print("  {:>22}  {:<22} {:>10} {:>10} {:>12} {:>6}  {}\n", "micro-batch × accum.", "plan",
+             "GPU", "step (s)", "tokens/s", "MFU", "bound");
+  struct Row {
+    std::string text;
+    double tokens_per_s = 0;
+  };
+  std::vector<Row> rows;
+  std::optional<size_t> best;
+  for (int64_t m = 1; m <= 64; m *= 2) {
+    if (S % (m * base.gpus) != 0) continue;
+    const int64_t a = S / (m * base.gpus);
+    MemoryEstimateOptions o = base;
+    o.micro_batch = m;
+    const PlacementPlan plan = plan_placement(o, budget, rates, static_cast<double>(m * T * a));
+    const std::string shape = fmt::format("{} × {}", m, a);
+    if (!plan.chosen) {
+      rows.push_back({fmt::format("  {:>22}  nothing fits\n", shape), 0});
+      continue;
+    }
+    const Placement& c = plan.candidates[*plan.chosen];
+    const double rate = static_cast<double>(S * T) / c.step_s;  // all GPUs
+    const double mfu =
+        o.model.flops_per_token(T) * rate / (f.peak_tflops * 1e12 * static_cast<double>(base.gpus));
+    const std::string name =
+        c.forward_group > 1 ? fmt::format("{} g={}", c.name, c.forward_group) : c.name;
+    rows.push_back(
+        {fmt::format("{:>22}  {:<22} {:>10} {:>10.3f} {:>12.0f} {:>5.1f}%  {}\n", shape, name,
+                     human_bytes(c.gpu_bytes), c.step_s, rate, 100.0 * mfu, c.bound),
+         rate});
+    // Within 2%, the larger micro-batch: the GPU is counted at one rate, and longer GEMMs run
+    // closer to it.
+    if (!best || rate >= 0.98 * rows[*best].tokens_per_s) best = rows.size() - 1;
+  }
+  for (size_t i = 0; i < rows.size(); ++i)
+    fmt::print("{}{}", best && *best == i ? "*" : " ", rows[i].text);
+  if (best)
+    fmt::print(
+        "\nchosen (*): the fastest predicted (within 2%, the largest micro-batch: the GPU is "
+        "counted at one rate, which longer GEMMs come closer to); train with --batch-size M "
+        "--gradient-accumulation-steps A and --offload auto (or the plan's flags)\n");
+  else
+    fmt::print("\nno micro-batch fits: more GPUs, more memory, or activation checkpointing\n");
+}
 
 void run_estimate(const EstimateFlags& f) {
   MemoryEstimateOptions o = f.options;
@@ -43,6 +105,7 @@ void run_estimate(const EstimateFlags& f) {
   const double tokens = static_cast<double>(o.micro_batch * o.max_length * f.accumulation);
   fmt::print("\n{}",
              format_placement_plan(plan_placement(o, budget, rates, tokens), budget, rates));
+  if (f.train_batch_size > 0) choose_batch(f, o, budget, rates);
 }
 
 }  // namespace
@@ -83,6 +146,14 @@ void register_estimate_command(CLI::App& app) {
                   "placement plan: micro-batches per optimizer step, for the predicted step "
                   "(default 1)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  cmd->add_option("--train-batch-size", f->train_batch_size,
+                  "placement plan: a global batch in sequences (DeepSpeed train_batch_size): also "
+                  "try every micro-batch of 1..64 that divides it, with the accumulation that "
+                  "makes it up, and mark the fastest predicted")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  cmd->add_option("--peak-tflops", f->peak_tflops,
+                  "the GPU's dense bf16 peak, for the predicted MFU (default 989)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--offload-ratio", o.offload_ratio,
                   "offloaded plans: fraction r of the optimizer state on the host (default 1)");
   cmd->add_flag("--offload-delayed-update", o.delayed_update,

@@ -78,6 +78,21 @@ TEST(Cli, EstimatePrintsMemoryPerStrategy) {
   EXPECT_NE(bad.output.find("--max-length 4096"), std::string::npos) << bad.output;
 }
 
+TEST(Cli, EstimateChoosesTheBatchShapeForAGlobalBatch) {
+  // 48 sequences on 2 GPUs of 20 GiB: micro-batches 1, 2, 4 and 8 make it up whole (16 does
+  // not: 48 / (16 · 2) is not an integer), each planned; the fastest marked.
+  const Result r = run(
+      "estimate --model gpt2-xl --max-length 512 --gpus 2 --gpu-memory 20 --max-host-memory 64 "
+      "--train-batch-size 48");
+  EXPECT_EQ(r.status, 0) << r.output;
+  for (const char* needle : {"Global batch 48 sequences", "1 × 24", "2 × 12", "4 × 6", "8 × 3",
+                             "chosen (*): the fastest predicted"})
+    EXPECT_NE(r.output.find(needle), std::string::npos) << needle << "\n" << r.output;
+  EXPECT_EQ(r.output.find("16 × "), std::string::npos) << r.output;
+  const size_t global = r.output.find("Global batch");
+  EXPECT_NE(r.output.find("\n* ", global), std::string::npos) << r.output;
+}
+
 TEST(Cli, MaxLengthBeyondContextAndInvalidNumbers) {
   expect_error("--model gpt2-tiny --max-length 2048 --dataset wikitext-2", "1024");
   expect_error("--lr abc --dataset wikitext-2", "--lr");
