@@ -51,5 +51,9 @@ if(SHARDTRAIN_HAVE_CUDA)
                                                ${SHARDTRAIN_NCCL} ${SHARDTRAIN_CUDNN} fmt::fmt
                                                nlohmann_json::nlohmann_json)
   target_link_libraries(shardtrain_lib PUBLIC shardtrain_cuda)
+  # `shardtrain env` names the architectures compiled in (backend/cuda/cuda_info.cpp).
+  string(REPLACE ";" "," _shardtrain_archs "${CMAKE_CUDA_ARCHITECTURES}")
+  set_source_files_properties("${CMAKE_SOURCE_DIR}/src/backend/cuda/cuda_info.cpp" PROPERTIES
+    COMPILE_DEFINITIONS "SHARDTRAIN_CUDA_ARCHS=\"${_shardtrain_archs}\"")
   target_compile_definitions(shardtrain_lib PUBLIC SHARDTRAIN_WITH_CUDA=1)
 endif()

@@ -307,4 +307,15 @@ std::unique_ptr<Backend> make_cuda_backend(int device_index, DType compute_dtype
 /// True when shardtrain was built with CUDA and a GPU is visible.
 bool cuda_available();
 
+/// One line of `shardtrain env` (DeepSpeed's ds_report): a library or device and what this build
+/// and this machine say of it.
+struct InfoLine {
+  std::string name, value;
+};
+/// The CUDA side of `shardtrain env`: the CUDA runtime and driver, cuBLAS, cuBLASLt, cuDNN and
+/// NCCL versions, the GPU architectures compiled in, and each GPU seen with whether this build
+/// runs on it (machine code for its architecture, or PTX it can compile). A build without CUDA
+/// says so in one line. Never throws: a failing query is reported as its line's value.
+std::vector<InfoLine> cuda_info();
+
 }  // namespace shardtrain

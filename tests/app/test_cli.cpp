@@ -93,6 +93,17 @@ TEST(Cli, EstimateChoosesTheBatchShapeForAGlobalBatch) {
   EXPECT_NE(r.output.find("\n* ", global), std::string::npos) << r.output;
 }
 
+TEST(Cli, EnvSaysWhatTheBuildHas) {
+  const Result r = run("env");
+  EXPECT_EQ(r.status, 0) << r.output;
+  for (const char* needle : {"shardtrain", "compiler", "OpenMP", "OpenBLAS", "MPI", "CUDA"})
+    EXPECT_NE(r.output.find(needle), std::string::npos) << needle << "\n" << r.output;
+#ifdef SHARDTRAIN_WITH_CUDA
+  for (const char* needle : {"cuDNN", "NCCL", "GPU architectures compiled in"})
+    EXPECT_NE(r.output.find(needle), std::string::npos) << needle << "\n" << r.output;
+#endif
+}
+
 TEST(Cli, MaxLengthBeyondContextAndInvalidNumbers) {
   expect_error("--model gpt2-tiny --max-length 2048 --dataset wikitext-2", "1024");
   expect_error("--lr abc --dataset wikitext-2", "--lr");

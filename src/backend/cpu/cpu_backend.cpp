@@ -201,6 +201,9 @@ std::unique_ptr<Backend> make_cuda_backend(int /*device_index*/, DType /*compute
       "rebuild with the CUDA toolkit installed, or use --device cpu");
 }
 bool cuda_available() { return false; }
+std::vector<InfoLine> cuda_info() {
+  return {{"CUDA", "not built in (configured without nvcc): --device cpu only"}};
+}
 #endif
 
 }  // namespace shardtrain
