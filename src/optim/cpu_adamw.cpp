@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <type_traits>
 
 #include "core/error.h"
 #include "core/half.h"
@@ -45,14 +46,64 @@ void store_scalar(void* p, DType dt, int64_t i, float x) {
   }
 }
 
-void adamw_scalar(float* p, const void* g, DType gdt, float* m, float* v, void* out, DType odt,
-                  int64_t begin, int64_t end, const Backend::AdamWArgs& a) {
+// ---- bf16 moments: stochastic rounding --------------------------------------------------------
+
+/// A 32-bit integer hash (lowbias32: Wellons, "Hash function prospector", 2018).
+inline uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+/// The key of the high 32 bits of the indices of one step.
+inline uint32_t high_key(uint64_t index, uint32_t step) {
+  return hash32(static_cast<uint32_t>(index >> 32) ^ hash32(step * 0x85ebca77u + 0x165667b1u));
+}
+
+inline uint32_t random_bits(uint64_t index, uint32_t step) {
+  return hash32(static_cast<uint32_t>(index) * 0x9e3779b1u + high_key(index, step));
+}
+
+inline uint16_t sr_bf16(float x, uint32_t random) {
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  if ((bits & 0x7f800000u) == 0x7f800000u)  // inf stays inf, NaN stays (quiet) NaN
+    return static_cast<uint16_t>((bits >> 16) | ((bits & 0x7fffffu) ? 0x40u : 0u));
+  return static_cast<uint16_t>((bits + (random & 0xffffu)) >> 16);
+}
+
+inline float from_bf16(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+
+/// The AdamW update of elements [begin, end). `M` is how m and v are stored: float, or uint16_t
+/// for bf16 moments, read as fp32 and stored rounded stochastically with the bits of
+/// (sr.index_base + i, sr.step); the update itself is the same fp32 arithmetic either way.
+template <class M>
+void adamw_scalar(float* p, const void* g, DType gdt, M* m, M* v, void* out, DType odt,
+                  int64_t begin, int64_t end, const Backend::AdamWArgs& a,
+                  StochasticRounding sr = {}) {
+  constexpr bool kBf16 = std::is_same_v<M, uint16_t>;
   for (int64_t i = begin; i < end; ++i) {
     const float gi = load_scalar(g, gdt, i) * a.grad_scale;
-    const float mi = a.beta1 * m[i] + (1.0f - a.beta1) * gi;
-    const float vi = a.beta2 * v[i] + (1.0f - a.beta2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
+    float m0, v0;
+    if constexpr (kBf16) {
+      m0 = from_bf16(m[i]);
+      v0 = from_bf16(v[i]);
+    } else {
+      m0 = m[i];
+      v0 = v[i];
+    }
+    const float mi = a.beta1 * m0 + (1.0f - a.beta1) * gi;
+    const float vi = a.beta2 * v0 + (1.0f - a.beta2) * gi * gi;
+    if constexpr (kBf16) {
+      const uint32_t r = random_bits(sr.index_base + static_cast<uint64_t>(i), sr.step);
+      m[i] = sr_bf16(mi, r);
+      v[i] = sr_bf16(vi, r >> 16);
+    } else {
+      m[i] = mi;
+      v[i] = vi;
+    }
     const float mhat = mi / a.bias_correction1, vhat = vi / a.bias_correction2;
     p[i] -= a.lr * (mhat / (std::sqrt(vhat) + a.eps) + a.weight_decay * p[i]);
     if (out) store_scalar(out, odt, i, p[i]);
@@ -105,10 +156,44 @@ __attribute__((target("avx2,fma,f16c"))) void store8(void* p, DType dt, int64_t 
   }
 }
 
-__attribute__((target("avx2,fma,f16c"))) void adamw_avx2(float* p, const void* g, DType gdt,
-                                                         float* m, float* v, void* out, DType odt,
-                                                         int64_t begin, int64_t end,
-                                                         const Backend::AdamWArgs& a) {
+__attribute__((target("avx2,fma,f16c"))) __m256i hash8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/// 8 lanes of sr_bf16 (the random bits in the low 16 bits of each lane of r), as 32-bit lanes.
+__attribute__((target("avx2,fma,f16c"))) __m256i sr8(__m256 x, __m256i r) {
+  const __m256i bits = _mm256_castps_si256(x);
+  __m256i out =
+      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_and_si256(r, _mm256_set1_epi32(0xffff))), 16);
+  const __m256i expo = _mm256_set1_epi32(0x7f800000);
+  const __m256i special = _mm256_cmpeq_epi32(_mm256_and_si256(bits, expo), expo);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  const __m256i kept =
+      _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_and_si256(nan, _mm256_set1_epi32(0x40)));
+  return _mm256_blendv_epi8(out, kept, special);
+}
+
+__attribute__((target("avx2,fma,f16c"))) __m256 load8_bf16(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx2,fma,f16c"))) void store8_u16(uint16_t* p, __m256i lanes) {
+  const __m128i lo = _mm256_castsi256_si128(lanes), hi = _mm256_extracti128_si256(lanes, 1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(lo, hi));
+}
+
+/// adamw_scalar<M> on 8 lanes.
+template <class M>
+__attribute__((target("avx2,fma,f16c"))) void adamw_avx2(float* p, const void* g, DType gdt, M* m,
+                                                         M* v, void* out, DType odt, int64_t begin,
+                                                         int64_t end, const Backend::AdamWArgs& a,
+                                                         StochasticRounding sr = {}) {
+  constexpr bool kBf16 = std::is_same_v<M, uint16_t>;
   const __m256 scale = _mm256_set1_ps(a.grad_scale), b1 = _mm256_set1_ps(a.beta1),
                b2 = _mm256_set1_ps(a.beta2), c1 = _mm256_set1_ps(1.0f - a.beta1),
                c2 = _mm256_set1_ps(1.0f - a.beta2), bc1 = _mm256_set1_ps(a.bias_correction1),
@@ -116,12 +201,39 @@ __attribute__((target("avx2,fma,f16c"))) void adamw_avx2(float* p, const void* g
                lr = _mm256_set1_ps(a.lr), wd = _mm256_set1_ps(a.weight_decay);
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
+    __m256i r{};  // bf16 moments: the lanes' random bits
+    if constexpr (kBf16) {
+      const uint64_t first = sr.index_base + static_cast<uint64_t>(i);
+      const uint32_t key = high_key(first, sr.step);
+      if (key != high_key(first + 7, sr.step)) {  // the lanes straddle 2^32: one at a time
+        adamw_scalar(p, g, gdt, m, v, out, odt, i, i + 8, a, sr);
+        continue;
+      }
+      const __m256i idx =
+          _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))),
+                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      r = hash8(_mm256_add_epi32(
+          _mm256_mullo_epi32(idx, _mm256_set1_epi32(static_cast<int>(0x9e3779b1u))),
+          _mm256_set1_epi32(static_cast<int>(key))));
+    }
     const __m256 gi = _mm256_mul_ps(load8(g, gdt, i), scale);
-    const __m256 mi = _mm256_fmadd_ps(b1, _mm256_loadu_ps(m + i), _mm256_mul_ps(c1, gi));
-    const __m256 vi =
-        _mm256_fmadd_ps(b2, _mm256_loadu_ps(v + i), _mm256_mul_ps(c2, _mm256_mul_ps(gi, gi)));
-    _mm256_storeu_ps(m + i, mi);
-    _mm256_storeu_ps(v + i, vi);
+    __m256 m0, v0;
+    if constexpr (kBf16) {
+      m0 = load8_bf16(m + i);
+      v0 = load8_bf16(v + i);
+    } else {
+      m0 = _mm256_loadu_ps(m + i);
+      v0 = _mm256_loadu_ps(v + i);
+    }
+    const __m256 mi = _mm256_fmadd_ps(b1, m0, _mm256_mul_ps(c1, gi));
+    const __m256 vi = _mm256_fmadd_ps(b2, v0, _mm256_mul_ps(c2, _mm256_mul_ps(gi, gi)));
+    if constexpr (kBf16) {
+      store8_u16(m + i, sr8(mi, r));
+      store8_u16(v + i, sr8(vi, _mm256_srli_epi32(r, 16)));
+    } else {
+      _mm256_storeu_ps(m + i, mi);
+      _mm256_storeu_ps(v + i, vi);
+    }
     const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_div_ps(vi, bc2)), eps);
     const __m256 pi = _mm256_loadu_ps(p + i);
     const __m256 update = _mm256_fmadd_ps(wd, pi, _mm256_div_ps(_mm256_div_ps(mi, bc1), denom));
@@ -129,7 +241,7 @@ __attribute__((target("avx2,fma,f16c"))) void adamw_avx2(float* p, const void* g
     _mm256_storeu_ps(p + i, np);
     if (out) store8(out, odt, i, np);
   }
-  adamw_scalar(p, g, gdt, m, v, out, odt, i, end, a);
+  adamw_scalar(p, g, gdt, m, v, out, odt, i, end, a, sr);
 }
 
 // ---- AVX-512F + BW: 16 lanes
@@ -173,150 +285,6 @@ __attribute__((target("avx512f,avx512bw"))) void store16(void* p, DType dt, int6
   }
 }
 
-__attribute__((target("avx512f,avx512bw"))) void adamw_avx512(float* p, const void* g, DType gdt,
-                                                              float* m, float* v, void* out,
-                                                              DType odt, int64_t begin, int64_t end,
-                                                              const Backend::AdamWArgs& a) {
-  const __m512 scale = _mm512_set1_ps(a.grad_scale), b1 = _mm512_set1_ps(a.beta1),
-               b2 = _mm512_set1_ps(a.beta2), c1 = _mm512_set1_ps(1.0f - a.beta1),
-               c2 = _mm512_set1_ps(1.0f - a.beta2), bc1 = _mm512_set1_ps(a.bias_correction1),
-               bc2 = _mm512_set1_ps(a.bias_correction2), eps = _mm512_set1_ps(a.eps),
-               lr = _mm512_set1_ps(a.lr), wd = _mm512_set1_ps(a.weight_decay);
-  int64_t i = begin;
-  for (; i + 16 <= end; i += 16) {
-    const __m512 gi = _mm512_mul_ps(load16(g, gdt, i), scale);
-    const __m512 mi = _mm512_fmadd_ps(b1, _mm512_loadu_ps(m + i), _mm512_mul_ps(c1, gi));
-    const __m512 vi =
-        _mm512_fmadd_ps(b2, _mm512_loadu_ps(v + i), _mm512_mul_ps(c2, _mm512_mul_ps(gi, gi)));
-    _mm512_storeu_ps(m + i, mi);
-    _mm512_storeu_ps(v + i, vi);
-    const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(_mm512_div_ps(vi, bc2)), eps);
-    const __m512 pi = _mm512_loadu_ps(p + i);
-    const __m512 update = _mm512_fmadd_ps(wd, pi, _mm512_div_ps(_mm512_div_ps(mi, bc1), denom));
-    const __m512 np = _mm512_fnmadd_ps(lr, update, pi);
-    _mm512_storeu_ps(p + i, np);
-    if (out) store16(out, odt, i, np);
-  }
-  adamw_scalar(p, g, gdt, m, v, out, odt, i, end, a);
-}
-
-// ---- bf16 moments (stochastic rounding) ------------------------------------------------------
-
-/// A 32-bit integer hash (lowbias32: Wellons, "Hash function prospector", 2018).
-inline uint32_t hash32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
-
-/// The key of the high 32 bits of the indices of one step.
-inline uint32_t high_key(uint64_t index, uint32_t step) {
-  return hash32(static_cast<uint32_t>(index >> 32) ^ hash32(step * 0x85ebca77u + 0x165667b1u));
-}
-
-inline uint32_t random_bits(uint64_t index, uint32_t step) {
-  return hash32(static_cast<uint32_t>(index) * 0x9e3779b1u + high_key(index, step));
-}
-
-inline uint16_t sr_bf16(float x, uint32_t random) {
-  const uint32_t bits = std::bit_cast<uint32_t>(x);
-  if ((bits & 0x7f800000u) == 0x7f800000u)  // inf stays inf, NaN stays (quiet) NaN
-    return static_cast<uint16_t>((bits >> 16) | ((bits & 0x7fffffu) ? 0x40u : 0u));
-  return static_cast<uint16_t>((bits + (random & 0xffffu)) >> 16);
-}
-
-inline float from_bf16(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
-
-void adamw16_scalar(float* p, const void* g, DType gdt, uint16_t* m, uint16_t* v, void* out,
-                    DType odt, int64_t begin, int64_t end, const Backend::AdamWArgs& a,
-                    StochasticRounding sr) {
-  for (int64_t i = begin; i < end; ++i) {
-    const float gi = load_scalar(g, gdt, i) * a.grad_scale;
-    const float mi = a.beta1 * from_bf16(m[i]) + (1.0f - a.beta1) * gi;
-    const float vi = a.beta2 * from_bf16(v[i]) + (1.0f - a.beta2) * gi * gi;
-    const uint32_t r = random_bits(sr.index_base + static_cast<uint64_t>(i), sr.step);
-    m[i] = sr_bf16(mi, r);
-    v[i] = sr_bf16(vi, r >> 16);
-    const float mhat = mi / a.bias_correction1, vhat = vi / a.bias_correction2;
-    p[i] -= a.lr * (mhat / (std::sqrt(vhat) + a.eps) + a.weight_decay * p[i]);
-    if (out) store_scalar(out, odt, i, p[i]);
-  }
-}
-
-__attribute__((target("avx2,fma,f16c"))) __m256i hash8(__m256i x) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-}
-
-/// 8 lanes of sr_bf16 (the random bits in the low 16 bits of each lane of r), as 32-bit lanes.
-__attribute__((target("avx2,fma,f16c"))) __m256i sr8(__m256 x, __m256i r) {
-  const __m256i bits = _mm256_castps_si256(x);
-  __m256i out =
-      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_and_si256(r, _mm256_set1_epi32(0xffff))), 16);
-  const __m256i expo = _mm256_set1_epi32(0x7f800000);
-  const __m256i special = _mm256_cmpeq_epi32(_mm256_and_si256(bits, expo), expo);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  const __m256i kept =
-      _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_and_si256(nan, _mm256_set1_epi32(0x40)));
-  return _mm256_blendv_epi8(out, kept, special);
-}
-
-__attribute__((target("avx2,fma,f16c"))) __m256 load8_bf16(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-__attribute__((target("avx2,fma,f16c"))) void store8_u16(uint16_t* p, __m256i lanes) {
-  const __m128i lo = _mm256_castsi256_si128(lanes), hi = _mm256_extracti128_si256(lanes, 1);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(lo, hi));
-}
-
-__attribute__((target("avx2,fma,f16c"))) void adamw16_avx2(float* p, const void* g, DType gdt,
-                                                           uint16_t* m, uint16_t* v, void* out,
-                                                           DType odt, int64_t begin, int64_t end,
-                                                           const Backend::AdamWArgs& a,
-                                                           StochasticRounding sr) {
-  const __m256 scale = _mm256_set1_ps(a.grad_scale), b1 = _mm256_set1_ps(a.beta1),
-               b2 = _mm256_set1_ps(a.beta2), c1 = _mm256_set1_ps(1.0f - a.beta1),
-               c2 = _mm256_set1_ps(1.0f - a.beta2), bc1 = _mm256_set1_ps(a.bias_correction1),
-               bc2 = _mm256_set1_ps(a.bias_correction2), eps = _mm256_set1_ps(a.eps),
-               lr = _mm256_set1_ps(a.lr), wd = _mm256_set1_ps(a.weight_decay);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i golden = _mm256_set1_epi32(static_cast<int>(0x9e3779b1u));
-  int64_t i = begin;
-  for (; i + 8 <= end; i += 8) {
-    const uint64_t first = sr.index_base + static_cast<uint64_t>(i);
-    const uint32_t key = high_key(first, sr.step);
-    if (key != high_key(first + 7, sr.step)) {  // the lanes straddle 2^32: one at a time
-      adamw16_scalar(p, g, gdt, m, v, out, odt, i, i + 8, a, sr);
-      continue;
-    }
-    const __m256i idx =
-        _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))), lane);
-    const __m256i r = hash8(_mm256_add_epi32(_mm256_mullo_epi32(idx, golden),
-                                             _mm256_set1_epi32(static_cast<int>(key))));
-    const __m256 gi = _mm256_mul_ps(load8(g, gdt, i), scale);
-    const __m256 mi = _mm256_fmadd_ps(b1, load8_bf16(m + i), _mm256_mul_ps(c1, gi));
-    const __m256 vi =
-        _mm256_fmadd_ps(b2, load8_bf16(v + i), _mm256_mul_ps(c2, _mm256_mul_ps(gi, gi)));
-    store8_u16(m + i, sr8(mi, r));
-    store8_u16(v + i, sr8(vi, _mm256_srli_epi32(r, 16)));
-    const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_div_ps(vi, bc2)), eps);
-    const __m256 pi = _mm256_loadu_ps(p + i);
-    const __m256 update = _mm256_fmadd_ps(wd, pi, _mm256_div_ps(_mm256_div_ps(mi, bc1), denom));
-    const __m256 np = _mm256_fnmadd_ps(lr, update, pi);
-    _mm256_storeu_ps(p + i, np);
-    if (out) store8(out, odt, i, np);
-  }
-  adamw16_scalar(p, g, gdt, m, v, out, odt, i, end, a, sr);
-}
-
 __attribute__((target("avx512f,avx512bw"))) __m512i hash16(__m512i x) {
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
@@ -342,34 +310,54 @@ __attribute__((target("avx512f,avx512bw"))) __m512 load16_bf16(const uint16_t* p
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-__attribute__((target("avx512f,avx512bw"))) void adamw16_avx512(
-    float* p, const void* g, DType gdt, uint16_t* m, uint16_t* v, void* out, DType odt,
-    int64_t begin, int64_t end, const Backend::AdamWArgs& a, StochasticRounding sr) {
+/// adamw_scalar<M> on 16 lanes.
+template <class M>
+__attribute__((target("avx512f,avx512bw"))) void adamw_avx512(float* p, const void* g, DType gdt,
+                                                              M* m, M* v, void* out, DType odt,
+                                                              int64_t begin, int64_t end,
+                                                              const Backend::AdamWArgs& a,
+                                                              StochasticRounding sr = {}) {
+  constexpr bool kBf16 = std::is_same_v<M, uint16_t>;
   const __m512 scale = _mm512_set1_ps(a.grad_scale), b1 = _mm512_set1_ps(a.beta1),
                b2 = _mm512_set1_ps(a.beta2), c1 = _mm512_set1_ps(1.0f - a.beta1),
                c2 = _mm512_set1_ps(1.0f - a.beta2), bc1 = _mm512_set1_ps(a.bias_correction1),
                bc2 = _mm512_set1_ps(a.bias_correction2), eps = _mm512_set1_ps(a.eps),
                lr = _mm512_set1_ps(a.lr), wd = _mm512_set1_ps(a.weight_decay);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i golden = _mm512_set1_epi32(static_cast<int>(0x9e3779b1u));
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
-    const uint64_t first = sr.index_base + static_cast<uint64_t>(i);
-    const uint32_t key = high_key(first, sr.step);
-    if (key != high_key(first + 15, sr.step)) {  // the lanes straddle 2^32: one at a time
-      adamw16_scalar(p, g, gdt, m, v, out, odt, i, i + 16, a, sr);
-      continue;
+    __m512i r{};  // bf16 moments: the lanes' random bits
+    if constexpr (kBf16) {
+      const uint64_t first = sr.index_base + static_cast<uint64_t>(i);
+      const uint32_t key = high_key(first, sr.step);
+      if (key != high_key(first + 15, sr.step)) {  // the lanes straddle 2^32: one at a time
+        adamw_scalar(p, g, gdt, m, v, out, odt, i, i + 16, a, sr);
+        continue;
+      }
+      const __m512i idx =
+          _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))),
+                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      r = hash16(_mm512_add_epi32(
+          _mm512_mullo_epi32(idx, _mm512_set1_epi32(static_cast<int>(0x9e3779b1u))),
+          _mm512_set1_epi32(static_cast<int>(key))));
     }
-    const __m512i idx =
-        _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))), lane);
-    const __m512i r = hash16(_mm512_add_epi32(_mm512_mullo_epi32(idx, golden),
-                                              _mm512_set1_epi32(static_cast<int>(key))));
     const __m512 gi = _mm512_mul_ps(load16(g, gdt, i), scale);
-    const __m512 mi = _mm512_fmadd_ps(b1, load16_bf16(m + i), _mm512_mul_ps(c1, gi));
-    const __m512 vi =
-        _mm512_fmadd_ps(b2, load16_bf16(v + i), _mm512_mul_ps(c2, _mm512_mul_ps(gi, gi)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(m + i), sr16(mi, r));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), sr16(vi, _mm512_srli_epi32(r, 16)));
+    __m512 m0, v0;
+    if constexpr (kBf16) {
+      m0 = load16_bf16(m + i);
+      v0 = load16_bf16(v + i);
+    } else {
+      m0 = _mm512_loadu_ps(m + i);
+      v0 = _mm512_loadu_ps(v + i);
+    }
+    const __m512 mi = _mm512_fmadd_ps(b1, m0, _mm512_mul_ps(c1, gi));
+    const __m512 vi = _mm512_fmadd_ps(b2, v0, _mm512_mul_ps(c2, _mm512_mul_ps(gi, gi)));
+    if constexpr (kBf16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(m + i), sr16(mi, r));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), sr16(vi, _mm512_srli_epi32(r, 16)));
+    } else {
+      _mm512_storeu_ps(m + i, mi);
+      _mm512_storeu_ps(v + i, vi);
+    }
     const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(_mm512_div_ps(vi, bc2)), eps);
     const __m512 pi = _mm512_loadu_ps(p + i);
     const __m512 update = _mm512_fmadd_ps(wd, pi, _mm512_div_ps(_mm512_div_ps(mi, bc1), denom));
@@ -377,7 +365,37 @@ __attribute__((target("avx512f,avx512bw"))) void adamw16_avx512(
     _mm512_storeu_ps(p + i, np);
     if (out) store16(out, odt, i, np);
   }
-  adamw16_scalar(p, g, gdt, m, v, out, odt, i, end, a, sr);
+  adamw_scalar(p, g, gdt, m, v, out, odt, i, end, a, sr);
+}
+
+/// The update of n elements on OpenMP's threads, in blocks of 64 Ki elements (a multiple of 16)
+/// handed out dynamically: the step shares the cores with the thread feeding the GPU (and on one
+/// rank per GPU, with other ranks), so equal static parts would make the whole team wait for
+/// the one that lost its core.
+template <class M>
+void adamw_blocks(float* master, const void* grad, DType grad_dtype, M* m, M* v, void* params_out,
+                  DType out_dtype, int64_t n, const Backend::AdamWArgs& args, StochasticRounding sr,
+                  CpuSimd simd) {
+  const auto ok = [](DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; };
+  ST_ASSERT(ok(grad_dtype) && ok(out_dtype));
+  ST_ASSERT(static_cast<int>(simd) <= static_cast<int>(best_cpu_simd()));
+  constexpr int64_t kBlock = int64_t{1} << 16;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
+    switch (simd) {
+      case CpuSimd::kAvx512:
+        adamw_avx512(master, grad, grad_dtype, m, v, params_out, out_dtype, begin, end, args, sr);
+        break;
+      case CpuSimd::kAvx2:
+        adamw_avx2(master, grad, grad_dtype, m, v, params_out, out_dtype, begin, end, args, sr);
+        break;
+      case CpuSimd::kScalar:
+        adamw_scalar(master, grad, grad_dtype, m, v, params_out, out_dtype, begin, end, args, sr);
+        break;
+    }
+  }
 }
 
 }  // namespace
@@ -392,29 +410,7 @@ void cpu_adamw_bf16_moments(float* master, const void* grad, DType grad_dtype, u
                             uint16_t* v, void* params_out, DType out_dtype, int64_t n,
                             const Backend::AdamWArgs& args, StochasticRounding rounding,
                             CpuSimd simd) {
-  const auto ok = [](DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; };
-  ST_ASSERT(ok(grad_dtype) && ok(out_dtype));
-  ST_ASSERT(static_cast<int>(simd) <= static_cast<int>(best_cpu_simd()));
-  constexpr int64_t kBlock = int64_t{1} << 16;  // as cpu_adamw
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
-    switch (simd) {
-      case CpuSimd::kAvx512:
-        adamw16_avx512(master, grad, grad_dtype, m, v, params_out, out_dtype, begin, end, args,
-                       rounding);
-        break;
-      case CpuSimd::kAvx2:
-        adamw16_avx2(master, grad, grad_dtype, m, v, params_out, out_dtype, begin, end, args,
-                     rounding);
-        break;
-      case CpuSimd::kScalar:
-        adamw16_scalar(master, grad, grad_dtype, m, v, params_out, out_dtype, begin, end, args,
-                       rounding);
-        break;
-    }
-  }
+  adamw_blocks(master, grad, grad_dtype, m, v, params_out, out_dtype, n, args, rounding, simd);
 }
 
 CpuSimd best_cpu_simd() {
@@ -442,29 +438,7 @@ std::string to_string(CpuSimd simd) {
 void cpu_adamw(float* master, const void* grad, DType grad_dtype, float* m, float* v,
                void* params_out, DType out_dtype, int64_t n, const Backend::AdamWArgs& args,
                CpuSimd simd) {
-  const auto ok = [](DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; };
-  ST_ASSERT(ok(grad_dtype) && ok(out_dtype));
-  ST_ASSERT(static_cast<int>(simd) <= static_cast<int>(best_cpu_simd()));
-  // Blocks of 64 Ki elements (a multiple of 16), handed out dynamically: the step shares the
-  // cores with the thread feeding the GPU (and on one rank per GPU, with other ranks), so equal
-  // static parts would make the whole team wait for the one that lost its core.
-  constexpr int64_t kBlock = int64_t{1} << 16;
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
-    switch (simd) {
-      case CpuSimd::kAvx512:
-        adamw_avx512(master, grad, grad_dtype, m, v, params_out, out_dtype, begin, end, args);
-        break;
-      case CpuSimd::kAvx2:
-        adamw_avx2(master, grad, grad_dtype, m, v, params_out, out_dtype, begin, end, args);
-        break;
-      case CpuSimd::kScalar:
-        adamw_scalar(master, grad, grad_dtype, m, v, params_out, out_dtype, begin, end, args);
-        break;
-    }
-  }
+  adamw_blocks(master, grad, grad_dtype, m, v, params_out, out_dtype, n, args, {}, simd);
 }
 
 void cpu_sgd(float* master, const void* grad, DType grad_dtype, float* buf, void* params_out,
