@@ -97,24 +97,30 @@ PlacementPlan plan_placement(const MemoryEstimateOptions& options, const Placeme
   const double micro_batches = std::max(
       1.0,
       std::floor(tokens_per_step / static_cast<double>(options.micro_batch * options.max_length)));
+  // One micro-batch's forward: 1/4 of its compute under activation checkpointing (backward 2,
+  // its recompute 1), 1/3 without.
+  const double forward_s =
+      compute_s * (options.activation_checkpointing ? 0.25 : 1.0 / 3) / micro_batches;
+  // Bytes the CPU optimizer moves to update a fraction r of psi_per_rank elements.
+  const auto host_bytes = [&](double r, double psi_per_rank) {
+    return (2.0 * K + 4) * r * psi_per_rank;
+  };
   const auto cost = [&](Placement& p, double psi_per_rank, double r) {
     const bool optimizer_out = p.plan.optimizer_offload != OffloadDevice::kNone;
     const bool params_out = p.plan.param_offload != OffloadDevice::kNone;
     p.pcie_bytes =
         (optimizer_out ? 2 * 2 * r * psi_per_rank : 0) + (params_out ? 2 * 2 * psi_per_rank : 0);
-    p.host_traffic = optimizer_out ? (2.0 * K + 4) * r * psi_per_rank : 0;
+    p.host_traffic = optimizer_out ? host_bytes(r, psi_per_rank) : 0;
     p.disk_bytes = 2 * p.nvme_bytes;  // every byte on NVMe is read and written each step
     p.compute_s = compute_s;
     // The host's update overlaps only the next forward: that of the forward group (stages 1-2,
     // Model::forward_layer_major) or of one micro-batch; it cannot overlap backward, whose
     // gradients it needs whole (the global norm clips them). What is left of it adds to the
-    // compute. A forward is 1/4 of a micro-batch's compute under activation checkpointing
-    // (backward 2, its recompute 1), 1/3 without.
+    // compute.
     const double group = p.plan.zero_stage < 3 && options.activation_checkpointing
                              ? std::min(micro_batches, static_cast<double>(p.forward_group))
                              : 1.0;
-    const double window =
-        compute_s * (options.activation_checkpointing ? 0.25 : 1.0 / 3) * group / micro_batches;
+    const double window = forward_s * group;
     // The update pages its state from NVMe as it goes: the slower of the CPU and the disk.
     const double host_s = p.host_traffic / rates.host_bytes_per_s;
     const double disk_s = p.disk_bytes / rates.disk_bytes_per_s;
@@ -191,8 +197,7 @@ PlacementPlan plan_placement(const MemoryEstimateOptions& options, const Placeme
         p.forward_group =
             std::min<int64_t>(base.forward_group, static_cast<int64_t>(micro_batches));
         if (choose_group) {
-          const double update_s = (2.0 * K + 4) * r * psi_per_rank / rates.host_bytes_per_s;
-          const double forward_s = compute_s * 0.25 / micro_batches;  // one micro-batch's
+          const double update_s = host_bytes(r, psi_per_rank) / rates.host_bytes_per_s;
           const double per_group = e.activations.residual + e.activations.io;
           const double needed = std::ceil(update_s / std::max(forward_s, 1e-12));
           const double room = std::floor((budget.gpu_bytes - p.gpu_bytes) / per_group) + 1;
