@@ -161,18 +161,21 @@ Tensor GPT2Model::activation_grad(int s) {
                 {sl.ctx.B, sl.ctx.T, config_.n_embd});
 }
 
-void GPT2Model::forward_layers(int s, int first, int last) {
+void GPT2Model::layer_forward(int i, int s) {
   Slot& sl = slot(s);
-  const int n = num_layers();
-  ST_ASSERT(0 <= first && first < last && last <= n);
+  Layer& l = *layers_[static_cast<size_t>(i)];
+  l.use_slot(layer_slot(i, s));
+  const bool embed = i == 0 && has_embedding();
+  const bool head = i == num_layers() - 1 && has_head();
+  l.forward(backend_, sl.ctx, embed ? Tensor() : activation(s, i),
+            head ? Tensor() : activation(s, i + 1));
+}
+
+void GPT2Model::forward_layers(int s, int first, int last) {
+  ST_ASSERT(0 <= first && first < last && last <= num_layers());
   for (int i = first; i < last; ++i) {
     if (hooks_) hooks_->before_forward(i);
-    Layer& l = *layers_[static_cast<size_t>(i)];
-    l.use_slot(layer_slot(i, s));
-    const bool embed = i == 0 && has_embedding();
-    const bool head = i == n - 1 && has_head();
-    l.forward(backend_, sl.ctx, embed ? Tensor() : activation(s, i),
-              head ? Tensor() : activation(s, i + 1));
+    layer_forward(i, s);
     if (hooks_) {
       hooks_->after_forward(i);
       hooks_->between_layers();
@@ -254,11 +257,8 @@ void GPT2Model::forward_layer_major(int count) {
   const int n = num_layers();
   for (int i = 0; i + 1 < n; ++i) {
     if (hooks_) hooks_->before_forward(i);
-    Layer& l = *layers_[static_cast<size_t>(i)];
     for (int s = 0; s < count; ++s) {
-      Slot& sl = slot(s);
-      l.use_slot(s);
-      l.forward(backend_, sl.ctx, i == 0 ? Tensor() : activation(s, i), activation(s, i + 1));
+      layer_forward(i, s);
       if (hooks_) hooks_->between_layers();
     }
     if (hooks_) hooks_->after_forward(i);

@@ -214,6 +214,8 @@ class GPT2Model final : public Model {
     StepContext ctx;
   };
   void build(const std::vector<int>& layer_ids, bool head_places_shared);
+  /// Layer i's forward (no hooks) for the micro-batch in slot s.
+  void layer_forward(int i, int s);
   Slot& slot(int s);
   void reserve(int s, int64_t B, int64_t T);
 
