@@ -701,20 +701,19 @@ class DeepSpeedReader {
                            "an integer >= 2 (pinned buffers the paged parameters are read into)"))
         cfg_.zero.offload_param_buffer_count = static_cast<int>(std::min<int64_t>(*v, 1024));
     }
-    if (has(*off, "delayed_update")) {
+    // Keys of offload_optimizer alone: elsewhere an error naming where they belong.
+    const auto optimizer_key = [&](const char* k, const char* what) {
+      if (!has(*off, k)) return false;
       if (std::string(key) != "offload_optimizer")
         throw ConfigError(
-            fmt::format("{}.delayed_update in '{}': the delayed update belongs to "
-                        "offload_optimizer; move it there",
-                        prefix, file_));
+            fmt::format("{}.{} in '{}': {} belongs to offload_optimizer; move it there", prefix, k,
+                        file_, what));
+      return true;
+    };
+    if (optimizer_key("delayed_update", "the delayed update")) {
       if (auto v = get_bool(*off, "delayed_update", prefix)) cfg_.zero.offload_delayed_update = *v;
     }
-    if (has(*off, "moments_dtype")) {
-      if (std::string(key) != "offload_optimizer")
-        throw ConfigError(fmt::format(
-            "{}.moments_dtype in '{}': the moments' dtype belongs to offload_optimizer; move it "
-            "there",
-            prefix, file_));
+    if (optimizer_key("moments_dtype", "the moments' dtype")) {
       const char* choices = "\"fp32\" or \"bf16\" (AdamW's m and v on the host)";
       if (auto d = get_string(*off, "moments_dtype", prefix, choices)) {
         if (*d != "fp32" && *d != "bf16")
@@ -722,12 +721,7 @@ class DeepSpeedReader {
         cfg_.zero.offload_moments_dtype = *d;
       }
     }
-    if (has(*off, "forward_group")) {
-      if (std::string(key) != "offload_optimizer")
-        throw ConfigError(
-            fmt::format("{}.forward_group in '{}': the forward group belongs to offload_optimizer; "
-                        "move it there",
-                        prefix, file_));
+    if (optimizer_key("forward_group", "the forward group")) {
       if (auto v = get_int(*off, "forward_group", prefix, 0,
                            "an integer >= 0 (micro-batches whose forward runs layer by layer; 0: "
                            "all of the step's)"))
