@@ -13,6 +13,14 @@
    test and `shardtrain` on PATH; a block that exits non-zero or takes longer than --timeout
    fails the check with its output.
 3. `shardtrain train --help` names docs/CONFIG.md.
+4. The block right after a `run` block, when it shows a training banner ("shardtrain 0.1.0 |
+   train ..."), is that command's real output: each of its lines before the first step line
+   (`epoch N | step ...`) must equal the line of the same kind (the banner's head, `  batch:`,
+   `  steps:`, `dropout:`, `placement (...)`, `warning:` ...) that the binary printed when the
+   check ran the block, timings ("loaded in 0.3 s") and the thread count ("cpu (2 threads)")
+   aside. A doc may leave lines out; what it shows must be what the binary prints now. No extra
+   runs: the run block's own output is used. The token cache's "data: tokenizing ..." lines
+   (first run only) are not compared.
 
 Usage: check_docs.py --source-dir SRC --build-dir BUILD [--no-run] [--only FILE...]
 """
@@ -34,6 +42,15 @@ COMMAND = re.compile(r"^\s*(\$\s+)?(\./build/shardtrain|shardtrain (train|launch
                      r"estimate|generate|export|consolidate|tokenize|pipeline-sim|data-dir)\b|"
                      r"bash |python3? |cmake |mpirun |srun |sbatch |torchrun |examples/)", re.M)
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
+# The banner `shardtrain train` prints before its first step (src/train/trainer.cpp print_banner,
+# image_trainer.cpp), and the step lines that end it.
+BANNER_HEAD = re.compile(r"^shardtrain \S+ \| train ")
+STEP_LINE = re.compile(r"^epoch \d+ (\(partial\) )?\| (step|\d+ steps)")
+# First-run lines of the token cache: present or not depending on ~/.cache/shardtrain.
+CACHE_LINE = re.compile(r"^data: (tokenizing |\d+ tokens in )")
+TIMING = re.compile(r"\b(loaded in|tokens in) \d+(\.\d+)? s\b")
+# The machine, not the code: OpenMP threads per rank follow the cores and OMP_NUM_THREADS.
+THREADS = re.compile(r"\bcpu \(\d+ threads\)")
 
 
 def doc_files(src):
@@ -131,6 +148,68 @@ def scratch_repo(src, build):
     return d
 
 
+def banner_kind(line):
+    """What a pre-step line is, to pair a doc's line with the binary's: the banner's head, or the
+    text before the first ':' with its indentation ("  batch", "placement (--offload auto)")."""
+    if BANNER_HEAD.match(line):
+        return "shardtrain | train"
+    head = line.split(":", 1)[0]
+    return head if ":" in line else line
+
+
+def normalized(line):
+    line = TIMING.sub(lambda m: m.group(1) + " <time> s", line.rstrip())
+    return THREADS.sub("cpu (<n> threads)", line)
+
+
+def pre_step_sections(output):
+    """Each banner's pre-step lines in a command's output: from the end of the previous section
+    (or the start) to the first step line after its head."""
+    lines = output.split("\n")
+    sections, start, i = [], 0, 0
+    while i < len(lines):
+        if BANNER_HEAD.match(lines[i]):
+            j = i
+            while j < len(lines) and not STEP_LINE.match(lines[j]):
+                j += 1
+            sections.append(lines[start:j])
+            start = i = j
+        i += 1
+    return sections
+
+
+def banner_problems(doc_rel, doc_line, doc_text, output):
+    """How a doc block of real output differs from `output` in the lines before its first step.
+    doc_line: the line number of the block's opening fence."""
+    doc_lines = []
+    for k, line in enumerate(doc_text.split("\n")):
+        if STEP_LINE.match(line):
+            break
+        if line.strip() and not CACHE_LINE.match(line):
+            doc_lines.append((doc_line + 1 + k, line))
+    heads = [l for _, l in doc_lines if BANNER_HEAD.match(l)]
+    sections = pre_step_sections(output)
+    if not sections:
+        return [f"{doc_rel}:{doc_line}: shows a banner, but the command printed none"]
+    # The section whose head the doc shows (a block may run several commands), else the first.
+    section = sections[0]
+    for sec in sections:
+        if heads and any(normalized(l) == normalized(heads[0]) for l in sec):
+            section = sec
+    by_kind = {}
+    for line in section:
+        by_kind.setdefault(banner_kind(line), []).append(line)
+    problems = []
+    for number, line in doc_lines:
+        printed = by_kind.get(banner_kind(line), [])
+        if any(normalized(p) == normalized(line) for p in printed):
+            continue
+        problems.append(f"{doc_rel}:{number}: the banner line differs from what the binary "
+                        f"prints now\n  doc:    {line.rstrip()}\n  binary: "
+                        + (printed[0].rstrip() if printed else "(no such line)"))
+    return problems
+
+
 def run_block(text, cwd, build, timeout):
     env = dict(os.environ)
     env["PATH"] = os.path.abspath(build) + os.pathsep + env.get("PATH", "")
@@ -138,11 +217,11 @@ def run_block(text, cwd, build, timeout):
     script = "set -e\n" + text.replace("\\\n", " ") + "\n"
     start = time.time()
     try:
-        p = subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True,
-                           text=True, timeout=timeout)
+        p = subprocess.run(["bash", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, f"did not finish within {timeout} s", time.time() - start
-    return p.returncode == 0, (p.stdout + p.stderr)[-3000:], time.time() - start
+    return p.returncode == 0, p.stdout, time.time() - start
 
 
 def main():
@@ -162,8 +241,12 @@ def main():
     counts = {"run": 0, "gpu": 0, "skip": 0}
     for f in files:
         problems += link_problems(f, src)
+        after_run = None  # the run block just before this one, if it is the previous block
         for line, lang, mark, text in blocks(f):
+            previous_run, after_run = after_run, None
             if lang not in SHELL_LANGS:
+                if previous_run is not None and any(BANNER_HEAD.match(l) for l in text.split("\n")):
+                    previous_run[3].append((line, text))  # its real output, with a banner
                 # Reports written by `shardtrain compare`/`report` (docs/compare/) list the
                 # commands they ran as a record.
                 generated = os.path.relpath(f, src).startswith(os.path.join("docs", "compare"))
@@ -181,7 +264,8 @@ def main():
             if mark[0] == "skip" and not mark[1]:
                 problems.append(f"{rel}: docs-check: skip needs a reason")
             if mark[0] == "run":
-                to_run.append((f, rel, text))
+                to_run.append((f, rel, text, []))
+                after_run = to_run[-1]
     helptext = subprocess.run([os.path.join(args.build_dir, "shardtrain"), "train", "--help"],
                               capture_output=True, text=True).stdout
     if "docs/CONFIG.md" not in helptext:
@@ -191,13 +275,21 @@ def main():
     if not args.no_run:
         scratches = {}  # one per Markdown file: its blocks run in order, in one directory
         try:
-            for f, rel, text in to_run:
+            for f, rel, text, outputs in to_run:
                 if f not in scratches:
                     scratches[f] = scratch_repo(src, args.build_dir)
                 ok, out, secs = run_block(text, scratches[f], args.build_dir, args.timeout)
-                print(f"  {'ok  ' if ok else 'FAIL'} {rel} ({secs:.0f} s)", flush=True)
+                found = []
+                for line, shown in outputs if ok else []:
+                    found += banner_problems(os.path.relpath(f, src), line, shown, out)
+                print(f"  {'ok  ' if ok and not found else 'FAIL'} {rel} ({secs:.0f} s)"
+                      + (f"; its output shown at line {', '.join(str(l) for l, _ in outputs)}: "
+                         f"banner {'differs' if found else 'as printed'}" if ok and outputs else ""),
+                      flush=True)
                 if not ok:
-                    problems.append(f"{rel}: the block failed:\n{text}\n--- output (end) ---\n{out}")
+                    problems.append(f"{rel}: the block failed:\n{text}\n--- output (end) ---\n"
+                                    f"{out[-3000:]}")
+                problems += found
         finally:
             for d in scratches.values():
                 shutil.rmtree(d, ignore_errors=True)
