@@ -80,6 +80,64 @@ add_strategy_flags() {
   fi
 }
 
+# GPT-3's peak learning rate for MODEL ($1) (Brown et al. 2020, "Language Models are Few-Shot
+# Learners", arXiv 2005.14165, Table 2.1): the row of the GPT-3 size nearest to MODEL's parameter
+# count on a log scale (the boundaries are the geometric means of neighbouring sizes).
+#
+#   GPT-3 size   125M    350M         760M        1.3B     2.7B           6.7B           13B           175B
+#   peak lr      6.0e-4  3.0e-4       2.5e-4      2.0e-4   1.6e-4         1.2e-4         1.0e-4        6.0e-5
+#   MODEL        gpt2 ¹  gpt2-medium  gpt2-large  gpt2-xl  gpt-2.7b.json  gpt-6.7b.json  gpt-13b.json
+#   ¹ and the smaller presets (gpt2-micro, gpt2-tiny, gpt2-mini)
+#
+# MODEL: a preset, or a config.json (or a directory holding one) with n_layer and n_embd
+# (vocab_size and n_positions default to GPT-2's). Prints nothing for a MODEL it cannot size;
+# `shardtrain train` then reports the name.
+gpt3_lr() {
+  local model=$1 params=0 file layers embd vocab positions
+  case "$model" in
+    gpt2-micro) params=3382080 ;;
+    gpt2-tiny) params=7357312 ;;
+    gpt2-mini) params=30339456 ;;
+    gpt2) params=124439808 ;;
+    gpt2-medium) params=354823168 ;;
+    gpt2-large) params=774030080 ;;
+    gpt2-xl) params=1557611200 ;;
+    *)
+      file=$model
+      if [ -d "$file" ]; then file=$file/config.json; fi
+      [ -f "$file" ] || return 0
+      json_int() { sed -n "s/.*\"$1\"[[:space:]]*:[[:space:]]*\([0-9][0-9]*\).*/\1/p" "$file" | head -n 1; }
+      layers=$(json_int n_layer) embd=$(json_int n_embd)
+      vocab=$(json_int vocab_size) positions=$(json_int n_positions)
+      [ -n "$layers" ] && [ -n "$embd" ] || return 0
+      # 12·d² + 13·d per block (attention, MLP, two LayerNorms), the embeddings, the final LayerNorm.
+      params=$((layers * (12 * embd * embd + 13 * embd) + (${vocab:-50257} + ${positions:-1024}) * embd + 2 * embd))
+      ;;
+  esac
+  if ((params < 209165006)); then echo 6e-4      # √(125M · 350M)
+  elif ((params < 515751878)); then echo 3e-4    # √(350M · 760M)
+  elif ((params < 993981891)); then echo 2.5e-4  # √(760M · 1.3B)
+  elif ((params < 1873499399)); then echo 2e-4   # √(1.3B · 2.7B)
+  elif ((params < 4253234063)); then echo 1.6e-4 # √(2.7B · 6.7B)
+  elif ((params < 9332738076)); then echo 1.2e-4 # √(6.7B · 13B)
+  elif ((params < 47696960070)); then echo 1e-4  # √(13B · 175B)
+  else echo 6e-5; fi
+}
+
+# Appends `--lr` with gpt3_lr MODEL ($1) to the array `train` (the configs' own lr, 6e-4, is
+# GPT-3 125M's), unless the TRAIN FLAGS (the other arguments) give --lr or DS_CONFIG names
+# another config, whose lr then stands.
+add_gpt3_lr_flag() {
+  local model=$1 arg lr
+  shift
+  if [ -n "${DS_CONFIG:-}" ]; then return 0; fi
+  for arg in "$@"; do
+    case "$arg" in --lr | --lr=*) return 0 ;; esac
+  done
+  lr=$(gpt3_lr "$model")
+  if [ -n "$lr" ]; then train+=(--lr "$lr"); fi
+}
+
 # Sets the array `launch` to the flags of `shardtrain launch` for NUM_NODES ($1) nodes of
 # GPUS_PER_NODE ($2) ranks: one launch per node when NODE_RANK is set (with MASTER_ADDR), else
 # $HOSTFILE (default ./hostfile), which must list $1 hosts of $2 slots each. MASTER_PORT

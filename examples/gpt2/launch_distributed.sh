@@ -21,6 +21,8 @@
 # JSON), NVME_PATH (infinity's swap directory, default /tmp/shardtrain_nvme), PIPELINE_STAGES
 # (pipeline: ranks per pipeline, default the config's 2; NUM_GPUS must be a multiple),
 # OUTPUT_DIR (default runs/MODEL-STRATEGY). TRAIN FLAGS go to `shardtrain train` as they are.
+# The peak learning rate is GPT-3's for MODEL's size (gpt3_lr in examples/common.sh) unless
+# TRAIN FLAGS give --lr or DS_CONFIG is set; the config's schedule (warmup, cosine) stays.
 set -euo pipefail
 examples="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source-path=SCRIPTDIR source=../common.sh
@@ -41,6 +43,7 @@ train=(--model "$model" --dataset wikitext-2 --batch-size "$micro_batch"
   --max-length "${MAX_LENGTH:-1024}" --device "${DEVICE:-auto}"
   --output-dir "${OUTPUT_DIR:-runs/$(basename "$model" .json)-$strategy}")
 add_strategy_flags "$strategy" "$examples"
+add_gpt3_lr_flag "$model" "$@"
 
 set -x
 exec "$bin" launch --nproc-per-node "$num_gpus" -- train "${train[@]}" "$@"

@@ -14,6 +14,7 @@
 # gradient_accumulation_steps. STRATEGY and the variables (SHARDTRAIN, DEVICE, MAX_LENGTH,
 # DS_CONFIG, NVME_PATH, PIPELINE_STAGES, OUTPUT_DIR) as in launch_distributed.sh; OUTPUT_DIR must
 # be on a filesystem every node shares, and infinity's NVMe directory must exist on every node.
+# The peak learning rate as in launch_distributed.sh: GPT-3's for MODEL's size unless --lr is given.
 set -euo pipefail
 examples="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source-path=SCRIPTDIR source=../common.sh
@@ -36,6 +37,7 @@ train=(--model "$model" --dataset wikitext-2 --batch-size "$micro_batch"
   --max-length "${MAX_LENGTH:-1024}" --device "${DEVICE:-auto}"
   --output-dir "${OUTPUT_DIR:-runs/$(basename "$model" .json)-$strategy}")
 add_strategy_flags "$strategy" "$examples"
+add_gpt3_lr_flag "$model" "$@"
 
 set -x
 exec "$bin" launch "${launch[@]}" -- train "${train[@]}" "$@"

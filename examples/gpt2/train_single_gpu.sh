@@ -19,6 +19,8 @@
 # directory, default /tmp/shardtrain_nvme), OUTPUT_DIR (default runs/MODEL-STRATEGY). TRAIN FLAGS
 # go to `shardtrain train` as they are (--max-steps, --epochs, --lr, --activation-checkpointing,
 # ...); do not repeat the flags this script passes.
+# The peak learning rate is GPT-3's for MODEL's size (gpt3_lr in examples/common.sh) unless
+# TRAIN FLAGS give --lr or DS_CONFIG is set; the config's schedule (warmup, cosine) stays.
 set -euo pipefail
 examples="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source-path=SCRIPTDIR source=../common.sh
@@ -39,6 +41,7 @@ train=(--model "$model" --dataset wikitext-2 --batch-size "$micro_batch"
   --max-length "${MAX_LENGTH:-1024}" --device "${DEVICE:-auto}"
   --output-dir "${OUTPUT_DIR:-runs/$(basename "$model" .json)-$strategy}")
 add_strategy_flags "$strategy" "$examples"
+add_gpt3_lr_flag "$model" "$@"
 
 set -x
 exec "$bin" train "${train[@]}" "$@"

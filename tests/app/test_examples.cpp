@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -19,6 +20,7 @@
 #include "core/strings.h"
 #include "data/image_dataset.h"
 #include "data/image_decode.h"
+#include "optim/adamw.h"
 #include "test_support.h"
 
 namespace shardtrain {
@@ -86,6 +88,50 @@ std::string script_config(const std::string& strategy, std::string* error = null
   return out;
 }
 
+/// GPT-3's peak learning rates (Brown et al. 2020, arXiv 2005.14165, Table 2.1), each with the
+/// example model nearest to that size: what examples/common.sh's gpt3_lr must give.
+struct Gpt3Size {
+  std::string model;  // a preset or a config under the source directory
+  double lr;
+};
+const std::vector<Gpt3Size> kGpt3Sizes = {
+    {"gpt2", 6.0e-4},         // 125M (gpt2: 124M)
+    {"gpt2-medium", 3.0e-4},  // 350M (355M)
+    {"gpt2-large", 2.5e-4},   // 760M (774M)
+    {"gpt2-xl", 2.0e-4},      // 1.3B (1.56B: nearer 1.3B than 2.7B on a log scale)
+    {"examples/gpt2/model_configs/gpt-2.7b.json", 1.6e-4},
+    {"examples/gpt2/model_configs/gpt-6.7b.json", 1.2e-4},
+    {"examples/gpt2/model_configs/gpt-13b.json", 1.0e-4},
+};
+
+/// GPT-3's recipe besides the peak (arXiv 2005.14165 §2.3 and appendix B): AdamW with β = (0.9,
+/// 0.95), weight decay 0.1, clipping 1.0, a linear warmup over the first 375M tokens, cosine decay
+/// to 10% of the peak. The warmup in steps is those tokens at the config's batch on one node of 8
+/// GPUs with GPT-2's 1024 tokens per sample (the scripts' default MAX_LENGTH).
+void expect_gpt3_recipe(const TrainConfig& cfg, int pipeline_stages) {
+  EXPECT_DOUBLE_EQ(cfg.beta1, 0.9);
+  EXPECT_DOUBLE_EQ(cfg.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(cfg.weight_decay, 0.1);
+  EXPECT_DOUBLE_EQ(cfg.gradient_clipping, 1.0);
+  EXPECT_EQ(cfg.lr_schedule, LrSchedule::kCosine);
+  EXPECT_DOUBLE_EQ(cfg.min_lr_ratio, 0.1);
+  EXPECT_DOUBLE_EQ(cfg.warmup_min_ratio, 0.0);
+  const double tokens_per_step = static_cast<double>(cfg.micro_batch_size) *
+                                 static_cast<double>(cfg.gradient_accumulation_steps) *
+                                 (8.0 / pipeline_stages) * 1024.0;
+  EXPECT_EQ(cfg.warmup_steps, std::llround(375e6 / tokens_per_step));
+  // The schedule rises to the peak, then decays to 10% of it by the run's last step.
+  const int64_t warmup = cfg.warmup_steps, total = 10 * cfg.warmup_steps;
+  auto lr_at = [&](int64_t step) {
+    return learning_rate(step, cfg.lr, warmup, total, cfg.lr_schedule, cfg.min_lr_ratio,
+                         cfg.warmup_min_ratio);
+  };
+  EXPECT_LT(lr_at(0), 0.01 * cfg.lr);
+  EXPECT_DOUBLE_EQ(lr_at(warmup - 1), cfg.lr);
+  EXPECT_LT(lr_at(warmup + (total - warmup) / 2), 0.6 * cfg.lr);
+  EXPECT_NEAR(lr_at(total), 0.1 * cfg.lr, 1e-12);
+}
+
 struct Expected {
   std::string file;
   StrategyKind strategy;
@@ -131,10 +177,9 @@ TEST(ExampleConfigs, LoadThroughTheParser) {
       EXPECT_EQ(cfg.precision, Precision::kBf16);
       EXPECT_EQ(cfg.micro_batch_size, 32);
       EXPECT_EQ(cfg.gradient_accumulation_steps, e.accumulation);
-      EXPECT_DOUBLE_EQ(cfg.lr, 1e-3);
-      EXPECT_DOUBLE_EQ(cfg.weight_decay, 0.01);
-      EXPECT_DOUBLE_EQ(cfg.gradient_clipping, 1.0);
-      EXPECT_EQ(cfg.warmup_steps, 100);
+      // The files' own lr is the smallest GPT-3 size's; the GPT-2 scripts pass each size's.
+      EXPECT_DOUBLE_EQ(cfg.lr, kGpt3Sizes.front().lr);
+      expect_gpt3_recipe(cfg, e.pipeline_stages);
       EXPECT_EQ(cfg.log_interval, 50);
       EXPECT_EQ(cfg.max_steps, -1) << "no total_num_steps: --epochs decides the length";
       if (e.strategy == StrategyKind::kPipeline) {
@@ -198,6 +243,50 @@ TEST(ExampleConfigs, ScriptStrategyNamesMeanWhatStrategyFlagMeans) {
   EXPECT_NE(error.find("unknown STRATEGY 'zero4': use one of dp zero1 zero2 zero3"),
             std::string::npos)
       << error;
+}
+
+// The GPT-2 scripts pass each model size its GPT-3 peak learning rate (examples/common.sh's
+// gpt3_lr), over the config's, keeping the config's schedule; a --lr of the user's, or their own
+// DS_CONFIG, stands.
+TEST(ExampleConfigs, Gpt2ScriptsPassGpt3LearningRates) {
+  for (const Gpt3Size& size : kGpt3Sizes) {
+    SCOPED_TRACE(size.model);
+    const Result r =
+        run_in_source("bash -c 'source examples/common.sh && gpt3_lr " + size.model + "'");
+    ASSERT_EQ(r.status, 0) << r.output;
+    std::string lr = r.output;
+    while (!lr.empty() && (lr.back() == '\n' || lr.back() == ' ')) lr.pop_back();
+    ASSERT_FALSE(lr.empty());
+    EXPECT_DOUBLE_EQ(std::stod(lr), size.lr);
+    const std::string model = size.model.ends_with(".json")
+                                  ? (fs::path(SHARDTRAIN_SOURCE_DIR) / size.model).string()
+                                  : size.model;
+    for (const std::string file : {"ds_config_zero1.json", "ds_config_zero3_offload.json",
+                                   "ds_config_pipeline_1f1b.json"}) {
+      SCOPED_TRACE(file);
+      const int stages = file == "ds_config_pipeline_1f1b.json" ? 2 : 1;
+      std::vector<std::string> warnings;
+      const TrainConfig cfg = finalize({"--model", model, "--dataset", "wikitext-2",
+                                        "--deepspeed-config", (kExamples / file).string(), "--lr",
+                                        lr},
+                                       warnings);
+      EXPECT_DOUBLE_EQ(cfg.lr, size.lr);
+      expect_gpt3_recipe(cfg, stages);
+    }
+  }
+  // Presets smaller than GPT-3's smallest take its rate; what cannot be sized gets no --lr.
+  const auto flags = [](const std::string& args, const std::string& env = "") {
+    Result r = run_in_source(env + "bash -c 'source examples/common.sh && train=() && "
+                             "add_gpt3_lr_flag " + args + " && echo \"${train[*]}\"'");
+    EXPECT_EQ(r.status, 0) << r.output;
+    while (!r.output.empty() && r.output.back() == '\n') r.output.pop_back();
+    return r.output;
+  };
+  EXPECT_EQ(flags("gpt2-tiny --max-steps 5"), "--lr 6e-4");
+  EXPECT_EQ(flags("gpt2-xl --max-steps 5 --lr 1e-3"), "");
+  EXPECT_EQ(flags("gpt2-xl --lr=1e-3"), "");
+  EXPECT_EQ(flags("gpt2-xl", "DS_CONFIG=my.json "), "");  // another config: its lr stands
+  EXPECT_EQ(flags("no-such-model"), "");
 }
 
 // What the scripts pass: --batch-size (the per-GPU micro-batch) over the file's
@@ -443,8 +532,13 @@ TEST(ExampleScripts, SlurmGpt2ScriptRunsSrun) {
                         "--epochs 1 --output-dir runs/gpt2-zero1-7 --deepspeed-config "),
             std::string::npos)
       << joined;
-  EXPECT_EQ(fs::path(calls[0].back()).filename(), "ds_config_zero1.json");
-  EXPECT_TRUE(fs::exists(calls[0].back())) << calls[0].back();
+  // The config, then gpt2's GPT-3 learning rate (125M's).
+  ASSERT_GE(calls[0].size(), 3u);
+  const std::string config = calls[0][calls[0].size() - 3];
+  EXPECT_EQ(fs::path(config).filename(), "ds_config_zero1.json");
+  EXPECT_TRUE(fs::exists(config)) << config;
+  EXPECT_EQ(calls[0][calls[0].size() - 2], "--lr");
+  EXPECT_EQ(calls[0].back(), "6e-4");
   fs::remove_all(dir);
 
   dir = test_support::make_temp_dir("examples_slurm_gpt2");
@@ -460,7 +554,7 @@ TEST(ExampleScripts, SlurmGpt2ScriptRunsSrun) {
             std::string::npos)
       << joined;
   EXPECT_NE(joined.find("ds_config_zero3_infinity_nvme.json --nvme-path " + nvme +
-                        " --max-steps 5"),
+                        " --lr 2e-4 --max-steps 5"),
             std::string::npos)
       << joined;
   fs::remove_all(dir);
