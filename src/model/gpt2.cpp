@@ -275,6 +275,44 @@ void GPT2Model::backward_layer_major(int k) {
   backward_layers(k, 0, num_layers(), BackwardPass::kFull);
 }
 
+double GPT2Model::head_and_backward_layer_major(int count) {
+  ST_ASSERT(supports_layer_major_forward() && count >= 1);
+  const int n = num_layers();
+  const int head = n - 1;
+  // The heads share their activations (slot 0): each micro-batch's head runs its forward and
+  // backward back to back, leaving ∂L/∂x_L in the micro-batch's own slot.
+  if (hooks_) {
+    hooks_->before_forward(head);
+    hooks_->before_backward(head);
+  }
+  for (int s = 0; s < count; ++s) {
+    Slot& sl = slot(s);
+    ST_ASSERT(sl.ctx.for_backward);
+    layer_forward(head, s);
+    layers_[static_cast<size_t>(head)]->backward(backend_, sl.ctx, activation(s, head),
+                                                 activation_grad(s));
+    if (hooks_) hooks_->between_layers();
+  }
+  if (hooks_) {
+    hooks_->after_forward(head);
+    hooks_->after_backward(head);
+  }
+  for (int i = head - 1; i >= 0; --i) {
+    if (hooks_) hooks_->before_backward(i);
+    Layer& l = *layers_[static_cast<size_t>(i)];
+    for (int s = 0; s < count; ++s) {
+      l.use_slot(layer_slot(i, s));
+      const Tensor in = i == 0 && has_embedding() ? Tensor() : activation(s, i);
+      l.backward(backend_, slot(s).ctx, in, activation_grad(s));
+      if (hooks_) hooks_->between_layers();
+    }
+    if (hooks_) hooks_->after_backward(i);
+  }
+  double loss = 0;
+  for (int s = 0; s < count; ++s) loss += slot_loss(s);
+  return loss;
+}
+
 std::vector<float> GPT2Model::logits_at(int64_t b, int64_t t) {
   ST_ASSERT(has_head());
   Layer& head = *layers_.back();

@@ -165,6 +165,7 @@ class GPT2Model final : public Model {
   void forward_layer_major(int count) override;
   double forward_head_layer_major(int k) override;
   void backward_layer_major(int k) override;
+  double head_and_backward_layer_major(int count) override;
   /// 6·N + 12·n_layer·n_embd·T FLOPs per token (Kaplan et al., arXiv 2001.08361, §2.1, with
   /// attention), times T tokens.
   double train_flops_per_sample(int64_t seq_len) const override;

@@ -171,6 +171,20 @@ class Model {
   virtual void backward_layer_major(int /*k*/) {
     throw std::logic_error("backward_layer_major: not supported by this model");
   }
+  /// Instead of forward_head_layer_major(k) and backward_layer_major(k) for k = 0 … count−1:
+  /// the head (forward, then backward) of every micro-batch, then the backward of each layer
+  /// below it for all of them, the last layer first (layer-major backward). The hooks'
+  /// before_backward(i) and after_backward(i) run once around layer i of all micro-batches, so
+  /// each layer's gradient is final (Σ over the micro-batches) at its after_backward — most of
+  /// a step's backward earlier than after a micro-batch-major backward, which is what lets an
+  /// offloaded optimizer start each part's update while the layers below are still computed.
+  /// Every gradient is the same sum in the same order as micro-batch by micro-batch, except a
+  /// weight two layers write (GPT-2's tied wte: all heads first, then all embeddings): the same
+  /// to fp32 rounding. Returns Σ_k of micro-batch k's mean loss (k in order). Needs no memory
+  /// beyond what forward_layer_major(count) kept.
+  virtual double head_and_backward_layer_major(int /*count*/) {
+    throw std::logic_error("head_and_backward_layer_major: not supported by this model");
+  }
 
   /// Dense FLOPs of one training step's forward + backward per sample (6·N·T-style analytic
   /// count), for MFU.
