@@ -56,14 +56,18 @@ Optimizer::Optimizer(Backend& backend, const ParamLayout& layout, int64_t offset
 
 Backend::AdamWArgs Optimizer::next_args(double lr, double grad_scale) {
   ++t_;
+  return args_at(t_, lr, grad_scale);
+}
+
+Backend::AdamWArgs Optimizer::args_at(int64_t t, double lr, double grad_scale) const {
   Backend::AdamWArgs a{};
   a.lr = static_cast<float>(lr);
   a.beta1 = static_cast<float>(hyper_.beta1);
   a.beta2 = static_cast<float>(hyper_.beta2);
   a.eps = static_cast<float>(hyper_.eps);
   a.grad_scale = static_cast<float>(grad_scale);
-  a.bias_correction1 = static_cast<float>(1.0 - std::pow(hyper_.beta1, static_cast<double>(t_)));
-  a.bias_correction2 = static_cast<float>(1.0 - std::pow(hyper_.beta2, static_cast<double>(t_)));
+  a.bias_correction1 = static_cast<float>(1.0 - std::pow(hyper_.beta1, static_cast<double>(t)));
+  a.bias_correction2 = static_cast<float>(1.0 - std::pow(hyper_.beta2, static_cast<double>(t)));
   return a;
 }
 
@@ -145,6 +149,27 @@ void Optimizer::step_on_host(Tensor master, Tensor grads, Tensor params_out, dou
                 exp_avg_sq.f32() + s.begin, out, odt, s.count, a, simd);
     }
   }
+}
+
+void Optimizer::undo_on_host(Tensor master, Tensor grads, double lr, double grad_scale,
+                             Tensor exp_avg, Tensor exp_avg_sq) {
+  if (exp_avg.empty()) {
+    exp_avg = m_;
+    exp_avg_sq = v_;
+  }
+  ST_ASSERT(hyper_.kind == OptimizerKind::kAdamW && t_ >= 1);
+  ST_ASSERT(master.device == DeviceKind::kCPU && grads.device == DeviceKind::kCPU &&
+            exp_avg.device == DeviceKind::kCPU && master.numel() == numel_ &&
+            grads.numel() == numel_ && exp_avg.numel() == numel_);
+  Backend::AdamWArgs a = args_at(t_, lr, grad_scale);
+  const size_t gsz = dtype_size(grads.dtype), msz = dtype_size(exp_avg.dtype);
+  for (const Segment& s : segments_) {
+    a.weight_decay = s.decay ? static_cast<float>(hyper_.weight_decay) : 0.0f;
+    cpu_adamw_undo(master.f32() + s.begin, static_cast<const char*>(grads.data) + s.begin * gsz,
+                   grads.dtype, static_cast<char*>(exp_avg.data) + s.begin * msz,
+                   static_cast<char*>(exp_avg_sq.data) + s.begin * msz, exp_avg.dtype, s.count, a);
+  }
+  --t_;
 }
 
 double learning_rate(int64_t step, double lr, int64_t warmup, int64_t total, LrSchedule schedule,

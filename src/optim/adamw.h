@@ -69,6 +69,12 @@ class Optimizer {
   void step_on_host(Tensor master, Tensor grads, Tensor params_out, double lr, double grad_scale,
                     Tensor exp_avg = {}, Tensor exp_avg_sq = {});
 
+  /// Undoes the last step_on_host (AdamW only) given the same grads, lr and grad_scale: restores
+  /// master, m and v to fp32 rounding (cpu_adamw_undo) and the step count. `exp_avg` /
+  /// `exp_avg_sq` as for step_on_host.
+  void undo_on_host(Tensor master, Tensor grads, double lr, double grad_scale, Tensor exp_avg = {},
+                    Tensor exp_avg_sq = {});
+
   int64_t step_count() const { return t_; }
   void set_step_count(int64_t t) { t_ = t; }
   /// m (AdamW) or the momentum buffer (SGD), fp32 [numel]; v, fp32 [numel] (AdamW) or
@@ -87,6 +93,8 @@ class Optimizer {
   };
   /// Counts the step and returns its arguments (weight decay set per segment by the caller).
   Backend::AdamWArgs next_args(double lr, double grad_scale);
+  /// The arguments of step t (1-based) without counting it.
+  Backend::AdamWArgs args_at(int64_t t, double lr, double grad_scale) const;
   /// SGD's arguments for the step just counted (t_ already incremented).
   Backend::SgdArgs sgd_args(double lr, double grad_scale) const;
 

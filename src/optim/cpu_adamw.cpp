@@ -441,6 +441,40 @@ void cpu_adamw(float* master, const void* grad, DType grad_dtype, float* m, floa
   adamw_blocks(master, grad, grad_dtype, m, v, params_out, out_dtype, n, args, {}, simd);
 }
 
+void cpu_adamw_undo(float* master, const void* grad, DType grad_dtype, void* m, void* v,
+                    DType moment_dtype, int64_t n, const Backend::AdamWArgs& a) {
+  ST_ASSERT(moment_dtype == DType::kF32 || moment_dtype == DType::kBF16);
+  const bool bf16 = moment_dtype == DType::kBF16;
+  const float decay = 1.0f - a.lr * a.weight_decay;
+  constexpr int64_t kBlock = int64_t{1} << 16;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
+    auto* mf = static_cast<float*>(m);
+    auto* vf = static_cast<float*>(v);
+    auto* mh = static_cast<uint16_t*>(m);
+    auto* vh = static_cast<uint16_t*>(v);
+    for (int64_t i = begin; i < end; ++i) {
+      const float g = load_scalar(grad, grad_dtype, i) * a.grad_scale;
+      const float mi = bf16 ? bf16_to_float(mh[i]) : mf[i];
+      const float vi = bf16 ? bf16_to_float(vh[i]) : vf[i];
+      // p' = p·(1 − lr·wd) − lr·(m'/bc1)/(√(v'/bc2) + eps), m' = β1·m + (1−β1)·g, v' likewise.
+      const float step = (mi / a.bias_correction1) / (std::sqrt(vi / a.bias_correction2) + a.eps);
+      master[i] = (master[i] + a.lr * step) / decay;
+      const float m0 = (mi - (1.0f - a.beta1) * g) / a.beta1;
+      const float v0 = std::max(0.0f, (vi - (1.0f - a.beta2) * g * g) / a.beta2);
+      if (bf16) {
+        mh[i] = float_to_bf16(m0);
+        vh[i] = float_to_bf16(v0);
+      } else {
+        mf[i] = m0;
+        vf[i] = v0;
+      }
+    }
+  }
+}
+
 void cpu_sgd(float* master, const void* grad, DType grad_dtype, float* buf, void* params_out,
              DType out_dtype, int64_t n, const Backend::SgdArgs& a) {
   const auto ok = [](DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; };

@@ -64,6 +64,17 @@ uint16_t bf16_stochastic(float x, uint32_t random);
 /// The 32 random bits element `index` of step `step` rounds with (StochasticRounding).
 uint32_t stochastic_rounding_bits(uint64_t index, uint32_t step);
 
+/// Undoes one cpu_adamw (moment_dtype kF32) or cpu_adamw_bf16_moments (kBF16) step over `n`
+/// elements: master fp32 [n] and m, v [n] (moment_dtype) hold the state after the step, `grad`
+/// and `args` are the step's own (the same grad_scale, lr and bias corrections); on return they
+/// hold the state before it, solved from the update's formula: p = (p' + lr·u)/(1 − lr·wd) with
+/// u = (m'/bc1)/(√(v'/bc2) + eps), m = (m' − (1−β1)·g)/β1, v = max(0, (v' − (1−β2)·g²)/β2). Exact
+/// in real arithmetic, so the restored state equals the old one to fp32 rounding (and bf16
+/// moments to bf16 rounding); what a speculative update that turned out wrong is rolled back
+/// with (DeepSpeed's adam_rollback for SuperOffload, arXiv 2509.21271 §4.3). Scalar, OpenMP.
+void cpu_adamw_undo(float* master, const void* grad, DType grad_dtype, void* m, void* v,
+                    DType moment_dtype, int64_t n, const Backend::AdamWArgs& args);
+
 /// One SGD step (torch.optim.SGD, dampening 0; the formula of Backend::sgd) over `n` elements in
 /// host memory, for the offloaded optimizer: g = grad·grad_scale + wd·p; buf = first_step ? g :
 /// μ·buf + g; d = nesterov ? g + μ·buf : buf (d = g when μ = 0); p −= lr·d. master fp32 [n] and
