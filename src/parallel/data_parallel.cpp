@@ -68,6 +68,7 @@ class DataParallel final : public Strategy {
 
   /// No hook acts in forward.
   bool allows_layer_major_forward() const override { return true; }
+  bool allows_layer_major_backward() const override { return true; }
   void begin_micro_step(int64_t index, int64_t count) override {
     last_micro_ = index + 1 == count;
     if (last_micro_) readiness_.reset();

@@ -39,6 +39,10 @@ struct TrainStepOptions {
   /// allow it; 1 = each micro-batch on its own. The results are the same bit for bit; what
   /// changes is how long the forward overlaps a parameter update that lands layer by layer.
   int64_t forward_group = 1;
+  /// Whether an offloaded optimizer may start the update during the last micro-step's backward,
+  /// before the gradient norm is known (Strategy::expect_update): the step's update assumed
+  /// unclipped, redone in step() when clipping changes it. Not with fp16 loss scaling.
+  bool speculative_update = false;
 };
 
 /// What one step did.

@@ -44,6 +44,10 @@ struct StrategyOptions {
   int64_t max_reuse_distance = 1'000'000'000;
   /// Offloaded optimizer: ZeRO-Offload's one-step delayed parameter update (host_optimizer.h).
   bool delayed_update = false;
+  /// Offloaded optimizer: start each part's update during backward, validated (and redone when
+  /// clipping changed it) in step() (HostOptimizer::speculate;
+  /// ZeroConfig::offload_speculative_update).
+  bool speculative_update = true;
   /// zero3: > 1 shards within groups of this many consecutive ranks, replicated across groups
   /// (hybrid sharding; ZeroConfig::hpz_partition_size).
   int64_t hpz_partition_size = 1;
@@ -125,6 +129,23 @@ class Strategy : public LayerHooks {
   /// Whether the model may run a step's first forwards layer-major (Model::forward_layer_major):
   /// this strategy's hooks act per layer, not per micro-batch, in forward.
   virtual bool allows_layer_major_forward() const { return false; }
+  /// Whether the model may run a whole step's backward layer-major
+  /// (Model::head_and_backward_layer_major) as one last micro-step: the hooks act per layer in
+  /// backward, and a layer's gradient is final at its after_backward of the last micro-step.
+  virtual bool allows_layer_major_backward() const { return false; }
+
+  /// Told before the last micro-step's backward: step() will most likely be called with `lr`
+  /// and `grad_scale` (the mean-gradient scale, no clipping). A strategy whose optimizer runs on
+  /// the host may start each part's update as soon as its gradient is final, during backward,
+  /// and redo the parts in step() if it is called with other values (the norm called for
+  /// clipping): speculation then validation (SuperOffload, Lian et al., arXiv 2509.21271, §4.3).
+  /// The default ignores it.
+  virtual void expect_update(double /*lr*/, double /*grad_scale*/) {}
+  /// step() will not be called this step (an fp16 overflow skipped it, or the gradients are
+  /// not finite): undoes what expect_update started. The default does nothing.
+  virtual void cancel_expected_update() {}
+  /// Steps whose update expect_update started had to be rolled back (and redone), so far.
+  virtual int64_t rolled_back_updates() const { return 0; }
 
   /// Collects the full state on every rank (collective: every rank must call it).
   virtual FullState gather_state() = 0;

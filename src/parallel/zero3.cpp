@@ -97,6 +97,7 @@ class Zero3 final : public ZeroStrategy {
 
   /// Its gathers and releases follow the positions of one micro-step (zero3_schedule.h).
   bool allows_layer_major_forward() const override { return false; }
+  bool allows_layer_major_backward() const override { return false; }
   void before_forward(int layer) override {
     if (layer == 0) release_all();
     enter_pos(layer);

@@ -147,6 +147,18 @@ class ZeroStrategy : public Strategy {
   /// Stages 1 and 2 act around a layer's forward per layer (its update published and gathered),
   /// not per micro-batch; stage 3 overrides (its gathers follow a per-micro-step schedule).
   bool allows_layer_major_forward() const override { return true; }
+  bool allows_layer_major_backward() const override { return true; }
+
+  /// Offload (not the delayed update): the host optimizer starts each part's update as soon as
+  /// its gradient leaves for the host, during backward (HostOptimizer::speculate).
+  void expect_update(double lr, double grad_scale) override {
+    if (host_ && opt_.speculative_update && !opt_.delayed_update)
+      host_->speculate(lr, grad_scale, host_targets());
+  }
+  void cancel_expected_update() override {
+    if (host_) host_->cancel_speculation();
+  }
+  int64_t rolled_back_updates() const override { return host_ ? host_->rolled_back_steps() : 0; }
 
   double grad_norm(double scale) override {
     double local = 0;
@@ -179,10 +191,7 @@ class ZeroStrategy : public Strategy {
       // The host half: queued on the CPU worker, parts in forward order; each part is published
       // (all-gathered) when the next forward first needs it (before_forward).
       offload_remaining_gradients();
-      std::vector<Tensor> targets;
-      for (size_t i = 0; i < parts_.size(); ++i)
-        targets.push_back(own_params(i).slice1d(on_device_[i], host_->range(i).numel));
-      host_->step(lr, grad_scale, forward_order_, targets);
+      host_->step(lr, grad_scale, forward_order_, host_targets());
       pending_.assign(parts_.size(), true);
       sent_.assign(parts_.size(), false);
     }
@@ -419,6 +428,13 @@ class ZeroStrategy : public Strategy {
     sent_[i] = true;
     const int64_t g = on_device_[i];
     host_->gradient_ready(i, grad_shard(i).slice1d(g, host_->range(i).numel));
+  }
+  /// Per part, where its host-stepped parameters land ([range numel], compute dtype).
+  std::vector<Tensor> host_targets() const {
+    std::vector<Tensor> targets;
+    for (size_t i = 0; i < parts_.size(); ++i)
+      targets.push_back(own_params(i).slice1d(on_device_[i], host_->range(i).numel));
+    return targets;
   }
   void offload_remaining_gradients() {
     if (!host_) return;

@@ -36,7 +36,8 @@ StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batch
   strategy_.zero_grad();
   double loss = 0;
   // The first `group` micro-batches: their forwards layer by layer (Model::forward_layer_major),
-  // then each one's head and backward in turn; the rest one after the other.
+  // then each one's head and backward in turn — or, when the group is the whole step, every
+  // backward layer by layer too; the rest one after the other.
   const int64_t group = std::min(accum, options_.forward_group);
   const bool layer_major =
       group > 1 && model_.supports_layer_major_forward() && strategy_.allows_layer_major_forward();
@@ -55,8 +56,33 @@ StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batch
   const auto scale_of = [&](const MicroBatch& mb) {
     return static_cast<float>(r.loss_scale / static_cast<double>(mb.loss_units()));
   };
+  // Gradients hold Σ over micro-steps and ranks of ∂(loss_scale · mean micro-batch loss)/∂θ.
+  const double mean_scale = 1.0 / (static_cast<double>(accum * comm_.world_size()) * r.loss_scale);
+  // The update an offloaded optimizer may start during the last micro-step's backward: unless
+  // the last step was clipped (clipping comes in runs, early in training: a speculation would
+  // likely be rolled back, costing a second update).
+  const bool speculate = options_.speculative_update && !scaler_.enabled() && !last_clipped_;
+  const auto last_micro_step = [&] {
+    if (speculate) strategy_.expect_update(lr, mean_scale);
+    strategy_.begin_micro_step(accum - 1, accum);
+  };
+  // Every micro-batch in the group: the backward is layer-major too (each layer's gradient final
+  // at once), the whole of it one last micro-step.
+  const bool backward_layer_major =
+      layer_major && group == accum && strategy_.allows_layer_major_backward();
   int64_t first = 0;
-  if (layer_major) {
+  if (backward_layer_major) {
+    for (int64_t k = 0; k < group; ++k) {
+      const MicroBatch mb = batches(k);
+      model_.stage_micro_batch(static_cast<int>(k), input_of(k, mb), scale_of(mb));
+    }
+    model_.forward_layer_major(static_cast<int>(group));
+    if (clock_) clock_->mark();  // the forward, then every head and the backward
+    last_micro_step();
+    loss += model_.head_and_backward_layer_major(static_cast<int>(group));
+    if (clock_) clock_->mark();
+    first = accum;
+  } else if (layer_major) {
     for (int64_t k = 0; k < group; ++k) {
       const MicroBatch mb = batches(k);
       model_.stage_micro_batch(static_cast<int>(k), input_of(k, mb), scale_of(mb));
@@ -67,7 +93,10 @@ StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batch
       clock_->mark();
     }
     for (int64_t k = 0; k < group; ++k) {
-      strategy_.begin_micro_step(k, accum);
+      if (k + 1 == accum)
+        last_micro_step();
+      else
+        strategy_.begin_micro_step(k, accum);
       loss += model_.forward_head_layer_major(static_cast<int>(k));
       if (clock_) clock_->mark();
       model_.backward_layer_major(static_cast<int>(k));
@@ -77,7 +106,10 @@ StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batch
   }
   for (int64_t k = first; k < accum; ++k) {
     const MicroBatch mb = batches(k);
-    strategy_.begin_micro_step(k, accum);
+    if (k + 1 == accum)
+      last_micro_step();
+    else
+      strategy_.begin_micro_step(k, accum);
     const ModelInput input = input_of(k, mb);
     const float grad_scale = scale_of(mb);
     if (clock_) {  // the phases are timed apart
@@ -91,11 +123,20 @@ StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batch
   }
   strategy_.finish_gradients();
   if (clock_) clock_->mark();
-  // Gradients hold Σ over micro-steps and ranks of ∂(loss_scale · mean micro-batch loss)/∂θ.
-  const double mean_scale = 1.0 / (static_cast<double>(accum * comm_.world_size()) * r.loss_scale);
   r.grad_norm = strategy_.grad_norm(mean_scale);
-  clip_and_update(r, step, lr, options_.gradient_clipping, mean_scale, scaler_,
-                  [&](double grad_scale) { strategy_.step(lr, grad_scale); });
+  bool updated = false;
+  try {
+    clip_and_update(r, step, lr, options_.gradient_clipping, mean_scale, scaler_,
+                    [&](double grad_scale) {
+                      updated = true;
+                      strategy_.step(lr, grad_scale);
+                    });
+  } catch (...) {
+    if (speculate && !updated) strategy_.cancel_expected_update();
+    throw;
+  }
+  if (speculate && !updated) strategy_.cancel_expected_update();
+  last_clipped_ = updated && r.clip_coef < 1.0;
   if (clock_) clock_->mark();
   // The global batch's loss: every rank's micro-batches weigh equally (as in the gradient).
   double sum = loss;

@@ -4,6 +4,12 @@
 //   → finish_gradients → global gradient norm → fp16 overflow check (skip) → clipping
 //   → strategy step → loss averaged over the global batch (all ranks, all micro-batches)
 //
+// With a forward group (TrainStepOptions::forward_group) the first micro-batches' forwards run
+// layer-major; when the group is the whole step, so does the backward, as one last micro-step.
+// With speculative_update the strategy is told the likely update (lr, unclipped scale) before the
+// last micro-step (Strategy::expect_update), and told to undo it when step() is not called; not
+// after a clipped step (the next one is likely clipped too).
+//
 // The trainer (train/trainer.cpp) and the MPI tests (tests/mpi/test_zero_equivalence.cpp) both
 // run their steps through it; each feeds micro-batches its own way (MicroBatchSource). A pipeline
 // schedule runs its own step (train/pipeline_step.h) behind the same StepRunner interface, with the
@@ -60,6 +66,7 @@ class TrainStep final : public StepRunner {
   TrainStepOptions options_;
   StreamClock* clock_;
   ScalarAllReduce loss_sum_;
+  bool last_clipped_ = false;  ///< the last step's update was clipped (no speculation next)
 };
 
 }  // namespace shardtrain

@@ -129,7 +129,7 @@ struct Trainee {
     const int64_t B = kMicroSamples / W;
     std::vector<int32_t> tokens(static_cast<size_t>(B * kT)), targets(tokens.size());
     st::TrainStep train_step(model, *strategy, comm, *backend, scaler,
-                             st::TrainStepOptions{kAccum, kClip, 0, forward_group});
+                             st::TrainStepOptions{kAccum, clip, 0, forward_group, speculative});
     for (int64_t step = first; step < first + count; ++step) {
       const st::MicroBatchSource batch = [&](int64_t k) {
         for (int64_t i = 0; i < B; ++i) {
@@ -169,6 +169,8 @@ struct Trainee {
   std::vector<int32_t> (*data)(int64_t) = sample_tokens;
   /// TrainStepOptions::forward_group: micro-batches whose forward runs layer-major.
   int64_t forward_group = 1;
+  double clip = kClip;       ///< TrainStepOptions::gradient_clipping
+  bool speculative = false;  ///< TrainStepOptions::speculative_update
 };
 
 struct Diff {
@@ -800,11 +802,13 @@ TEST_F(ZeroEquivalence, Bf16MomentsAreExactAcrossPlacementsAndResume) {
 }
 
 // The forward group (offload_optimizer.forward_group): the step's micro-batches run their forwards
-// layer by layer, then each its head and backward, while an offloaded optimizer's update lands
-// layer by layer. The arithmetic of every micro-batch and the order of the gradient accumulation
-// are unchanged, so the state after kSteps must equal the one-at-a-time run's bit for bit — for
-// the strategies that allow it, with the optimizer on the device, on the CPU (all of it, half of
-// it) and on NVMe, with and without activation checkpointing's recompute sharing its buffers.
+// layer by layer while an offloaded optimizer's update lands layer by layer; the group being the
+// whole step here, their backwards run layer by layer too (all heads, then each layer for all
+// micro-batches). The arithmetic of every micro-batch is unchanged, and so is the order in which
+// every gradient accumulates but the tied wte's (heads first, then embeddings): the first step's
+// losses are the same bit for bit and the state after kSteps equals the one-at-a-time run's to
+// fp32 rounding — for the strategies that allow it, with the optimizer on the device, on the CPU
+// (all of it, half of it) and on NVMe, with activation checkpointing's recompute sharing buffers.
 TEST_F(ZeroEquivalence, ForwardGroupEqualsOneMicroBatchAtATime) {
   using D = st::OffloadDevice;
   TempDir dir;
@@ -825,22 +829,94 @@ TEST_F(ZeroEquivalence, ForwardGroupEqualsOneMicroBatchAtATime) {
     grouped.forward_group = kAccum;
     ASSERT_TRUE(grouped.model.supports_layer_major_forward()) << c.name;
     ASSERT_TRUE(grouped.strategy->allows_layer_major_forward()) << c.name;
+    ASSERT_TRUE(grouped.strategy->allows_layer_major_backward()) << c.name;
     one.train(0, kSteps);
     grouped.train(0, kSteps);
-    EXPECT_EQ(grouped.losses, one.losses) << c.name;
-    EXPECT_EQ(grouped.norms, one.norms) << c.name;
+    EXPECT_EQ(grouped.losses.front(), one.losses.front()) << c.name;
     const st::FullState a = grouped.strategy->gather_state(), b = one.strategy->gather_state();
-    EXPECT_TRUE(a.params == b.params) << c.name << ": parameters differ";
-    EXPECT_TRUE(a.exp_avg == b.exp_avg) << c.name << ": m differs";
-    EXPECT_TRUE(a.exp_avg_sq == b.exp_avg_sq) << c.name << ": v differs";
-    // And both are the reference's run (the group changes nothing but the order of forwards).
-    if (rank() == 0)
-      std::printf("  forward group of %ld, %s: bit for bit\n", kAccum, c.name.c_str());
+    expect_state(c.name + ", forward group vs one at a time", a, b);
+    // And both are the reference's run.
     expect_state(c.name + ", forward group", a, reference().at_checkpoint);
   }
   // Stage 3 gathers per micro-step: it declines the group (the step then runs one at a time).
   Trainee z3(offload_options(3, D::kCpu, D::kNone, 1.0), *comm, reference().init, true);
   EXPECT_FALSE(z3.strategy->allows_layer_major_forward());
+}
+
+// The speculative update (offload_optimizer.speculative_update): the host starts each part's
+// update during the last micro-step's backward, assuming no clipping, and step() validates it.
+// Unclipped, it is the same arithmetic: bit for bit the run without speculation, with the
+// backward layer-major (forward group = the step) or micro-batch by micro-batch, the optimizer
+// all or half on the host, in memory or on NVMe (not speculated), moments fp32 or bf16. With
+// clipping (kClip: some steps clip) the speculated parts of a clipped step are rolled back and
+// redone: the same run to fp32 rounding (bf16 moments: to bf16 rounding), one rollback per
+// clipped step that follows an unclipped one (after a clipped step TrainStep does not speculate).
+TEST_F(ZeroEquivalence, SpeculativeUpdateIsTheUpdate) {
+  using D = st::OffloadDevice;
+  TempDir dir;
+  struct Case {
+    std::string name;
+    st::StrategyOptions options;
+    int64_t group;
+  };
+  st::StrategyOptions bf16 = offload_options(2, D::kCpu, D::kNone, 1.0);
+  bf16.optimizer_moment_dtype = st::DType::kBF16;
+  const std::vector<Case> cases = {
+      {"zero1 offload, layer-major", offload_options(1, D::kCpu, D::kNone, 1.0), kAccum},
+      {"zero2 offload, layer-major", offload_options(2, D::kCpu, D::kNone, 1.0), kAccum},
+      {"zero2 offload, one at a time", offload_options(2, D::kCpu, D::kNone, 1.0), 1},
+      {"zero2 offload ratio 0.5", offload_options(2, D::kCpu, D::kNone, 0.5), kAccum},
+      {"zero2 offload nvme", offload_options(2, D::kNvme, D::kNone, 1.0, dir.path), kAccum},
+      {"zero2 offload bf16 moments", bf16, kAccum}};
+  for (const Case& c : cases) {
+    for (const double clip : {1e9, kClip}) {
+      Trainee plain(c.options, *comm, reference().init, /*activation_checkpointing=*/true);
+      Trainee spec(c.options, *comm, reference().init, /*activation_checkpointing=*/true);
+      plain.forward_group = spec.forward_group = c.group;
+      plain.clip = spec.clip = clip;
+      spec.speculative = true;
+      plain.train(0, kSteps);
+      spec.train(0, kSteps);
+      const st::FullState a = spec.strategy->gather_state(), b = plain.strategy->gather_state();
+      const int64_t rolled_back = spec.strategy->rolled_back_updates();
+      EXPECT_EQ(plain.strategy->rolled_back_updates(), 0) << c.name;
+      if (clip > 1e8) {
+        EXPECT_EQ(rolled_back, 0) << c.name;
+        EXPECT_EQ(spec.losses, plain.losses) << c.name;
+        EXPECT_TRUE(a.params == b.params) << c.name << ": parameters differ";
+        EXPECT_TRUE(a.exp_avg == b.exp_avg) << c.name << ": m differs";
+        EXPECT_TRUE(a.exp_avg_sq == b.exp_avg_sq) << c.name << ": v differs";
+        if (rank() == 0) std::printf("  speculative update, %s: bit for bit\n", c.name.c_str());
+        continue;
+      }
+      // A clipped step after an unclipped one was speculated and rolled back; after a clipped
+      // one it was not speculated (TrainStep).
+      int64_t expected = 0;
+      for (size_t s = 0; s < spec.norms.size(); ++s)
+        expected += spec.norms[s] > kClip && (s == 0 || spec.norms[s - 1] <= kClip);
+      ASSERT_GT(expected, 0) << "no clipped step was speculated: the rollback is not exercised";
+      // NVMe state is never speculated: nothing to roll back there.
+      if (c.options.plan.optimizer_offload == D::kCpu) {
+        EXPECT_EQ(rolled_back, expected) << c.name;
+      }
+      const std::string what =
+          fmt::format("{}, {} of {} steps rolled back", c.name, rolled_back, kSteps);
+      if (c.options.optimizer_moment_dtype == st::DType::kF32) {
+        expect_state(what, a, b);
+        continue;
+      }
+      // bf16 moments are restored to bf16 rounding (0.4%), the noise their stochastic rounding
+      // already has; the parameters stay within 1e-4 of the run without speculation.
+      const Diff p = compare(a.params, b.params), m = compare(a.exp_avg, b.exp_avg),
+                 v = compare(a.exp_avg_sq, b.exp_avg_sq);
+      if (rank() == 0)
+        std::printf("  %s: params %.2e, m %.2e, v %.2e\n", what.c_str(), p.norm_rel, m.norm_rel,
+                    v.norm_rel);
+      EXPECT_LE(p.norm_rel, 1e-4) << what;
+      EXPECT_LE(m.norm_rel, 1e-2) << what;
+      EXPECT_LE(v.norm_rel, 1e-2) << what;
+    }
+  }
 }
 
 // Parameters paged from NVMe take their updates from the CPU optimizer: an optimizer kept partly

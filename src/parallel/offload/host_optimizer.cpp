@@ -13,6 +13,30 @@
 
 namespace shardtrain {
 
+namespace {
+
+/// n values of `dtype` (fp32 or bf16) at `src` as fp32 at `dst`, and back (bf16 rounded to
+/// nearest even: a checkpoint's fp32 moments loaded into bf16 state).
+void to_f32(const void* src, DType dtype, int64_t n, float* dst) {
+  if (dtype == DType::kF32) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+    return;
+  }
+  const auto* h = static_cast<const uint16_t*>(src);
+  for (int64_t j = 0; j < n; ++j) dst[j] = bf16_to_float(h[j]);
+}
+
+void from_f32(const float* src, int64_t n, DType dtype, void* dst) {
+  if (dtype == DType::kF32) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+    return;
+  }
+  auto* h = static_cast<uint16_t*>(dst);
+  for (int64_t j = 0; j < n; ++j) h[j] = float_to_bf16(src[j]);
+}
+
+}  // namespace
+
 HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
                              std::vector<FlatRange> ranges, OptimizerHyper hyper, DType grad_dtype,
                              DType param_dtype, bool delayed_update, const SwapOptions* swap,
@@ -114,6 +138,7 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
     staged_copies_ = backend.make_copy_stream();
   }
   staged_src_.resize(ranges_.size());
+  device_grad_.resize(ranges_.size());
   staged_read_gen_.assign(ranges_.size(), 0);
   grad_fence_.assign(ranges_.size(), 0);
   ready_gen_.assign(ranges_.size(), 0);
@@ -204,68 +229,163 @@ void HostOptimizer::gradient_ready(size_t i, Tensor grad) {
   to_host_->after_compute();
   to_host_->to_host(gradient_home(i, b).data, grad.data, grad.bytes());
   grad_fence_[i] = to_host_->fence();
+  device_grad_[i] = grad;
+  if (spec_.active && speculable(i) && !spec_.posted[i]) {
+    // Its new parameters replace what the compute stream has read so far (the part's layers are
+    // done with them: its gradient is final).
+    to_device_->after_compute();
+    post_update(i, -1, spec_.lr, spec_.grad_scale, spec_.targets[i], 0, spec_.gen, true,
+                grad_fence_[i]);
+    spec_.posted[i] = true;
+  }
 }
 
 void HostOptimizer::queue_update(double lr, double grad_scale, const std::vector<size_t>& order,
                                  const std::vector<Tensor>& targets, int buffer, int64_t gen,
                                  bool to_device) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    tasks_left_ = 0;
-    for (size_t i : order)
-      if (adam_[i]) ++tasks_left_;
-    acc_seconds_ = 0;
-  }
   for (size_t k = 0; k < order.size(); ++k) {
     const size_t i = order[k];
-    if (!adam_[i]) {
-      std::lock_guard<std::mutex> lock(mu_);
-      ready_gen_[i] = done_gen_[i] = gen;
-      continue;
-    }
-    const Tensor target = targets[i];
-    // Parameters kept in host memory by a GPU run (offload_param) are written in place; on the
-    // CPU backend "device" memory is host memory too, but it is the model's: copied like a
-    // device's, so that the delayed mode holds it back.
-    const bool on_host = target.device == DeviceKind::kCPU && backend_.kind() != DeviceKind::kCPU;
-    ST_ASSERT(staged(i) || (target.numel() == ranges_[i].numel && target.dtype == param_dtype_));
-    ST_ASSERT(!gradient_in_params(i) || target.data == in_params_[i].data);
-    const uint64_t fence = grad_fence_[i];
     // The next range on NVMe this generation updates: its state is read ahead.
     int64_t next = -1;
     for (size_t j = k + 1; j < order.size() && next < 0; ++j)
       if (adam_[order[j]] && on_nvme(order[j])) next = static_cast<int64_t>(order[j]);
-    post([this, i, next, lr, grad_scale, target, on_host, buffer, gen, fence, to_device] {
-      const auto t0 = std::chrono::steady_clock::now();
-      // A staged range (parameters paged from NVMe) has no target: update_staged stores it.
-      Tensor out;
-      if (staged(i)) {
-        update_staged(i, next, lr, grad_scale, gen);
-      } else {
-        to_host_->host_wait(fence);
-        const Tensor g = gradient_home(i, buffer);
-        // The bf16 result overwrites the gradient it came from (same element size), unless the
-        // parameters live in host memory, which is written directly.
-        out = on_host ? target : g;
-        update_range(i, next, g, out, lr, grad_scale);
+    post_update(i, next, lr, grad_scale, targets[i], buffer, gen, to_device, grad_fence_[i]);
+  }
+}
+
+void HostOptimizer::post_update(size_t i, int64_t next, double lr, double grad_scale,
+                                const Tensor& target, int buffer, int64_t gen, bool to_device,
+                                uint64_t fence, std::optional<Undo> undo) {
+  if (!adam_[i]) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_gen_[i] = done_gen_[i] = gen;
+    return;
+  }
+  // Parameters kept in host memory by a GPU run (offload_param) are written in place; on the
+  // CPU backend "device" memory is host memory too, but it is the model's: copied like a
+  // device's, so that the delayed mode holds it back.
+  const bool on_host = target.device == DeviceKind::kCPU && backend_.kind() != DeviceKind::kCPU;
+  ST_ASSERT(staged(i) || (target.numel() == ranges_[i].numel && target.dtype == param_dtype_));
+  ST_ASSERT(!gradient_in_params(i) || target.data == in_params_[i].data);
+  ST_ASSERT(!undo || (!staged(i) && !on_nvme(i)));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++tasks_left_;
+  }
+  post([this, i, next, lr, grad_scale, target, on_host, buffer, gen, fence, to_device, undo] {
+    const auto t0 = std::chrono::steady_clock::now();
+    // A staged range (parameters paged from NVMe) has no target: update_staged stores it.
+    Tensor out;
+    if (staged(i)) {
+      update_staged(i, next, lr, grad_scale, gen);
+    } else {
+      to_host_->host_wait(fence);
+      const Tensor g = gradient_home(i, buffer);
+      if (undo) {
+        const int64_t n = ranges_[i].numel;
+        adam_[i]->undo_on_host(state_slice(0, state_offset_[i], n), g, undo->lr, undo->grad_scale);
       }
-      const double dt =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      uint64_t copied = 0;
-      if (to_device && !on_host && !staged(i)) {
-        to_device_->to_device(target.data, out.data, out.bytes());
-        copied = to_device_->fence();
-      }
-      std::lock_guard<std::mutex> lock(mu_);
-      done_gen_[i] = gen;
-      if (to_device) {
-        ready_gen_[i] = gen;
-        ready_fence_[i] = copied;
-      }
-      acc_seconds_ += dt;
-      if (--tasks_left_ == 0) last_seconds_ = acc_seconds_;
+      // The bf16 result overwrites the gradient it came from (same element size), unless the
+      // parameters live in host memory, which is written directly.
+      out = on_host ? target : g;
+      update_range(i, next, g, out, lr, grad_scale);
+    }
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    uint64_t copied = 0;
+    if (to_device && !on_host && !staged(i)) {
+      to_device_->to_device(target.data, out.data, out.bytes());
+      copied = to_device_->fence();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    done_gen_[i] = gen;
+    if (to_device) {
+      ready_gen_[i] = gen;
+      ready_fence_[i] = copied;
+    }
+    acc_seconds_ += dt;
+    if (--tasks_left_ == 0) last_seconds_ = acc_seconds_;
+  });
+}
+
+bool HostOptimizer::speculable(size_t i) const {
+  return adam_[i] && kind_ == OptimizerKind::kAdamW && !delayed_ && !on_nvme(i) && !staged(i) &&
+         !gradient_in_params(i);
+}
+
+void HostOptimizer::speculate(double lr, double grad_scale, const std::vector<Tensor>& targets) {
+  ST_ASSERT(!delayed_ && targets.size() == ranges_.size());
+  rethrow_failure();
+  if (spec_.active) cancel_speculation();  // a step that never reached step()
+  spec_ =
+      Speculation{true, lr, grad_scale, targets, ++gen_, std::vector<bool>(ranges_.size(), false)};
+  std::lock_guard<std::mutex> lock(mu_);
+  acc_seconds_ = 0;
+}
+
+std::vector<uint64_t> HostOptimizer::recopy_speculated_gradients() {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] {
+      if (failure_) return true;
+      for (size_t i = 0; i < ranges_.size(); ++i)
+        if (spec_.posted[i] && done_gen_[i] < spec_.gen) return false;
+      return true;
+    });
+    rethrow_failure();
+  }
+  uint64_t last = 0;
+  for (size_t i = 0; i < ranges_.size(); ++i)
+    if (spec_.posted[i]) last = std::max(last, ready_fence_[i]);
+  if (last) to_device_->host_wait(last);  // the new parameters have left the pinned buffer
+  std::vector<uint64_t> fences(ranges_.size(), 0);
+  to_host_->after_compute();
+  for (size_t i = 0; i < ranges_.size(); ++i) {
+    if (!spec_.posted[i]) continue;
+    const Tensor home = gradient_home(i, 0);
+    to_host_->to_host(home.data, device_grad_[i].data, home.bytes());
+    fences[i] = to_host_->fence();
+  }
+  return fences;
+}
+
+void HostOptimizer::cancel_speculation() {
+  if (!spec_.active) return;
+  spec_.active = false;
+  if (std::find(spec_.posted.begin(), spec_.posted.end(), true) == spec_.posted.end()) return;
+  ++rolled_back_;
+  const std::vector<uint64_t> fences = recopy_speculated_gradients();
+  for (size_t i = 0; i < ranges_.size(); ++i) {
+    if (!spec_.posted[i]) continue;
+    const uint64_t fence = fences[i];
+    const double lr = spec_.lr, scale = spec_.grad_scale;
+    post([this, i, fence, lr, scale] {
+      to_host_->host_wait(fence);
+      const int64_t n = ranges_[i].numel;
+      adam_[i]->undo_on_host(state_slice(0, state_offset_[i], n), gradient_home(i, 0), lr, scale);
     });
   }
+  // The device keeps the speculated parameters: put the master weights back there.
+  const int64_t gen = ++gen_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < ranges_.size(); ++i)
+      if (spec_.posted[i]) wanted_gen_[i] = gen;
+  }
+  for (size_t i = 0; i < ranges_.size(); ++i) {
+    if (!spec_.posted[i]) continue;
+    const Tensor target = spec_.targets[i];
+    post([this, i, target, gen] {
+      const int64_t n = ranges_[i].numel;
+      const Tensor out = gradient_home(i, 0);
+      from_f32(state_slice(0, state_offset_[i], n).f32(), n, param_dtype_, out.data);
+      to_device_->to_device(target.data, out.data, out.bytes());
+      const uint64_t copied = to_device_->fence();
+      std::lock_guard<std::mutex> lock(mu_);
+      done_gen_[i] = ready_gen_[i] = gen;
+      ready_fence_[i] = copied;
+    });
+  }
+  wait_all();
 }
 
 HostOptimizer::Slot& HostOptimizer::victim(const Slot* keep) {
@@ -387,6 +507,14 @@ void HostOptimizer::step(double lr, double grad_scale, const std::vector<size_t>
   // the first one held back.
   const bool hold_back = delayed_ && step_ >= 1;
   ++step_;
+  if (spec_.active) {
+    step_speculated(lr, grad_scale, order, targets, gen);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    acc_seconds_ = 0;
+  }
   if (!hold_back) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -401,6 +529,38 @@ void HostOptimizer::step(double lr, double grad_scale, const std::vector<size_t>
   apply_in_flight();
   queue_update(lr, grad_scale, order, targets, buffer, gen, false);
   in_flight_ = InFlight{true, order, targets, buffer, gen};
+}
+
+void HostOptimizer::step_speculated(double lr, double grad_scale, const std::vector<size_t>& order,
+                                    const std::vector<Tensor>& targets, int64_t gen) {
+  spec_.active = false;
+  // Validation: the update speculated is the one asked for, or the speculated ranges are
+  // rolled back and redone with the values asked for (their gradients copied again).
+  const bool confirmed = lr == spec_.lr && grad_scale == spec_.grad_scale;
+  const bool any = std::find(spec_.posted.begin(), spec_.posted.end(), true) != spec_.posted.end();
+  std::vector<uint64_t> fences;
+  if (!confirmed && any) {
+    ++rolled_back_;
+    fences = recopy_speculated_gradients();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i : order) wanted_gen_[i] = confirmed && spec_.posted[i] ? spec_.gen : gen;
+  }
+  to_device_->after_compute();
+  for (size_t k = 0; k < order.size(); ++k) {
+    const size_t i = order[k];
+    if (spec_.posted[i]) {
+      if (!confirmed)
+        post_update(i, -1, lr, grad_scale, targets[i], 0, gen, true, fences[i],
+                    Undo{spec_.lr, spec_.grad_scale});
+      continue;
+    }
+    int64_t next = -1;
+    for (size_t j = k + 1; j < order.size() && next < 0; ++j)
+      if (adam_[order[j]] && on_nvme(order[j])) next = static_cast<int64_t>(order[j]);
+    post_update(i, next, lr, grad_scale, targets[i], 0, gen, true, grad_fence_[i]);
+  }
 }
 
 void HostOptimizer::wait_part(size_t i) {
@@ -432,30 +592,6 @@ int HostOptimizer::quantity(StateTensor q) {
 Tensor HostOptimizer::state_slice(int k, int64_t offset, int64_t numel) {
   return host_slice(state_[k].data(), dtype_of(k), in_memory_, offset, numel);
 }
-
-namespace {
-
-/// n values of `dtype` (fp32 or bf16) at `src` as fp32 at `dst`, and back (bf16 rounded to
-/// nearest even: a checkpoint's fp32 moments loaded into bf16 state).
-void to_f32(const void* src, DType dtype, int64_t n, float* dst) {
-  if (dtype == DType::kF32) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
-    return;
-  }
-  const auto* h = static_cast<const uint16_t*>(src);
-  for (int64_t j = 0; j < n; ++j) dst[j] = bf16_to_float(h[j]);
-}
-
-void from_f32(const float* src, int64_t n, DType dtype, void* dst) {
-  if (dtype == DType::kF32) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
-    return;
-  }
-  auto* h = static_cast<uint16_t*>(dst);
-  for (int64_t j = 0; j < n; ++j) h[j] = float_to_bf16(src[j]);
-}
-
-}  // namespace
 
 void HostOptimizer::read_state(StateTensor q, size_t i, int64_t offset, int64_t numel, float* dst) {
   ST_ASSERT(offset >= 0 && offset + numel <= ranges_[i].numel);

@@ -32,6 +32,22 @@
 // SwapOptions::max_in_cpu elements (ZeRO-Infinity). The pinned buffers hold 2 bytes (bf16/fp16)
 // per element, twice in delayed mode.
 //
+// Speculative update (on by default; SuperOffload's speculation then validation, Lian et al.,
+// arXiv 2509.21271, §4.3). The update of a step needs the global gradient norm (clipping), which
+// is known only after the whole backward; so step() could start no part before backward ended,
+// and a host AdamW longer than the next forward stays on the critical path. Told the likely
+// update before the last micro-step (speculate(lr, grad_scale): the unclipped scale), the
+// optimizer instead queues each range's update the moment its gradient is handed over
+// (gradient_ready), during backward, in backward order; with a layer-major backward
+// (Model::head_and_backward_layer_major) the first parts are final after a fraction of it, and
+// the host step runs beside the rest. step() validates: called with the same lr and grad_scale
+// (no clipping), the work is done — the same arithmetic, bit for bit; called with others, each
+// speculated range is rolled back (Optimizer::undo_on_host: the update solved backwards, exact to
+// fp32 rounding), its gradient copied again from the device (the update overwrote the pinned
+// copy) and stepped with the right values. cancel_speculation() rolls back without a new step
+// (a skipped step). Ranges on NVMe, staged ranges, gradients in the parameters' place and SGD are
+// not speculated: they are queued by step() as before. Not with the delayed update.
+//
 // Gradients in the parameters' place. When a range's parameters live in host memory themselves
 // (zero3's offload_param: `host_params`), its gradient is copied into them and the update reads
 // it there and overwrites it with the new parameters: the parameters are not read between the
@@ -48,6 +64,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -117,6 +134,15 @@ class HostOptimizer {
   /// once (delayed mode: after applying the previous update, see the file comment).
   void step(double lr, double grad_scale, const std::vector<size_t>& order,
             const std::vector<Tensor>& targets);
+  /// Speculation (see the file comment): from now until step(), each speculable range's update
+  /// with (lr, grad_scale) is queued as soon as its gradient is handed over, its new parameters
+  /// going to `targets[i]` (device memory, as step()'s targets). Not in delayed mode.
+  void speculate(double lr, double grad_scale, const std::vector<Tensor>& targets);
+  /// Rolls back the speculated updates of this step (no step() follows). Blocks until they are
+  /// done. Rethrows a worker failure.
+  void cancel_speculation();
+  /// Steps whose speculated updates were rolled back and redone (or cancelled), since set-up.
+  int64_t rolled_back_steps() const { return rolled_back_; }
   /// Blocks until range i's latest update has been queued for the device, then orders the
   /// compute stream after its copy. Rethrows a failure of the worker.
   void wait_part(size_t i);
@@ -165,6 +191,26 @@ class HostOptimizer {
   /// each task also queues the copy of its result to its device target and marks it ready.
   void queue_update(double lr, double grad_scale, const std::vector<size_t>& order,
                     const std::vector<Tensor>& targets, int buffer, int64_t gen, bool to_device);
+  /// What an update task first undoes: the speculated update with these values.
+  struct Undo {
+    double lr = 0, grad_scale = 0;
+  };
+  /// Queues range i's update task (see queue_update); `fence`: its gradient copy on to_host_;
+  /// `undo`: roll the range's last update back first (after the gradient copy it was made with
+  /// has been copied again).
+  void post_update(size_t i, int64_t next, double lr, double grad_scale, const Tensor& target,
+                   int buffer, int64_t gen, bool to_device, uint64_t fence,
+                   std::optional<Undo> undo = std::nullopt);
+  /// step() after speculate(): validates the speculated updates (see the file comment) and
+  /// queues the rest, generation `gen`.
+  void step_speculated(double lr, double grad_scale, const std::vector<size_t>& order,
+                       const std::vector<Tensor>& targets, int64_t gen);
+  /// Whether range i's update may be speculated (see the file comment).
+  bool speculable(size_t i) const;
+  /// Waits until every speculated range's update is done and its copy to the device has left
+  /// the pinned buffer; then copies each one's gradient to the host again (blocking) and
+  /// returns the fences per range (0: not speculated).
+  std::vector<uint64_t> recopy_speculated_gradients();
   /// Delayed mode: waits for the update in flight and queues its copies to the device.
   void apply_in_flight();
   /// Range i's slice of pinned buffer `buf`.
@@ -254,6 +300,17 @@ class HostOptimizer {
     int64_t gen = 0;
   } in_flight_;
   std::vector<int64_t> done_gen_;  ///< per range: update generation computed (delayed mode)
+
+  // Speculation (main thread only, but posted tasks read copies).
+  struct Speculation {
+    bool active = false;
+    double lr = 0, grad_scale = 0;
+    std::vector<Tensor> targets;
+    int64_t gen = 0;
+    std::vector<bool> posted;  ///< per range: its update was queued
+  } spec_;
+  std::vector<Tensor> device_grad_;  ///< per range: the device gradient handed over this step
+  int64_t rolled_back_ = 0;
 };
 
 }  // namespace shardtrain
