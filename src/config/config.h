@@ -56,6 +56,14 @@ struct ZeroConfig {
   /// one-step delayed parameter update (arXiv 2101.06840, §4.3): the CPU step of step t overlaps
   /// the GPU's step t+1, which computes on the parameters of step t-1.
   bool offload_delayed_update = false;
+  /// offload_optimizer.speculative_update (shardtrain's key; --offload-speculative-update): the
+  /// host starts each part's AdamW as soon as the part's gradient is final, during backward,
+  /// assuming the step is not clipped; when the gradient norm then calls for clipping, the parts
+  /// are rolled back and redone with the clipped gradients (SuperOffload's speculation then
+  /// validation, arXiv 2509.21271 §4.3). Unclipped steps are the same bit for bit; redone steps
+  /// agree to fp32 rounding. Not with the delayed update or fp16; state on NVMe is not
+  /// speculated. Default on.
+  bool offload_speculative_update = true;
   /// offload_optimizer.max_in_cpu (shardtrain's key, after offload_param's): with the optimizer on
   /// NVMe, the elements per rank whose optimizer state (fp32 master, m, v: 12 bytes each) stays in
   /// host memory; the rest is paged from the swap file. 0 (default): all of it on NVMe, as
@@ -401,6 +409,10 @@ bool hierarchical_reduction(const TrainConfig& cfg);
 /// given (≥ 1); by default every micro-batch of the step when the optimizer is offloaded under
 /// ZeRO stage 1 or 2 with activation checkpointing, else 1. Meaningful after validate().
 int64_t forward_group(const TrainConfig& cfg);
+/// Whether the run's offloaded optimizer starts its update during backward
+/// (zero.offload_speculative_update, resolved; TrainStepOptions::speculative_update): the key,
+/// with the optimizer offloaded, not a pipeline, not the delayed update, not fp16.
+bool speculative_update(const TrainConfig& cfg);
 
 /// The data-parallel degree D: world_size, or world_size / pipeline.stages for --strategy
 /// pipeline (the replicas of the pipeline). Meaningful after validate().

@@ -713,6 +713,10 @@ class DeepSpeedReader {
     if (optimizer_key("delayed_update", "the delayed update")) {
       if (auto v = get_bool(*off, "delayed_update", prefix)) cfg_.zero.offload_delayed_update = *v;
     }
+    if (optimizer_key("speculative_update", "the speculative update")) {
+      if (auto v = get_bool(*off, "speculative_update", prefix))
+        cfg_.zero.offload_speculative_update = *v;
+    }
     if (optimizer_key("moments_dtype", "the moments' dtype")) {
       const char* choices = "\"fp32\" or \"bf16\" (AdamW's m and v on the host)";
       if (auto d = get_string(*off, "moments_dtype", prefix, choices)) {

@@ -173,8 +173,9 @@ inline const KeyList kZeroIgnored = {
     "partition_stream_chunk_size",
 };
 
-inline const KeyList kOffloadHonoured = {"device",         "nvme_path",     "ratio",
-                                         "delayed_update", "forward_group", "moments_dtype"};
+inline const KeyList kOffloadHonoured = {
+    "device",        "nvme_path",         "ratio", "delayed_update", "forward_group",
+    "moments_dtype", "speculative_update"};
 inline const KeyList kOffloadOptimizerIgnored = {
     "buffer_count",  "pin_memory",          "pipeline_read",      "pipeline_write", "fast_init",
     "super_offload", "convert_grad_on_cpu", "cpuadam_cores_perc", "pipeline",

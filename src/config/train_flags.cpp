@@ -226,6 +226,12 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                "offload: ZeRO-Offload's one-step delayed parameter update: the CPU step of step "
                "t runs while the GPU computes step t+1 on the parameters of step t-1 (default: "
                "off, exact)");
+  cmd.add_option("--offload-speculative-update", cfg.zero.offload_speculative_update,
+                 "offload: start each part's host AdamW during backward, as soon as its gradient "
+                 "is final, assuming no clipping; a step whose norm is clipped is rolled back and "
+                 "redone (same results bit for bit when not clipped, to fp32 rounding when "
+                 "redone). true (default) or false")
+      ->type_name("BOOL");
   cmd.add_option("--offload-moments-dtype", cfg.zero.offload_moments_dtype,
                  "offload: dtype of AdamW's m and v on the host and NVMe: fp32 (default) or "
                  "bf16 (rounded stochastically; 8 bytes of state per parameter instead of 12)")

@@ -395,6 +395,13 @@ int64_t forward_group(const TrainConfig& cfg) {
   return overlaps ? std::max<int64_t>(1, cfg.gradient_accumulation_steps) : 1;
 }
 
+bool speculative_update(const TrainConfig& cfg) {
+  return cfg.zero.offload_speculative_update &&
+         cfg.plan.optimizer_offload != OffloadDevice::kNone &&
+         cfg.strategy != StrategyKind::kPipeline && !cfg.zero.offload_delayed_update &&
+         cfg.precision != Precision::kFp16;
+}
+
 int data_parallel_size(const TrainConfig& cfg) {
   if (cfg.strategy != StrategyKind::kPipeline || cfg.pipeline.stages < 1) return cfg.world_size;
   return cfg.world_size / cfg.pipeline.stages;

@@ -46,6 +46,9 @@ struct MemoryEstimateOptions {
   int64_t persistence_threshold = 100'000;  ///< stage3_param_persistence_threshold
   double offload_ratio = 1.0;               ///< offload_optimizer.ratio of the offloaded rows
   bool delayed_update = false;              ///< offload: two pinned gradient buffers instead of one
+  /// offload_optimizer.speculative_update: the host's update may start during backward (the
+  /// placement planner's predicted step; no memory of its own).
+  bool speculative_update = true;
   /// offload (stages 1–2) with activation checkpointing: micro-batches whose layer inputs are
   /// live at once (offload_optimizer.forward_group, resolved): (group − 1) more sets of the
   /// residual stream and the micro-batch's tokens, targets and losses. 0: the placement planner

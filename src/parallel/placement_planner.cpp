@@ -113,22 +113,30 @@ PlacementPlan plan_placement(const MemoryEstimateOptions& options, const Placeme
     p.host_traffic = optimizer_out ? host_bytes(r, psi_per_rank) : 0;
     p.disk_bytes = 2 * p.nvme_bytes;  // every byte on NVMe is read and written each step
     p.compute_s = compute_s;
-    // The host's update overlaps only the next forward: that of the forward group (stages 1-2,
-    // Model::forward_layer_major) or of one micro-batch; it cannot overlap backward, whose
-    // gradients it needs whole (the global norm clips them). What is left of it adds to the
-    // compute.
-    const double group = p.plan.zero_stage < 3 && options.activation_checkpointing
-                             ? std::min(micro_batches, static_cast<double>(p.forward_group))
-                             : 1.0;
+    // The host's update overlaps the next forward: that of the forward group (stages 1-2,
+    // Model::forward_layer_major) or of one micro-batch. Speculated (stages 1-2, state in host
+    // memory), it starts during backward instead, as each part's gradient is final: over the
+    // whole backward when the group is the step (the backward is layer-major too), over the last
+    // micro-batch's otherwise; the next forward then waits for the first layers, updated last.
+    // The disk's part (NVMe state, not speculated) overlaps the forward only. What is left of
+    // either adds to the compute.
+    const bool stage12 = p.plan.zero_stage < 3 && options.activation_checkpointing;
+    const double group =
+        stage12 ? std::min(micro_batches, static_cast<double>(p.forward_group)) : 1.0;
     const double window = forward_s * group;
+    const double backward_s = compute_s - forward_s * micro_batches;
+    const double host_window =
+        stage12 && options.speculative_update && !options.delayed_update
+            ? std::max(window, group >= micro_batches ? backward_s : backward_s / micro_batches)
+            : window;
     // The update pages its state from NVMe as it goes: the slower of the CPU and the disk.
     const double host_s = p.host_traffic / rates.host_bytes_per_s;
     const double disk_s = p.disk_bytes / rates.disk_bytes_per_s;
-    const double update_s = std::max(host_s, disk_s);
+    const double left = std::max(host_s - host_window, disk_s - window);
     const std::tuple<double, const char*> terms[] = {
-        {compute_s + std::max(0.0, update_s - window), update_s <= window ? "compute"
-                                                       : disk_s > host_s  ? "disk"
-                                                                          : "host"},
+        {compute_s + std::max(0.0, left), left <= 0                                ? "compute"
+                                          : disk_s - window > host_s - host_window ? "disk"
+                                                                                   : "host"},
         {p.pcie_bytes / rates.pcie_bytes_per_s, "PCIe"}};
     const auto& slowest =
         *std::max_element(std::begin(terms), std::end(terms),
@@ -149,8 +157,9 @@ PlacementPlan plan_placement(const MemoryEstimateOptions& options, const Placeme
   };
 
   // The forward group of the offload rows: explicit (options.forward_group ≥ 1), or chosen per
-  // plan (0): the fewest micro-batches whose forward covers the host's update, as many as the GPU
-  // budget holds (each costs one more set of the residual stream).
+  // plan (0): the fewest micro-batches whose forward covers the host's update (all of them when the
+  // update is speculated: the backward then overlaps it too), as many as the GPU budget holds
+  // (each costs one more set of the residual stream).
   const bool choose_group = options.forward_group == 0 && options.activation_checkpointing;
   MemoryEstimateOptions base = options;
   base.forward_group = std::max<int64_t>(1, options.forward_group);
@@ -199,7 +208,12 @@ PlacementPlan plan_placement(const MemoryEstimateOptions& options, const Placeme
         if (choose_group) {
           const double update_s = host_bytes(r, psi_per_rank) / rates.host_bytes_per_s;
           const double per_group = e.activations.residual + e.activations.io;
-          const double needed = std::ceil(update_s / std::max(forward_s, 1e-12));
+          // Speculated, a group of the whole step also runs the backward layer-major, which the
+          // update then overlaps too.
+          const double needed = update_s <= forward_s ? 1.0
+                                : options.speculative_update && !options.delayed_update
+                                    ? micro_batches
+                                    : std::ceil(update_s / std::max(forward_s, 1e-12));
           const double room = std::floor((budget.gpu_bytes - p.gpu_bytes) / per_group) + 1;
           p.forward_group =
               static_cast<int64_t>(std::clamp(std::min(needed, room), 1.0, micro_batches));

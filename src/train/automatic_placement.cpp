@@ -74,6 +74,7 @@ TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& m
   o.forward_group = cfg.activation_checkpointing ? cfg.zero.offload_forward_group : 1;
   o.optimizer = cfg.optimizer;
   o.bf16_moments = cfg.zero.offload_moments_dtype == "bf16";
+  o.speculative_update = cfg.zero.offload_speculative_update;
   if (cfg.zero.reduce_bucket_size_set) o.reduce_bucket_size = cfg.zero.reduce_bucket_size;
   o.zero3 = Zero3Limits{cfg.zero.stage3_prefetch_bucket_size, cfg.zero.stage3_max_live_parameters,
                         cfg.zero.stage3_max_reuse_distance};

@@ -52,6 +52,7 @@ json agreement_record(const TrainConfig& cfg, const std::string& model_shape) {
                      {"param_device", z.offload_param_device},
                      {"ratio", z.offload_ratio},
                      {"delayed_update", z.offload_delayed_update},
+                     {"speculative_update", z.offload_speculative_update},
                      {"forward_group", z.offload_forward_group},
                      {"moments_dtype", z.offload_moments_dtype},
                      {"optimizer_max_in_cpu", z.offload_optimizer_max_in_cpu},

@@ -20,6 +20,7 @@ StrategyOptions strategy_options(const TrainConfig& cfg) {
   o.max_live_parameters = cfg.zero.stage3_max_live_parameters;
   o.max_reuse_distance = cfg.zero.stage3_max_reuse_distance;
   o.delayed_update = cfg.zero.offload_delayed_update;
+  o.speculative_update = cfg.zero.offload_speculative_update;
   o.nvme_path = cfg.zero.nvme_path;
   o.aio = cfg.aio;
   o.optimizer_max_in_cpu = cfg.zero.offload_optimizer_max_in_cpu;

@@ -327,6 +327,11 @@ void print_banner(Console& out, const TrainConfig& cfg, const BannerFacts& f) {
           "  forward group: the first {} micro-batches of each step run their forward layer by "
           "layer, overlapping the host's update (offload_optimizer.forward_group)",
           std::min(g, cfg.gradient_accumulation_steps));
+    if (speculative_update(cfg))
+      out.line(
+          "  speculative update: each part's host AdamW starts during backward, as soon as its "
+          "gradient is final; a clipped step is rolled back and redone "
+          "(offload_optimizer.speculative_update)");
     if (cfg.zero.offload_delayed_update)
       out.line(
           "  delayed parameter update (ZeRO-Offload DPU, arXiv 2101.06840 §4.3): from step 3 on, "
@@ -634,7 +639,7 @@ TrainSummary train(const TrainConfig& requested, Communicator& comm) {
   std::unique_ptr<StreamClock> clock =
       cfg.wall_clock_breakdown ? backend->make_stream_clock() : nullptr;
   const TrainStepOptions step_options{cfg.gradient_accumulation_steps, cfg.gradient_clipping,
-                                      cfg.seed, forward_group(cfg)};
+                                      cfg.seed, forward_group(cfg), speculative_update(cfg)};
   TrainStep train_step(model, *strategy, comm, *backend, scaler, step_options, clock.get());
   std::optional<PipelineStep> pipeline_step;
   if (pipeline) pipeline_step.emplace(*pipeline, scaler, step_options);
