@@ -148,6 +148,11 @@ class Backend {
   size_t pinned_bytes() const { return pinned_bytes_; }
   /// A new stream for host ↔ device copies beside the compute stream (see CopyStream).
   virtual std::unique_ptr<CopyStream> make_copy_stream() { return std::make_unique<CopyStream>(); }
+  /// A timeline of device work on the compute stream and the copy streams this backend made
+  /// (see DeviceTimeline).
+  virtual std::unique_ptr<DeviceTimeline> make_device_timeline() {
+    return std::make_unique<DeviceTimeline>();
+  }
 
   // ---- dtype conversion ----------------------------------------------------------------------
   /// dst = src element-wise with dtype conversion (round-to-nearest-even for bf16/fp16).

@@ -8,9 +8,12 @@
 // (cudaHostAlloc) and a CUDA stream with events (backend/cuda/cuda_host_transfer.cu).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 namespace shardtrain {
 
@@ -40,6 +43,42 @@ class CopyStream {
 
  private:
   uint64_t fences_ = 0;
+};
+
+/// Timestamps of device work on the compute stream and on copy streams, in seconds from one
+/// origin: what a step's timeline (--trace) is drawn from. The default (CPU backend) takes the
+/// host's clock at each call, where the work has already run. Thread-safe.
+class DeviceTimeline {
+ public:
+  virtual ~DeviceTimeline() = default;
+  /// Sets the origin at the compute stream's position now and forgets earlier marks. Call with
+  /// the device idle, so that the origin is also the host's now (host_origin()).
+  virtual void start() {
+    std::lock_guard<std::mutex> lock(mu_);
+    host_origin_ = std::chrono::steady_clock::now();
+    marks_.clear();
+  }
+  /// A timestamp after the work enqueued so far on `copies` (nullptr: the compute stream).
+  /// Returns its index for read().
+  virtual size_t mark(CopyStream* /*copies*/) {
+    std::lock_guard<std::mutex> lock(mu_);
+    marks_.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - host_origin_).count());
+    return marks_.size() - 1;
+  }
+  /// Seconds from the origin of every mark since start(), by index; waits for them.
+  virtual std::vector<double> read() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return marks_;
+  }
+  std::chrono::steady_clock::time_point host_origin() const { return host_origin_; }
+
+ protected:
+  std::mutex mu_;
+  std::chrono::steady_clock::time_point host_origin_ = std::chrono::steady_clock::now();
+
+ private:
+  std::vector<double> marks_;
 };
 
 /// The bytes of host memory this process can still lock and use: MemAvailable of /proc/meminfo,

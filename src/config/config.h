@@ -409,6 +409,10 @@ bool hierarchical_reduction(const TrainConfig& cfg);
 /// given (≥ 1); by default every micro-batch of the step when the optimizer is offloaded under
 /// ZeRO stage 1 or 2 with activation checkpointing, else 1. Meaningful after validate().
 int64_t forward_group(const TrainConfig& cfg);
+/// Whether the configuration asks for offloading (--strategy offload/infinity, an
+/// offload_optimizer device, --offload auto), before the plan is resolved: --trace then draws the
+/// offload timeline.
+bool offload_asked(const TrainConfig& cfg);
 /// Whether the run's offloaded optimizer starts its update during backward
 /// (zero.offload_speculative_update, resolved; TrainStepOptions::speculative_update): the key,
 /// with the optimizer offloaded, not a pipeline, not the delayed update, not fp16.

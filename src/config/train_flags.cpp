@@ -291,8 +291,9 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->type_name("K")
       ->check(int_at_least(0));
   cmd.add_option("--trace", cfg.trace_dir,
-                 "pipeline: write the measured per-stage pipeline timeline to this directory "
-                 "(default: none)")
+                 "pipeline: write the measured per-stage pipeline timeline to this directory; "
+                 "offload: the timeline of two steps (GPU compute, PCIe each way, host AdamW, "
+                 "NVMe waits: offload-timeline.svg, offload-trace.json) (default: none)")
       ->type_name("DIR");
   cmd.add_flag("--no-save{false}", cfg.save_checkpoints,
                "write no checkpoint, not even at the end (for benchmarks)");
@@ -650,15 +651,21 @@ TrainConfig finalize_train_config(const CLI::App& cmd, TrainConfig cfg, int64_t 
   if (cfg.strategy != StrategyKind::kPipeline) {
     std::vector<std::string> given;
     for (std::string_view f : kPipelineFlags) {
+      // --trace also draws an offloaded run's timeline.
+      if (f == "trace" && offload_asked(cfg)) continue;
       if (contains(flags, f)) given.push_back("--" + std::string(f));
     }
     for (std::string& f : given) std::replace(f.begin(), f.end(), '_', '-');
     if (!given.empty()) {
+      const bool trace = std::find(given.begin(), given.end(), "--trace") != given.end();
       throw ConfigError(fmt::format(
           "{} {} for pipeline parallelism, but the strategy is '{}': add --strategy pipeline (or "
-          "drop {})",
+          "drop {}){}",
           join(given, ", "), given.size() == 1 ? "is a flag" : "are flags", to_string(cfg.strategy),
-          given.size() == 1 ? "it" : "them"));
+          given.size() == 1 ? "it" : "them",
+          trace ? "; --trace also draws the timeline of an offloaded run (--strategy offload or "
+                  "infinity, an offload_optimizer device, --offload auto)"
+                : ""));
     }
   }
 

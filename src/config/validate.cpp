@@ -48,7 +48,8 @@ std::vector<std::string> pipeline_settings_given(const TrainConfig& c) {
     out.push_back(
         fmt::format("--activation-checkpoint-interval {}", p.activation_checkpoint_interval));
   }
-  if (!c.trace_dir.empty()) out.push_back(fmt::format("--trace '{}'", c.trace_dir));
+  if (!c.trace_dir.empty() && !offload_asked(c))
+    out.push_back(fmt::format("--trace '{}'", c.trace_dir));
   return out;
 }
 
@@ -393,6 +394,11 @@ int64_t forward_group(const TrainConfig& cfg) {
                         cfg.plan.zero_stage < 3 && cfg.strategy != StrategyKind::kPipeline &&
                         cfg.activation_checkpointing;
   return overlaps ? std::max<int64_t>(1, cfg.gradient_accumulation_steps) : 1;
+}
+
+bool offload_asked(const TrainConfig& c) {
+  return c.placement.automatic || c.strategy == StrategyKind::kOffload ||
+         c.strategy == StrategyKind::kInfinity || c.zero.offload_optimizer_device != "none";
 }
 
 bool speculative_update(const TrainConfig& cfg) {

@@ -48,4 +48,7 @@ std::string getenv_str(const char* name);
 /// Bytes as "512 B", "3.2 MiB", "1.50 GiB".
 std::string human_bytes(double bytes);
 
+/// `text` with the XML special characters (< > & ") escaped, for SVG text and attributes.
+std::string xml_escape(std::string_view text);
+
 }  // namespace shardtrain

@@ -20,6 +20,7 @@
 #include "comm/communicator.h"
 #include "config/config.h"
 #include "model/gpt2.h"
+#include "monitor/step_trace.h"
 #include "optim/adamw.h"
 
 namespace shardtrain {
@@ -146,6 +147,10 @@ class Strategy : public LayerHooks {
   virtual void cancel_expected_update() {}
   /// Steps whose update expect_update started had to be rolled back (and redone), so far.
   virtual int64_t rolled_back_updates() const { return 0; }
+  /// Records what the strategy's host side does (copies, the host optimizer, the disk) into
+  /// `trace` (monitor/step_trace.h) from now on; nullptr stops, after waiting for the host work
+  /// recorded so far. The default records nothing.
+  virtual void set_trace(StepTrace* /*trace*/) {}
 
   /// Collects the full state on every rank (collective: every rank must call it).
   virtual FullState gather_state() = 0;

@@ -159,6 +159,9 @@ class ZeroStrategy : public Strategy {
     if (host_) host_->cancel_speculation();
   }
   int64_t rolled_back_updates() const override { return host_ ? host_->rolled_back_steps() : 0; }
+  void set_trace(StepTrace* trace) override {
+    if (host_) host_->set_trace(trace);
+  }
 
   double grad_norm(double scale) override {
     double local = 0;

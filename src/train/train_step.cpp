@@ -1,5 +1,7 @@
 #include "train/train_step.h"
 
+#include <fmt/core.h>
+
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -7,6 +9,65 @@
 #include "core/error.h"
 
 namespace shardtrain {
+
+namespace {
+
+/// The strategy's hooks, and around each layer's forward and backward a GPU-compute segment of a
+/// step timeline (marks on the compute stream after the strategy's before_* hook, so that its
+/// waits for parameters show as gaps, and before its after_* hook). Nested passes (the head's
+/// forward and backward back to back in a layer-major backward) make one segment.
+class TracedHooks final : public LayerHooks {
+ public:
+  TracedHooks(LayerHooks* inner, StepTrace& trace) : inner_(inner), trace_(trace) {}
+  void before_forward(int layer) override {
+    if (inner_) inner_->before_forward(layer);
+    begin("forward", layer);
+  }
+  void after_forward(int layer) override {
+    end();
+    if (inner_) inner_->after_forward(layer);
+  }
+  void before_backward(int layer) override {
+    if (inner_) inner_->before_backward(layer);
+    begin("backward", layer);
+  }
+  void after_backward(int layer) override {
+    end();
+    if (inner_) inner_->after_backward(layer);
+  }
+  void between_layers() override {
+    if (inner_) inner_->between_layers();
+  }
+  bool capturable() const override { return false; }
+  bool allow_capture() override { return false; }
+  bool take_tied_embedding_grad(int64_t rows) override {
+    return inner_ && inner_->take_tied_embedding_grad(rows);
+  }
+  void tied_embedding_grad(Tensor dx, Tensor tokens) override {
+    if (inner_) inner_->tied_embedding_grad(dx, tokens);
+  }
+
+ private:
+  void begin(const char* pass, int layer) {
+    if (depth_++ == 0) {
+      begin_ = trace_.mark(nullptr);
+      label_ = fmt::format("{} {}", pass, layer);
+    } else {
+      label_ += fmt::format(" and {}", pass);
+    }
+  }
+  void end() {
+    if (--depth_ == 0)
+      trace_.device_segment(TraceLane::kCompute, label_, begin_, trace_.mark(nullptr));
+  }
+  LayerHooks* inner_;
+  StepTrace& trace_;
+  size_t begin_ = 0;
+  int depth_ = 0;
+  std::string label_;
+};
+
+}  // namespace
 
 // ---- TrainStep ----------------------------------------------------------------------------------
 
@@ -29,6 +90,21 @@ TrainStep::TrainStep(Model& model, Strategy& strategy, Communicator& comm, Backe
 }
 
 StepResult TrainStep::run(int64_t step, double lr, const MicroBatchSource& batches) {
+  if (!trace_) return run_step(step, lr, batches);
+  LayerHooks* inner = model_.hooks();
+  TracedHooks traced(inner, *trace_);
+  model_.set_hooks(&traced);
+  try {
+    StepResult r = run_step(step, lr, batches);
+    model_.set_hooks(inner);
+    return r;
+  } catch (...) {
+    model_.set_hooks(inner);
+    throw;
+  }
+}
+
+StepResult TrainStep::run_step(int64_t step, double lr, const MicroBatchSource& batches) {
   const int64_t accum = options_.accumulation_steps;
   StepResult r;
   r.loss_scale = scaler_.scale();

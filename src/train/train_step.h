@@ -28,6 +28,7 @@
 #include "memory/flat_buffer.h"
 #include "model/gpt2.h"
 #include "model/micro_batch.h"
+#include "monitor/step_trace.h"
 #include "optim/loss_scaler.h"
 #include "parallel/step_result.h"
 #include "parallel/strategy.h"
@@ -53,6 +54,9 @@ class TrainStep final : public StepRunner {
                  const MicroBatchSource* /*next*/) override {
     return run(step, lr, batches);
   }
+  /// Records each layer's forward and backward on the compute stream into `trace` (nullable:
+  /// stop) in the following steps, as GPU-compute segments of the step timeline (--trace).
+  void set_trace(StepTrace* trace) { trace_ = trace; }
   /// Replaces the phase clock (nullable) for the following steps (the FLOPs profiler's step).
   void set_clock(StreamClock* clock) { clock_ = clock; }
   StreamClock* clock() const { return clock_; }
@@ -66,7 +70,10 @@ class TrainStep final : public StepRunner {
   TrainStepOptions options_;
   StreamClock* clock_;
   ScalarAllReduce loss_sum_;
+  /// The step itself (run() wraps the model's hooks around it while tracing).
+  StepResult run_step(int64_t step, double lr, const MicroBatchSource& batches);
   bool last_clipped_ = false;  ///< the last step's update was clipped (no speculation next)
+  StepTrace* trace_ = nullptr;
 };
 
 }  // namespace shardtrain

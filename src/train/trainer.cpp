@@ -666,7 +666,39 @@ TrainSummary train(const TrainConfig& requested, Communicator& comm) {
                  .units_per_step = plan.tokens_per_step,
                  .seq_len = T};
   MicroBatchReader micro_batch(sampler, data.train, B, T);
+  // --trace of an offloaded run (rank 0): the timeline of two consecutive steps — the third and
+  // fourth of the run, or the last two — so that one step's host update is seen overlapping the
+  // next step's forward (monitor/step_trace.h).
+  std::unique_ptr<StepTrace> step_trace;
+  int64_t trace_first = -1;
+  if (!pipeline && !cfg.trace_dir.empty() && rank0) {
+    step_trace = std::make_unique<StepTrace>(backend->make_device_timeline());
+    trace_first = std::max<int64_t>(progress.step, std::min<int64_t>(2, plan.total_steps - 2));
+  }
+  const auto trace_around = [&](bool before) {
+    if (!step_trace) return;
+    if (before && progress.step == trace_first) {
+      backend->synchronize();
+      step_trace->start();
+      train_step.set_trace(step_trace.get());
+      strategy->set_trace(step_trace.get());
+    } else if (!before && (progress.step == trace_first + 2 || progress.step == plan.total_steps)) {
+      if (progress.step <= trace_first) return;
+      strategy->set_trace(nullptr);
+      train_step.set_trace(nullptr);
+      backend->synchronize();
+      const std::vector<StepTrace::Segment> segments = step_trace->finish();
+      for (const std::string& l : StepTrace::write(
+               cfg.trace_dir, segments,
+               fmt::format("{}: steps {}–{} (rank 0), {} × {} micro-batches of {} tokens",
+                           model_cfg.name, trace_first + 1, progress.step, cfg.micro_batch_size,
+                           cfg.gradient_accumulation_steps, T)))
+        out.line("{}", l);
+      step_trace.reset();
+    }
+  };
   loop.step = [&](int64_t epoch, double lr) {
+    trace_around(true);
     const MicroBatchSource batch = [&](int64_t k) {
       return micro_batch(epoch, progress.step_in_epoch, k);
     };
@@ -689,6 +721,7 @@ TrainSummary train(const TrainConfig& requested, Communicator& comm) {
   };
   loop.evaluate = validate_now;
   loop.after_step = [&] {
+    trace_around(false);
     if (cfg.save_interval > 0 && progress.step % cfg.save_interval == 0 &&
         progress.step < plan.total_steps)
       save();

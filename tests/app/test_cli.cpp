@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -81,9 +83,9 @@ TEST(Cli, EstimatePrintsMemoryPerStrategy) {
 TEST(Cli, EstimateChoosesTheBatchShapeForAGlobalBatch) {
   // 48 sequences on 2 GPUs of 20 GiB: micro-batches 1, 2, 4 and 8 make it up whole (16 does
   // not: 48 / (16 · 2) is not an integer), each planned; the fastest marked.
-  const Result r = run(
-      "estimate --model gpt2-xl --max-length 512 --gpus 2 --gpu-memory 20 --max-host-memory 64 "
-      "--train-batch-size 48");
+  const Result r =
+      run("estimate --model gpt2-xl --max-length 512 --gpus 2 --gpu-memory 20 --max-host-memory 64 "
+          "--train-batch-size 48");
   EXPECT_EQ(r.status, 0) << r.output;
   for (const char* needle : {"Global batch 48 sequences", "1 × 24", "2 × 12", "4 × 6", "8 × 3",
                              "chosen (*): the fastest predicted"})
@@ -188,6 +190,49 @@ TEST(Cli, FlopsProfilerPrintsTheTable) {
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("profile step 3"), std::string::npos) << text;
   EXPECT_NE(text.find(total_line), std::string::npos) << text;
+  fs::remove_all(dir);
+}
+
+// --trace on an offloaded run: the timeline of its 3rd and 4th steps — every layer's forward and
+// backward once per step on the GPU lane (layer-major with a forward group of the whole step),
+// each part's gradient copy, host update and parameter copy, in order — as a Chrome trace and an
+// SVG; a run that offloads nothing refuses the flag, naming both uses.
+TEST(Cli, TraceDrawsTheOffloadTimeline) {
+  const fs::path dir = temp_dir("trace");
+  const std::string common =
+      "train --model gpt2-tiny --dataset wikitext-2 --max-steps 5 --batch-size 2 --max-length 32 "
+      "--gradient-accumulation-steps 3 --activation-checkpointing --device cpu --no-save "
+      "--eval-samples 8 --cache-dir " +
+      (dir / "cache").string() + " --output-dir " + (dir / "out").string();
+  Result r = run(common + " --strategy offload --trace " + (dir / "trace").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("the GPU computed"), std::string::npos) << r.output;
+  std::ifstream in(dir / "trace" / "offload-trace.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  std::map<std::string, int> count;
+  std::map<int, std::vector<std::pair<double, double>>> lanes;
+  for (const auto& e : j.at("traceEvents")) {
+    if (e.at("ph") != "X") continue;
+    const std::string name = e.at("name");
+    ++count[name.substr(0, name.find(' '))];
+    lanes[e.at("tid").get<int>()].emplace_back(
+        e.at("ts").get<double>(), e.at("ts").get<double>() + e.at("dur").get<double>());
+  }
+  // gpt2-tiny: the embedding, 4 blocks and the head; two steps.
+  EXPECT_EQ(count["forward"], 2 * 6) << j.dump();  // the head's with its backward, counted here
+  EXPECT_EQ(count["backward"], 2 * 5) << j.dump();
+  EXPECT_GT(count["gradient"], 0);
+  EXPECT_EQ(count["gradient"], count["parameters"]);
+  EXPECT_EQ(count["gradient"], count["update"]);
+  for (auto& [lane, spans] : lanes) {  // a lane's segments never overlap
+    std::sort(spans.begin(), spans.end());
+    for (size_t k = 1; k < spans.size(); ++k)
+      EXPECT_LE(spans[k - 1].second, spans[k].first + 1e-3) << "lane " << lane;
+  }
+  EXPECT_TRUE(fs::exists(dir / "trace" / "offload-timeline.svg"));
+  r = run(common + " --strategy zero2 --trace " + (dir / "trace").string());
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--trace"), std::string::npos) << r.output;
   fs::remove_all(dir);
 }
 

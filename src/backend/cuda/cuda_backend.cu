@@ -192,6 +192,9 @@ class CudaBackend final : public Backend {
     pinned_free(device_, ptr);
     pinned_bytes_ -= bytes;
   }
+  std::unique_ptr<DeviceTimeline> make_device_timeline() override {
+    return cuda::make_device_timeline(device_, ctx_.stream);
+  }
   std::unique_ptr<CopyStream> make_copy_stream() override {
     return cuda::make_copy_stream(device_, ctx_.stream);
   }

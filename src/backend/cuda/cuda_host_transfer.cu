@@ -95,6 +95,13 @@ class CudaCopyStream final : public CopyStream {
       if (id == fence) ST_CUDA_CHECK(cudaStreamWaitEvent(compute_, ev, 0));
   }
 
+  /// Records `e` after the copies enqueued so far (in their order against other callers).
+  void record(cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ST_CUDA_CHECK(cudaSetDevice(device_));
+    ST_CUDA_CHECK(cudaEventRecord(e, stream_));
+  }
+
  private:
   int device_;
   cudaStream_t compute_;
@@ -104,6 +111,60 @@ class CudaCopyStream final : public CopyStream {
   std::deque<std::pair<uint64_t, cudaEvent_t>> live_;  ///< fences not known complete, in order
   std::vector<cudaEvent_t> free_;
   uint64_t next_ = 0, completed_ = 0;
+};
+
+/// Timing events on the compute stream or a CudaCopyStream, against an origin event on the
+/// compute stream; the events are kept (and reused) across start()s.
+class CudaDeviceTimeline final : public DeviceTimeline {
+ public:
+  CudaDeviceTimeline(int device, cudaStream_t compute) : device_(device), compute_(compute) {}
+  ~CudaDeviceTimeline() override {
+    (void)cudaSetDevice(device_);
+    for (cudaEvent_t e : events_) (void)cudaEventDestroy(e);
+  }
+  void start() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ST_CUDA_CHECK(cudaSetDevice(device_));
+    used_ = 0;
+    ST_CUDA_CHECK(cudaEventRecord(next_event(), compute_));  // the origin: event 0
+    host_origin_ = std::chrono::steady_clock::now();
+  }
+  size_t mark(CopyStream* copies) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ST_CUDA_CHECK(cudaSetDevice(device_));
+    cudaEvent_t e = next_event();
+    if (copies)
+      static_cast<CudaCopyStream*>(copies)->record(e);
+    else
+      ST_CUDA_CHECK(cudaEventRecord(e, compute_));
+    return used_ - 2;  // event 0 is the origin
+  }
+  std::vector<double> read() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ST_CUDA_CHECK(cudaSetDevice(device_));
+    std::vector<double> out;
+    for (size_t i = 1; i < used_; ++i) {
+      ST_CUDA_CHECK(cudaEventSynchronize(events_[i]));
+      float ms = 0;
+      ST_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[0], events_[i]));
+      out.push_back(1e-3 * ms);
+    }
+    return out;
+  }
+
+ private:
+  cudaEvent_t next_event() {
+    if (used_ == events_.size()) {
+      cudaEvent_t e = nullptr;
+      ST_CUDA_CHECK(cudaEventCreate(&e));
+      events_.push_back(e);
+    }
+    return events_[used_++];
+  }
+  int device_;
+  cudaStream_t compute_;
+  std::vector<cudaEvent_t> events_;
+  size_t used_ = 0;
 };
 
 std::string gib(double bytes) {
@@ -116,6 +177,10 @@ std::string gib(double bytes) {
 
 std::unique_ptr<CopyStream> make_copy_stream(int device, cudaStream_t compute) {
   return std::make_unique<CudaCopyStream>(device, compute);
+}
+
+std::unique_ptr<DeviceTimeline> make_device_timeline(int device, cudaStream_t compute) {
+  return std::make_unique<CudaDeviceTimeline>(device, compute);
 }
 
 void* pinned_allocate(int device, size_t bytes, size_t held) {

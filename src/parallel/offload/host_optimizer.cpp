@@ -1,6 +1,7 @@
 // The host half of an offloaded optimizer: see host_optimizer.h for the design.
 #include "parallel/offload/host_optimizer.h"
 
+#include <fmt/core.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -227,8 +228,13 @@ void HostOptimizer::gradient_ready(size_t i, Tensor grad) {
   }
   const int b = delayed_ ? static_cast<int>(step_ % 2) : 0;
   to_host_->after_compute();
+  StepTrace* trace = trace_;
+  const size_t mark = trace ? trace->mark(to_host_.get()) : 0;
   to_host_->to_host(gradient_home(i, b).data, grad.data, grad.bytes());
   grad_fence_[i] = to_host_->fence();
+  if (trace)
+    trace->device_segment(TraceLane::kToHost, fmt::format("gradient of part {}", i), mark,
+                          trace->mark(to_host_.get()));
   device_grad_[i] = grad;
   if (spec_.active && speculable(i) && !spec_.posted[i]) {
     // Its new parameters replace what the compute stream has read so far (the part's layers are
@@ -272,7 +278,9 @@ void HostOptimizer::post_update(size_t i, int64_t next, double lr, double grad_s
     std::lock_guard<std::mutex> lock(mu_);
     ++tasks_left_;
   }
-  post([this, i, next, lr, grad_scale, target, on_host, buffer, gen, fence, to_device, undo] {
+  StepTrace* trace = trace_;
+  post([this, i, next, lr, grad_scale, target, on_host, buffer, gen, fence, to_device, undo,
+        trace] {
     const auto t0 = std::chrono::steady_clock::now();
     // A staged range (parameters paged from NVMe) has no target: update_staged stores it.
     Tensor out;
@@ -290,11 +298,20 @@ void HostOptimizer::post_update(size_t i, int64_t next, double lr, double grad_s
       out = on_host ? target : g;
       update_range(i, next, g, out, lr, grad_scale);
     }
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto t1 = std::chrono::steady_clock::now();
+    const double dt = std::chrono::duration<double>(t1 - t0).count();
+    if (trace)
+      trace->host_segment(TraceLane::kHostOptimizer,
+                          fmt::format("{} of part {}", undo ? "rollback and redo" : "update", i),
+                          t0, t1);
     uint64_t copied = 0;
     if (to_device && !on_host && !staged(i)) {
+      const size_t mark = trace ? trace->mark(to_device_.get()) : 0;
       to_device_->to_device(target.data, out.data, out.bytes());
       copied = to_device_->fence();
+      if (trace)
+        trace->device_segment(TraceLane::kToDevice, fmt::format("parameters of part {}", i), mark,
+                              trace->mark(to_device_.get()));
     }
     std::lock_guard<std::mutex> lock(mu_);
     done_gen_[i] = gen;
@@ -427,7 +444,11 @@ void HostOptimizer::update_range(size_t i, int64_t next, const Tensor& grads, co
     adam_[i]->step_on_host(state_slice(0, state_offset_[i], n), grads, out, lr, grad_scale);
     return;
   }
+  const auto t0 = std::chrono::steady_clock::now();
   Slot& sl = page_in(i, nullptr);
+  if (StepTrace* trace = trace_)
+    trace->host_segment(TraceLane::kDisk, fmt::format("state of part {}", i), t0,
+                        std::chrono::steady_clock::now());
   if (next >= 0) prefetch(static_cast<size_t>(next), &sl);  // read ahead of the next step
   char* base = static_cast<char*>(sl.buf.data());
   const auto view = [&](int k) {
@@ -561,6 +582,11 @@ void HostOptimizer::step_speculated(double lr, double grad_scale, const std::vec
       if (adam_[order[j]] && on_nvme(order[j])) next = static_cast<int64_t>(order[j]);
     post_update(i, next, lr, grad_scale, targets[i], 0, gen, true, grad_fence_[i]);
   }
+}
+
+void HostOptimizer::set_trace(StepTrace* trace) {
+  if (!trace) wait_all();  // no task records into the trace after this
+  trace_ = trace;
 }
 
 void HostOptimizer::wait_part(size_t i) {

@@ -57,6 +57,7 @@
 // while the gradients wait) or fp16 (a skipped step would leave gradients in the parameters).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -71,6 +72,7 @@
 #include "backend/backend.h"
 #include "memory/host_buffer.h"
 #include "memory/param_layout.h"
+#include "monitor/step_trace.h"
 #include "optim/adamw.h"
 #include "parallel/offload/nvme_swap.h"
 #include "parallel/strategy.h"
@@ -143,6 +145,9 @@ class HostOptimizer {
   void cancel_speculation();
   /// Steps whose speculated updates were rolled back and redone (or cancelled), since set-up.
   int64_t rolled_back_steps() const { return rolled_back_; }
+  /// Records the copies, the CPU AdamW of each range and the waits for NVMe into `trace` from
+  /// now on (Strategy::set_trace); nullptr: waits for every queued update, then stops.
+  void set_trace(StepTrace* trace);
   /// Blocks until range i's latest update has been queued for the device, then orders the
   /// compute stream after its copy. Rethrows a failure of the worker.
   void wait_part(size_t i);
@@ -310,6 +315,7 @@ class HostOptimizer {
     std::vector<bool> posted;  ///< per range: its update was queued
   } spec_;
   std::vector<Tensor> device_grad_;  ///< per range: the device gradient handed over this step
+  std::atomic<StepTrace*> trace_{nullptr};  ///< set_trace (tasks capture it when posted)
   int64_t rolled_back_ = 0;
 };
 

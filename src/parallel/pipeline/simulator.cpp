@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "core/error.h"
+#include "core/strings.h"
 
 namespace shardtrain {
 namespace {
@@ -51,30 +52,6 @@ char letter(ActionType t) {
     default:
       return 'B';
   }
-}
-
-/// `text` with the XML special characters escaped (for SVG text content).
-std::string xml_escape(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    switch (c) {
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '&':
-        out += "&amp;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
 }
 
 }  // namespace
