@@ -86,14 +86,6 @@ bool is_valid_utf8(std::string_view s) {
   return true;
 }
 
-/// True when `text` may be cut right before byte `p` (see tokenization_cut_points()).
-bool is_cut_point(std::string_view text, size_t p) {
-  if (p == 0 || p + 1 >= text.size()) return false;
-  const char c = text[p];
-  const char next = text[p + 1];
-  return (c == ' ' || c == '\n') && next >= 0x21 && next <= 0x7E && next != '<';
-}
-
 }  // namespace
 
 // ---- token files -------------------------------------------------------------------------------
@@ -136,6 +128,13 @@ std::vector<uint16_t> read_token_file(const fs::path& path, TokenFileHeader* hea
 }
 
 // ---- tokenization ------------------------------------------------------------------------------
+
+bool is_cut_point(std::string_view text, size_t p) {
+  if (p == 0 || p + 1 >= text.size()) return false;
+  const char c = text[p];
+  const char next = text[p + 1];
+  return (c == ' ' || c == '\n') && next >= 0x21 && next <= 0x7E && next != '<';
+}
 
 std::vector<size_t> tokenization_cut_points(std::string_view text, size_t target_chunk_bytes) {
   std::vector<size_t> cuts;

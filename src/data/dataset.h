@@ -74,6 +74,11 @@ TokenStore load_token_store(const std::filesystem::path& path, const BpeTokenize
 /// points for text that is not valid UTF-8 (then it is encoded in one piece).
 std::vector<size_t> tokenization_cut_points(std::string_view text, size_t target_chunk_bytes);
 
+/// True when `text` may be cut right before byte `p` by the rule of tokenization_cut_points():
+/// 0 < p, p + 1 < text.size(), text[p] is ' ' or '\n' and text[p + 1] is printable ASCII other
+/// than '<'. Only the two bytes at p matter, so a stream can be cut as it is read.
+bool is_cut_point(std::string_view text, size_t p);
+
 /// Encodes `text` with `tok.encode` (identical result), cutting it at tokenization_cut_points()
 /// and encoding the pieces in parallel with OpenMP. `target_chunk_bytes` is the approximate piece
 /// size in bytes.
