@@ -45,7 +45,10 @@ enum class TokenFileRole { kUser, kCache };
 /// A mapped store maps the whole file with mmap(PROT_READ, MAP_SHARED): its pages are the
 /// kernel's page cache of the file, so every process of a node that maps the same file (the
 /// ranks of a run) shares one copy of it, and a process holds in memory only the pages it has
-/// touched since (for training, the pages of its own samples). Nothing is copied.
+/// touched since (for training, the pages of its own samples). Nothing is copied. The file must
+/// not be truncated or rewritten in place while it is mapped (reading a page past a truncation
+/// ends the process with SIGBUS); shardtrain's writers replace a file by renaming a new one over
+/// it, which leaves an existing mapping intact.
 class TokenStore {
  public:
   TokenStore() = default;
