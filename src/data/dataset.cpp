@@ -31,131 +31,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr char kMagic[8] = {'S', 'T', 'T', 'O', 'K', 'E', 'N', 'S'};
-constexpr uint32_t kVersion = 1;
-constexpr uint32_t kBytesPerId = 2;
-constexpr size_t kHeaderBytes = 64;
-
-/// Who produced a token file: decides the fix named in error messages.
-enum class TokenFileKind { kUser, kCache };
-
-void put_u32(unsigned char* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
-}
-void put_u64(unsigned char* p, uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
-}
-uint32_t get_u32(const unsigned char* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(p[i]) << (8 * i);
-  return v;
-}
-uint64_t get_u64(const unsigned char* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
-  return v;
-}
-
-/// Converts between host order and the file's little-endian order (a no-op on x86 and ARM).
-void to_from_little_endian(uint16_t* ids, size_t n) {
-  if constexpr (std::endian::native == std::endian::big) {
-    for (size_t i = 0; i < n; ++i) ids[i] = static_cast<uint16_t>((ids[i] >> 8) | (ids[i] << 8));
-  } else {
-    (void)ids;
-    (void)n;
-  }
-}
-
-/// FNV-1a 64 of the little-endian bytes of `ids`.
-uint64_t hash_ids(const std::vector<uint16_t>& ids) {
-  if constexpr (std::endian::native == std::endian::little) {
-    return fnv1a64(ids.data(), ids.size() * sizeof(uint16_t));
-  } else {
-    std::vector<uint16_t> le(ids);
-    to_from_little_endian(le.data(), le.size());
-    return fnv1a64(le.data(), le.size() * sizeof(uint16_t));
-  }
-}
-
 std::string errno_text(int err) { return std::strerror(err); }
-
-std::string fix_for(TokenFileKind kind) {
-  return kind == TokenFileKind::kCache ? "delete it and it will be rebuilt"
-                                       : "re-run shardtrain tokenize FILE --output to recreate it";
-}
-
-std::vector<uint16_t> read_token_file_impl(const fs::path& path, TokenFileHeader* header,
-                                           TokenFileKind kind) {
-  const char* what = kind == TokenFileKind::kCache ? "token cache" : "token file";
-  const std::string name = path.string();
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) {
-    const int err = errno;
-    if (err == ENOENT) {
-      throw DataError(fmt::format("{} {} not found: check the path", what, name));
-    }
-    throw DataError(fmt::format("cannot open {} {}: {}", what, name, errno_text(err)));
-  }
-  struct Closer {
-    FILE* f;
-    ~Closer() { std::fclose(f); }
-  } closer{f};
-
-  unsigned char h[kHeaderBytes];
-  const size_t got = std::fread(h, 1, kHeaderBytes, f);
-  if (got < sizeof(kMagic) || std::memcmp(h, kMagic, sizeof(kMagic)) != 0) {
-    throw DataError(fmt::format(
-        "{} is not a shardtrain token file (no STTOKENS magic): pass the text file instead, or "
-        "create a token file with shardtrain tokenize FILE --output",
-        name));
-  }
-  if (got < kHeaderBytes) {
-    throw DataError(
-        fmt::format("{} {} is truncated ({} bytes, shorter than the {}-byte header): {}", what,
-                    name, got, kHeaderBytes, fix_for(kind)));
-  }
-  const uint32_t version = get_u32(h + 8);
-  if (version != kVersion) {
-    throw DataError(fmt::format("{} {} has format version {}, this shardtrain reads version {}: {}",
-                                what, name, version, kVersion, fix_for(kind)));
-  }
-  const uint32_t bytes_per_id = get_u32(h + 12);
-  if (bytes_per_id != kBytesPerId) {
-    throw DataError(fmt::format("{} {} stores {} bytes per id, expected {}: {}", what, name,
-                                bytes_per_id, kBytesPerId, fix_for(kind)));
-  }
-  TokenFileHeader hdr;
-  hdr.count = get_u64(h + 16);
-  hdr.source_hash = get_u64(h + 24);
-  hdr.tokenizer_hash = get_u64(h + 32);
-  const uint64_t ids_hash = get_u64(h + 40);
-
-  std::error_code ec;
-  const uintmax_t size = fs::file_size(path, ec);
-  if (ec) {
-    throw DataError(fmt::format("cannot stat {} {}: {}", what, name, ec.message()));
-  }
-  const uintmax_t payload = size - kHeaderBytes;
-  if (hdr.count > payload / kBytesPerId || payload != hdr.count * kBytesPerId) {
-    throw DataError(fmt::format(
-        "{} {} is corrupt ({}: the header says {} ids, the file holds {} bytes after the "
-        "header): {}",
-        what, name, hdr.count > payload / kBytesPerId ? "truncated" : "size mismatch", hdr.count,
-        payload, fix_for(kind)));
-  }
-  std::vector<uint16_t> ids(static_cast<size_t>(hdr.count));
-  if (!ids.empty() && std::fread(ids.data(), kBytesPerId, ids.size(), f) != ids.size()) {
-    throw DataError(fmt::format("cannot read {} {}: {}", what, name,
-                                std::ferror(f) ? errno_text(errno) : "unexpected end of file"));
-  }
-  // Hash the file's (little-endian) bytes before converting them to host order.
-  if (fnv1a64(ids.data(), ids.size() * kBytesPerId) != ids_hash) {
-    throw DataError(fmt::format("{} {} is corrupt (hash mismatch): {}", what, name, fix_for(kind)));
-  }
-  to_from_little_endian(ids.data(), ids.size());
-  if (header != nullptr) *header = hdr;
-  return ids;
-}
 
 void log_line(const std::function<void(const std::string&)>& log, const std::string& msg) {
   if (log) log(msg);
@@ -210,79 +86,15 @@ bool is_valid_utf8(std::string_view s) {
   return true;
 }
 
-/// True when `text` may be cut right before byte `p` (see tokenization_cut_points()).
-bool is_cut_point(std::string_view text, size_t p) {
-  if (p == 0 || p + 1 >= text.size()) return false;
-  const char c = text[p];
-  const char next = text[p + 1];
-  return (c == ' ' || c == '\n') && next >= 0x21 && next <= 0x7E && next != '<';
-}
-
 }  // namespace
 
 // ---- token files -------------------------------------------------------------------------------
 
-bool is_token_file(const fs::path& path) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) return false;
-  char magic[sizeof(kMagic)];
-  const size_t got = std::fread(magic, 1, sizeof(magic), f);
-  std::fclose(f);
-  return got == sizeof(magic) && std::memcmp(magic, kMagic, sizeof(kMagic)) == 0;
-}
-
 void write_token_file(const fs::path& path, const std::vector<uint16_t>& ids, uint64_t source_hash,
                       uint64_t tokenizer_hash) {
-  unsigned char h[kHeaderBytes] = {};
-  std::memcpy(h, kMagic, sizeof(kMagic));
-  put_u32(h + 8, kVersion);
-  put_u32(h + 12, kBytesPerId);
-  put_u64(h + 16, ids.size());
-  put_u64(h + 24, source_hash);
-  put_u64(h + 32, tokenizer_hash);
-  put_u64(h + 40, hash_ids(ids));
-
-  const fs::path tmp = fs::path(path.string() + ".tmp." + std::to_string(::getpid()));
-  const std::string name = path.string();
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) {
-    throw DataError(fmt::format("cannot write token file {}: cannot create {}: {}", name,
-                                tmp.string(), errno_text(errno)));
-  }
-  auto fail = [&](const std::string& why) {
-    std::fclose(f);
-    std::error_code ec;
-    fs::remove(tmp, ec);
-    throw DataError(fmt::format("cannot write token file {}: {}", name, why));
-  };
-  if (std::fwrite(h, 1, kHeaderBytes, f) != kHeaderBytes) fail(errno_text(errno));
-  if constexpr (std::endian::native == std::endian::little) {
-    if (!ids.empty() && std::fwrite(ids.data(), kBytesPerId, ids.size(), f) != ids.size()) {
-      fail(errno_text(errno));
-    }
-  } else {
-    std::vector<uint16_t> le(ids);
-    to_from_little_endian(le.data(), le.size());
-    if (!le.empty() && std::fwrite(le.data(), kBytesPerId, le.size(), f) != le.size()) {
-      fail(errno_text(errno));
-    }
-  }
-  if (std::fflush(f) != 0) fail(errno_text(errno));
-  if (::fsync(::fileno(f)) != 0) fail(errno_text(errno));
-  if (std::fclose(f) != 0) {
-    const int err = errno;
-    std::error_code ec;
-    fs::remove(tmp, ec);
-    throw DataError(fmt::format("cannot write token file {}: {}", name, errno_text(err)));
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    std::error_code ec2;
-    fs::remove(tmp, ec2);
-    throw DataError(fmt::format("cannot write token file {}: rename from {} failed: {}", name,
-                                tmp.string(), ec.message()));
-  }
+  TokenFileWriter writer(path, source_hash, tokenizer_hash);
+  writer.append(ids);
+  writer.finish();
 }
 
 std::string read_all_bytes(const fs::path& path, const char* what) {
@@ -312,10 +124,17 @@ std::string read_all_bytes(const fs::path& path, const char* what) {
 }
 
 std::vector<uint16_t> read_token_file(const fs::path& path, TokenFileHeader* header) {
-  return read_token_file_impl(path, header, TokenFileKind::kUser);
+  return TokenStore::map_file(path, header, TokenFileRole::kUser).to_vector();
 }
 
 // ---- tokenization ------------------------------------------------------------------------------
+
+bool is_cut_point(std::string_view text, size_t p) {
+  if (p == 0 || p + 1 >= text.size()) return false;
+  const char c = text[p];
+  const char next = text[p + 1];
+  return (c == ' ' || c == '\n') && next >= 0x21 && next <= 0x7E && next != '<';
+}
 
 std::vector<size_t> tokenization_cut_points(std::string_view text, size_t target_chunk_bytes) {
   std::vector<size_t> cuts;
@@ -384,12 +203,11 @@ std::string shown_path(const fs::path& path) {
 
 }  // namespace
 
-void check_token_ids(const std::vector<uint16_t>& ids, int64_t vocab_size, const std::string& name,
-                     const std::string& model) {
-  if (vocab_size > 0xFFFF) return;  // every uint16 id has a row
-  uint16_t largest = 0;
-  for (const uint16_t id : ids) largest = std::max(largest, id);  // vectorized: no early exit
-  if (largest < vocab_size) return;
+namespace {
+
+[[noreturn]] void throw_id_out_of_range(std::span<const uint16_t> ids, uint16_t largest,
+                                        int64_t vocab_size, const std::string& name,
+                                        const std::string& model) {
   const auto first =
       std::find_if(ids.begin(), ids.end(), [&](uint16_t id) { return id >= vocab_size; });
   throw DataError(fmt::format(
@@ -401,12 +219,34 @@ void check_token_ids(const std::vector<uint16_t>& ids, int64_t vocab_size, const
       int64_t{largest} + 1));
 }
 
+}  // namespace
+
+void check_token_ids(const std::vector<uint16_t>& ids, int64_t vocab_size, const std::string& name,
+                     const std::string& model) {
+  if (vocab_size > 0xFFFF) return;  // every uint16 id has a row
+  uint16_t largest = 0;
+  for (const uint16_t id : ids) largest = std::max(largest, id);  // vectorized: no early exit
+  if (largest < vocab_size) return;
+  throw_id_out_of_range(ids, largest, vocab_size, name, model);
+}
+
+void check_token_ids(const TokenStore& ids, int64_t vocab_size, const std::string& name,
+                     const std::string& model) {
+  if (vocab_size > 0xFFFF || ids.largest_id() < vocab_size) return;
+  throw_id_out_of_range(ids.span(), ids.largest_id(), vocab_size, name, model);
+}
+
 std::vector<uint16_t> load_tokens(const fs::path& path, const BpeTokenizer& tok,
                                   const fs::path& cache_dir,
                                   const std::function<void(const std::string&)>& log) {
+  return load_token_store(path, tok, cache_dir, log).to_vector();
+}
+
+TokenStore load_token_store(const fs::path& path, const BpeTokenizer& tok,
+                            const fs::path& cache_dir,
+                            const std::function<void(const std::string&)>& log) {
   if (is_token_file(path)) {
-    TokenFileHeader hdr;
-    std::vector<uint16_t> ids = read_token_file_impl(path, &hdr, TokenFileKind::kUser);
+    TokenStore ids = TokenStore::map_file(path, nullptr, TokenFileRole::kUser);
     log_line(log, fmt::format("read {} tokens from token file {}", ids.size(), path.string()));
     return ids;
   }
@@ -422,7 +262,7 @@ std::vector<uint16_t> load_tokens(const fs::path& path, const BpeTokenizer& tok,
     if (fs::exists(cache, ec)) {
       try {
         TokenFileHeader hdr;
-        std::vector<uint16_t> ids = read_token_file_impl(cache, &hdr, TokenFileKind::kCache);
+        TokenStore ids = TokenStore::map_file(cache, &hdr, TokenFileRole::kCache);
         if (hdr.source_hash == source_hash && hdr.tokenizer_hash == tokenizer_hash) {
           log_line(log,
                    fmt::format("using cached tokens {} ({} tokens)", cache.string(), ids.size()));
@@ -468,7 +308,7 @@ std::vector<uint16_t> load_tokens(const fs::path& path, const BpeTokenizer& tok,
       }
     }
   }
-  return ids;
+  return TokenStore(std::move(ids));
 }
 
 fs::path default_cache_dir() {
@@ -545,7 +385,7 @@ DatasetFiles resolve_dataset(const std::string& dataset, const std::string& trai
 
 // ---- packed samples ----------------------------------------------------------------------------
 
-PackedDataset::PackedDataset(std::vector<uint16_t> tokens, int64_t max_length, std::string name)
+PackedDataset::PackedDataset(TokenStore tokens, int64_t max_length, std::string name)
     : tokens_(std::move(tokens)), name_(std::move(name)), max_length_(max_length), num_samples_(0) {
   if (max_length_ < 1) {
     throw ConfigError(fmt::format("--max-length must be at least 1, got {}", max_length_));

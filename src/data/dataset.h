@@ -8,31 +8,16 @@
 #include <string_view>
 #include <vector>
 
+#include "data/token_store.h"
+
 namespace shardtrain {
 
 class BpeTokenizer;
 
 // ---- token files ---------------------------------------------------------------------------
 //
-// A token file holds GPT-2 ids as little-endian uint16 after a 64-byte header:
-//   bytes 0..7   magic "STTOKENS"
-//   bytes 8..11  format version (uint32, = 1)
-//   bytes 12..15 bytes per id (uint32, = 2)
-//   bytes 16..23 number of ids (uint64)
-//   bytes 24..31 FNV-1a 64 of the source text bytes (uint64)
-//   bytes 32..39 tokenizer fingerprint (uint64)
-//   bytes 40..47 FNV-1a 64 of the id bytes (uint64; detects truncation and corruption)
-//   bytes 48..63 zero
-// `shardtrain tokenize --output` writes this format and --train-file/--valid-file accept it.
-
-struct TokenFileHeader {
-  uint64_t count = 0;
-  uint64_t source_hash = 0;
-  uint64_t tokenizer_hash = 0;
-};
-
-/// True when `path` starts with the token-file magic.
-bool is_token_file(const std::filesystem::path& path);
+// The format (64-byte header + little-endian uint16 ids), TokenFileHeader and TokenStore (a
+// memory-mapped, validated view of a token file) are in data/token_store.h.
 
 /// Writes ids atomically (temporary file + rename). Throws DataError on I/O failure or an id
 /// that does not fit in uint16.
@@ -44,7 +29,8 @@ void write_token_file(const std::filesystem::path& path, const std::vector<uint1
 /// unreadable.
 std::string read_all_bytes(const std::filesystem::path& path, const char* what);
 
-/// Reads and verifies a token file. Throws DataError naming the file when it is missing,
+/// Reads and verifies a token file into a vector (2 bytes per id, a private copy: training maps
+/// the file instead, load_token_store()). Throws DataError naming the file when it is missing,
 /// truncated, corrupt or not a token file.
 std::vector<uint16_t> read_token_file(const std::filesystem::path& path,
                                       TokenFileHeader* header = nullptr);
@@ -56,13 +42,28 @@ std::vector<uint16_t> read_token_file(const std::filesystem::path& path,
 void check_token_ids(const std::vector<uint16_t>& ids, int64_t vocab_size, const std::string& name,
                      const std::string& model);
 
+/// check_token_ids() for a TokenStore: the same check and message, from the largest id its
+/// validation pass recorded (no pass over the ids unless one is out of range).
+void check_token_ids(const TokenStore& ids, int64_t vocab_size, const std::string& name,
+                     const std::string& model);
+
 /// Tokenizes the exact bytes of the text file `path`, reusing the cached token file in
 /// `cache_dir` while the text's hash and the tokenizer's fingerprint are unchanged (the cache
 /// is rewritten otherwise). A token file given as `path` is read directly. `log` receives
 /// one-line progress messages ("tokenizing ...", "using cached tokens ..."). Throws DataError.
+/// Returns a private copy of the ids (2 bytes per id); training uses load_token_store().
 std::vector<uint16_t> load_tokens(const std::filesystem::path& path, const BpeTokenizer& tok,
                                   const std::filesystem::path& cache_dir,
                                   const std::function<void(const std::string&)>& log = {});
+
+/// load_tokens() without the copy: a token file, or a valid cache of the text, is memory-mapped
+/// read-only and shared (TokenStore::map_file: every rank of a node that maps it shares the page
+/// cache's one copy, and a rank's resident set holds only the pages of the samples it reads).
+/// Text that had to be tokenized is returned in memory (2 bytes per id) after the cache is
+/// written. Same ids, messages and errors as load_tokens().
+TokenStore load_token_store(const std::filesystem::path& path, const BpeTokenizer& tok,
+                            const std::filesystem::path& cache_dir,
+                            const std::function<void(const std::string&)>& log = {});
 
 /// Byte offsets 0 < p1 < p2 < ... < text.size(), roughly `target_chunk_bytes` apart, at which
 /// `text` can be cut so that encoding the pieces separately and concatenating the ids gives
@@ -72,6 +73,11 @@ std::vector<uint16_t> load_tokens(const std::filesystem::path& path, const BpeTo
 /// `\s+(?!\S)` match stops before the last whitespace character in both cases). Returns no cut
 /// points for text that is not valid UTF-8 (then it is encoded in one piece).
 std::vector<size_t> tokenization_cut_points(std::string_view text, size_t target_chunk_bytes);
+
+/// True when `text` may be cut right before byte `p` by the rule of tokenization_cut_points():
+/// 0 < p, p + 1 < text.size(), text[p] is ' ' or '\n' and text[p + 1] is printable ASCII other
+/// than '<'. Only the two bytes at p matter, so a stream can be cut as it is read.
+bool is_cut_point(std::string_view text, size_t p);
 
 /// Encodes `text` with `tok.encode` (identical result), cutting it at tokenization_cut_points()
 /// and encoding the pieces in parallel with OpenMP. `target_chunk_bytes` is the approximate piece
@@ -101,13 +107,14 @@ DatasetFiles resolve_dataset(const std::string& dataset, const std::string& trai
 // ---- packed samples --------------------------------------------------------------------------
 
 /// A corpus cut into non-overlapping samples of `sample_len` = max_length + 1 tokens (inputs are
-/// tokens [0, T), targets [1, T+1)). The tail shorter than a sample is dropped.
+/// tokens [0, T), targets [1, T+1)). The tail shorter than a sample is dropped. The ids are a
+/// TokenStore: for a mapped token file, sample i reads only bytes [2·i·(T+1), 2·(i+1)·(T+1)) of
+/// the ids, so a rank touches only the pages of the samples its sampler gives it.
 class PackedDataset {
  public:
   /// `max_length` ≥ 1 is T; `name` names the corpus in error messages. Throws ConfigError when
   /// the corpus holds fewer than T + 1 tokens (not one sample) or max_length < 1.
-  PackedDataset(std::vector<uint16_t> tokens, int64_t max_length,
-                std::string name = "the data set");
+  PackedDataset(TokenStore tokens, int64_t max_length, std::string name = "the data set");
   /// Keeps only the first `n` samples (DeepSpeed tutorials' num_samples); n < 0 keeps all.
   /// Throws ConfigError when n exceeds the available samples (stating both numbers).
   void limit(int64_t n);
@@ -125,7 +132,7 @@ class PackedDataset {
              std::vector<int32_t>& targets) const;
 
  private:
-  std::vector<uint16_t> tokens_;
+  TokenStore tokens_;
   std::string name_;
   int64_t max_length_;
   int64_t num_samples_;

@@ -186,8 +186,9 @@ GPT2Data load_gpt2_data(const TrainConfig& cfg, const GPT2Config& model, Console
   const fs::path cache_dir = cfg.cache_dir.empty() ? default_cache_dir() : fs::path(cfg.cache_dir);
   auto log = [&](const std::string& m) { out.line("data: {}", m); };
   // Every id indexes the embedding: one out of the vocabulary would read and write past it.
+  // A token file (or cache) is mapped read-only and shared by the node's ranks, not copied.
   auto tokens = [&](const fs::path& file) {
-    std::vector<uint16_t> ids = load_tokens(file, tokenizer, cache_dir, log);
+    TokenStore ids = load_token_store(file, tokenizer, cache_dir, log);
     check_token_ids(ids, model.vocab_size, file.string(), model.name);
     return ids;
   };
