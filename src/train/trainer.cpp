@@ -727,6 +727,7 @@ TrainSummary train(const TrainConfig& requested, Communicator& comm) {
         progress.step < plan.total_steps)
       save();
   };
+  const int64_t summary_first_step = progress.step;
   LossHistory losses = run_epochs(loop, progress);
 
   // ---- the end ----
@@ -737,6 +738,11 @@ TrainSummary train(const TrainConfig& requested, Communicator& comm) {
   summary.steps = progress.step;
   if (pipeline)
     for (const std::string& l : pipeline->finish_trace()) out.line("{}", l);
+  if (speculative_update(cfg))
+    out.line(
+        "speculative update: {} of {} steps rolled back and redone (clipped after an unclipped "
+        "step)",
+        strategy->rolled_back_updates(), progress.step - summary_first_step);
   if (!summary.losses.empty() || !resume) save();
   report_done(summary, out, metrics);
   return summary;
