@@ -415,7 +415,8 @@ int64_t forward_group(const TrainConfig& cfg);
 bool offload_asked(const TrainConfig& cfg);
 /// Whether the run's offloaded optimizer starts its update during backward
 /// (zero.offload_speculative_update, resolved; TrainStepOptions::speculative_update): the key,
-/// with the optimizer offloaded, not a pipeline, not the delayed update, not fp16.
+/// with the optimizer offloaded at ZeRO stage 1 or 2, not a pipeline, not the delayed update, not
+/// fp16.
 bool speculative_update(const TrainConfig& cfg);
 
 /// The data-parallel degree D: world_size, or world_size / pipeline.stages for --strategy

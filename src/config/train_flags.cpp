@@ -231,7 +231,8 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  "is final, assuming no clipping; a step whose norm is clipped is rolled back and "
                  "redone (same results bit for bit when not clipped, to fp32 rounding when "
                  "redone). true (default) or false")
-      ->type_name("BOOL");
+      ->type_name("BOOL")
+      ->check(one_of({"true", "false", "on", "off", "1", "0"}));
   cmd.add_option("--offload-moments-dtype", cfg.zero.offload_moments_dtype,
                  "offload: dtype of AdamW's m and v on the host and NVMe: fp32 (default) or "
                  "bf16 (rounded stochastically; 8 bytes of state per parameter instead of 12)")

@@ -403,7 +403,7 @@ bool offload_asked(const TrainConfig& c) {
 
 bool speculative_update(const TrainConfig& cfg) {
   return cfg.zero.offload_speculative_update &&
-         cfg.plan.optimizer_offload != OffloadDevice::kNone &&
+         cfg.plan.optimizer_offload != OffloadDevice::kNone && cfg.plan.zero_stage < 3 &&
          cfg.strategy != StrategyKind::kPipeline && !cfg.zero.offload_delayed_update &&
          cfg.precision != Precision::kFp16;
 }

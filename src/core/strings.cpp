@@ -207,4 +207,13 @@ std::string xml_escape(std::string_view text) {
   return out;
 }
 
+std::string svg_begin(double width, double height, double title_x, std::string_view title) {
+  return fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" "
+      "viewBox=\"0 0 {:.0f} {:.0f}\" font-family=\"sans-serif\">\n"
+      "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      "<text x=\"{:.0f}\" y=\"22\" font-size=\"15\">{}</text>\n",
+      width, height, width, height, title_x, xml_escape(title));
+}
+
 }  // namespace shardtrain

@@ -51,4 +51,8 @@ std::string human_bytes(double bytes);
 /// `text` with the XML special characters (< > & ") escaped, for SVG text and attributes.
 std::string xml_escape(std::string_view text);
 
+/// The start of an SVG picture of `width` × `height` pixels on white, with `title` (escaped) at
+/// (title_x, 22) in 15 px sans-serif; close it with "</svg>\n".
+std::string svg_begin(double width, double height, double title_x, std::string_view title);
+
 }  // namespace shardtrain

@@ -78,12 +78,7 @@ std::string step_timeline_svg(const std::vector<StepTrace::Segment>& segments,
   for (const auto& s : segments) end = std::max(end, s.end);
   const double scale = end > 0 ? (width - left - right) / end : 1;
   const double height = top + row * lanes + 48;
-  std::string svg = fmt::format(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" "
-      "viewBox=\"0 0 {:.0f} {:.0f}\" font-family=\"sans-serif\">\n"
-      "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-      "<text x=\"{:.0f}\" y=\"22\" font-size=\"15\">{}</text>\n",
-      width, height, width, height, left, xml_escape(title));
+  std::string svg = svg_begin(width, height, left, title);
   const char* colors[] = {"#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1"};
   for (int l = 0; l < lanes; ++l) {
     svg += fmt::format(

@@ -149,10 +149,12 @@ class ZeroStrategy : public Strategy {
   bool allows_layer_major_forward() const override { return true; }
   bool allows_layer_major_backward() const override { return true; }
 
-  /// Offload (not the delayed update): the host optimizer starts each part's update as soon as
-  /// its gradient leaves for the host, during backward (HostOptimizer::speculate).
+  /// Offload at stages 1-2 (not the delayed update): the host optimizer starts each part's
+  /// update as soon as its gradient leaves for the host, during backward
+  /// (HostOptimizer::speculate). Stage 3 keeps the update after backward: its gathers may still
+  /// read a part's shard after the part's gradient is final (persistent parameters).
   void expect_update(double lr, double grad_scale) override {
-    if (host_ && opt_.speculative_update && !opt_.delayed_update)
+    if (host_ && opt_.speculative_update && !opt_.delayed_update && opt_.plan.zero_stage < 3)
       host_->speculate(lr, grad_scale, host_targets());
   }
   void cancel_expected_update() override {

@@ -23,6 +23,7 @@
 #include "data/bpe_tokenizer.h"
 #include "data/data_dir.h"
 #include "data/dataset.h"
+#include "test_support.h"
 
 namespace shardtrain {
 namespace {
@@ -34,34 +35,8 @@ const BpeTokenizer& tokenizer() {
   return tok;
 }
 
-/// A fresh directory under the system temp directory, removed with its contents at the end.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / fmt::format("shardtrain_test_data_{}_{}_{}_{}", ::getpid(),
-                                                    info ? info->test_suite_name() : "x",
-                                                    info ? info->name() : "x", counter++);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
-
-void write_bytes(const fs::path& p, const std::string& bytes) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(f.good()) << p;
-}
+using test_support::TempDir;
+using test_support::write_bytes;
 
 std::string read_bytes(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);

@@ -20,6 +20,7 @@
 #include "data/dataset.h"
 #include "data/token_store.h"
 #include "data/tokenize_stream.h"
+#include "test_support.h"
 
 namespace shardtrain {
 namespace {
@@ -31,32 +32,8 @@ const BpeTokenizer& tokenizer() {
   return tok;
 }
 
-/// A fresh directory under the system temp directory, removed with its contents at the end.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            fmt::format("shardtrain_test_streaming_{}_{}", ::getpid(), counter++);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
-void write_bytes(const fs::path& p, const std::string& bytes) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(f.good()) << p;
-}
+using test_support::TempDir;
+using test_support::write_bytes;
 
 std::string read_bytes(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);

@@ -222,12 +222,7 @@ std::string timeline_svg(const PipelineTimeline& t, const std::string& title) {
   const double width = 960, left = 70, row = 34, top = 44;
   const double scale = t.makespan > 0 ? (width - left - 10) / t.makespan : 1;
   const double height = top + row * t.shape.stages + 40;
-  std::string svg = fmt::format(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" "
-      "viewBox=\"0 0 {:.0f} {:.0f}\" font-family=\"sans-serif\">\n"
-      "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-      "<text x=\"{:.0f}\" y=\"22\" font-size=\"15\">{}</text>\n",
-      width, height, width, height, left, xml_escape(title));
+  std::string svg = svg_begin(width, height, left, title);
   for (int r = 0; r < t.shape.stages; ++r)
     svg += fmt::format("<text x=\"8\" y=\"{:.1f}\" font-size=\"12\">stage {}</text>\n",
                        top + row * r + row * 0.6, r);
