@@ -3,6 +3,7 @@
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/torch_dist_worker.py \
         --strategy fsdp2 --model gpt2-medium --batch 4 --seq 512 --steps 30 --warmup 10
+        [--grad-accum N]
 
 Strategies, matching shardtrain's: ddp (DistributedDataParallel, 25 MiB buckets) ~ dp;
 zero (DDP + torch.distributed.optim.ZeroRedundancyOptimizer) ~ zero1; fsdp2 (fully_shard per
@@ -138,6 +139,8 @@ def main():
     ap.add_argument("--shape", default=None,
                     help="n_layer,n_head,n_embd: train this shape instead of --model's")
     ap.add_argument("--batch", type=int, default=4, help="micro-batch per GPU")
+    ap.add_argument("--grad-accum", type=int, default=1,
+                    help="micro-batches per optimizer step (gradient accumulation; each loss / N)")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps")
@@ -217,19 +220,21 @@ def main():
             opt = make_adamw(model.parameters(), adamw)
 
     g = torch.Generator(device="cpu").manual_seed(1234 + rank)
-    data = torch.randint(0, VOCAB, (a.steps, a.batch, a.seq + 1), generator=g).to(device)
+    data = torch.randint(0, VOCAB, (a.steps, a.grad_accum, a.batch, a.seq + 1),
+                         generator=g).to(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     first_loss = last_loss = None
     opt_s = 0.0  # host time of opt.step() over the timed steps
     clock = StepClock(a.steps, a.warmup, sync)
     for s in clock:
-        x, y = data[s, :, :-1], data[s, :, 1:]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = train_model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
-                                                 y.reshape(-1))
-        loss.backward()
+        for k in range(a.grad_accum):
+            x, y = data[s, k, :, :-1], data[s, k, :, 1:]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                logits = train_model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                                                     y.reshape(-1))
+            (loss / a.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if s == 0 and a.adamw == "auto" and a.strategy == "fsdp2":
             try:  # fused AdamW on DTensors: if it fails it fails in the first step
@@ -261,13 +266,14 @@ def main():
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         import transformers
-        tok = (a.steps - a.warmup) * a.batch * a.seq * world / dt
+        tok = (a.steps - a.warmup) * a.grad_accum * a.batch * a.seq * world / dt
         print(RESULT_TAG + json.dumps({
             "tokens_per_s": tok, "per_gpu": tok / world, "world": world, "params": n_params,
             "peak_allocated": int(peak[0].item()), "peak_reserved": int(peak[1].item()),
             "peak_allocated_rank0": int(mem[0]), "peak_reserved_rank0": int(mem[1]),
             "peak_kind": "device" if cuda else "cpu_rss",
             "timed_steps": a.steps - a.warmup, "timed_s": dt, "total_s": clock.total_s,
+            "grad_accum": a.grad_accum,
             "adamw": adamw, "reshard_after_forward": a.reshard_after_forward,
             "cpu_offload": a.cpu_offload, "host_peak_rss_bytes": host_rss,
             "opt_step_ms": 1e3 * opt_s / (a.steps - a.warmup),
