@@ -10,22 +10,40 @@
 # is Fashion-MNIST (--dataset fashion-mnist). slurm-wlm and munge host the one-host SLURM cluster
 # on which the tests run examples/slurm's batch scripts (scripts/slurm_single_host.sh).
 #
+# --build-only: only what the program itself needs to build and run (compiler, CMake, OpenBLAS,
+# Open MPI, PCRE2, the header libraries, protobuf, libpng, libturbojpeg, zlib) — no GoogleTest,
+# SLURM, munge, gnuplot, Fashion-MNIST, clang or Python packages — and ./build without the tests
+# (-DSHARDTRAIN_TESTS=OFF); scripts/test.sh then has nothing to run.
+#
 # Then the two builds the checks of scripts/test.sh need (skipped with --no-checks):
 #   ./build-sanitize  the unit tests under AddressSanitizer and UBSan (g++, CPU only)
 #   ./build-fuzz      the fuzz targets of the file readers (clang's libFuzzer, tests/fuzz/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CHECKS=1
+BUILD_ONLY=0
 for arg in "$@"; do
   case "$arg" in
     --no-checks) CHECKS=0 ;;
-    *) echo "usage: bash scripts/setup.sh [--no-checks]" >&2; exit 2 ;;
+    --build-only) BUILD_ONLY=1; CHECKS=0 ;;
+    *) echo "usage: bash scripts/setup.sh [--no-checks | --build-only]" >&2; exit 2 ;;
   esac
 done
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
+if [ "$BUILD_ONLY" = 1 ]; then
+  $SUDO apt-get install -y -qq --no-install-recommends \
+    build-essential cmake ninja-build pkg-config xz-utils \
+    libopenblas-dev libopenblas-openmp-dev libpcre2-dev nlohmann-json3-dev libcli11-dev libfmt-dev \
+    libopenmpi-dev openmpi-bin libprotobuf-dev protobuf-compiler libpng-dev libturbojpeg0-dev \
+    zlib1g-dev >/dev/null
+  if [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
+  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHARDTRAIN_TESTS=OFF
+  cmake --build build -j "$(nproc)" --target shardtrain
+  exit 0
+fi
 $SUDO apt-get install -y -qq --no-install-recommends \
   build-essential cmake ninja-build pkg-config xz-utils \
   libopenblas-dev libopenblas-openmp-dev libpcre2-dev nlohmann-json3-dev libcli11-dev libfmt-dev \
