@@ -762,7 +762,8 @@ TEST_F(ZeroEquivalence, OffloadMatchesOneRank) {
 // bf16 moments (offload_optimizer.moments_dtype): the host's m and v in bf16, rounded
 // stochastically with bits of (flat index, step). In memory and on NVMe the arithmetic is the same
 // (bit for bit); a checkpoint moves the moments as fp32 and back without changing a bit (a resume
-// continues the run exactly); and the run stays near the fp32 reference.
+// at the same stage continues the run exactly; at stage 3, to fp32 rounding); and the run stays
+// near the fp32 reference.
 TEST_F(ZeroEquivalence, Bf16MomentsAreExactAcrossPlacementsAndResume) {
   using D = st::OffloadDevice;
   const Reference& ref = reference();
@@ -789,16 +790,22 @@ TEST_F(ZeroEquivalence, Bf16MomentsAreExactAcrossPlacementsAndResume) {
     std::printf("  bf16 moments ×%d: parameters %.2e of the distance moved off the fp32 run\n",
                 world(), std::sqrt(off / moved));
   EXPECT_LE(std::sqrt(off / moved), 1e-2);
-  // Resume: the saved state loaded into a fresh strategy continues as the run itself does.
+  // Resume: the saved state loaded into a fresh strategy continues as the run itself does — bit
+  // for bit where the arithmetic is the same (stage 2, the state now on NVMe).
   memory.train(kSteps, kMore);
-  Trainee resumed(bf16(3, D::kNvme, D::kCpu), *comm, {});
+  Trainee resumed(bf16(2, D::kNvme, D::kNone), *comm, {});
   resumed.strategy->load_state(a);
   resumed.train(kSteps, kMore);
   const st::FullState c = memory.strategy->gather_state(), d = resumed.strategy->gather_state();
-  EXPECT_TRUE(c.exp_avg == d.exp_avg && c.exp_avg_sq == d.exp_avg_sq)
-      << "bf16 moments: resumed moments differ";
-  // zero2 and zero3 sum gradients in another order: the parameters agree to fp32 rounding.
-  expect_state("bf16 moments, resumed at stage 3 on NVMe", d, c);
+  EXPECT_TRUE(c.params == d.params && c.exp_avg == d.exp_avg && c.exp_avg_sq == d.exp_avg_sq)
+      << "bf16 moments: the resumed run differs";
+  // Stage 3 gathers the parameters into other buffers, where the BLAS may sum a GEMM in another
+  // order (OpenBLAS's AVX-512 kernels do): the parameters agree to fp32 rounding, and a moment
+  // whose fp32 value moved by an ulp may round stochastically to the neighbouring bf16 value.
+  Trainee resumed3(bf16(3, D::kNvme, D::kCpu), *comm, {});
+  resumed3.strategy->load_state(a);
+  resumed3.train(kSteps, kMore);
+  expect_state("bf16 moments, resumed at stage 3 on NVMe", resumed3.strategy->gather_state(), c);
 }
 
 // The forward group (offload_optimizer.forward_group): the step's micro-batches run their forwards
