@@ -246,16 +246,20 @@ void HostOptimizer::gradient_ready(size_t i, Tensor grad) {
   }
 }
 
+int64_t HostOptimizer::next_on_nvme(const std::vector<size_t>& order, size_t k) const {
+  for (size_t j = k + 1; j < order.size(); ++j)
+    if (adam_[order[j]] && on_nvme(order[j])) return static_cast<int64_t>(order[j]);
+  return -1;
+}
+
 void HostOptimizer::queue_update(double lr, double grad_scale, const std::vector<size_t>& order,
                                  const std::vector<Tensor>& targets, int buffer, int64_t gen,
                                  bool to_device) {
   for (size_t k = 0; k < order.size(); ++k) {
     const size_t i = order[k];
     // The next range on NVMe this generation updates: its state is read ahead.
-    int64_t next = -1;
-    for (size_t j = k + 1; j < order.size() && next < 0; ++j)
-      if (adam_[order[j]] && on_nvme(order[j])) next = static_cast<int64_t>(order[j]);
-    post_update(i, next, lr, grad_scale, targets[i], buffer, gen, to_device, grad_fence_[i]);
+    post_update(i, next_on_nvme(order, k), lr, grad_scale, targets[i], buffer, gen, to_device,
+                grad_fence_[i]);
   }
 }
 
@@ -371,30 +375,25 @@ void HostOptimizer::cancel_speculation() {
   if (std::find(spec_.posted.begin(), spec_.posted.end(), true) == spec_.posted.end()) return;
   ++rolled_back_;
   const std::vector<uint64_t> fences = recopy_speculated_gradients();
-  for (size_t i = 0; i < ranges_.size(); ++i) {
-    if (!spec_.posted[i]) continue;
-    const uint64_t fence = fences[i];
-    const double lr = spec_.lr, scale = spec_.grad_scale;
-    post([this, i, fence, lr, scale] {
-      to_host_->host_wait(fence);
-      const int64_t n = ranges_[i].numel;
-      adam_[i]->undo_on_host(state_slice(0, state_offset_[i], n), gradient_home(i, 0), lr, scale);
-    });
-  }
-  // The device keeps the speculated parameters: put the master weights back there.
+  // Each speculated range is undone, and its master weights go back to the device, which holds
+  // the speculated parameters.
   const int64_t gen = ++gen_;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < ranges_.size(); ++i)
       if (spec_.posted[i]) wanted_gen_[i] = gen;
   }
+  const double lr = spec_.lr, scale = spec_.grad_scale;
   for (size_t i = 0; i < ranges_.size(); ++i) {
     if (!spec_.posted[i]) continue;
+    const uint64_t fence = fences[i];
     const Tensor target = spec_.targets[i];
-    post([this, i, target, gen] {
+    post([this, i, fence, lr, scale, target, gen] {
+      to_host_->host_wait(fence);
       const int64_t n = ranges_[i].numel;
-      const Tensor out = gradient_home(i, 0);
-      from_f32(state_slice(0, state_offset_[i], n).f32(), n, param_dtype_, out.data);
+      const Tensor master = state_slice(0, state_offset_[i], n), out = gradient_home(i, 0);
+      adam_[i]->undo_on_host(master, out, lr, scale);
+      from_f32(master.f32(), n, param_dtype_, out.data);
       to_device_->to_device(target.data, out.data, out.bytes());
       const uint64_t copied = to_device_->fence();
       std::lock_guard<std::mutex> lock(mu_);
@@ -577,10 +576,8 @@ void HostOptimizer::step_speculated(double lr, double grad_scale, const std::vec
                     Undo{spec_.lr, spec_.grad_scale});
       continue;
     }
-    int64_t next = -1;
-    for (size_t j = k + 1; j < order.size() && next < 0; ++j)
-      if (adam_[order[j]] && on_nvme(order[j])) next = static_cast<int64_t>(order[j]);
-    post_update(i, next, lr, grad_scale, targets[i], 0, gen, true, grad_fence_[i]);
+    post_update(i, next_on_nvme(order, k), lr, grad_scale, targets[i], 0, gen, true,
+                grad_fence_[i]);
   }
 }
 

@@ -196,6 +196,9 @@ class HostOptimizer {
   /// each task also queues the copy of its result to its device target and marks it ready.
   void queue_update(double lr, double grad_scale, const std::vector<size_t>& order,
                     const std::vector<Tensor>& targets, int buffer, int64_t gen, bool to_device);
+  /// The first range after order[k] that is updated and whose state is on NVMe (read ahead while
+  /// order[k] steps), or -1.
+  int64_t next_on_nvme(const std::vector<size_t>& order, size_t k) const;
   /// What an update task first undoes: the speculated update with these values.
   struct Undo {
     double lr = 0, grad_scale = 0;
