@@ -13,8 +13,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
+
+#include "data/bpe_tokenizer.h"
 
 /// Expects `needle` inside the string `haystack`, printing both when it is not.
 #define EXPECT_CONTAINS(haystack, needle)                          \
@@ -61,6 +64,20 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+/// The whole content of file `p` ("" when it cannot be read).
+inline std::string read_bytes(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+/// The GPT-2 BPE tokenizer of the build's data (loaded once per test program).
+inline const BpeTokenizer& gpt2_tokenizer() {
+  static const BpeTokenizer tok = BpeTokenizer::load_default();
+  return tok;
+}
 
 /// Writes `bytes` to `p` (replacing it); fails the test when the write fails.
 inline void write_bytes(const std::filesystem::path& p, const std::string& bytes) {

@@ -30,20 +30,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const BpeTokenizer& tokenizer() {
-  static const BpeTokenizer tok = BpeTokenizer::load_default();
-  return tok;
-}
-
+using test_support::gpt2_tokenizer;
+using test_support::read_bytes;
 using test_support::TempDir;
 using test_support::write_bytes;
-
-std::string read_bytes(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 std::vector<uint16_t> to_u16(const std::vector<int32_t>& ids) {
   std::vector<uint16_t> out;
@@ -199,23 +189,23 @@ TEST(LoadTokens, TokenizesOnceThenUsesTheCache) {
   write_bytes(text, kSmallText);
   const fs::path cache = dir / "cache";
   LogCapture log1;
-  const auto ids1 = load_tokens(text, tokenizer(), cache, log1.fn());
-  EXPECT_EQ(ids1, to_u16(tokenizer().encode(kSmallText)));
+  const auto ids1 = load_tokens(text, gpt2_tokenizer(), cache, log1.fn());
+  EXPECT_EQ(ids1, to_u16(gpt2_tokenizer().encode(kSmallText)));
   EXPECT_EQ(log1.count("tokenizing"), 1);
   EXPECT_EQ(log1.count("using cached tokens"), 0);
 
   // The cache file is named after the stem and both hashes.
   const fs::path expected =
       cache / fmt::format("small.{:016x}.{:016x}.tokens.bin", fnv1a64(std::string(kSmallText)),
-                          tokenizer().fingerprint());
+                          gpt2_tokenizer().fingerprint());
   ASSERT_TRUE(fs::exists(expected)) << expected;
   TokenFileHeader h;
   EXPECT_EQ(read_token_file(expected, &h), ids1);
   EXPECT_EQ(h.source_hash, fnv1a64(std::string(kSmallText)));
-  EXPECT_EQ(h.tokenizer_hash, tokenizer().fingerprint());
+  EXPECT_EQ(h.tokenizer_hash, gpt2_tokenizer().fingerprint());
 
   LogCapture log2;
-  const auto ids2 = load_tokens(text, tokenizer(), cache, log2.fn());
+  const auto ids2 = load_tokens(text, gpt2_tokenizer(), cache, log2.fn());
   EXPECT_EQ(ids2, ids1);
   EXPECT_EQ(log2.count("tokenizing"), 0);
   EXPECT_EQ(log2.count("using cached tokens"), 1);
@@ -226,17 +216,17 @@ TEST(LoadTokens, ChangedTextInvalidatesTheCache) {
   const fs::path text = dir / "small.txt";
   const fs::path cache = dir / "cache";
   write_bytes(text, "first version\n");
-  const auto a = load_tokens(text, tokenizer(), cache);
+  const auto a = load_tokens(text, gpt2_tokenizer(), cache);
   write_bytes(text, "second version, longer\n");
   LogCapture log;
-  const auto b = load_tokens(text, tokenizer(), cache, log.fn());
+  const auto b = load_tokens(text, gpt2_tokenizer(), cache, log.fn());
   EXPECT_EQ(log.count("tokenizing"), 1);
-  EXPECT_EQ(b, to_u16(tokenizer().encode("second version, longer\n")));
+  EXPECT_EQ(b, to_u16(gpt2_tokenizer().encode("second version, longer\n")));
   EXPECT_NE(a, b);
   // Going back to the first text finds its cache again.
   write_bytes(text, "first version\n");
   LogCapture log3;
-  EXPECT_EQ(load_tokens(text, tokenizer(), cache, log3.fn()), a);
+  EXPECT_EQ(load_tokens(text, gpt2_tokenizer(), cache, log3.fn()), a);
   EXPECT_EQ(log3.count("using cached tokens"), 1);
 }
 
@@ -245,14 +235,14 @@ TEST(LoadTokens, CorruptCacheIsRebuilt) {
   const fs::path text = dir / "small.txt";
   const fs::path cache = dir / "cache";
   write_bytes(text, kSmallText);
-  const auto good = load_tokens(text, tokenizer(), cache);
+  const auto good = load_tokens(text, gpt2_tokenizer(), cache);
   ASSERT_EQ(std::distance(fs::directory_iterator(cache), fs::directory_iterator()), 1);
   const fs::path cache_file = fs::directory_iterator(cache)->path();
   std::string b = read_bytes(cache_file);
   b[b.size() - 1] ^= 0x55;
   write_bytes(cache_file, b);
   LogCapture log;
-  EXPECT_EQ(load_tokens(text, tokenizer(), cache, log.fn()), good);
+  EXPECT_EQ(load_tokens(text, gpt2_tokenizer(), cache, log.fn()), good);
   EXPECT_EQ(log.count("corrupt"), 1);
   EXPECT_EQ(log.count("tokenizing"), 1);
   EXPECT_EQ(read_token_file(cache_file), good);  // rewritten
@@ -265,8 +255,8 @@ TEST(LoadTokens, UnwritableCacheDirOnlyWarns) {
   write_bytes(dir / "plainfile", "x");
   LogCapture log;
   // A cache directory below a regular file cannot be created, even by root.
-  const auto ids = load_tokens(text, tokenizer(), dir / "plainfile" / "cache", log.fn());
-  EXPECT_EQ(ids, to_u16(tokenizer().encode(kSmallText)));
+  const auto ids = load_tokens(text, gpt2_tokenizer(), dir / "plainfile" / "cache", log.fn());
+  EXPECT_EQ(ids, to_u16(gpt2_tokenizer().encode(kSmallText)));
   EXPECT_EQ(log.count("warning"), 1);
 }
 
@@ -274,14 +264,14 @@ TEST(LoadTokens, ReadsTokenFilesDirectly) {
   TempDir dir;
   const auto ids = sample_ids();
   write_token_file(dir / "t.bin", ids, 3, 4);
-  EXPECT_EQ(load_tokens(dir / "t.bin", tokenizer(), dir / "cache"), ids);
+  EXPECT_EQ(load_tokens(dir / "t.bin", gpt2_tokenizer(), dir / "cache"), ids);
   EXPECT_FALSE(fs::exists(dir / "cache"));
 }
 
 TEST(LoadTokens, MissingTextFileNamesIt) {
   TempDir dir;
   const std::string msg =
-      error_of<DataError>([&] { load_tokens(dir / "nope.txt", tokenizer(), dir / "cache"); });
+      error_of<DataError>([&] { load_tokens(dir / "nope.txt", gpt2_tokenizer(), dir / "cache"); });
   EXPECT_NE(msg.find((dir / "nope.txt").string()), std::string::npos) << msg;
 }
 
@@ -289,8 +279,8 @@ TEST(LoadTokens, EmptyCacheDirDisablesCaching) {
   TempDir dir;
   write_bytes(dir / "s.txt", kSmallText);
   LogCapture log;
-  EXPECT_EQ(load_tokens(dir / "s.txt", tokenizer(), fs::path(), log.fn()),
-            to_u16(tokenizer().encode(kSmallText)));
+  EXPECT_EQ(load_tokens(dir / "s.txt", gpt2_tokenizer(), fs::path(), log.fn()),
+            to_u16(gpt2_tokenizer().encode(kSmallText)));
   EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 1);
 }
 
@@ -305,8 +295,8 @@ void expect_chunked_equals_single_pass(const std::string& text, size_t chunk, si
       ASSERT_GT(cuts[i], cuts[i - 1]);
     }
   }
-  const auto whole = tokenizer().encode(text);
-  const auto chunked = encode_parallel(tokenizer(), text, chunk);
+  const auto whole = gpt2_tokenizer().encode(text);
+  const auto chunked = encode_parallel(gpt2_tokenizer(), text, chunk);
   ASSERT_EQ(chunked.size(), whole.size());
   EXPECT_TRUE(chunked == whole);
 }
@@ -317,12 +307,12 @@ TEST(ParallelTokenization, EqualsSinglePassOnWikiTextValid) {
   ASSERT_EQ(text.size(), 1121681u);
   expect_chunked_equals_single_pass(text, 64 * 1024, 10);
   // Many small pieces: a cut at nearly every line.
-  const auto whole = tokenizer().encode(text);
+  const auto whole = gpt2_tokenizer().encode(text);
   const auto cuts = tokenization_cut_points(text, 1);
   EXPECT_GT(cuts.size(), 100000u);
-  EXPECT_TRUE(encode_parallel(tokenizer(), text, 1) == whole);
+  EXPECT_TRUE(encode_parallel(gpt2_tokenizer(), text, 1) == whole);
   // load_tokens (default piece size) gives the same ids.
-  EXPECT_EQ(load_tokens(wiki_valid(), tokenizer(), fs::path()), to_u16(whole));
+  EXPECT_EQ(load_tokens(wiki_valid(), gpt2_tokenizer(), fs::path()), to_u16(whole));
 }
 
 TEST(ParallelTokenization, EqualsSinglePassOnTinyShakespeare) {
@@ -331,7 +321,7 @@ TEST(ParallelTokenization, EqualsSinglePassOnTinyShakespeare) {
   if (!fs::exists(p)) GTEST_SKIP() << p << " is not available here";
   const std::string text = read_bytes(p);
   expect_chunked_equals_single_pass(text, 32 * 1024, 10);
-  EXPECT_TRUE(encode_parallel(tokenizer(), text, 1) == tokenizer().encode(text));
+  EXPECT_TRUE(encode_parallel(gpt2_tokenizer(), text, 1) == gpt2_tokenizer().encode(text));
 }
 
 TEST(ParallelTokenization, EqualsSinglePassOnAdversarialText) {
@@ -352,12 +342,12 @@ TEST(ParallelTokenization, EqualsSinglePassOnAdversarialText) {
     const size_t chunk = 1 + gen() % 16;
     const auto cuts = tokenization_cut_points(text, chunk);
     total_cuts += cuts.size();
-    const auto whole = tokenizer().encode(text);
-    ASSERT_TRUE(encode_parallel(tokenizer(), text, chunk) == whole) << "text: " << text;
+    const auto whole = gpt2_tokenizer().encode(text);
+    ASSERT_TRUE(encode_parallel(gpt2_tokenizer(), text, chunk) == whole) << "text: " << text;
     // Each cut on its own splits the ids exactly.
     for (size_t c : cuts) {
-      auto left = tokenizer().encode(std::string_view(text).substr(0, c));
-      const auto right = tokenizer().encode(std::string_view(text).substr(c));
+      auto left = gpt2_tokenizer().encode(std::string_view(text).substr(0, c));
+      const auto right = gpt2_tokenizer().encode(std::string_view(text).substr(c));
       left.insert(left.end(), right.begin(), right.end());
       ASSERT_TRUE(left == whole) << "cut at " << c << " of: " << text;
     }
@@ -369,7 +359,7 @@ TEST(ParallelTokenization, InvalidUtf8IsNotCut) {
   std::string text;
   for (int i = 0; i < 200; ++i) text += "line \xFF\xFE of bytes\n next";
   EXPECT_TRUE(tokenization_cut_points(text, 16).empty());
-  EXPECT_TRUE(encode_parallel(tokenizer(), text, 16) == tokenizer().encode(text));
+  EXPECT_TRUE(encode_parallel(gpt2_tokenizer(), text, 16) == gpt2_tokenizer().encode(text));
 }
 
 // ---- packed samples
@@ -624,7 +614,7 @@ TEST(TokenizeCommand, PrintsTheIdsOfEncode) {
   std::istringstream ss(out);
   std::vector<int32_t> ids;
   for (int32_t id; ss >> id;) ids.push_back(id);
-  EXPECT_EQ(ids, tokenizer().encode(kSmallText));
+  EXPECT_EQ(ids, gpt2_tokenizer().encode(kSmallText));
 
   // --output writes a token file with both hashes.
   const std::string summary =
@@ -637,7 +627,7 @@ TEST(TokenizeCommand, PrintsTheIdsOfEncode) {
   TokenFileHeader h;
   EXPECT_EQ(read_token_file(dir / "out.bin", &h), to_u16(ids));
   EXPECT_EQ(h.source_hash, fnv1a64(std::string(kSmallText)));
-  EXPECT_EQ(h.tokenizer_hash, tokenizer().fingerprint());
+  EXPECT_EQ(h.tokenizer_hash, gpt2_tokenizer().fingerprint());
 }
 
 }  // namespace

@@ -27,20 +27,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const BpeTokenizer& tokenizer() {
-  static const BpeTokenizer tok = BpeTokenizer::load_default();
-  return tok;
-}
-
+using test_support::gpt2_tokenizer;
+using test_support::read_bytes;
 using test_support::TempDir;
 using test_support::write_bytes;
-
-std::string read_bytes(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 fs::path wiki(const char* split) {
   return fs::path(SHARDTRAIN_TEST_DATA_DIR) / "wikitext-2" / fmt::format("wiki.{}.tokens", split);
@@ -51,7 +41,7 @@ std::vector<int32_t> streamed(const std::vector<fs::path>& files, size_t piece, 
                               StreamTokenizeStats* stats = nullptr) {
   std::vector<int32_t> out;
   const StreamTokenizeStats s = encode_files_streaming(
-      tokenizer(), files,
+      gpt2_tokenizer(), files,
       [&](std::span<const int32_t> ids) { out.insert(out.end(), ids.begin(), ids.end()); }, piece,
       threads);
   if (stats != nullptr) *stats = s;
@@ -63,7 +53,7 @@ std::vector<int32_t> streamed(const std::vector<fs::path>& files, size_t piece, 
 void expect_stream_equals_single_pass(const std::string& text, std::vector<size_t> pieces) {
   TempDir dir;
   write_bytes(dir / "in.txt", text);
-  const std::vector<int32_t> whole = tokenizer().encode(text);
+  const std::vector<int32_t> whole = gpt2_tokenizer().encode(text);
   for (const size_t piece : pieces) {
     for (const int threads : {1, 2}) {
       StreamTokenizeStats stats;
@@ -139,7 +129,7 @@ TEST(StreamTokenize, EmptyFiles) {
   EXPECT_EQ(streamed({dir / "empty.txt", dir / "empty.txt"}, 4, 2),
             std::vector<int32_t>{BpeTokenizer::kEndOfText});
   const auto ids = streamed({dir / "empty.txt", dir / "a.txt", dir / "empty.txt"}, 4, 2);
-  EXPECT_EQ(ids, tokenizer().encode("<|endoftext|>Hello world.\n<|endoftext|>"));
+  EXPECT_EQ(ids, gpt2_tokenizer().encode("<|endoftext|>Hello world.\n<|endoftext|>"));
 }
 
 TEST(StreamTokenize, SeveralFilesAreJoinedByEndOfText) {
@@ -152,13 +142,13 @@ TEST(StreamTokenize, SeveralFilesAreJoinedByEndOfText) {
   const std::string joined = a + "<|endoftext|>" + b + "<|endoftext|>" + c;
   StreamTokenizeStats stats;
   const auto ids = streamed({dir / "a.txt", dir / "b.txt", dir / "c.txt"}, 3, 2, &stats);
-  EXPECT_EQ(ids, tokenizer().encode(joined));
+  EXPECT_EQ(ids, gpt2_tokenizer().encode(joined));
   EXPECT_EQ(stats.source_hash, fnv1a64(joined));
   // The same as each file alone, joined by id 50256.
-  std::vector<int32_t> each = tokenizer().encode(a);
+  std::vector<int32_t> each = gpt2_tokenizer().encode(a);
   for (const std::string* t : {&b, &c}) {
     each.push_back(BpeTokenizer::kEndOfText);
-    const auto more = tokenizer().encode(*t);
+    const auto more = gpt2_tokenizer().encode(*t);
     each.insert(each.end(), more.begin(), more.end());
   }
   EXPECT_EQ(ids, each);
@@ -210,9 +200,9 @@ TEST(StreamTokenize, CommandOutputIsByteIdenticalForAnyThreadCount) {
   const fs::path in = wiki("valid");
   // Today's single-pass token file: encode() of the whole text.
   std::vector<uint16_t> ids;
-  for (const int32_t id : tokenizer().encode(read_bytes(in)))
+  for (const int32_t id : gpt2_tokenizer().encode(read_bytes(in)))
     ids.push_back(static_cast<uint16_t>(id));
-  write_token_file(dir / "ref.bin", ids, fnv1a64(read_bytes(in)), tokenizer().fingerprint());
+  write_token_file(dir / "ref.bin", ids, fnv1a64(read_bytes(in)), gpt2_tokenizer().fingerprint());
   const std::string ref = read_bytes(dir / "ref.bin");
   for (const char* args : {"--threads 1", "--threads 2", "--threads 2 --piece-bytes 1000"}) {
     int status = -1;
@@ -232,7 +222,7 @@ TEST(StreamTokenize, CommandOutputIsByteIdenticalForAnyThreadCount) {
                   &status);
   ASSERT_EQ(status, 0);
   std::string expected;
-  for (const int32_t id : tokenizer().encode("Hello world.\n\nA second line, é.")) {
+  for (const int32_t id : gpt2_tokenizer().encode("Hello world.\n\nA second line, é.")) {
     expected += (expected.empty() ? "" : " ") + std::to_string(id);
   }
   EXPECT_EQ(printed, expected + "\n");
