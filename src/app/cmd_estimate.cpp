@@ -35,10 +35,9 @@ struct EstimateFlags {
   double gpu_tflops = 0;       ///< effective; 0: MachineRates' default
 };
 
-/// For a global batch of f.train_batch_size sequences: every micro-batch of 1, 2, 4, … 64 that
-/// divides it over the GPUs, with the accumulation that makes it up, planned as plan_placement
-/// plans one (the same budgets and rates); prints each one's chosen plan, its predicted step,
-/// tokens/s and MFU, and marks the fastest.
+/// For a global batch of f.train_batch_size sequences: prints plan_batch's splits (micro-batch ×
+/// accumulation), each one's chosen plan, its predicted step, tokens/s and MFU, and marks the
+/// chosen split.
 void choose_batch(const EstimateFlags& f, const MemoryEstimateOptions& base,
                   const PlacementBudget& budget, const MachineRates& rates) {
   const int64_t S = f.train_batch_size, T = base.max_length;
@@ -48,44 +47,29 @@ void choose_batch(const EstimateFlags& f, const MemoryEstimateOptions& base,
       with_commas(S), T, base.gpus, base.gpus > 1 ? "s" : "", f.peak_tflops);
   fmt::print("  {:>22}  {:<22} {:>10} {:>10} {:>12} {:>6}  {}\n", "micro-batch × accum.", "plan",
              "GPU", "step (s)", "tokens/s", "MFU", "bound");
-  struct Row {
-    std::string text;
-    double tokens_per_s = 0;
-  };
-  std::vector<Row> rows;
-  std::optional<size_t> best;
-  for (int64_t m = 1; m <= 64; m *= 2) {
-    if (S % (m * base.gpus) != 0) continue;
-    const int64_t a = S / (m * base.gpus);
-    MemoryEstimateOptions o = base;
-    o.micro_batch = m;
-    const PlacementPlan plan = plan_placement(o, budget, rates, static_cast<double>(m * T * a));
-    const std::string shape = fmt::format("{} × {}", m, a);
-    if (!plan.chosen) {
-      rows.push_back({fmt::format("  {:>22}  nothing fits\n", shape), 0});
+  const BatchPlan batch = plan_batch(base, budget, rates, S);
+  for (size_t i = 0; i < batch.splits.size(); ++i) {
+    const BatchSplit& s = batch.splits[i];
+    const std::string shape = fmt::format("{} × {}", s.micro_batch, s.accumulation);
+    const char mark = batch.chosen && *batch.chosen == i ? '*' : ' ';
+    if (!s.plan.chosen) {
+      fmt::print("{}{:>22}  nothing fits\n", mark, shape);
       continue;
     }
-    const Placement& c = plan.candidates[*plan.chosen];
-    const double rate = static_cast<double>(S * T) / c.step_s;  // all GPUs
-    const double mfu =
-        o.model.flops_per_token(T) * rate / (f.peak_tflops * 1e12 * static_cast<double>(base.gpus));
+    const Placement& c = s.plan.candidates[*s.plan.chosen];
+    const double mfu = base.model.flops_per_token(T) * s.tokens_per_s /
+                       (f.peak_tflops * 1e12 * static_cast<double>(base.gpus));
     const std::string name =
         c.forward_group > 1 ? fmt::format("{} g={}", c.name, c.forward_group) : c.name;
-    rows.push_back(
-        {fmt::format("{:>22}  {:<22} {:>10} {:>10.3f} {:>12.0f} {:>5.1f}%  {}\n", shape, name,
-                     human_bytes(c.gpu_bytes), c.step_s, rate, 100.0 * mfu, c.bound),
-         rate});
-    // Within 2%, the larger micro-batch: the GPU is counted at one rate, and longer GEMMs run
-    // closer to it.
-    if (!best || rate >= 0.98 * rows[*best].tokens_per_s) best = rows.size() - 1;
+    fmt::print("{}{:>22}  {:<22} {:>10} {:>10.3f} {:>12.0f} {:>5.1f}%  {}\n", mark, shape, name,
+               human_bytes(c.gpu_bytes), c.step_s, s.tokens_per_s, 100.0 * mfu, c.bound);
   }
-  for (size_t i = 0; i < rows.size(); ++i)
-    fmt::print("{}{}", best && *best == i ? "*" : " ", rows[i].text);
-  if (best)
+  if (batch.chosen)
     fmt::print(
         "\nchosen (*): the fastest predicted (within 2%, the largest micro-batch: the GPU is "
         "counted at one rate, which longer GEMMs come closer to); train with --batch-size M "
-        "--gradient-accumulation-steps A and --offload auto (or the plan's flags)\n");
+        "--gradient-accumulation-steps A and --offload auto (or the plan's flags), or give "
+        "--offload auto only the global batch (--train-batch-size) and it chooses the same\n");
   else
     fmt::print("\nno micro-batch fits: more GPUs, more memory, or activation checkpointing\n");
 }

@@ -208,7 +208,8 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
          "--offload", [&cfg](const std::string&) { cfg.placement.automatic = true; },
          "auto: choose the ZeRO stage and where the optimizer state and the parameters live "
          "(GPU, host, --nvme-path) at start-up, the plan that fits --gpu-memory and "
-         "--max-host-memory with the fewest bytes over PCIe and the disk per step "
+         "--max-host-memory with the fewest bytes over PCIe and the disk per step; given only "
+         "--train-batch-size, also the micro-batch and accumulation predicted fastest "
          "(`shardtrain estimate --gpu-memory` shows the candidates)")
       ->type_name("auto")
       ->check(one_of({"auto"}));

@@ -319,4 +319,27 @@ std::string format_placement_plan(const PlacementPlan& plan, const PlacementBudg
   return s;
 }
 
+BatchPlan plan_batch(const MemoryEstimateOptions& options, const PlacementBudget& budget,
+                     const MachineRates& rates, int64_t global_batch) {
+  BatchPlan out;
+  const int64_t N = options.gpus, T = options.max_length;
+  for (int64_t m = 1; m <= 64; m *= 2) {
+    if (global_batch % (m * N) != 0) continue;
+    BatchSplit split;
+    split.micro_batch = m;
+    split.accumulation = global_batch / (m * N);
+    MemoryEstimateOptions o = options;
+    o.micro_batch = m;
+    split.plan = plan_placement(o, budget, rates, static_cast<double>(m * T * split.accumulation));
+    if (split.plan.chosen) {
+      split.tokens_per_s =
+          static_cast<double>(global_batch * T) / split.plan.candidates[*split.plan.chosen].step_s;
+      if (!out.chosen || split.tokens_per_s >= 0.98 * out.splits[*out.chosen].tokens_per_s)
+        out.chosen = out.splits.size();
+    }
+    out.splits.push_back(std::move(split));
+  }
+  return out;
+}
+
 }  // namespace shardtrain

@@ -108,7 +108,7 @@ struct Placement {
   /// optimizer and its disk traffic) does not hide behind the next forward (of the forward
   /// group), or the PCIe traffic when slower.
   double step_s = 0;
-  std::string bound;        ///< which term: "compute", "PCIe", "host", "disk"
+  std::string bound;  ///< which term: "compute", "PCIe", "host", "disk"
   bool fits = false;
   std::string over;  ///< what does not fit, with the bytes (empty when it fits)
 };
@@ -123,6 +123,28 @@ struct PlacementPlan {
 /// per optimizer step. Throws ConfigError as estimate_memory does.
 PlacementPlan plan_placement(const MemoryEstimateOptions& options, const PlacementBudget& budget,
                              const MachineRates& rates, double tokens_per_step);
+
+/// One way to split a global batch: `micro_batch` sequences per rank per micro-step times
+/// `accumulation` micro-steps, and the placement planned for it.
+struct BatchSplit {
+  int64_t micro_batch = 0;
+  int64_t accumulation = 0;
+  PlacementPlan plan;       ///< plan_placement for this micro-batch and the step's tokens
+  double tokens_per_s = 0;  ///< all ranks, at the chosen plan's predicted step; 0: none fits
+};
+
+struct BatchPlan {
+  std::vector<BatchSplit> splits;  ///< micro-batch 1, 2, 4, ... 64, those that divide the batch
+  std::optional<size_t> chosen;    ///< index into splits; none when no split fits
+};
+
+/// For a global batch of `global_batch` sequences (DeepSpeed's train_batch_size) over
+/// options.gpus ranks: every micro-batch of 1, 2, 4, ... 64 that divides it, with the
+/// accumulation that makes it up, each planned as plan_placement plans one. Chooses the fastest
+/// predicted; within 2% of it, the largest micro-batch (the GPU is counted at one rate, which
+/// longer GEMMs come closer to). Throws ConfigError as estimate_memory does.
+BatchPlan plan_batch(const MemoryEstimateOptions& options, const PlacementBudget& budget,
+                     const MachineRates& rates, int64_t global_batch);
 
 /// The table `shardtrain estimate --gpu-memory ...` prints: every candidate's bytes, traffic and
 /// predicted step, the chosen one marked, or why nothing fits.

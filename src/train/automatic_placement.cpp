@@ -51,19 +51,7 @@ TrainConfig with_placement(const TrainConfig& cfg, const Placement& chosen, int6
   return c;
 }
 
-TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& model,
-                                     Backend& backend, Communicator& comm, Console& out) {
-  const PlacementBudget mine = rank_budget(cfg, backend);
-  // The smallest budgets of all ranks: every rank then plans the same.
-  ScalarAllReduce reduce(backend, comm, 3);
-  const double values[3] = {mine.gpu_bytes, mine.host_bytes, mine.nvme_bytes};
-  const std::vector<double> all = reduce.gather(values);
-  PlacementBudget budget = mine;
-  for (size_t r = 0; r < all.size() / 3; ++r) {
-    budget.gpu_bytes = std::min(budget.gpu_bytes, all[r * 3]);
-    budget.host_bytes = std::min(budget.host_bytes, all[r * 3 + 1]);
-    budget.nvme_bytes = std::min(budget.nvme_bytes, all[r * 3 + 2]);
-  }
+MemoryEstimateOptions placement_options(const TrainConfig& cfg, const GPT2Config& model) {
   MemoryEstimateOptions o;
   o.model = model;
   o.gpus = cfg.world_size;
@@ -79,9 +67,50 @@ TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& m
   o.zero3 = Zero3Limits{cfg.zero.stage3_prefetch_bucket_size, cfg.zero.stage3_max_live_parameters,
                         cfg.zero.stage3_max_reuse_distance};
   o.persistence_threshold = cfg.zero.stage3_param_persistence_threshold;
+  return o;
+}
+
+TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& model,
+                                     Backend& backend, Communicator& comm, Console& out) {
+  const PlacementBudget mine = rank_budget(cfg, backend);
+  // The smallest budgets of all ranks: every rank then plans the same.
+  ScalarAllReduce reduce(backend, comm, 3);
+  const double values[3] = {mine.gpu_bytes, mine.host_bytes, mine.nvme_bytes};
+  const std::vector<double> all = reduce.gather(values);
+  PlacementBudget budget = mine;
+  for (size_t r = 0; r < all.size() / 3; ++r) {
+    budget.gpu_bytes = std::min(budget.gpu_bytes, all[r * 3]);
+    budget.host_bytes = std::min(budget.host_bytes, all[r * 3 + 1]);
+    budget.nvme_bytes = std::min(budget.nvme_bytes, all[r * 3 + 2]);
+  }
+  MemoryEstimateOptions o = placement_options(cfg, model);
   const MachineRates rates;
+  // Only the global batch given (DeepSpeed's train_batch_size without the micro-batch or the
+  // accumulation): choose the split as well, the fastest predicted (plan_batch).
+  TrainConfig placed = cfg;
+  if (cfg.train_batch_size > 0 && !cfg.micro_batch_set && !cfg.accumulation_set &&
+      cfg.strategy != StrategyKind::kPipeline) {
+    const BatchPlan batch = plan_batch(o, budget, rates, cfg.train_batch_size);
+    if (batch.chosen) {
+      const BatchSplit& split = batch.splits[*batch.chosen];
+      placed.micro_batch_size = o.micro_batch = split.micro_batch;
+      placed.gradient_accumulation_steps = split.accumulation;
+      placed.micro_batch_set = placed.accumulation_set = true;
+      std::string tried;
+      for (const BatchSplit& b : batch.splits)
+        tried +=
+            fmt::format("{}{} × {}: {}", tried.empty() ? "" : ", ", b.micro_batch, b.accumulation,
+                        b.plan.chosen ? fmt::format("{:.0f} tokens/s", b.tokens_per_s)
+                                      : std::string("does not fit"));
+      out.line(
+          "placement (--offload auto): global batch {} sequences: micro-batch {} × accumulation "
+          "{} per rank, the fastest predicted of {} ({})",
+          cfg.train_batch_size, split.micro_batch, split.accumulation, batch.splits.size(), tried);
+    }  // none fits: plan the split validate() derived, for its message
+  }
   const double tokens =  // per rank and step
-      static_cast<double>(cfg.micro_batch_size * cfg.max_length * cfg.gradient_accumulation_steps);
+      static_cast<double>(placed.micro_batch_size * placed.max_length *
+                          placed.gradient_accumulation_steps);
   const PlacementPlan plan = plan_placement(o, budget, rates, tokens);
   if (!plan.chosen) {
     // The candidate that lacks the least memory, for the message.
@@ -126,7 +155,7 @@ TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& m
       human_bytes(c.nvme_bytes), human_bytes(c.pcie_bytes), human_bytes(c.disk_bytes), c.step_s,
       c.bound, tokens / c.step_s,
       100.0 * model.flops_per_token(cfg.max_length) * tokens / c.step_s / (cfg.peak_tflops * 1e12));
-  return with_placement(cfg, c, model.n_positions);
+  return with_placement(placed, c, model.n_positions);
 }
 
 }  // namespace shardtrain

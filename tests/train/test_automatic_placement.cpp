@@ -104,6 +104,49 @@ TEST_F(AutomaticPlacement, ACpuRankChoosesAPlanThatFitsOrRefusesNamingTheBytes) 
   }
 }
 
+TEST_F(AutomaticPlacement, OnlyTheGlobalBatchGivenChoosesTheFastestPredictedSplit) {
+  auto backend = make_cpu_backend();
+  auto comm = make_local_communicator();
+  Console out(false);
+  const GPT2Config model = gpt2_preset("gpt2-tiny");
+  const auto config = [&](std::vector<std::string> batch) {
+    std::vector<std::string> args = {"--model",
+                                     "gpt2-tiny",
+                                     "--device",
+                                     "cpu",
+                                     "--max-length",
+                                     "64",
+                                     "--offload",
+                                     "auto",
+                                     "--gpu-memory",
+                                     "0.7",
+                                     "--max-host-memory",
+                                     "4",
+                                     "--activation-checkpointing"};
+    args.insert(args.end(), batch.begin(), batch.end());
+    return finalize(args);
+  };
+  const TrainConfig given = config({"--train-batch-size", "64"});
+  const TrainConfig placed = with_automatic_placement(given, model, *backend, *comm, out);
+  // The planner's choice over micro-batches 1..64 with the same budget and rates.
+  const BatchPlan batch = plan_batch(placement_options(given, model), rank_budget(given, *backend),
+                                     MachineRates{}, given.train_batch_size);
+  ASSERT_TRUE(batch.chosen);
+  ASSERT_EQ(batch.splits.size(), 7u);  // 1, 2, 4, ... 64 all divide 64
+  const BatchSplit& split = batch.splits[*batch.chosen];
+  EXPECT_EQ(placed.micro_batch_size, split.micro_batch);
+  EXPECT_EQ(placed.gradient_accumulation_steps, split.accumulation);
+  EXPECT_EQ(placed.train_batch_size, 64);
+  EXPECT_EQ(placed.plan, split.plan.candidates[*split.plan.chosen].plan);
+  for (const BatchSplit& s : batch.splits)  // the chosen one is within 2% of the fastest
+    EXPECT_GE(split.tokens_per_s, 0.98 * s.tokens_per_s) << s.micro_batch;
+  // A micro-batch the user gave is kept: only the accumulation follows from the global batch.
+  const TrainConfig kept = with_automatic_placement(
+      config({"--train-batch-size", "64", "--batch-size", "2"}), model, *backend, *comm, out);
+  EXPECT_EQ(kept.micro_batch_size, 2);
+  EXPECT_EQ(kept.gradient_accumulation_steps, 32);
+}
+
 TEST_F(AutomaticPlacement, TrainOnCpuRunsThePlanItPrints) {
   const std::filesystem::path out = dir_ / "run";
   const auto r = test_support::run_command(
