@@ -7,8 +7,8 @@ shardtrain's offloaded rows (docs/BENCHMARKS.md, "Offloaded steps at the batch a
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/deepspeed_worker.py ...
 
 What it trains: transformers GPT2LMHeadModel (SDPA attention) of --shape L,H,C (or a --model
-preset), built under deepspeed.zero.Init so that each parameter is partitioned, in bf16 on the
-host, as it is made; ZeRO stage 3 with offload_param and offload_optimizer "cpu" (pinned),
+preset), built in bf16 on the host with GPT-2's initialization and partitioned by
+deepspeed.initialize; ZeRO stage 3 with offload_param and offload_optimizer "cpu" (pinned),
 bf16, AdamW (lr 1e-5, no weight decay) stepped on the CPU by DeepSpeedCPUAdam (compiled just in
 time on first use: needs g++, ninja and Python.h) or, with --cpu-adam torch, torch.optim.AdamW
 on the host parameters (zero_force_ds_cpu_optimizer off); gradient clipping 1.0; activation
@@ -93,9 +93,19 @@ def main():
     gcfg = GPT2Config(n_layer=L, n_head=H, n_embd=C, vocab_size=VOCAB, n_positions=CONTEXT,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     torch.manual_seed(0)
-    with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="cpu", pin_memory=True,
-                             dtype=torch.bfloat16):
-        model = GPT2LMHeadModel._from_config(gcfg, attn_implementation="sdpa")
+    # Built whole in bf16 on the host, with GPT-2's initialization (N(0, 0.02), the residual
+    # projections scaled by 1/sqrt(2L)); deepspeed.initialize then partitions it and moves the
+    # partitions to pinned host memory. (Under deepspeed.zero.Init each parameter would be
+    # partitioned as it is made and transformers' initialization would see empty partitions,
+    # leaving PyTorch's module defaults: an N(0, 1) embedding and a first loss near 300.)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cpu"):
+            model = GPT2LMHeadModel._from_config(gcfg, attn_implementation="sdpa")
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model = model.to(torch.bfloat16)
     if not a.no_checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
