@@ -8,6 +8,10 @@ activation checkpointing, 10 steps at lr 1e-5 with 3 warmup steps):
   infinity  ZeRO-Infinity (DeepSpeed JSON): zero3, offload_optimizer nvme with ratio 0.75 and
             max_in_cpu = what --host-memory-gib holds (the planner's figure), offload_param nvme
                                                                  --infinity-shapes
+  auto      `--offload auto --train-batch-size S` (--auto-batch sequences per step over --gpus
+            GPUs, bf16 AdamW moments, clipping off): the planner chooses the micro-batch, the
+            accumulation and the placement; its predicted tokens/s beside the measured (steps
+            3 on, 6 steps)                                       --auto-shapes (first that trains)
   peer      PyTorch FSDP2 + CPUOffloadPolicy (bench/torch_dist_worker.py --cpu-offload --shape),
             4 steps                                              --peer-shapes (first that trains)
 For each run: steady step time (steps 3..10), the loss, peak GPU memory, peak host RSS and NVMe
@@ -146,6 +150,47 @@ def train_row(a, row, name, L, C, H):
     return r
 
 
+def auto_row(a, name, L, C, H):
+    """`--offload auto` given only the global batch: the plan and split it chose, its predicted
+    step beside the measured one (mean of steps 3..6)."""
+    cfg = config_json(a.workdir, name, L, C, H)
+    out_dir = os.path.join(a.workdir, f"auto_{name}")
+    cmd = [a.shardtrain]
+    if a.gpus > 1:
+        cmd += ["launch", "--nproc-per-node", str(a.gpus), "--"]
+    cmd += ["train", "--model", cfg, "--dataset", "wikitext-2", "--offload", "auto",
+            "--train-batch-size", str(a.auto_batch), "--max-length", "512", "--max-steps", "6",
+            "--activation-checkpointing", "--offload-moments-dtype", "bf16", "--grad-clip", "0",
+            "--nvme-path", a.nvme_path, "--no-save", "--eval-samples", "2", "--log-interval", "1",
+            "--warmup-steps", "0", "--lr", "1e-5", "--wall-clock-breakdown",
+            "--output-dir", out_dir]
+    rc, wall, text = run(cmd, os.path.join(a.workdir, f"auto_{name}.log"), a.timeout)
+    r = {"case": name, "shape": f"L{L} d{C} h{H}", "parameters": params(L, C), "plan": "auto",
+         "command": " ".join(cmd), "exit": rc, "wall_s": round(wall, 1)}
+    for key, pattern in (("split", r"global batch \d+ sequences: (micro-batch \d+ × accumulation \d+)"),
+                         ("chosen", r"; chose ([^:]+):"),
+                         ("predicted_step_s", r"predicted step ([\d.]+) s"),
+                         ("predicted_tokens_per_s", r"\): ([\d.]+) tokens/s per rank")):
+        m = re.search(pattern, text)
+        if m:
+            r[key] = m.group(1) if key in ("split", "chosen") else float(m.group(1))
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if rc != 0 or not os.path.exists(metrics):
+        r["error"] = "\n".join(text.splitlines()[-6:])
+        return r
+    recs = [json.loads(x) for x in open(metrics)]
+    steps = [x for x in recs if "loss" in x and "step_time_s" in x]
+    steady = [x for x in steps if x["step"] >= 3]
+    epoch = [x for x in recs if "device_peak_allocated_bytes" in x][-1]
+    r.update(losses=[round(x["loss"], 4) for x in steps],
+             step_s=sum(x["step_time_s"] for x in steady) / max(1, len(steady)),
+             tokens_per_s=a.auto_batch * 512 / (sum(x["step_time_s"] for x in steady) /
+                                                max(1, len(steady))),
+             gpu_peak=epoch["device_peak_allocated_bytes"], host_rss=epoch.get("peak_rss_bytes"),
+             nvme=epoch.get("nvme_bytes"))
+    return r
+
+
 def peer_row(a, name, L, C, H, port):
     cmd = [sys.executable, os.path.join(HERE, "torch_dist_worker.py"), "--strategy", "fsdp2",
            "--cpu-offload", "--model", "gpt2", "--shape", f"{L},{H},{C}", "--batch", "1",
@@ -191,10 +236,14 @@ def main():
     ap.add_argument("--nvme-path", default="/tmp/nvme_offload")
     ap.add_argument("--out", default="largest_model.json")
     ap.add_argument("--workdir", default="/tmp/largest_model")
-    ap.add_argument("--rows", default="gpu,offload,infinity,peer")
+    ap.add_argument("--rows", default="gpu,offload,infinity,auto,peer")
     ap.add_argument("--gpu-shapes", default="5.1b:44:3072:24,4.7b:40:3072:24")
     ap.add_argument("--offload-shapes", default="7.3b:63:3072:24")
     ap.add_argument("--infinity-shapes", default="12.2b:84:3456:27")
+    ap.add_argument("--auto-shapes", default="12.2b:84:3456:27")
+    ap.add_argument("--auto-batch", type=int, default=64,
+                    help="auto row: the global batch in sequences of 512 tokens (default 64: 32K tokens)")
+    ap.add_argument("--gpus", type=int, default=1, help="auto row: GPUs (shardtrain launch)")
     ap.add_argument("--peer-shapes", default="7.3b:63:3072:24,5.1b:44:3072:24")
     ap.add_argument("--gpu-memory-gib", type=float, default=79)
     ap.add_argument("--host-memory-gib", type=float, default=112,
@@ -229,6 +278,16 @@ def main():
                 r["bound_s"], r["bound"], r["bound_terms"] = bound(a, r, rates)
             res["rows"][row] = r
             print(f"{row} {name}: " + (r.get("done") or r.get("error", "")), flush=True)
+            if "error" not in r:
+                break
+    if "auto" in rows:
+        for name, L, C, H in shapes(a.auto_shapes):
+            r = auto_row(a, name, L, C, H)
+            res["rows"]["auto"] = r
+            print(f"auto {name}: " + (f"{r.get('split')}, {r.get('chosen')}: "
+                                      f"{r['tokens_per_s']:.0f} tokens/s (predicted "
+                                      f"{r.get('predicted_tokens_per_s', 0) * a.gpus:.0f})"
+                                      if "error" not in r else r["error"]), flush=True)
             if "error" not in r:
                 break
     if "peer" in rows:

@@ -116,10 +116,12 @@
 #   image-ops       device time of each CUDA image op on MobileNetV2/VGG layer shapes, OPS_REPS=20
 #                   repetitions (needs bench_image_ops packed: EXTRA_BINS). No peer
 #   largest-model   the largest GPT one GPU trains per placement, 10 steps each (bench/
-#                   largest_model.py, LM_ROWS=gpu,offload,infinity,peer): everything on the GPU,
-#                   ZeRO-Offload, ZeRO-Infinity (the 12.2B shape), against the estimate and the
-#                   bound from the limits it measures first; LM_HOST_GIB=112 of host memory for
-#                   the plans. Peer: FSDP2 + CPUOffloadPolicy's largest
+#                   largest_model.py, LM_ROWS=gpu,offload,infinity,auto,peer): everything on the
+#                   GPU, ZeRO-Offload, ZeRO-Infinity (the 12.2B shape), against the estimate and
+#                   the bound from the limits it measures first; LM_HOST_GIB=112 of host memory
+#                   for the plans; auto: `--offload auto` given only the global batch
+#                   (LM_AUTO_BATCH=64 sequences, LM_AUTO_SHAPES=12.2b:84:3456:27, on --gpus N),
+#                   predicted against measured. Peer: FSDP2 + CPUOffloadPolicy's largest
 #
 # Examples:
 #   bash bench/run.sh tests single-gpu                 # one GPU

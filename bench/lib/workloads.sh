@@ -240,14 +240,15 @@ wl_offload() {
 
 # ---- largest-model -------------------------------------------------------------------------------
 wl_largest_model() {
-  local threads=${USER_OMP:-$NCORES} rows=${LM_ROWS:-gpu,offload,infinity,peer}
+  local threads=${USER_OMP:-$NCORES} rows=${LM_ROWS:-gpu,offload,infinity,auto,peer}
   local OMP_NUM_THREADS=$threads  # the CPU AdamW is bound by memory bandwidth: every core
   export OMP_NUM_THREADS
   peers || rows=${rows//,peer/}
   nvme_dir
   step largest_model 1800 python3 bench/largest_model.py --shardtrain "$ST" \
     --limits-bin "$PACKED_ABS/bench_host_limits" --nvme-path "$NVME_PATH" --rows "$rows" \
-    --host-memory-gib "${LM_HOST_GIB:-112}" --out "$OUT/largest_model.json" --workdir "$LOGS/largest_model"
+    --gpus "$GPUS" ${LM_AUTO_SHAPES:+--auto-shapes "$LM_AUTO_SHAPES"} \
+    ${LM_AUTO_BATCH:+--auto-batch "$LM_AUTO_BATCH"} --host-memory-gib "${LM_HOST_GIB:-112}" --out "$OUT/largest_model.json" --workdir "$LOGS/largest_model"
   say "largest-model exit $?"
   grab_from largest_model '^| row'
   dry || rm -rf "$NVME_PATH"/shardtrain-swap-* "$NVME_PATH"/shardtrain-params-* 2>/dev/null
