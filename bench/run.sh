@@ -113,6 +113,11 @@
 #   kernel-trace    device time per kernel of steady training steps of KT_MODELS=mobilenet_v2 at
 #                   KT_SIZES="32 224", the KT_TOP=14 largest (needs libkernel_trace.so packed:
 #                   EXTRA_BINS). No peer
+#   kernel-roofline each kernel family's device time in a steady GPT-2 step against its work
+#                   (FLOPs or HBM bytes) and the GPU's measured limits (bench/gpu_limits.py: bf16
+#                   GEMM rate per shape and at its largest, HBM copy bandwidth), for RF_CASES=
+#                   "gpt2-medium:16:0 gpt2-xl:16:0" (model:micro-batch:activation checkpointing;
+#                   bench/kernel_roofline.py; needs libkernel_trace.so packed: EXTRA_BINS). No peer
 #   image-ops       device time of each CUDA image op on MobileNetV2/VGG layer shapes, OPS_REPS=20
 #                   repetitions (needs bench_image_ops packed: EXTRA_BINS). No peer
 #   largest-model   the largest GPT one GPU trains per placement, 10 steps each (bench/
@@ -131,8 +136,8 @@
 # bench/README.md: what each workload measures, its run time, and the pack -> copy -> run recipe.
 
 WORKLOADS=(limits tests single-gpu strategies zero3 offload pipeline multi-gpu nodes image-models checks
-           dropout image-accuracy pipeline-cpu comm-trace quantized-loss profile kernel-trace image-ops
-           largest-model)
+           dropout image-accuracy pipeline-cpu comm-trace quantized-loss profile kernel-trace
+           kernel-roofline image-ops largest-model)
 
 is_workload() { local w; for w in "${WORKLOADS[@]}"; do [ "$w" = "$1" ] && return 0; done; return 1; }
 usage() {

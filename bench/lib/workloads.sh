@@ -487,6 +487,33 @@ wl_kernel_trace() {
     done
   done
 }
+wl_kernel_roofline() {
+  local case m b ac steps lib=$PACKED_ABS/libkernel_trace.so acflag
+  if [ ! -f "$lib" ] && ! dry; then
+    say "kernel-roofline: $PACKED/libkernel_trace.so not packed" \
+      "(EXTRA_BINS=\"bench_host_limits libkernel_trace.so\" bash bench/pack_build.sh)"
+    return 0
+  fi
+  step gpu_limits 180 python3 bench/gpu_limits.py --models "${RF_MODELS:-gpt2-medium,gpt2-xl}" \
+    --out "$OUT/gpu_limits.json"
+  grab_tail gpu_limits 4
+  for case in ${RF_CASES:-gpt2-medium:16:0 gpt2-xl:16:0}; do
+    IFS=: read -r m b ac <<< "$case"
+    acflag=(); [ "$ac" = 1 ] && acflag=(--activation-checkpointing)
+    for steps in 5 25; do  # the difference of the two, per step: steady steps only
+      step "roofline_${m}_b${b}_$steps" 240 env CUDA_INJECTION64_PATH="$lib" \
+        KERNEL_TRACE_OUT="$LOGS/roof_${m}_b${b}_$steps.tsv" "$ST" train --model "$m" \
+        --dataset wikitext-2 --device cuda --batch-size "$b" --max-length 512 \
+        --max-steps "$steps" --log-interval 5 --eval-samples "$b" --warmup-steps 5 --no-save \
+        "${acflag[@]}" --output-dir "$LOGS/roofline_$m"
+    done
+    dry || say "kernel roofline $m micro-batch $b: $(grep 'step 25/' "$LOGS/roofline_${m}_b${b}_25.log" | tail -1)"
+    step "roofline_${m}_b$b" 60 python3 bench/kernel_roofline.py "$LOGS/roof_${m}_b${b}_5.tsv" \
+      "$LOGS/roof_${m}_b${b}_25.tsv" 20 --model "$m" --batch "$b" --seq 512 "${acflag[@]}" \
+      --limits "$OUT/gpu_limits.json" --top "${RF_TOP:-12}" --json "$OUT/roofline_${m}_b$b.json"
+    grab_tail "roofline_${m}_b$b" 40
+  done
+}
 wl_image_ops() {
   if [ ! -x "$PACKED_ABS/bench_image_ops" ] && ! dry; then
     say "image-ops: $PACKED/bench_image_ops not packed" \
