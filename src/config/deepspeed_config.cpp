@@ -10,7 +10,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -20,6 +19,7 @@
 
 #include "config/config.h"
 #include "config/deepspeed_keys.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/file_input.h"
 #include "core/json_input.h"
@@ -33,8 +33,6 @@ using nlohmann::json;
 using namespace deepspeed;
 
 constexpr const char* kDocsUrl = "https://www.deepspeed.ai/docs/config-json/";
-
-bool is_offload_device(const std::string& d) { return d == "none" || d == "cpu" || d == "nvme"; }
 
 /// "prefix.key" for messages; the key is input, so it is escaped and bounded.
 std::string path_of(const std::string& prefix, const std::string& key) {
@@ -95,16 +93,7 @@ class DeepSpeedReader {
     }
     check_keys(root, "", kTopHonoured, kTopIgnored);
     read_batch(root);
-    if (auto v = get_number(root, "gradient_clipping", "", 0.0, false,
-                            "a number >= 0 (max global gradient L2 norm; 0 = off)")) {
-      assign("grad_clip", "gradient_clipping", true, cfg_.gradient_clipping, *v);
-    }
-    if (auto v = get_int(root, "steps_per_print", "", 1, "an integer >= 1 (steps between logs)")) {
-      assign("log_interval", "steps_per_print", true, cfg_.log_interval, *v);
-    }
-    if (auto v = get_bool(root, "wall_clock_breakdown", "")) {
-      assign("wall_clock_breakdown", "wall_clock_breakdown", true, cfg_.wall_clock_breakdown, *v);
-    }
+    read_rows(root, "", top_level_knobs());  // the single values
     if (const json* opt = find(root, "optimizer")) read_optimizer(*opt);
     if (const json* sched = find(root, "scheduler")) read_scheduler(*sched);
     read_precision(root);
@@ -608,35 +597,9 @@ class DeepSpeedReader {
     }
     if (const json* fp = find_object(root, "fp16", "", "an object {\"enabled\": true, ...}")) {
       const std::string prefix = "fp16";
-      check_keys(*fp, prefix, kFp16Honoured, kFp16Ignored);
+      check_rows(*fp, prefix, fp16_knobs());
       fp16 = get_bool(*fp, "enabled", prefix);
-      LossScaleConfig& ls = cfg_.loss_scale;
-      if (auto v = get_number(*fp, "loss_scale", prefix, 0.0, false,
-                              "a number >= 0 (0 = dynamic loss scaling)")) {
-        ls.loss_scale = *v;
-      }
-      if (auto v = get_int(*fp, "initial_scale_power", prefix, 0,
-                           "an integer in [0, 63] (initial dynamic scale 2^power)")) {
-        if (*v > 63) {
-          bad_value("fp16.initial_scale_power", fp->at("initial_scale_power"),
-                    "an integer in [0, 63] (initial dynamic scale 2^power)");
-        }
-        ls.initial_scale_power = static_cast<int>(*v);
-      }
-      if (auto v = get_int(*fp, "loss_scale_window", prefix, 1,
-                           "an integer >= 1 (steps without overflow before the scale grows)")) {
-        ls.loss_scale_window = *v;
-      }
-      if (auto v = get_int(*fp, "hysteresis", prefix, 1,
-                           "an integer >= 1 (overflows tolerated before the scale shrinks)")) {
-        if (*v > std::numeric_limits<int>::max()) {
-          bad_value("fp16.hysteresis", fp->at("hysteresis"), "an integer >= 1");
-        }
-        ls.hysteresis = static_cast<int>(*v);
-      }
-      if (auto v = get_number(*fp, "min_loss_scale", prefix, 0.0, true, "a number > 0")) {
-        ls.min_loss_scale = *v;
-      }
+      read_rows(*fp, prefix, fp16_knobs());
     }
     if (bf16.value_or(false) && fp16.value_or(false)) {
       fail(
@@ -658,80 +621,74 @@ class DeepSpeedReader {
     }
   }
 
-  std::string read_offload(const json& z, const char* key, const KeyList& ignored,
-                           std::string current) {
-    const std::string prefix = path_of("zero_optimization", key);
-    const json* off = find_object(z, key, "zero_optimization",
+  // ---- rows of the knob tables (config/knob.h) ---------------------------------------------
+
+  /// The spelling of `k`'s key that `obj` gives (its key or an alias), if any; two spellings of
+  /// one setting are an error.
+  std::optional<std::string> given_spelling(const json& obj, const Knob& k) const {
+    std::optional<std::string> given;
+    if (obj.contains(k.key())) given = k.key();
+    for (const std::string& alias : k.aliases) {
+      if (!obj.contains(alias)) continue;
+      if (given) {
+        fail(fmt::format(
+            "\"{0}.{1}\" and \"{0}.{2}\" are both given: they are the same setting (DeepSpeed "
+            "accepts either spelling); keep only \"{3}\"",
+            k.section(), *given, alias, k.key()));
+      }
+      given = alias;
+    }
+    return given;
+  }
+
+  /// Applies the rows of `table` in `section` that `obj` gives (but those read by hand): checks
+  /// each value against its row, then sets the field unless the row's flag was given.
+  void read_rows(const json& obj, const std::string& section, const KnobTable& table) {
+    for (const Knob& k : table) {
+      if (k.path.empty() || k.section() != section || k.read_by_hand) continue;
+      if (k.status == KnobStatus::kIgnored) continue;
+      const std::optional<std::string> key = given_spelling(obj, k);
+      const json* v = key ? find(obj, key->c_str()) : nullptr;
+      if (v == nullptr) continue;
+      const std::string path = path_of(section, *key);
+      if (!k.accepts(*v))
+        bad_value(path, *v, k.type == KnobType::kBool ? "true or false" : k.expected);
+      if (k.status == KnobStatus::kAlwaysOn) {
+        if (!v->get<bool>()) ignored_.push_back(path + ": false");
+        continue;
+      }
+      const std::string flag = k.explicit_name();
+      if (!flag.empty() && is_explicit(flag)) {
+        overridden_.push_back(fmt::format("{} over {}", dashed_flag(flag), path));
+        continue;
+      }
+      k.set(cfg_, *v);
+      if (k.after_json) k.after_json(cfg_);
+    }
+  }
+
+  /// Checks the keys of `obj`, the JSON section `section`, against the rows of `table`.
+  void check_rows(const json& obj, const std::string& section, const KnobTable& table) {
+    check_keys(obj, section, honoured_keys(table, section), ignored_keys(table, section));
+  }
+
+  void read_offload(const json& z, const std::string& key) {
+    const std::string prefix = "zero_optimization." + key;
+    const json* off = find_object(z, key.c_str(), "zero_optimization",
                                   "an object {\"device\": \"none\" | \"cpu\" | \"nvme\", ...}");
-    if (off == nullptr) return current;
-    KeyList honoured = kOffloadHonoured;
-    honoured.push_back("max_in_cpu");
-    if (std::string(key) == "offload_param") honoured.push_back("buffer_count");
-    check_keys(*off, prefix, honoured, ignored);
-    if (auto dev = get_string(*off, "device", prefix, "\"none\", \"cpu\" or \"nvme\"")) {
-      if (!is_offload_device(*dev)) {
-        bad_value(prefix + ".device", off->at("device"), "\"none\", \"cpu\" or \"nvme\"");
-      }
-      current = *dev;
-    }
-    if (auto path = get_string(*off, "nvme_path", prefix, "a directory path")) {
-      assign("nvme_path", prefix + ".nvme_path", true, cfg_.zero.nvme_path, *path);
-    }
-    const char* fraction = "a number in [0, 1] (the fraction of the optimizer state offloaded)";
-    if (has(*off, "ratio")) {
-      if (std::string(key) != "offload_optimizer")
-        throw ConfigError(
-            fmt::format("{}.ratio in '{}': ratio belongs to offload_optimizer, not "
-                        "{}; move it there",
-                        prefix, file_, key));
-      auto r = get_number(*off, "ratio", prefix, 0.0, false, fraction);
-      if (r && *r > 1.0) bad_value(prefix + ".ratio", off->at("ratio"), fraction);
-      if (r) cfg_.zero.offload_ratio = *r;
-    }
-    if (has(*off, "max_in_cpu")) {
-      const bool param = std::string(key) == "offload_param";
-      if (auto v = get_int(*off, "max_in_cpu", prefix, 0,
-                           param ? "an integer >= 0 (parameter elements kept in host memory)"
-                                 : "an integer >= 0 (elements whose optimizer state stays in "
-                                   "host memory)"))
-        (param ? cfg_.zero.offload_param_max_in_cpu : cfg_.zero.offload_optimizer_max_in_cpu) = *v;
-    }
-    if (has(*off, "buffer_count") && std::string(key) == "offload_param") {
-      if (auto v = get_int(*off, "buffer_count", prefix, 2,
-                           "an integer >= 2 (pinned buffers the paged parameters are read into)"))
-        cfg_.zero.offload_param_buffer_count = static_cast<int>(std::min<int64_t>(*v, 1024));
-    }
+    if (off == nullptr) return;
     // Keys of offload_optimizer alone: elsewhere an error naming where they belong.
-    const auto optimizer_key = [&](const char* k, const char* what) {
-      if (!has(*off, k)) return false;
-      if (std::string(key) != "offload_optimizer")
+    const KeyList own = honoured_keys(zero_knobs(), prefix);
+    for (const std::string& k :
+         honoured_keys(zero_knobs(), "zero_optimization.offload_optimizer")) {
+      if (off->contains(k) && std::find(own.begin(), own.end(), k) == own.end()) {
         throw ConfigError(
-            fmt::format("{}.{} in '{}': {} belongs to offload_optimizer; move it there", prefix, k,
-                        file_, what));
-      return true;
-    };
-    if (optimizer_key("delayed_update", "the delayed update")) {
-      if (auto v = get_bool(*off, "delayed_update", prefix)) cfg_.zero.offload_delayed_update = *v;
-    }
-    if (optimizer_key("speculative_update", "the speculative update")) {
-      if (auto v = get_bool(*off, "speculative_update", prefix))
-        cfg_.zero.offload_speculative_update = *v;
-    }
-    if (optimizer_key("moments_dtype", "the moments' dtype")) {
-      const char* choices = "\"fp32\" or \"bf16\" (AdamW's m and v on the host)";
-      if (auto d = get_string(*off, "moments_dtype", prefix, choices)) {
-        if (*d != "fp32" && *d != "bf16")
-          bad_value(prefix + ".moments_dtype", off->at("moments_dtype"), choices);
-        cfg_.zero.offload_moments_dtype = *d;
+            fmt::format("{}.{} in '{}': {} belongs to offload_optimizer, not {}; move it there",
+                        prefix, k, file_, k, key));
       }
     }
-    if (optimizer_key("forward_group", "the forward group")) {
-      if (auto v = get_int(*off, "forward_group", prefix, 0,
-                           "an integer >= 0 (micro-batches whose forward runs layer by layer; 0: "
-                           "all of the step's)"))
-        cfg_.zero.offload_forward_group = *v;
-    }
-    return current;
+    check_rows(*off, prefix, zero_knobs());
+    read_rows(*off, prefix, zero_knobs());
   }
 
   void read_zero(const json& z) {
@@ -743,34 +700,18 @@ class DeepSpeedReader {
       bad_value("zero_optimization", z, "an object {\"stage\": 0, ...}");
     } else {
       const std::string prefix = "zero_optimization";
-      KeyList known = kZeroHonoured;
-      known.insert(known.end(), kZeroOnByDefaultIgnored.begin(), kZeroOnByDefaultIgnored.end());
-      check_keys(z, prefix, known, kZeroIgnored);
+      check_rows(z, prefix, zero_knobs());
       stage = get_int(z, "stage", prefix, 0, "a ZeRO stage 0, 1, 2 or 3");
       if (stage && *stage > 3)
         bad_value("zero_optimization.stage", z.at("stage"), "a ZeRO stage 0, 1, 2 or 3");
-      if (auto v = get_int(z, "reduce_bucket_size", prefix, 1, "an integer >= 1 (elements)")) {
-        zc.reduce_bucket_size = *v;
-        zc.reduce_bucket_size_set = true;
-      }
-      if (auto v = get_int(z, "allgather_bucket_size", prefix, 1, "an integer >= 1 (elements)")) {
-        zc.allgather_bucket_size = *v;
-      }
-      if (auto v = get_bool(z, "overlap_comm", prefix)) zc.overlap_comm = *v;
-      for (const std::string& key : kZeroOnByDefaultIgnored) {
-        if (auto v = get_bool(z, key.c_str(), prefix); v && !*v)
-          ignored_.push_back(path_of(prefix, key) + ": false");
-      }
-      read_stage3(z);
+      read_rows(z, prefix, zero_knobs());
       // Deprecated spellings of offload_optimizer / offload_param {"device": "cpu"}.
       if (auto v = get_bool(z, "cpu_offload", prefix); v && *v) zc.offload_optimizer_device = "cpu";
       if (auto v = get_bool(z, "cpu_offload_param", prefix); v && *v) {
         zc.offload_param_device = "cpu";
       }
-      zc.offload_optimizer_device = read_offload(z, "offload_optimizer", kOffloadOptimizerIgnored,
-                                                 zc.offload_optimizer_device);
-      zc.offload_param_device =
-          read_offload(z, "offload_param", kOffloadParamIgnored, zc.offload_param_device);
+      read_offload(z, "offload_optimizer");
+      read_offload(z, "offload_param");
     }
     if (!stage) return;
     const std::string path = z.is_boolean() ? "zero_optimization" : "zero_optimization.stage";
@@ -782,45 +723,6 @@ class DeepSpeedReader {
                                       zc.offload_param_device);
     cfg_.strategy_name = to_string(cfg_.strategy);
     cfg_.strategy_source = "deepspeed";
-  }
-
-  /// The key of zero_optimization that is given among `key` and its other spellings `aliases`,
-  /// or nullptr; two spellings of the same setting are an error.
-  const char* stage3_key(const json& z, const char* key,
-                         std::initializer_list<const char*> aliases) const {
-    const char* given = has(z, key) ? key : nullptr;
-    for (const char* alias : aliases) {
-      if (!has(z, alias)) continue;
-      if (given != nullptr) {
-        fail(fmt::format(
-            "\"zero_optimization.{}\" and \"zero_optimization.{}\" are both given: they are "
-            "the same setting (DeepSpeed accepts either spelling); keep only \"{}\"",
-            given, alias, key));
-      }
-      given = alias;
-    }
-    return given;
-  }
-
-  void read_stage3(const json& z) {
-    const std::string prefix = "zero_optimization";
-    ZeroConfig& zc = cfg_.zero;
-    for (const Stage3Size& s : kStage3Sizes) {
-      if (const char* key = stage3_key(z, s.key, {s.alias})) {
-        if (auto v = get_int(z, key, prefix, s.min, s.expected)) zc.*s.field = *v;
-      }
-    }
-    if (auto v = get_int(z, "zero_hpz_partition_size", prefix, 1,
-                         "an integer >= 1 (ranks that share one copy of the sharded model "
-                         "states, e.g. the GPUs of a node; 1 = shard over every rank)"))
-      zc.hpz_partition_size = *v;
-    if (auto v = get_bool(z, "zero_quantized_gradients", prefix)) zc.quantized_gradients = *v;
-    if (const char* key =
-            stage3_key(z, "stage3_gather_16bit_weights_on_model_save",
-                       {"gather_16bit_weights_on_model_save",
-                        "stage3_gather_fp16_weights_on_model_save"})) {  // the last: deprecated
-      if (auto v = get_bool(z, key, prefix)) zc.stage3_gather_16bit_weights_on_model_save = *v;
-    }
   }
 
   /// An integer in [min, INT_MAX] of `obj`, if given.
@@ -946,35 +848,8 @@ class DeepSpeedReader {
   void read_aio(const json& a) {
     const std::string prefix = "aio";
     if (!a.is_object()) bad_value(prefix, a, "an object {\"block_size\": 1048576, ...}");
-    check_keys(a, prefix, kAioHonoured, kAioIgnored);
-    AioConfig& aio = cfg_.aio;
-    constexpr std::string_view kBlock =
-        "a multiple of 4096 (O_DIRECT alignment), at least 4096: bytes per read/write request, "
-        "e.g. 1048576";
-    if (auto v = get_int(a, "block_size", prefix, 4096, kBlock)) {
-      if (*v % 4096 != 0) bad_value("aio.block_size", a.at("block_size"), kBlock);
-      aio.block_size = *v;
-    }
-    constexpr std::string_view kDepth =
-        "an integer >= 1 (most read/write requests in flight per file), e.g. 8";
-    if (auto v = get_int(a, "queue_depth", prefix, 1, kDepth)) {
-      if (*v > std::numeric_limits<int>::max())
-        bad_value("aio.queue_depth", a.at("queue_depth"), kDepth);
-      aio.queue_depth = static_cast<int>(*v);
-    }
-    if (has(a, "thread_count") && has(a, "intra_op_parallelism")) {
-      fail(
-          "\"aio.thread_count\" and \"aio.intra_op_parallelism\" are both given: they are the "
-          "same setting (DeepSpeed accepts either name); keep only \"thread_count\"");
-    }
-    const char* threads = has(a, "intra_op_parallelism") ? "intra_op_parallelism" : "thread_count";
-    constexpr std::string_view kThreads = "an integer in [1, 256] (I/O threads per file), e.g. 1";
-    if (auto v = get_int(a, threads, prefix, 1, kThreads)) {
-      if (*v > 256) bad_value(path_of(prefix, threads), a.at(threads), kThreads);
-      aio.thread_count = static_cast<int>(*v);
-    }
-    if (auto v = get_bool(a, "single_submit", prefix)) aio.single_submit = *v;
-    if (auto v = get_bool(a, "overlap_events", prefix)) aio.overlap_events = *v;
+    check_rows(a, prefix, aio_knobs());
+    read_rows(a, prefix, aio_knobs());
   }
 
   /// A monitor section {"enabled", "output_path", "job_name"}: when enabled, `dir` is
