@@ -86,6 +86,7 @@ void register_all_commands(CLI::App& app) {
   register_compare_command(app);
   register_report_command(app);
   register_env_command(app);
+  register_config_command(app);
   add_checks(app);
 }
 

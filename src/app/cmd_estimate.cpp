@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "app/commands.h"
+#include "config/knob.h"
 #include "core/strings.h"
 #include "model/gpt2_config.h"
 #include "parallel/memory_estimator.h"
@@ -20,11 +21,13 @@ namespace {
 
 struct EstimateFlags {
   std::string model = "gpt2";
-  MemoryEstimateOptions options;  ///< everything but the model
+  MemoryEstimateOptions options;  ///< everything but the model and the knobs
+  /// The zero_optimization knobs estimate shares with train (config/knobs_zero.cpp).
+  TrainConfig knobs;
+  bool reduce_bucket_size_given = false;
   // The placement plan (parallel/placement_planner.h), printed when --gpu-memory is given.
   double gpu_memory_gib = 0;   ///< per GPU
   double host_memory_gib = 0;  ///< per node
-  std::string nvme_path;       ///< its free space is the NVMe budget of a node
   int gpus_per_node = 0;       ///< 0: every GPU on one node
   int64_t accumulation = 1;    ///< micro-batches per optimizer step (the plan's step time)
   /// train_batch_size: sequences per optimizer step over all GPUs; > 0: also choose the
@@ -75,14 +78,25 @@ void choose_batch(const EstimateFlags& f, const MemoryEstimateOptions& base,
 }
 
 void run_estimate(const EstimateFlags& f) {
+  check_knob_ranges(f.knobs, zero_knobs());
   MemoryEstimateOptions o = f.options;
   o.model = resolve_model(f.model);
+  const ZeroConfig& z = f.knobs.zero;
+  if (f.reduce_bucket_size_given) o.reduce_bucket_size = z.reduce_bucket_size;
+  o.zero3 = Zero3Limits{z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters,
+                        z.stage3_max_reuse_distance};
+  o.persistence_threshold = z.stage3_param_persistence_threshold;
+  o.offload_ratio = z.offload_ratio;
+  o.delayed_update = z.offload_delayed_update;
+  o.bf16_moments = z.offload_moments_dtype == "bf16";
+  o.forward_group = z.offload_forward_group;
+  o.hpz_partition_size = static_cast<int>(std::min<int64_t>(z.hpz_partition_size, 1 << 30));
   fmt::print("{}", format_memory_estimate(estimate_memory(o), o));
   if (f.gpu_memory_gib <= 0) return;
   const int per_node = f.gpus_per_node > 0 ? std::min(f.gpus_per_node, o.gpus) : o.gpus;
   constexpr double kGiB = 1024.0 * 1024 * 1024;
   const PlacementBudget budget =
-      rank_budget(f.gpu_memory_gib * kGiB, f.host_memory_gib * kGiB, f.nvme_path, per_node);
+      rank_budget(f.gpu_memory_gib * kGiB, f.host_memory_gib * kGiB, z.nvme_path, per_node);
   MachineRates rates =
       f.limits_file.empty() ? MachineRates{} : MachineRates::from_limits_file(f.limits_file);
   if (f.gpu_tflops > 0) rates.gpu_flops = f.gpu_tflops * 1e12;
@@ -116,16 +130,8 @@ void register_estimate_command(CLI::App& app) {
                   fmt::format("tokens per sequence (default {})", o.max_length));
   cmd->add_flag("--activation-checkpointing", o.activation_checkpointing,
                 "recompute block activations in backward (keeps one block's set)");
-  cmd->add_option("--reduce-bucket-size", o.reduce_bucket_size,
-                  "zero_optimization.reduce_bucket_size in elements (default: 12,500,000 on "
-                  "several GPUs, 500,000,000 on one, as train chooses)");
-  cmd->add_option("--stage3-prefetch-bucket-size", o.zero3.prefetch_bucket_size,
-                  "zero3: elements gathered ahead (default 50,000,000)");
-  cmd->add_option("--stage3-max-live-parameters", o.zero3.max_live_parameters,
-                  "zero3: most gathered elements alive (default 1,000,000,000)");
-  cmd->add_option("--stage3-max-reuse-distance", o.zero3.max_reuse_distance,
-                  "zero3: keep a layer needed again within this many elements (default "
-                  "1,000,000,000)");
+  // --reduce-bucket-size, --stage3-*, --offload-*, --zero-hpz-partition-size, --nvme-path.
+  add_knob_flags(*cmd, f->knobs, zero_knobs(), kEstimateFlag);
   cmd->add_option("--gradient-accumulation-steps", f->accumulation,
                   "placement plan: micro-batches per optimizer step, for the predicted step "
                   "(default 1)")
@@ -138,27 +144,6 @@ void register_estimate_command(CLI::App& app) {
   cmd->add_option("--peak-tflops", f->peak_tflops,
                   "the GPU's dense bf16 peak, for the predicted MFU (default 989)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--offload-ratio", o.offload_ratio,
-                  "offloaded plans: fraction r of the optimizer state on the host (default 1)");
-  cmd->add_flag("--offload-delayed-update", o.delayed_update,
-                "offloaded plans: the delayed update's second pinned gradient buffer");
-  cmd->add_option_function<std::string>(
-         "--offload-moments-dtype", [&o](const std::string& s) { o.bf16_moments = s == "bf16"; },
-         "offloaded plans: dtype of AdamW's m and v on the host and NVMe: fp32 (default) or bf16 "
-         "(8 bytes of state per parameter instead of 12)")
-      ->type_name("DTYPE")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
-  cmd->add_option("--offload-forward-group", o.forward_group,
-                  "offload with activation checkpointing: micro-batches whose forward runs layer "
-                  "by layer (train's --offload-forward-group), their layer inputs live at once; "
-                  "0 (default): each plan chooses the fewest that hide the host's update and fit")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
-  cmd->add_option("--zero-hpz-partition-size", o.hpz_partition_size,
-                  "zero3 hybrid sharding: add the row zero3-hybrid, sharded within groups of G "
-                  "GPUs (e.g. a node's) and replicated across them (default 1: no such row)")
-      ->check(CLI::Range(1, 1 << 20));
-  cmd->add_option("--stage3-param-persistence-threshold", o.persistence_threshold,
-                  "zero3: layers with fewer parameters stay replicated (default 100,000)");
   cmd->add_option("--gpu-memory", f->gpu_memory_gib,
                   "GiB of memory per GPU: also plan where the state lives (GPU, host, NVMe) so "
                   "the model fits with the fewest bytes over PCIe and the disk per step")
@@ -166,9 +151,6 @@ void register_estimate_command(CLI::App& app) {
   cmd->add_option("--max-host-memory", f->host_memory_gib,
                   "placement plan: GiB of host memory of a node the ranks may use (default 0)")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--nvme-path", f->nvme_path,
-                  "placement plan: the directory for NVMe swap files; its free space is a node's "
-                  "NVMe budget (default: none)");
   cmd->add_option("--gpus-per-node", f->gpus_per_node,
                   "placement plan: GPUs (ranks) per node sharing its host memory and disk "
                   "(default: all --gpus)")
@@ -180,7 +162,10 @@ void register_estimate_command(CLI::App& app) {
                   "placement plan: effective GPU TFLOP/s for the compute part of a step (default "
                   "396: 40% of an H100's bf16 peak)")
       ->check(CLI::PositiveNumber);
-  cmd->callback([f]() { run_estimate(*f); });
+  cmd->callback([f, cmd]() {
+    f->reduce_bucket_size_given = cmd->get_option("--reduce-bucket-size")->count() > 0;
+    run_estimate(*f);
+  });
 }
 
 }  // namespace shardtrain

@@ -19,6 +19,7 @@ void register_data_dir_command(CLI::App& app);      // app/cmd_data_dir.cpp
 void register_compare_command(CLI::App& app);       // app/cmd_compare.cpp
 void register_report_command(CLI::App& app);        // app/cmd_report.cpp
 void register_env_command(CLI::App& app);           // app/cmd_env.cpp
+void register_config_command(CLI::App& app);        // app/cmd_config.cpp
 
 /// Registers every subcommand above, then gives every numeric flag of each a check of what its
 /// variable can hold: a FLOAT flag refuses nan, inf and numbers beyond a double; an INT or UINT

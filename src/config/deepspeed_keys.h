@@ -1,8 +1,7 @@
 // The DeepSpeed JSON schema shardtrain reads (https://www.deepspeed.ai/docs/config-json/;
 // DeepSpeed's deepspeed/runtime/config.py, zero/config.py, precision_config.py,
-// lr_schedules.py): the keys each section honours and those it accepts and ignores, and the
-// stage-3 sizes. Used by config/deepspeed_config.cpp and config/validate.cpp (the stage-3
-// sizes).
+// lr_schedules.py): the keys each section honours and those it accepts and ignores, for the
+// sections not yet in knob tables (config/knob.h). Used by config/deepspeed_config.cpp.
 #pragma once
 
 #include <cstdint>
@@ -11,32 +10,34 @@
 #include <vector>
 
 #include "config/config.h"
+#include "config/knob.h"
 
 namespace shardtrain::deepspeed {
 
 using KeyList = std::vector<std::string>;
 
-// Top-level keys shardtrain reads.
-inline const KeyList kTopHonoured = {
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "gradient_clipping",
-    "steps_per_print",
-    "wall_clock_breakdown",
-    "optimizer",
-    "scheduler",
-    "fp16",
-    "bf16",
-    "bfloat16",
-    "zero_optimization",
-    "activation_checkpointing",
-    "aio",
-    "pipeline",
-    "tensorboard",
-    "csv_monitor",
-    "flops_profiler",
-};
+// Top-level keys shardtrain reads: these and the rows of top_level_knobs().
+inline const KeyList kTopHonoured = [] {
+  KeyList keys = {
+      "train_batch_size",
+      "train_micro_batch_size_per_gpu",
+      "gradient_accumulation_steps",
+      "optimizer",
+      "scheduler",
+      "fp16",
+      "bf16",
+      "bfloat16",
+      "zero_optimization",
+      "activation_checkpointing",
+      "aio",
+      "pipeline",
+      "tensorboard",
+      "csv_monitor",
+      "flops_profiler",
+  };
+  for (const std::string& k : honoured_keys(top_level_knobs(), "")) keys.push_back(k);
+  return keys;
+}();
 
 // Top-level DeepSpeed keys shardtrain accepts and ignores.
 inline const KeyList kTopIgnored = {
@@ -84,109 +85,12 @@ inline const KeyList kTopIgnored = {
     "allgather_size",
 };
 
-inline const KeyList kZeroHonoured = {
-    "stage",
-    "reduce_bucket_size",
-    "allgather_bucket_size",
-    "overlap_comm",
-    "offload_optimizer",
-    "offload_param",
-    "cpu_offload",
-    "cpu_offload_param",
-    "stage3_prefetch_bucket_size",
-    "prefetch_bucket_size",
-    "stage3_param_persistence_threshold",
-    "param_persistence_threshold",
-    "stage3_max_live_parameters",
-    "max_live_parameters",
-    "stage3_max_reuse_distance",
-    "max_reuse_distance",
-    "stage3_gather_16bit_weights_on_model_save",
-    "gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save",
-    "zero_hpz_partition_size",
-    "zero_quantized_gradients",
-};
+// zero_optimization's keys, from its rows (config/knobs_zero.cpp).
+inline const KeyList kZeroHonoured = honoured_keys(zero_knobs(), "zero_optimization");
 
-// zero_optimization booleans that are on by default and cannot be turned off here: ZeRO keeps
-// its gradients in contiguous flat buffers and reduce-scatters them. Listed as ignored (warned
-// about) only when a config sets them to false.
-inline const KeyList kZeroOnByDefaultIgnored = {"contiguous_gradients", "reduce_scatter"};
-
-/// A stage-3 size of zero_optimization: DeepSpeed's stage3_* key, its unprefixed alias (DeepSpeed's
-/// config model accepts both), the field it sets, the smallest valid value and what it means.
-struct Stage3Size {
-  const char* key;
-  const char* alias;
-  int64_t ZeroConfig::*field;
-  int64_t min;
-  const char* expected;
-};
-
-inline const Stage3Size kStage3Sizes[] = {
-    {"stage3_prefetch_bucket_size", "prefetch_bucket_size",
-     &ZeroConfig::stage3_prefetch_bucket_size, 0,
-     "an integer >= 0 (parameter elements gathered ahead of use; 0 = no prefetch), e.g. 5e7"},
-    {"stage3_param_persistence_threshold", "param_persistence_threshold",
-     &ZeroConfig::stage3_param_persistence_threshold, 0,
-     "an integer >= 0 (layers with fewer parameters stay replicated; 0 = partition every layer), "
-     "e.g. 1e5"},
-    {"stage3_max_live_parameters", "max_live_parameters", &ZeroConfig::stage3_max_live_parameters,
-     1, "an integer >= 1 (most gathered parameter elements alive at once on a rank), e.g. 1e9"},
-    {"stage3_max_reuse_distance", "max_reuse_distance", &ZeroConfig::stage3_max_reuse_distance, 0,
-     "an integer >= 0 (a gathered layer needed again within this many parameter elements is "
-     "kept; 0 = never kept), e.g. 1e9"},
-};
-
-inline const KeyList kZeroIgnored = {
-    "cpu_offload_use_pin_memory",
-    "sub_group_size",
-    "round_robin_gradients",
-    "elastic_checkpoint",
-    "ignore_unused_parameters",
-    "load_from_fp32_weights",
-    "legacy_stage1",
-    "allgather_partitions",
-    "use_multi_rank_bucket_allreduce",
-    "zenflow",
-    "leaf_module",
-    "zeropp_loco_param",
-    "mics_shard_size",
-    "mics_hierarchical_params_gather",
-    "memory_efficient_linear",
-    "pipeline_loading_checkpoint",
-    "override_module_apply",
-    "log_trace_cache_warnings",
-    "enable_sanity_checks",
-    "save_muon_momentum_buffer_in_memory",
-    "zero_quantized_weights",
-    "zero_quantized_nontrainable_weights",
-    "stage3_model_persistence_threshold",
-    "model_persistence_threshold",
-    "stage3_module_granularity_threshold",
-    "module_granularity_threshold",
-    "stage3_use_all_reduce_for_fetch_params",
-    "use_all_reduce_for_fetch_params",
-    "stage3_allgather_sequential",
-    "allgather_sequential",
-    "stage3_partition_stream_chunk_size",
-    "partition_stream_chunk_size",
-};
-
-inline const KeyList kOffloadHonoured = {
-    "device",        "nvme_path",         "ratio", "delayed_update", "forward_group",
-    "moments_dtype", "speculative_update"};
-inline const KeyList kOffloadOptimizerIgnored = {
-    "buffer_count",  "pin_memory",          "pipeline_read",      "pipeline_write", "fast_init",
-    "super_offload", "convert_grad_on_cpu", "cpuadam_cores_perc", "pipeline",
-};
-inline const KeyList kOffloadParamIgnored = {"buffer_size", "pin_memory"};
-
-// The top-level aio section (the NVMe swap's I/O; AioConfig). intra_op_parallelism is
-// DeepSpeed's other name of thread_count; use_gds (GPUDirect Storage) is not implemented.
-inline const KeyList kAioHonoured = {"block_size",    "queue_depth",    "thread_count",
-                                     "single_submit", "overlap_events", "intra_op_parallelism"};
-inline const KeyList kAioIgnored = {"use_gds"};
+// The aio and fp16 sections' keys, from their rows (config/knobs_sections.cpp).
+inline const KeyList kAioHonoured = honoured_keys(aio_knobs(), "aio");
+inline const KeyList kFp16Honoured = honoured_keys(fp16_knobs(), "fp16");
 
 // The monitor sections "tensorboard" and "csv_monitor" (DeepSpeed's monitor/config.py).
 inline const KeyList kMonitorHonoured = {"enabled", "output_path", "job_name"};
@@ -225,10 +129,6 @@ inline const KeyList kWarmupCosineLrHonoured = {"total_num_steps", "warmup_min_r
                                                 "warmup_num_steps", "cos_min_ratio", "warmup_type"};
 inline const KeyList kSchedulerParamsIgnored = {"last_batch_iteration"};
 
-inline const KeyList kFp16Honoured = {"enabled",           "loss_scale", "initial_scale_power",
-                                      "loss_scale_window", "hysteresis", "min_loss_scale"};
-inline const KeyList kFp16Ignored = {"auto_cast", "consecutive_hysteresis",
-                                     "fp16_master_weights_and_grads", "fused_mode"};
 inline const KeyList kBf16Honoured = {"enabled"};
 inline const KeyList kBf16Ignored = {"immediate_grad_update", "check_grad_overflow",
                                      "bf16_master_weights_and_grads", "bf16_optimizer_states"};

@@ -12,6 +12,7 @@
 #include <string_view>
 #include <utility>
 
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/strings.h"
 #include "model/gpt2_config.h"
@@ -28,26 +29,8 @@ std::optional<int64_t> to_int(const std::string& s) {
   return v;
 }
 
-std::optional<double> to_double(const std::string& s) {
-  if (s.empty()) return std::nullopt;
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  if (end != s.c_str() + s.size() || !std::isfinite(v)) return std::nullopt;
-  return v;
-}
-
 // Validators with plain messages; CLI11 prefixes them with the flag ("--lr: ...").
 // Their descriptions are empty so that the help shows the ranges only in the flag's text.
-
-CLI::Validator int_at_least(int64_t min) {
-  return CLI::Validator(
-      [min](std::string& s) -> std::string {
-        auto v = to_int(s);
-        if (!v || *v < min) return fmt::format("must be an integer >= {}, got '{}'", min, s);
-        return {};
-      },
-      "");
-}
 
 /// A decimal integer in [0, 2^64).
 CLI::Validator unsigned_64() {
@@ -76,48 +59,7 @@ CLI::Validator minus_one_or_positive() {
       "");
 }
 
-/// A finite number in [lo, hi] (open at lo / hi when asked).
-CLI::Validator number_in(double lo, bool lo_open, double hi, bool hi_open) {
-  std::string range;
-  if (hi == std::numeric_limits<double>::infinity()) {
-    range = fmt::format("a number {} {}", lo_open ? ">" : ">=", lo);
-  } else {
-    range = fmt::format("a number in {}{}, {}{}", lo_open ? "(" : "[", lo, hi, hi_open ? ")" : "]");
-  }
-  return CLI::Validator(
-      [=](std::string& s) -> std::string {
-        auto v = to_double(s);
-        const bool ok = v && (lo_open ? *v > lo : *v >= lo) && (hi_open ? *v < hi : *v <= hi);
-        if (!ok) return fmt::format("must be {}, got '{}'", range, s);
-        return {};
-      },
-      "");
-}
-
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-/// A finite number (CLI11 itself reads "nan" and "inf").
-CLI::Validator finite_number() {
-  return CLI::Validator(
-      [](std::string& s) -> std::string {
-        if (!to_double(s)) return fmt::format("must be a finite number, got '{}'", s);
-        return {};
-      },
-      "");
-}
-
-CLI::Validator one_of(std::vector<std::string> values) {
-  return CLI::Validator(
-      [values](std::string& s) -> std::string {
-        if (std::find(values.begin(), values.end(), s) != values.end()) return {};
-        std::string list;
-        for (std::size_t i = 0; i < values.size(); ++i) {
-          list += (i == 0 ? "" : (i + 1 == values.size() ? " or " : ", ")) + values[i];
-        }
-        return fmt::format("'{}' is not valid: use {}", s, list);
-      },
-      "");
-}
 
 /// A validator that accepts what `check` accepts, with its ConfigError's message otherwise.
 template <typename Check>
@@ -192,18 +134,6 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                      to_string(cfg.precision)))
       ->type_name("PREC")
       ->check(one_of({"auto", "fp32", "bf16", "fp16"}));
-  cmd.add_option("--zero-stage", cfg.zero.stage,
-                 fmt::format("ZeRO stage 0|1|2|3 (DeepSpeed zero_optimization.stage; 3 selects "
-                             "zero3; with --strategy pipeline 0, 1 or 2 across the data-parallel "
-                             "replicas) (default: {})",
-                             cfg.zero.stage))
-      ->type_name("N")
-      ->check(one_of({"0", "1", "2", "3"}));
-  cmd.add_option("--offload-ratio", cfg.zero.offload_ratio,
-                 "offload, infinity: fraction of the optimizer state and step on the host, the "
-                 "rest on the GPU (DeepSpeed offload_optimizer.ratio) (default: 1)")
-      ->type_name("R")
-      ->check(finite_number());  // validate() checks [0, 1], naming the JSON key too
   cmd.add_option_function<std::string>(
          "--offload", [&cfg](const std::string&) { cfg.placement.automatic = true; },
          "auto: choose the ZeRO stage and where the optimizer state and the parameters live "
@@ -223,34 +153,8 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  "node's available memory)")
       ->type_name("GIB")
       ->check(number_in(0, true, kInf, false));
-  cmd.add_flag("--offload-delayed-update", cfg.zero.offload_delayed_update,
-               "offload: ZeRO-Offload's one-step delayed parameter update: the CPU step of step "
-               "t runs while the GPU computes step t+1 on the parameters of step t-1 (default: "
-               "off, exact)");
-  cmd.add_option("--offload-speculative-update", cfg.zero.offload_speculative_update,
-                 "offload: start each part's host AdamW during backward, as soon as its gradient "
-                 "is final, assuming no clipping; a step whose norm is clipped is rolled back and "
-                 "redone (same results bit for bit when not clipped, to fp32 rounding when "
-                 "redone). true (default) or false")
-      ->type_name("BOOL")
-      ->check(one_of({"true", "false", "on", "off", "1", "0"}));
-  cmd.add_option("--offload-moments-dtype", cfg.zero.offload_moments_dtype,
-                 "offload: dtype of AdamW's m and v on the host and NVMe: fp32 (default) or "
-                 "bf16 (rounded stochastically; 8 bytes of state per parameter instead of 12)")
-      ->type_name("DTYPE")
-      ->check(one_of({"fp32", "bf16"}));
-  cmd.add_option("--offload-forward-group", cfg.zero.offload_forward_group,
-                 "offload: micro-batches at the start of each step whose forward runs layer by "
-                 "layer, so that the host's update overlaps that many forwards (same results; "
-                 "costs their layer inputs in GPU memory; needs activation checkpointing). "
-                 "Default 0: every micro-batch of the step with an offloaded optimizer and "
-                 "activation checkpointing, else 1")
-      ->type_name("N")
-      ->check(int_at_least(0));
-  cmd.add_option("--nvme-path", cfg.zero.nvme_path,
-                 "infinity: directory for the per-rank swap files of state offloaded to NVMe "
-                 "(DeepSpeed offload_optimizer.nvme_path)")
-      ->type_name("DIR");
+  // The flags of the knob tables: --zero-stage, --offload-*, --grad-clip, --log-interval, ...
+  for (const KnobTable* table : all_knob_tables()) add_knob_flags(cmd, cfg, *table, kTrainFlag);
   cmd.add_flag("--activation-checkpointing", cfg.activation_checkpointing,
                "recompute activations in the backward pass to save memory (default: off)");
 
@@ -400,12 +304,6 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  fmt::format("AdamW epsilon, > 0 (default: {})", cfg.adam_eps))
       ->type_name("X")
       ->check(number_in(0.0, true, kInf, false));
-  cmd.add_option("--grad-clip", cfg.gradient_clipping,
-                 fmt::format("max global L2 norm of the gradients; 0 = no clipping (DeepSpeed "
-                             "gradient_clipping; default: {})",
-                             cfg.gradient_clipping))
-      ->type_name("NORM")
-      ->check(number_in(0.0, false, kInf, false));
 
   // ---- learning-rate schedule ----
   cmd.add_option("--warmup-steps", cfg.warmup_steps,
@@ -455,20 +353,6 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  "image models: label smoothing of the training loss in [0, 1) (default: 0)")
       ->type_name("EPS")
       ->check(number_in(0.0, false, 1.0, true));
-  cmd.add_option("--zero-hpz-partition-size", cfg.zero.hpz_partition_size,
-                 "zero3 hybrid sharding (DeepSpeed ZeRO++'s zero_hpz_partition_size, FSDP2's "
-                 "HSDP): shard parameters, gradients and optimizer state within groups of N "
-                 "consecutive ranks (the GPUs of a node) and replicate them across groups, so "
-                 "the layers' all-gathers stay in the group; the gradient shards are then "
-                 "all-reduced across groups (default 1: shard over every rank)")
-      ->type_name("N")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  cmd.add_flag("--quantized-gradients", cfg.zero.quantized_gradients,
-               "with --hierarchical-all-reduce (dp, zero1, zero2) or --zero-hpz-partition-size "
-               "(zero3): the "
-               "gradients cross nodes as int8 with one scale per 256 elements (DeepSpeed ZeRO++'s "
-               "zero_quantized_gradients, qgZ), a quarter (fp32) or half (bf16) of the bytes "
-               "(default: off)");
   cmd.add_flag("--hierarchical-all-reduce", cfg.hierarchical_all_reduce,
                "dp, zero1, zero2 and zero3 across nodes: sum each gradient bucket within the "
                "node (reduce-scatter), across nodes 1/k of it per rank (k = ranks per node; dp: "
@@ -501,16 +385,6 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
   cmd.add_option("--output-dir", cfg.output_dir,
                  fmt::format("directory for checkpoints and logs (default: {})", cfg.output_dir))
       ->type_name("DIR");
-  cmd.add_option("--log-interval", cfg.log_interval,
-                 fmt::format("optimizer steps between log lines (DeepSpeed steps_per_print; "
-                             "default: {})",
-                             cfg.log_interval))
-      ->type_name("STEPS")
-      ->check(int_at_least(1));
-  cmd.add_flag("--wall-clock-breakdown", cfg.wall_clock_breakdown,
-               "time forward, backward, the wait for gradient reduction and the optimizer step "
-               "on the device; log the means (ms per step) with each log line (DeepSpeed "
-               "wall_clock_breakdown; default: off)");
   cmd.add_option("--tensorboard", cfg.monitor.tensorboard_dir,
                  "write TensorBoard event files (train/loss, train/lr, train/grad_norm, "
                  "train/tokens_per_s, memory/*, val/loss, ... and the configuration as text) in "

@@ -17,7 +17,7 @@
 #include <utility>
 
 #include "config/config.h"
-#include "config/deepspeed_keys.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/strings.h"
 #include "model/image/image_zoo.h"
@@ -212,12 +212,6 @@ void check_strategy(const TrainConfig& c) {
         "offload_param and offload only the optimizer (offload_optimizer)",
         c.zero.offload_param_device, file, c.zero.stage));
   }
-  if (!(c.zero.offload_ratio >= 0 && c.zero.offload_ratio <= 1)) {
-    throw ConfigError(fmt::format(
-        "offload ratio {} (--offload-ratio / offload_optimizer.ratio) is not valid: use a "
-        "fraction in [0, 1] of the optimizer state to offload (1 = all of it, the default)",
-        c.zero.offload_ratio));
-  }
   const ParallelPlan& plan = c.plan;
   if (plan.optimizer_offload == OffloadDevice::kNone &&
       (c.zero.offload_delayed_update || c.zero.offload_ratio != 1.0)) {
@@ -261,17 +255,6 @@ void check_strategy(const TrainConfig& c) {
     throw ConfigError(
         "offloading to NVMe needs a directory for the swap files: give --nvme-path DIR (or "
         "\"nvme_path\" in zero_optimization.offload_optimizer / offload_param)");
-  }
-}
-
-/// The stage-3 sizes (set by the DeepSpeed reader, or in code) must be usable.
-void check_stage3(const ZeroConfig& z) {
-  for (const deepspeed::Stage3Size& s : deepspeed::kStage3Sizes) {
-    const int64_t v = z.*s.field;
-    if (v < s.min) {
-      throw ConfigError(
-          fmt::format("zero_optimization.{} {} is not valid: use {}", s.key, v, s.expected));
-    }
   }
 }
 
@@ -486,8 +469,8 @@ void validate(TrainConfig& cfg, int64_t model_context) {
   check_automatic_placement(cfg);  // first: it names the setting that conflicts with it
   // The plan is derived here, once; everything after validation reads cfg.plan.
   cfg.plan = plan_of(cfg);
+  for (const KnobTable* table : all_knob_tables()) check_knob_ranges(cfg, *table);
   check_strategy(cfg);
-  check_stage3(cfg.zero);
 
   if (cfg.device != "auto" && cfg.device != "cpu" && cfg.device != "cuda") {
     throw ConfigError(fmt::format("--device '{}' is not valid: use auto, cpu or cuda", cfg.device));
@@ -641,11 +624,6 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         "turn dropout off, or left unset to keep the model's own",
         cfg.dropout));
   }
-  if (!std::isfinite(cfg.gradient_clipping) || cfg.gradient_clipping < 0.0) {
-    throw ConfigError(fmt::format(
-        "--grad-clip {} is not valid: it must be a finite number >= 0 (0 turns clipping off)",
-        cfg.gradient_clipping));
-  }
   if (cfg.warmup_steps < -1) {
     throw ConfigError(fmt::format(
         "--warmup-steps {} is not valid: use -1 (10% of the steps, at most 1000) or a number of "
@@ -662,25 +640,6 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         "warmup_min_ratio {} is not valid: it must be in [0, 1] (lr at the start of warmup as a "
         "fraction of --lr)",
         cfg.warmup_min_ratio));
-  }
-
-  const LossScaleConfig& ls = cfg.loss_scale;
-  if (!std::isfinite(ls.loss_scale) || ls.loss_scale < 0.0) {
-    throw ConfigError(fmt::format(
-        "fp16.loss_scale {} is not valid: use 0 (dynamic) or a static scale > 0", ls.loss_scale));
-  }
-  if (ls.initial_scale_power < 0 || ls.initial_scale_power > 63) {
-    throw ConfigError(fmt::format("fp16.initial_scale_power {} is not valid: it must be in [0, 63]",
-                                  ls.initial_scale_power));
-  }
-  if (ls.loss_scale_window < 1 || ls.hysteresis < 1) {
-    throw ConfigError(fmt::format(
-        "fp16.loss_scale_window {} / fp16.hysteresis {} is not valid: both must be >= 1",
-        ls.loss_scale_window, ls.hysteresis));
-  }
-  if (!std::isfinite(ls.min_loss_scale) || ls.min_loss_scale <= 0.0) {
-    throw ConfigError(
-        fmt::format("fp16.min_loss_scale {} is not valid: it must be > 0", ls.min_loss_scale));
   }
 
   if (!cfg.dataset.empty() && !cfg.train_file.empty()) {
@@ -701,11 +660,6 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         cfg.valid_file, cfg.dataset));
   }
 
-  if (cfg.log_interval < 1) {
-    throw ConfigError(fmt::format(
-        "--log-interval {} is not valid: log every N >= 1 steps (DeepSpeed steps_per_print)",
-        cfg.log_interval));
-  }
   if (cfg.eval_interval < 0) {
     throw ConfigError(fmt::format(
         "--eval-interval {} is not valid: use 0 (at the end of each epoch) or N >= 1 steps",
