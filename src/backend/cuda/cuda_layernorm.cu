@@ -125,16 +125,35 @@ __global__ void layernorm_backward_partials_kernel(float* part_dw, float* part_d
   part_db[g * C + c] = db;
 }
 
-/// Stage 2: dweight[c] += Σ_g part_dw[g, c], dbias[c] += Σ_g part_db[g, c], g in order.
+/// Stage 2: dweight[c] += Σ_g part_dw[g, c], dbias[c] += Σ_g part_db[g, c], in a fixed order.
+/// Block (32 channels, kReduceSlices slices): thread (x, y) sums groups y, y + kReduceSlices, ...
+/// of channel blockIdx.x·32 + x in order (a warp reads 32 adjacent channels of a group), then
+/// thread y = 0 adds the slices in order. (One thread per channel over all G groups left most of
+/// the GPU idle: 28 µs a call for gpt2-medium's 1024 channels and 256 groups.)
+constexpr int kReduceSlices = 32;
+
 template <typename T>
-__global__ void layernorm_backward_reduce_kernel(T* dweight, T* dbias, const float* part_dw,
-                                                 const float* part_db, int64_t G, int64_t C) {
-  const int64_t c = global_index();
-  if (c >= C) return;
+__global__ void __launch_bounds__(32 * kReduceSlices)
+    layernorm_backward_reduce_kernel(T* dweight, T* dbias, const float* part_dw,
+                                     const float* part_db, int64_t G, int64_t C) {
+  __shared__ float sm_dw[kReduceSlices][33], sm_db[kReduceSlices][33];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   float dw = 0.0f, db = 0.0f;
-  for (int64_t g = 0; g < G; ++g) {
-    dw += part_dw[g * C + c];
-    db += part_db[g * C + c];
+  if (c < C) {
+    for (int64_t g = threadIdx.y; g < G; g += kReduceSlices) {
+      dw += part_dw[g * C + c];
+      db += part_db[g * C + c];
+    }
+  }
+  sm_dw[threadIdx.y][threadIdx.x] = dw;
+  sm_db[threadIdx.y][threadIdx.x] = db;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= C) return;
+  dw = 0.0f;
+  db = 0.0f;
+  for (int y = 0; y < kReduceSlices; ++y) {
+    dw += sm_dw[y][threadIdx.x];
+    db += sm_db[y][threadIdx.x];
   }
   dweight[c] = from_float<T>(to_float(dweight[c]) + dw);
   dbias[c] = from_float<T>(to_float(dbias[c]) + db);
@@ -181,8 +200,9 @@ void layernorm_backward(const CudaContext& ctx, Tensor dinp, Tensor dweight, Ten
     layernorm_backward_partials_kernel<T><<<grid, kBlock, 0, ctx.stream>>>(
         part_dw, part_db, dout.as<T>(), inp.as<T>(), mean.as<float>(), rstd.as<float>(), N, C, R);
     ST_CUDA_LAUNCH_CHECK();
-    layernorm_backward_reduce_kernel<T><<<blocks_for(C), kBlock, 0, ctx.stream>>>(
-        dweight.as<T>(), dbias.as<T>(), part_dw, part_db, G, C);
+    layernorm_backward_reduce_kernel<T>
+        <<<ceil_div(static_cast<size_t>(C), 32), dim3(32, kReduceSlices), 0, ctx.stream>>>(
+            dweight.as<T>(), dbias.as<T>(), part_dw, part_db, G, C);
     ST_CUDA_LAUNCH_CHECK();
   });
 }
