@@ -31,7 +31,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_trace_diff import read, short  # noqa: E402
+from kernel_trace_diff import per_step, read, short  # noqa: E402
 
 SHAPES = {"gpt2": (12, 768), "gpt2-medium": (24, 1024), "gpt2-large": (36, 1280),
           "gpt2-xl": (48, 1600)}
@@ -109,12 +109,7 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", default=None, help="also write the families as JSON here")
     a = ap.parse_args()
-    s, l = read(a.short), read(a.long)
-    rows = []
-    for key, (ms, calls) in l.items():
-        ms0, calls0 = s.get(key, (0.0, 0))
-        rows.append(((ms - ms0) / a.extra_steps, (calls - calls0) / a.extra_steps, key))
-    rows.sort(reverse=True)
+    rows = per_step(read(a.short), read(a.long), a.extra_steps)
     total = sum(r[0] for r in rows)
     fams = {}
     for ms, calls, (kind, name) in rows:

@@ -47,6 +47,17 @@ def short(names):
     return result
 
 
+def per_step(short_rows, long_rows, extra_steps):
+    """[(ms per step, calls per step, (kind, name))] of the activities in `long_rows`, the
+    difference from `short_rows` divided by `extra_steps`, longest first."""
+    out = []
+    for key, (ms, calls) in long_rows.items():
+        ms0, calls0 = short_rows.get(key, (0.0, 0))
+        out.append(((ms - ms0) / extra_steps, (calls - calls0) / extra_steps, key))
+    out.sort(reverse=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("short")
@@ -54,12 +65,7 @@ def main():
     ap.add_argument("extra_steps", type=int)
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
-    s, l = read(a.short), read(a.long)
-    out = []
-    for key, (ms, calls) in l.items():
-        ms0, calls0 = s.get(key, (0.0, 0))
-        out.append(((ms - ms0) / a.extra_steps, (calls - calls0) / a.extra_steps, key))
-    out.sort(reverse=True)
+    out = per_step(read(a.short), read(a.long), a.extra_steps)
     total = sum(o[0] for o in out)
     print(f"device time per steady step: {total:.3f} ms (sum over kernels, memsets, copies)")
     names = short([key[1] for _, _, key in out[: a.top]])

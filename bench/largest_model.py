@@ -99,6 +99,25 @@ def estimate(a, cfg, log):
     return rows, mic
 
 
+def read_steady(r, out_dir, text):
+    """Adds the run's losses, mean step time of steps 3 on and memory peaks (from out_dir's
+    metrics.jsonl) to the row `r`, or its error (the log's last lines). Returns False on error."""
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if r["exit"] != 0 or not os.path.exists(metrics):
+        r["error"] = "\n".join(text.splitlines()[-6:])
+        return False
+    recs = [json.loads(x) for x in open(metrics)]
+    steps = [x for x in recs if "loss" in x and "step_time_s" in x]
+    steady = [x for x in steps if x["step"] >= 3]
+    epoch = [x for x in recs if "device_peak_allocated_bytes" in x][-1]
+    r.update(losses=[round(x["loss"], 4) for x in steps],
+             step_s=sum(x["step_time_s"] for x in steady) / max(1, len(steady)),
+             gpu_peak=epoch["device_peak_allocated_bytes"], host_rss=epoch.get("peak_rss_bytes"),
+             host_pinned=epoch.get("host_pinned_bytes"), host_pageable=epoch.get("host_pageable_bytes"),
+             nvme=epoch.get("nvme_bytes"))
+    return True
+
+
 def train_row(a, row, name, L, C, H):
     cfg = config_json(a.workdir, name, L, C, H)
     est, mic = estimate(a, cfg, os.path.join(a.workdir, f"{row}_{name}.estimate.txt"))
@@ -132,19 +151,8 @@ def train_row(a, row, name, L, C, H):
     rc, wall, text = run(cmd, os.path.join(a.workdir, f"{row}_{name}.log"), a.timeout)
     r = {"case": name, "shape": f"L{L} d{C} h{H}", "parameters": params(L, C), "plan": plan,
          "command": " ".join(cmd), "exit": rc, "wall_s": round(wall, 1), "estimate": est.get(plan)}
-    metrics = os.path.join(out_dir, "metrics.jsonl")
-    if rc != 0 or not os.path.exists(metrics):
-        r["error"] = "\n".join(text.splitlines()[-6:])
+    if not read_steady(r, out_dir, text):
         return r
-    recs = [json.loads(x) for x in open(metrics)]
-    steps = [x for x in recs if "loss" in x and "step_time_s" in x]
-    steady = [x for x in steps if x["step"] >= 3]
-    epoch = [x for x in recs if "device_peak_allocated_bytes" in x][-1]
-    r.update(losses=[round(x["loss"], 4) for x in steps],
-             step_s=sum(x["step_time_s"] for x in steady) / max(1, len(steady)),
-             gpu_peak=epoch["device_peak_allocated_bytes"], host_rss=epoch.get("peak_rss_bytes"),
-             host_pinned=epoch.get("host_pinned_bytes"), host_pageable=epoch.get("host_pageable_bytes"),
-             nvme=epoch.get("nvme_bytes"))
     m = re.search(r"^done .*$", text, re.M)
     r["done"] = m.group(0) if m else None
     return r
@@ -174,20 +182,8 @@ def auto_row(a, name, L, C, H):
         m = re.search(pattern, text)
         if m:
             r[key] = m.group(1) if key in ("split", "chosen") else float(m.group(1))
-    metrics = os.path.join(out_dir, "metrics.jsonl")
-    if rc != 0 or not os.path.exists(metrics):
-        r["error"] = "\n".join(text.splitlines()[-6:])
-        return r
-    recs = [json.loads(x) for x in open(metrics)]
-    steps = [x for x in recs if "loss" in x and "step_time_s" in x]
-    steady = [x for x in steps if x["step"] >= 3]
-    epoch = [x for x in recs if "device_peak_allocated_bytes" in x][-1]
-    r.update(losses=[round(x["loss"], 4) for x in steps],
-             step_s=sum(x["step_time_s"] for x in steady) / max(1, len(steady)),
-             tokens_per_s=a.auto_batch * 512 / (sum(x["step_time_s"] for x in steady) /
-                                                max(1, len(steady))),
-             gpu_peak=epoch["device_peak_allocated_bytes"], host_rss=epoch.get("peak_rss_bytes"),
-             nvme=epoch.get("nvme_bytes"))
+    if read_steady(r, out_dir, text):
+        r["tokens_per_s"] = a.auto_batch * 512 / r["step_s"]
     return r
 
 
