@@ -108,27 +108,6 @@ inline const KeyList kPipelineHonoured = {"stages",    "partition_method",
                                           "schedule",  "virtual_stages"};
 inline const KeyList kPipelineIgnored = {"seed_layers", "pipe_partitioned", "grad_partitioned"};
 
-inline const KeyList kOptimizerHonoured = {"type", "params"};
-inline const KeyList kOptimizerIgnored = {"legacy_fusion"};
-inline const KeyList kAdamHonoured = {
-    "lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgrad", "bias_correction"};
-// torch.optim.SGD's arguments (dampening must be 0, maximize false: the update shardtrain runs).
-inline const KeyList kSgdHonoured = {"lr",           "momentum",  "nesterov",
-                                     "weight_decay", "dampening", "maximize"};
-inline const KeyList kSgdIgnored = {"foreach", "differentiable", "fused"};
-inline const KeyList kAdamIgnored = {"torch_adam",    "set_grad_none", "fp32_optimizer_states",
-                                     "max_grad_norm", "fused",         "foreach",
-                                     "capturable",    "differentiable"};
-
-inline const KeyList kSchedulerHonoured = {"type", "params"};
-inline const KeyList kWarmupLrHonoured = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
-                                          "warmup_type"};
-inline const KeyList kWarmupDecayLrHonoured = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
-                                               "warmup_type", "total_num_steps"};
-inline const KeyList kWarmupCosineLrHonoured = {"total_num_steps", "warmup_min_ratio",
-                                                "warmup_num_steps", "cos_min_ratio", "warmup_type"};
-inline const KeyList kSchedulerParamsIgnored = {"last_batch_iteration"};
-
 inline const KeyList kBf16Honoured = {"enabled"};
 inline const KeyList kBf16Ignored = {"immediate_grad_update", "check_grad_overflow",
                                      "bf16_master_weights_and_grads", "bf16_optimizer_states"};
@@ -138,6 +117,14 @@ inline const KeyList kBf16Ignored = {"immediate_grad_update", "check_grad_overfl
 inline const KeyList kActivationCheckpointingKeys = {
     "partition_activations", "contiguous_memory_optimization",  "cpu_checkpointing",
     "number_checkpoints",    "synchronize_checkpoint_boundary", "profile"};
+
+// The optimizer's and the scheduler's params, from their rows (config/knobs_optimizer.cpp), for
+// kSections.
+inline const KeyList kAdamHonoured = honoured_keys(optimizer_knobs(), "optimizer.params", "AdamW");
+inline const KeyList kWarmupDecayLrHonoured =
+    honoured_keys(scheduler_knobs(), "scheduler.params", "WarmupDecayLR");
+inline const KeyList kWarmupCosineLrHonoured =
+    honoured_keys(scheduler_knobs(), "scheduler.params", "WarmupCosineLR");
 
 // Keys of the honoured sections, to say where a misplaced key belongs.
 inline const std::vector<std::pair<std::string, const KeyList*>> kSections = {

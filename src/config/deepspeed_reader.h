@@ -282,23 +282,33 @@ class DeepSpeedReader {
     return given;
   }
 
-  /// Applies the rows of `table` in `section` that `obj` gives (but those read by hand): checks
-  /// each value against its row, then sets the field unless the row's flag was given.
-  void read_rows(const json& obj, const std::string& section, const KnobTable& table) {
+  /// Applies the rows of `table` in `section` that `obj` gives (but those read by hand), of the
+  /// type `variant` ("" = any): checks each value against its row, then sets the field unless
+  /// the row's flag was given. A row with a DeepSpeed default that `obj` omits takes it.
+  void read_rows(const json& obj, const std::string& section, const KnobTable& table,
+                 const std::string& variant = "") {
     for (const Knob& k : table) {
       if (k.path.empty() || k.section() != section || k.read_by_hand) continue;
-      if (k.status == KnobStatus::kIgnored) continue;
+      if (k.status == KnobStatus::kIgnored || !k.applies_to(variant)) continue;
+      const std::string flag = k.explicit_name();
       const std::optional<std::string> key = given_spelling(obj, k);
+      if (!key && k.json_default) {
+        if (flag.empty() || !is_explicit(flag)) k.set(cfg_, *k.json_default);
+        continue;
+      }
       const json* v = key ? find(obj, key->c_str()) : nullptr;
       if (v == nullptr) continue;
       const std::string path = path_of(section, *key);
-      if (!k.accepts(*v))
-        bad_value(path, *v, k.type == KnobType::kBool ? "true or false" : k.expected);
+      if (!k.accepts(*v)) {
+        bad_value(path, *v,
+                  k.type == KnobType::kBool
+                      ? std::string("true or false")
+                      : k.expected + (k.expected_or_auto ? " or \"auto\"" : ""));
+      }
       if (k.status == KnobStatus::kAlwaysOn) {
         if (!v->get<bool>()) ignored_.push_back(path + ": false");
         continue;
       }
-      const std::string flag = k.explicit_name();
       if (!flag.empty() && is_explicit(flag)) {
         overridden_.push_back(fmt::format("{} over {}", dashed_flag(flag), path));
         continue;
@@ -308,9 +318,22 @@ class DeepSpeedReader {
     }
   }
 
-  /// Checks the keys of `obj`, the JSON section `section`, against the rows of `table`.
-  void check_rows(const json& obj, const std::string& section, const KnobTable& table) {
-    check_keys(obj, section, honoured_keys(table, section), ignored_keys(table, section));
+  /// The number `obj` gives for the row at `path` of `table`; absent: the row's DeepSpeed
+  /// default; null or "auto": none. (For keys read by hand that depend on another key's value.)
+  std::optional<double> number_or_default(const json& obj, const KnobTable& table,
+                                          const std::string& path) const {
+    const Knob& k = knob_row(table, path);
+    if (!obj.contains(k.key())) return k.json_default->get<double>();
+    const json* v = find(obj, k.key().c_str());
+    return v == nullptr ? std::nullopt : std::optional<double>(v->get<double>());
+  }
+
+  /// Checks the keys of `obj`, the JSON section `section`, against the rows of `table` (of the
+  /// type `variant`, "" = any).
+  void check_rows(const json& obj, const std::string& section, const KnobTable& table,
+                  const std::string& variant = "") {
+    check_keys(obj, section, honoured_keys(table, section, variant),
+               ignored_keys(table, section, variant));
   }
 
   /// An integer in [min, INT_MAX] of `obj`, if given.
@@ -341,11 +364,15 @@ class DeepSpeedReader {
   /// --profile-step N wins over enabled/profile_step.
   void read_flops_profiler(const json& f);
   void read_optimizer(const json& opt);
-  /// optimizer {"type": "SGD", "params": {lr, momentum, nesterov, weight_decay}}: torch.optim.SGD
-  /// (parameters the section omits take PyTorch's defaults, lr DeepSpeed's 1e-3).
-  void read_sgd(const json& opt);
+  /// Adam/AdamW's params that are not rows of their own: betas and the switches shardtrain has
+  /// one setting of (`adam`: the type is "Adam", whose adam_w_mode false would mean L2).
+  void read_adam(const json& p, bool adam);
+  /// SGD's params that must keep torch.optim.SGD's defaults (dampening, maximize).
+  void read_sgd(const json& p);
   void read_warmup_type(const json& p, const std::string& prefix);
   void read_total_steps(const json& p, const std::string& prefix);
+  /// WarmupLR / WarmupDecayLR's warmup_min_lr: a fraction of warmup_max_lr.
+  void read_warmup_min_lr(const json& p, const std::string& prefix, bool decay);
   void read_scheduler(const json& sched);
 
   std::string file_;

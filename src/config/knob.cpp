@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <optional>
+#include <utility>
 
 #include "core/error.h"
 #include "core/strings.h"
@@ -127,6 +128,11 @@ bool Knob::accepts(const json& v) const {
   return false;
 }
 
+bool Knob::applies_to(const std::string& variant) const {
+  return variant.empty() || variants.empty() ||
+         std::find(variants.begin(), variants.end(), variant) != variants.end();
+}
+
 Knob ignored_key(std::string path, KnobStatus status) {
   Knob k;
   k.path = std::move(path);
@@ -138,27 +144,43 @@ Knob ignored_key(std::string path, KnobStatus status) {
 // ---- tables ---------------------------------------------------------------------------------
 
 std::vector<const KnobTable*> all_knob_tables() {
-  return {&top_level_knobs(), &fp16_knobs(), &zero_knobs(), &aio_knobs()};
+  return {&top_level_knobs(), &optimizer_knobs(), &scheduler_knobs(),
+          &fp16_knobs(),      &zero_knobs(),      &aio_knobs()};
 }
 
-std::vector<std::string> honoured_keys(const KnobTable& table, const std::string& section) {
+const Knob& knob_row(const KnobTable& table, const std::string& path) {
+  auto it = std::find_if(table.begin(), table.end(), [&](const Knob& k) { return k.path == path; });
+  ST_ASSERT(it != table.end());
+  return *it;
+}
+
+namespace {
+
+std::vector<std::string> keys_of(const KnobTable& table, const std::string& section,
+                                 const std::string& variant, bool ignored) {
   std::vector<std::string> out;
+  auto add = [&out](const std::string& key) {
+    if (std::find(out.begin(), out.end(), key) == out.end()) out.push_back(key);
+  };
   for (const Knob& k : table) {
-    if (k.path.empty() || k.section() != section || k.status == KnobStatus::kIgnored) continue;
-    if (std::find(out.begin(), out.end(), k.key()) == out.end()) out.push_back(k.key());
-    for (const std::string& a : k.aliases) out.push_back(a);
+    if (k.path.empty() || k.section() != section || !k.applies_to(variant)) continue;
+    if ((k.status == KnobStatus::kIgnored) != ignored) continue;
+    add(k.key());
+    for (const std::string& a : k.aliases) add(a);
   }
   return out;
 }
 
-std::vector<std::string> ignored_keys(const KnobTable& table, const std::string& section) {
-  std::vector<std::string> out;
-  for (const Knob& k : table) {
-    if (k.path.empty() || k.section() != section || k.status != KnobStatus::kIgnored) continue;
-    out.push_back(k.key());
-    for (const std::string& a : k.aliases) out.push_back(a);
-  }
-  return out;
+}  // namespace
+
+std::vector<std::string> honoured_keys(const KnobTable& table, const std::string& section,
+                                       const std::string& variant) {
+  return keys_of(table, section, variant, false);
+}
+
+std::vector<std::string> ignored_keys(const KnobTable& table, const std::string& section,
+                                      const std::string& variant) {
+  return keys_of(table, section, variant, true);
 }
 
 // ---- flags ----------------------------------------------------------------------------------
@@ -201,6 +223,17 @@ void check_knob_ranges(const TrainConfig& cfg, const KnobTable& table) {
 
 // ---- run.json -------------------------------------------------------------------------------
 
+namespace {
+
+/// A snapshot path's last part "betas[1]" as ("betas", 1); without an index, index -1.
+std::pair<std::string, int> indexed(const std::string& part) {
+  const std::size_t open = part.find('[');
+  if (open == std::string::npos || part.back() != ']') return {part, -1};
+  return {part.substr(0, open), std::atoi(part.c_str() + open + 1)};
+}
+
+}  // namespace
+
 void write_knob_snapshot(const TrainConfig& cfg, const KnobTable& table, json& snapshot) {
   for (const Knob& k : table) {
     if (k.snapshot.empty() || !k.get) continue;
@@ -210,14 +243,20 @@ void write_knob_snapshot(const TrainConfig& cfg, const KnobTable& table, json& s
          start = dot + 1) {
       at = &(*at)[k.snapshot.substr(start, dot - start)];
     }
-    (*at)[k.snapshot.substr(start)] = k.get(cfg);
+    const auto [name, index] = indexed(k.snapshot.substr(start));
+    json& slot = (*at)[name];
+    (index < 0 ? slot : slot[static_cast<std::size_t>(index)]) = k.get(cfg);
   }
 }
 
 void read_knob_snapshot(const json& snapshot, const KnobTable& table, TrainConfig& cfg) {
   for (const Knob& k : table) {
     if (k.snapshot.empty() || !k.set) continue;
-    if (const json* v = find_path(snapshot, k.snapshot)) k.set(cfg, *v);
+    const auto [path, index] = indexed(k.snapshot);
+    const json* v = find_path(snapshot, path);
+    if (v != nullptr && index >= 0)
+      v = v->is_array() && static_cast<std::size_t>(index) < v->size() ? &(*v)[index] : nullptr;
+    if (v != nullptr) k.set(cfg, *v);
   }
 }
 
@@ -228,19 +267,24 @@ namespace {
 std::string default_of(const Knob& k, const TrainConfig& defaults) {
   if (!k.default_text.empty()) return k.default_text;
   if (!k.get) return "";
-  const json v = k.get(defaults);
+  const json v = k.json_default ? *k.json_default : k.get(defaults);
   if (v.is_string()) return v.get<std::string>().empty() ? "none" : "`" + v.dump() + "`";
   if (v.is_number_integer() && std::llabs(v.get<long long>()) >= 10'000)
     return with_commas(v.get<long long>());
   return v.dump();
 }
 
+/// " (Adam, AdamW)": the types a key exists for.
+std::string variants_of(const Knob& k) {
+  return k.variants.empty() ? std::string() : " (" + join(k.variants, ", ") + ")";
+}
+
 std::string status_of(const Knob& k) {
   switch (k.status) {
     case KnobStatus::kHonoured:
-      return "supported";
+      return "supported" + variants_of(k);
     case KnobStatus::kIgnored:
-      return "ignored";
+      return "ignored" + variants_of(k);
     case KnobStatus::kAlwaysOn:
       return "`true` accepted (always so); `false` ignored with a warning";
   }
@@ -274,13 +318,18 @@ std::string knob_markdown(const KnobTable& table) {
   for (const std::string& section : sections) {
     out += fmt::format("{}:\n\n| key | status | default | notes |\n|---|---|---|---|\n",
                        section.empty() ? std::string("Top-level values") : "`" + section + "`");
-    std::vector<std::string> ignored;
+    // The ignored keys, one line per set of types they exist for.
+    std::vector<std::pair<std::string, std::vector<std::string>>> ignored;
     for (const Knob& k : table) {
       if (k.path.empty() || k.section() != section) continue;
       std::string keys = "`" + k.key() + "`";
       if (k.status == KnobStatus::kIgnored) {
         for (const std::string& a : k.aliases) keys += " / `" + a + "`";
-        ignored.push_back(keys);
+        const std::string status = status_of(k);
+        auto line = std::find_if(ignored.begin(), ignored.end(),
+                                 [&](const auto& l) { return l.first == status; });
+        if (line == ignored.end()) line = ignored.insert(ignored.end(), {status, {}});
+        line->second.push_back(keys);
         continue;
       }
       if (!k.aliases.empty()) {
@@ -291,7 +340,8 @@ std::string knob_markdown(const KnobTable& table) {
       out += fmt::format("| {} | {} | {} | {} |\n", keys, status_of(k), default_of(k, defaults),
                          note_of(k, defaults));
     }
-    if (!ignored.empty()) out += fmt::format("| {} | ignored | | |\n", join(ignored, ", "));
+    for (const auto& [status, keys] : ignored)
+      out += fmt::format("| {} | {} | | |\n", join(keys, ", "), status);
     out += "\n";
   }
   return out;
@@ -355,7 +405,10 @@ CLI::Validator validator_of(const Knob& k) {
   if (k.type == KnobType::kBool) return one_of({"true", "false", "on", "off", "1", "0"});
   if (k.flag_check == FlagCheck::kFinite) return finite_number();
   if (k.type == KnobType::kInt) {
-    const auto lo = static_cast<int64_t>(k.min_open ? k.min + 1 : k.min);
+    auto lo = static_cast<int64_t>(k.min_open ? k.min + 1 : k.min);
+    // A flag takes the value that means "unset" (--warmup-steps -1).
+    if (k.unset_value && *k.unset_value < static_cast<double>(lo))
+      lo = static_cast<int64_t>(*k.unset_value);
     if (k.max >= 9.0e18) return int_at_least(lo);
     return int_in(lo, static_cast<int64_t>(k.max_open ? k.max - 1 : k.max));
   }

@@ -86,6 +86,15 @@ struct Knob {
   /// The section's reader applies the key itself (it decides more than one field); the row
   /// still lists it as honoured and documents it.
   bool read_by_hand = false;
+  /// The value the field takes when its section is given without the key (DeepSpeed builds the
+  /// optimizer and scheduler from their defaults, not from the flags'); none = left as it is.
+  std::optional<nlohmann::json> json_default;
+  /// JSON errors add `or "auto"` to `expected` (the key's DeepSpeed docs show "auto").
+  bool expected_or_auto = false;
+  /// The key exists only when the JSON value at `variant_path` ("optimizer.type") is one of
+  /// `variants` ("Adam", "AdamW"); empty = always.
+  std::string variant_path;
+  std::vector<std::string> variants;
   // ---- access (empty for keys that are not applied) ----
   std::function<nlohmann::json(const TrainConfig&)> get;
   /// Sets the field from a value already checked against the row.
@@ -176,6 +185,19 @@ struct Knob {
     read_by_hand = true;
     return *this;
   }
+  Knob& deepspeed_default(nlohmann::json v) {
+    json_default = std::move(v);
+    return *this;
+  }
+  Knob& or_auto() {
+    expected_or_auto = true;
+    return *this;
+  }
+  Knob& only_with(std::string path_of_type, std::vector<std::string> types) {
+    variant_path = std::move(path_of_type);
+    variants = std::move(types);
+    return *this;
+  }
 
   /// The last key of `path` ("queue_depth") and its section ("aio").
   std::string key() const;
@@ -189,6 +211,8 @@ struct Knob {
   bool in_range(double v) const;
   /// Whether the JSON `v` is a valid value: the right type, in range, one of the choices.
   bool accepts(const nlohmann::json& v) const;
+  /// Whether the key exists for the type `variant` ("" = any type).
+  bool applies_to(const std::string& variant) const;
 };
 
 using KnobTable = std::vector<Knob>;
@@ -263,6 +287,30 @@ Knob knob_at(T TrainConfig::*m) {
   return k;
 }
 
+CLI::Validator one_of(std::vector<std::string> values);
+
+/// A row for the enumeration field `m` of TrainConfig (&TrainConfig::optimizer): its flag takes
+/// the names `choices`, read with `parse` and written with `to_string`.
+template <typename E>
+Knob knob_enum(E TrainConfig::*m, E (*parse)(const std::string&),
+               std::vector<std::string> choices) {
+  Knob k;
+  k.type = KnobType::kString;
+  k.choices = std::move(choices);
+  k.get = [m](const TrainConfig& c) { return nlohmann::json(to_string(c.*m)); };
+  k.set = [m, parse](TrainConfig& c, const nlohmann::json& v) {
+    c.*m = parse(v.get<std::string>());
+  };
+  k.print = [m](const TrainConfig& c) { return to_string(c.*m); };
+  k.add_to = [m, parse](const Knob& row, CLI::App& cmd, TrainConfig& c, const std::string& help) {
+    CLI::Option* opt = cmd.add_option_function<std::string>(
+        row.flag, [&c, m, parse](const std::string& s) { c.*m = parse(s); }, help);
+    if (!row.type_name.empty()) opt->type_name(row.type_name);
+    return opt->check(one_of(row.choices));
+  };
+  return k;
+}
+
 /// A DeepSpeed key that shardtrain accepts and does not implement (KnobStatus::kIgnored), or,
 /// with `status` kAlwaysOn, a switch that is always on here.
 Knob ignored_key(std::string path, KnobStatus status = KnobStatus::kIgnored);
@@ -277,14 +325,24 @@ const KnobTable& fp16_knobs();
 const KnobTable& zero_knobs();
 /// aio: the I/O of the NVMe swap (AioConfig).
 const KnobTable& aio_knobs();
+/// optimizer: its type and params, Adam/AdamW's and SGD's (knobs_optimizer.cpp).
+const KnobTable& optimizer_knobs();
+/// scheduler: its type and the params of WarmupLR, WarmupDecayLR and WarmupCosineLR.
+const KnobTable& scheduler_knobs();
+
+/// The row of `table` at the JSON `path` (it must have one).
+const Knob& knob_row(const KnobTable& table, const std::string& path);
 
 /// Every table, in the order of docs/CONFIG.md.
 std::vector<const KnobTable*> all_knob_tables();
 
 /// The rows of `table` whose path is in `section` ("zero_optimization.offload_param"): its
-/// honoured and ignored keys, by their last key (aliases included).
-std::vector<std::string> honoured_keys(const KnobTable& table, const std::string& section);
-std::vector<std::string> ignored_keys(const KnobTable& table, const std::string& section);
+/// honoured and ignored keys, by their last key (aliases included); with `variant`, those of that
+/// type only ("SGD" for optimizer.params).
+std::vector<std::string> honoured_keys(const KnobTable& table, const std::string& section,
+                                       const std::string& variant = "");
+std::vector<std::string> ignored_keys(const KnobTable& table, const std::string& section,
+                                      const std::string& variant = "");
 
 // ---- who walks them -----------------------------------------------------------------------------
 

@@ -154,7 +154,8 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->type_name("GIB")
       ->check(number_in(0, true, kInf, false));
   // The flags of the knob tables: --zero-stage, --offload-*, --grad-clip, --log-interval, ...
-  for (const KnobTable* table : all_knob_tables()) add_knob_flags(cmd, cfg, *table, kTrainFlag);
+  for (const KnobTable* table : {&top_level_knobs(), &fp16_knobs(), &zero_knobs(), &aio_knobs()})
+    add_knob_flags(cmd, cfg, *table, kTrainFlag);
   cmd.add_flag("--activation-checkpointing", cfg.activation_checkpointing,
                "recompute activations in the backward pass to save memory (default: off)");
 
@@ -267,63 +268,9 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->type_name("P")
       ->check(number_in(0.0, false, 1.0, true));
 
-  // ---- optimizer ----
-  cmd.add_option_function<std::string>(
-         "--optimizer", [&cfg](const std::string& s) { cfg.optimizer = parse_optimizer(s); },
-         fmt::format("adamw (AdamW) or sgd (torch.optim.SGD: --momentum, --nesterov, L2 weight "
-                     "decay) (default: {})",
-                     to_string(cfg.optimizer)))
-      ->type_name("NAME")
-      ->check(one_of({"adamw", "sgd"}));
-  cmd.add_option("--lr", cfg.lr,
-                 fmt::format("peak learning rate of the optimizer (default: {})", cfg.lr))
-      ->type_name("LR")
-      ->check(number_in(0.0, true, kInf, false));
-  cmd.add_option("--weight-decay", cfg.weight_decay,
-                 fmt::format("weight decay of the 2-D weights: AdamW's decoupled decay, SGD's L2 "
-                             "term added to the gradient; 0 = off (default: {})",
-                             cfg.weight_decay))
-      ->type_name("X")
-      ->check(number_in(0.0, false, kInf, false));
-  cmd.add_option("--momentum", cfg.momentum,
-                 fmt::format("SGD momentum, in [0, 1); 0 = plain SGD (default: {}, as PyTorch)",
-                             cfg.momentum))
-      ->type_name("X")
-      ->check(number_in(0.0, false, 1.0, true));
-  cmd.add_flag("--nesterov", cfg.nesterov,
-               "SGD with Nesterov momentum (torch.optim.SGD nesterov=True); needs --momentum > 0");
-  cmd.add_option("--adam-beta1", cfg.beta1,
-                 fmt::format("AdamW beta1, in [0, 1) (default: {})", cfg.beta1))
-      ->type_name("X")
-      ->check(number_in(0.0, false, 1.0, true));
-  cmd.add_option("--adam-beta2", cfg.beta2,
-                 fmt::format("AdamW beta2, in [0, 1) (default: {})", cfg.beta2))
-      ->type_name("X")
-      ->check(number_in(0.0, false, 1.0, true));
-  cmd.add_option("--adam-eps", cfg.adam_eps,
-                 fmt::format("AdamW epsilon, > 0 (default: {})", cfg.adam_eps))
-      ->type_name("X")
-      ->check(number_in(0.0, true, kInf, false));
-
-  // ---- learning-rate schedule ----
-  cmd.add_option("--warmup-steps", cfg.warmup_steps,
-                 fmt::format("optimizer steps of linear warmup; -1 = 10% of the total steps, at "
-                             "most 1000 (default: {})",
-                             cfg.warmup_steps))
-      ->type_name("N")
-      ->check(int_at_least(-1));
-  cmd.add_option_function<std::string>(
-         "--lr-schedule", [&cfg](const std::string& s) { cfg.lr_schedule = parse_lr_schedule(s); },
-         fmt::format("constant|linear|cosine decay after warmup (default: {})",
-                     to_string(cfg.lr_schedule)))
-      ->type_name("SCHEDULE")
-      ->check(one_of({"constant", "linear", "cosine"}));
-  cmd.add_option("--min-lr-ratio", cfg.min_lr_ratio,
-                 fmt::format("final learning rate of linear/cosine decay as a fraction of --lr, "
-                             "in [0, 1] (default: {})",
-                             cfg.min_lr_ratio))
-      ->type_name("X")
-      ->check(number_in(0.0, false, 1.0, false));
+  // ---- optimizer and learning-rate schedule: --optimizer, --lr, ..., --min-lr-ratio ----
+  add_knob_flags(cmd, cfg, optimizer_knobs(), kTrainFlag);
+  add_knob_flags(cmd, cfg, scheduler_knobs(), kTrainFlag);
 
   // ---- data ----
   cmd.add_option("--dataset", cfg.dataset,

@@ -575,33 +575,6 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         cfg.eval_samples));
   }
 
-  if (!std::isfinite(cfg.lr) || cfg.lr <= 0.0) {
-    throw ConfigError(fmt::format(
-        "--lr {} is not valid: the learning rate must be a finite number > 0 (e.g. 6e-4)", cfg.lr));
-  }
-  if (!(cfg.beta1 >= 0.0 && cfg.beta1 < 1.0)) {
-    throw ConfigError(fmt::format(
-        "--adam-beta1 {} is not valid: it must be in [0, 1) (typically 0.9)", cfg.beta1));
-  }
-  if (!(cfg.beta2 >= 0.0 && cfg.beta2 < 1.0)) {
-    throw ConfigError(fmt::format(
-        "--adam-beta2 {} is not valid: it must be in [0, 1) (typically 0.999 or 0.95)", cfg.beta2));
-  }
-  if (!std::isfinite(cfg.adam_eps) || cfg.adam_eps <= 0.0) {
-    throw ConfigError(
-        fmt::format("--adam-eps {} is not valid: it must be a finite number > 0 (typically 1e-8)",
-                    cfg.adam_eps));
-  }
-  if (!std::isfinite(cfg.weight_decay) || cfg.weight_decay < 0.0) {
-    throw ConfigError(fmt::format(
-        "--weight-decay {} is not valid: it must be a finite number >= 0 (0 turns it off)",
-        cfg.weight_decay));
-  }
-  if (!(cfg.momentum >= 0.0 && cfg.momentum < 1.0)) {
-    throw ConfigError(fmt::format(
-        "--momentum {} is not valid: it must be in [0, 1) (typically 0.9; 0 = plain SGD)",
-        cfg.momentum));
-  }
   if (cfg.optimizer == OptimizerKind::kAdamW && (cfg.momentum != 0.0 || cfg.nesterov)) {
     throw ConfigError(
         "--momentum and --nesterov are SGD's: add --optimizer sgd (or \"optimizer\": {\"type\": "
@@ -623,23 +596,6 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         "--dropout {} is not valid: it must be a probability in [0, 1) (e.g. 0.1, GPT-2's), 0 to "
         "turn dropout off, or left unset to keep the model's own",
         cfg.dropout));
-  }
-  if (cfg.warmup_steps < -1) {
-    throw ConfigError(fmt::format(
-        "--warmup-steps {} is not valid: use -1 (10% of the steps, at most 1000) or a number of "
-        "steps >= 0",
-        cfg.warmup_steps));
-  }
-  if (!(cfg.min_lr_ratio >= 0.0 && cfg.min_lr_ratio <= 1.0)) {
-    throw ConfigError(fmt::format(
-        "--min-lr-ratio {} is not valid: it must be in [0, 1] (final lr as a fraction of --lr)",
-        cfg.min_lr_ratio));
-  }
-  if (!(cfg.warmup_min_ratio >= 0.0 && cfg.warmup_min_ratio <= 1.0)) {
-    throw ConfigError(fmt::format(
-        "warmup_min_ratio {} is not valid: it must be in [0, 1] (lr at the start of warmup as a "
-        "fraction of --lr)",
-        cfg.warmup_min_ratio));
   }
 
   if (!cfg.dataset.empty() && !cfg.train_file.empty()) {

@@ -37,7 +37,7 @@ json other_value(const Knob& k, const TrainConfig& defaults) {
       break;
     }
     case KnobType::kNumber: {
-      for (double v : {d.get<double>() / 2, d.get<double>() * 2, d.get<double>() + 1})
+      for (double v : {d.get<double>() / 2, d.get<double>() * 2, d.get<double>() + 1, 0.5})
         if (k.accepts(json(v)) && v != d.get<double>()) return v;
       break;
     }
@@ -60,6 +60,13 @@ json document(const std::string& path, const json& value) {
     part = next;
   }
   (*at)[part] = value;
+  return root;
+}
+
+/// `value` at the row's JSON path, under a type the key exists for ("optimizer.type": "SGD").
+json row_document(const Knob& k, const std::string& path, const json& value) {
+  json root = document(path, value);
+  if (!k.variant_path.empty()) root.merge_patch(document(k.variant_path, k.variants.front()));
   return root;
 }
 
@@ -104,7 +111,7 @@ TEST_F(ConfigTest, EveryRowsFlagJsonKeyAndSnapshotSetTheSameField) {
       std::vector<std::string> paths = {k->path};
       for (const std::string& a : k->aliases) paths.push_back(k->section() + "." + a);
       for (const std::string& path : paths) {
-        const TrainConfig cfg = apply_json(document(path, value).dump());
+        const TrainConfig cfg = apply_json(row_document(*k, path, value).dump());
         EXPECT_EQ(k->get(cfg), value) << path;
       }
       ++keys;
@@ -133,7 +140,7 @@ TEST_F(ConfigTest, AnExplicitFlagBeatsItsJsonKey) {
     const json value = other_value(*k, defaults);
     TrainConfig cfg;
     std::vector<std::string> ignored, overridden;
-    cfg.deepspeed_config = write("ds.json", document(k->path, value).dump());
+    cfg.deepspeed_config = write("ds.json", row_document(*k, k->path, value).dump());
     apply_deepspeed_config(cfg.deepspeed_config, cfg, {k->explicit_name()}, ignored, overridden);
     EXPECT_EQ(k->get(cfg), k->get(defaults)) << k->path;
     ASSERT_EQ(overridden.size(), 1u) << k->path;
