@@ -20,22 +20,6 @@ namespace {
 
 using nlohmann::json;
 
-std::optional<int64_t> to_int(const std::string& s) {
-  int64_t v = 0;
-  const char* end = s.data() + s.size();
-  auto [ptr, ec] = std::from_chars(s.data(), end, v);
-  if (ec != std::errc() || ptr != end || s.empty()) return std::nullopt;
-  return v;
-}
-
-std::optional<double> to_double(const std::string& s) {
-  if (s.empty()) return std::nullopt;
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  if (end != s.c_str() + s.size() || !std::isfinite(v)) return std::nullopt;
-  return v;
-}
-
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 /// The number `v` as a message shows it: integers without a decimal point.
@@ -49,7 +33,7 @@ std::string number_text(double v) {
 CLI::Validator int_in(int64_t lo, int64_t hi) {
   return CLI::Validator(
       [lo, hi](std::string& s) -> std::string {
-        auto v = to_int(s);
+        auto v = parse_int64(s);
         if (!v || *v < lo || *v > hi)
           return fmt::format("must be an integer in [{}, {}], got '{}'", lo, hi, s);
         return {};
@@ -352,7 +336,7 @@ std::string knob_markdown(const KnobTable& table) {
 CLI::Validator int_at_least(int64_t min) {
   return CLI::Validator(
       [min](std::string& s) -> std::string {
-        auto v = to_int(s);
+        auto v = parse_int64(s);
         if (!v || *v < min) return fmt::format("must be an integer >= {}, got '{}'", min, s);
         return {};
       },
@@ -368,7 +352,7 @@ CLI::Validator number_in(double lo, bool lo_open, double hi, bool hi_open) {
   }
   return CLI::Validator(
       [=](std::string& s) -> std::string {
-        auto v = to_double(s);
+        auto v = parse_finite_double(s);
         const bool ok = v && (lo_open ? *v > lo : *v >= lo) && (hi_open ? *v < hi : *v <= hi);
         if (!ok) return fmt::format("must be {}, got '{}'", range, s);
         return {};
@@ -379,7 +363,7 @@ CLI::Validator number_in(double lo, bool lo_open, double hi, bool hi_open) {
 CLI::Validator finite_number() {
   return CLI::Validator(
       [](std::string& s) -> std::string {
-        if (!to_double(s)) return fmt::format("must be a finite number, got '{}'", s);
+        if (!parse_finite_double(s)) return fmt::format("must be a finite number, got '{}'", s);
         return {};
       },
       "");

@@ -21,14 +21,6 @@ namespace shardtrain {
 
 namespace {
 
-std::optional<int64_t> to_int(const std::string& s) {
-  int64_t v = 0;
-  const char* end = s.data() + s.size();
-  auto [ptr, ec] = std::from_chars(s.data(), end, v);
-  if (ec != std::errc() || ptr != end || s.empty()) return std::nullopt;
-  return v;
-}
-
 // Validators with plain messages; CLI11 prefixes them with the flag ("--lr: ...").
 // Their descriptions are empty so that the help shows the ranges only in the flag's text.
 
@@ -50,7 +42,7 @@ CLI::Validator unsigned_64() {
 CLI::Validator minus_one_or_positive() {
   return CLI::Validator(
       [](std::string& s) -> std::string {
-        auto v = to_int(s);
+        auto v = parse_int64(s);
         if (!v || (*v != -1 && *v < 1)) {
           return fmt::format("must be -1 or an integer >= 1, got '{}'", s);
         }

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <numeric>
@@ -214,6 +216,22 @@ std::string svg_begin(double width, double height, double title_x, std::string_v
       "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       "<text x=\"{:.0f}\" y=\"22\" font-size=\"15\">{}</text>\n",
       width, height, width, height, title_x, xml_escape(title));
+}
+
+std::optional<int64_t> parse_int64(const std::string& s) {
+  int64_t v = 0;
+  const char* end = s.data() + s.size();
+  auto [ptr, ec] = std::from_chars(s.data(), end, v);
+  if (ec != std::errc() || ptr != end || s.empty()) return std::nullopt;
+  return v;
+}
+
+std::optional<double> parse_finite_double(const std::string& s) {
+  if (s.empty()) return std::nullopt;
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (end != s.c_str() + s.size() || !std::isfinite(v)) return std::nullopt;
+  return v;
 }
 
 }  // namespace shardtrain

@@ -1,6 +1,7 @@
 // Small string helpers for messages: joining lists and "did you mean" suggestions.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -50,6 +51,14 @@ std::string human_bytes(double bytes);
 
 /// `text` with the XML special characters (< > & ") escaped, for SVG text and attributes.
 std::string xml_escape(std::string_view text);
+
+/// The whole of `s` as a decimal int64 (std::from_chars); nullopt for an empty string, other
+/// characters or a value out of range.
+std::optional<int64_t> parse_int64(const std::string& s);
+
+/// The whole of `s` as a finite double (strtod); nullopt for an empty string, other characters,
+/// infinities and NaN.
+std::optional<double> parse_finite_double(const std::string& s);
 
 /// The start of an SVG picture of `width` × `height` pixels on white, with `title` (escaped) at
 /// (title_x, 22) in 15 px sans-serif; close it with "</svg>\n".
