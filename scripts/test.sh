@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the test suite (CTest) against ./build, then — when scripts/setup.sh built them — the unit
-# tests under AddressSanitizer and UBSan (./build-sanitize, label "unit") and the fuzz targets
-# (./build-fuzz: each replays its corpus and regressions, then fuzzes for
-# SHARDTRAIN_FUZZ_SECONDS, default 20). Any failure fails the script.
+# tests under AddressSanitizer and UBSan (./build-sanitize, label "unit" but not "integration":
+# the long end-to-end runs of tests/test_properties.cmake, whose checks are about results, run
+# in the main pass only) and the fuzz targets (./build-fuzz: each replays its corpus and
+# regressions, then fuzzes for SHARDTRAIN_FUZZ_SECONDS, default 20). Any failure fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
@@ -17,7 +18,7 @@ if [ -d build-sanitize ]; then
   # allocator_may_return_null: a request beyond memory throws std::bad_alloc, as without ASan.
   ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:detect_stack_use_after_return=0" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
-    ctest --test-dir build-sanitize --output-on-failure -j 2 --timeout 1800 -L unit
+    ctest --test-dir build-sanitize --output-on-failure -j 2 --timeout 1800 -L unit -LE integration
 else
   echo "test.sh: no ./build-sanitize (scripts/setup.sh --no-checks): the sanitizer tests are skipped"
 fi
