@@ -7,6 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+# Two tests at a time share the cores: OpenMP threads that wait spinning (the default) take the
+# CPU from the other test's processes. Beside a training run's spinning threads, the 4 MPI ranks
+# of zero_equivalence_np4 took 210 s instead of 8 (39 s with these threads passive); a run alone
+# is as fast either way.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 # The test binaries link OpenBLAS directly; pick its AVX-512/AVX2 kernels as `shardtrain` does.
 if [ -z "${OPENBLAS_CORETYPE:-}" ]; then
   if grep -qw avx512bw /proc/cpuinfo; then export OPENBLAS_CORETYPE=SkylakeX
