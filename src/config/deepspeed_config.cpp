@@ -26,8 +26,7 @@ void DeepSpeedReader::apply(const json& root) {
                      json_type_name(root)));
   }
   check_keys(root, "", kTopHonoured, kTopIgnored);
-  read_batch(root);
-  read_rows(root, "", top_level_knobs());  // the single values
+  read_rows(root, "", top_level_knobs());  // the batch sizes and the single values
   if (const json* opt = find(root, "optimizer")) read_optimizer(*opt);
   if (const json* sched = find(root, "scheduler")) read_scheduler(*sched);
   read_precision(root);
@@ -48,25 +47,6 @@ void DeepSpeedReader::apply(const json& root) {
           "tensorboard or csv_monitor)";
   }
 }
-void DeepSpeedReader::read_batch(const json& root) {
-  if (auto v = get_int(root, "train_batch_size", "", 1,
-                       "an integer >= 1 (global batch in samples) or \"auto\"")) {
-    assign("train_batch_size", "train_batch_size", true, cfg_.train_batch_size, *v);
-  }
-  if (auto v = get_int(root, "train_micro_batch_size_per_gpu", "", 1,
-                       "an integer >= 1 (samples per device per micro-step) or \"auto\"")) {
-    if (assign("batch_size", "train_micro_batch_size_per_gpu", true, cfg_.micro_batch_size, *v)) {
-      cfg_.micro_batch_set = true;
-    }
-  }
-  if (auto v = get_int(root, "gradient_accumulation_steps", "", 1,
-                       "an integer >= 1 (micro-steps per optimizer step) or \"auto\"")) {
-    if (assign("gradient_accumulation_steps", "gradient_accumulation_steps", true,
-               cfg_.gradient_accumulation_steps, *v)) {
-      cfg_.accumulation_set = true;
-    }
-  }
-}
 void DeepSpeedReader::read_precision(const json& root) {
   if (find(root, "bf16") != nullptr && find(root, "bfloat16") != nullptr) {
     fail("both \"bf16\" and \"bfloat16\" (its old name) are given: keep only \"bf16\"");
@@ -74,7 +54,8 @@ void DeepSpeedReader::read_precision(const json& root) {
   std::optional<bool> bf16, fp16;
   std::string bf16_key = find(root, "bf16") != nullptr ? "bf16" : "bfloat16";
   if (const json* bf = find_object(root, bf16_key.c_str(), "", "an object {\"enabled\": true}")) {
-    check_keys(*bf, bf16_key, kBf16Honoured, kBf16Ignored);
+    check_keys(*bf, bf16_key, honoured_keys(fp16_knobs(), "bf16"),
+               ignored_keys(fp16_knobs(), "bf16"));
     bf16 = get_bool(*bf, "enabled", bf16_key);
   }
   if (const json* fp = find_object(root, "fp16", "", "an object {\"enabled\": true, ...}")) {
@@ -157,9 +138,11 @@ void DeepSpeedReader::read_pipeline(const json& root) {
   const json* section = find(root, "pipeline");
   if (section == nullptr) return;
   const json& p = *section;
+  const KnobTable& rows = pipeline_knobs();
   if (!p.is_object()) bad_value(prefix, p, "an object {\"stages\": 4, ...}");
   const std::size_t ignored_before = ignored_.size();
-  check_keys(p, prefix, kPipelineHonoured, kPipelineIgnored);
+  check_rows(p, prefix, rows);
+  check_values(p, prefix, rows);  // also when the section is ignored
 
   if (has(p, "stages") && is_auto(p.at("stages"))) {
     fail(
@@ -168,45 +151,36 @@ void DeepSpeedReader::read_pipeline(const json& root) {
         "the world size must be a multiple of it)");
   }
   const auto stages =
-      get_small_int(p, "stages", prefix, 1, "an integer >= 1 (ranks per pipeline), e.g. 4");
+      get_small_int(p, "stages", prefix, 1, knob_row(rows, "pipeline.stages").expected);
   std::optional<PipelineSchedule> schedule;
-  if (auto name = get_string(p, "schedule", prefix,
-                             "a schedule name: gpipe, 1f1b, interleaved-1f1b, zb-h1 or 2bw")) {
+  if (auto name = get_string(p, "schedule", prefix, knob_row(rows, "pipeline.schedule").expected)) {
     try {
       schedule = parse_pipeline_schedule(*name);
     } catch (const ConfigError& e) {
       fail(fmt::format("\"pipeline.schedule\": {}", e.what()));
     }
   }
-  const auto virtual_stages =
-      get_small_int(p, "virtual_stages", prefix, 1,
-                    "an integer >= 1 (model chunks per rank; > 1 only with interleaved-1f1b)");
-  if (has(p, "partition_method") && has(p, "partition")) {
-    fail(
-        "\"pipeline.partition_method\" and \"pipeline.partition\" are both given: they are "
-        "the same setting; keep only \"partition_method\"");
-  }
-  const char* partition_key = has(p, "partition") ? "partition" : "partition_method";
-  const std::string partition_path = path_of(prefix, partition_key);
+  const Knob& partition_row = knob_row(rows, "pipeline.partition_method");
+  const std::optional<std::string> partition_key = given_spelling(p, partition_row);
   std::optional<std::string> partition;
-  if (auto m = get_string(p, partition_key, prefix, "\"parameters\", \"uniform\" or \"time\"")) {
-    partition = lowercase(*m);
-    if (partition->rfind("type:", 0) == 0) {
-      fail(
-          fmt::format("\"{}\": \"{}\" (DeepSpeed's partition by layer class) is not available in "
-                      "shardtrain: use \"parameters\" (balance parameter counts, the default), "
-                      "\"uniform\" (equal block counts) or \"time\" (balance measured time)",
-                      partition_path, *m));
-    }
-    try {
-      check_partition_method(*partition);
-    } catch (const ConfigError& e) {
-      fail(fmt::format("\"{}\": {}", partition_path, e.what()));
+  const std::string partition_path = path_of(prefix, partition_key.value_or(partition_row.key()));
+  if (partition_key) {
+    if (auto m = get_string(p, partition_key->c_str(), prefix, partition_row.expected)) {
+      partition = lowercase(*m);
+      if (partition->rfind("type:", 0) == 0) {
+        fail(
+            fmt::format("\"{}\": \"{}\" (DeepSpeed's partition by layer class) is not available in "
+                        "shardtrain: use \"parameters\" (balance parameter counts, the default), "
+                        "\"uniform\" (equal block counts) or \"time\" (balance measured time)",
+                        partition_path, *m));
+      }
+      try {
+        check_partition_method(*partition);
+      } catch (const ConfigError& e) {
+        fail(fmt::format("\"{}\": {}", partition_path, e.what()));
+      }
     }
   }
-  const auto interval =
-      get_small_int(p, "activation_checkpoint_interval", prefix, 0,
-                    "an integer >= 0 (blocks per activation checkpoint; 0 = off)");
 
   // A pipeline section with stages > 1 selects the pipeline, as DeepSpeed's PipelineEngine
   // runs whenever the model is a PipelineModule.
@@ -232,27 +206,22 @@ void DeepSpeedReader::read_pipeline(const json& root) {
   PipelineConfig& pc = cfg_.pipeline;
   if (stages) assign("pipeline_stages", "pipeline.stages", true, pc.stages, *stages);
   if (schedule) assign("pipeline_schedule", "pipeline.schedule", true, pc.schedule, *schedule);
-  if (virtual_stages) {
-    assign("virtual_stages", "pipeline.virtual_stages", true, pc.virtual_stages, *virtual_stages);
-  }
-  if (partition) {
-    assign("partition_method", partition_path, true, pc.partition_method, *partition);
-  }
-  if (interval) {
-    assign("activation_checkpoint_interval", "pipeline.activation_checkpoint_interval", true,
-           pc.activation_checkpoint_interval, *interval);
-  }
+  if (partition) assign("partition_method", partition_path, true, pc.partition_method, *partition);
+  read_rows(p, prefix, rows);  // virtual_stages, activation_checkpoint_interval
 }
 void DeepSpeedReader::read_activation_checkpointing(const json& ac) {
   const std::string prefix = "activation_checkpointing";
   if (!ac.is_object()) bad_value(prefix, ac, "an object {\"partition_activations\": false, ...}");
-  check_keys(ac, prefix, {}, kActivationCheckpointingKeys);
+  const KnobTable& rows = activation_checkpointing_knobs();
+  // Each option is listed as ignored (the warning names the ones on); any on turns it on.
+  const KeyList options = honoured_keys(rows, prefix);
+  check_keys(ac, prefix, {}, options);
   bool on = false;
-  for (const auto& key : kActivationCheckpointingKeys) {
+  for (const std::string& key : options) {
     const json* v = find(ac, key.c_str());
     if (v == nullptr) continue;
     if (key == "number_checkpoints") {
-      get_int(ac, "number_checkpoints", prefix, 0, "an integer >= 0 or null");
+      get_int(ac, "number_checkpoints", prefix, 0, knob_row(rows, path_of(prefix, key)).expected);
     } else {
       get_bool(ac, key.c_str(), prefix);
     }
@@ -273,7 +242,7 @@ void DeepSpeedReader::read_monitor(const json& m, const std::string& prefix, std
                                    std::string& dir) {
   if (!m.is_object())
     bad_value(prefix, m, "an object {\"enabled\": true, \"output_path\": ..., \"job_name\": ...}");
-  check_keys(m, prefix, kMonitorHonoured, {});
+  check_rows(m, prefix, monitor_knobs());
   const bool enabled = get_bool(m, "enabled", prefix).value_or(false);
   const std::string output_path =
       get_string(m, "output_path", prefix, "a directory path (string)").value_or("");
@@ -292,24 +261,17 @@ void DeepSpeedReader::read_flops_profiler(const json& f) {
   const std::string prefix = "flops_profiler";
   if (!f.is_object())
     bad_value(prefix, f, "an object {\"enabled\": true, \"profile_step\": 1, ...}");
-  check_keys(f, prefix, kFlopsProfilerHonoured, {});
+  check_rows(f, prefix, monitor_knobs());
   FlopsProfilerConfig& p = cfg_.flops_profiler;
   const bool enabled = get_bool(f, "enabled", prefix).value_or(false);
-  const auto step =
-      get_int(f, "profile_step", prefix, 1, "an integer >= 1 (the optimizer step to profile)");
+  const auto step = get_int(f, "profile_step", prefix, 1,
+                            knob_row(monitor_knobs(), "flops_profiler.profile_step").expected);
   if (enabled) {
     if (!is_explicit("profile_step")) p.enabled = true;
     assign("profile_step", path_of(prefix, "profile_step"), step.has_value(), p.profile_step,
            step.value_or(1));
   }
-  if (auto v = get_int(f, "module_depth", prefix, -1, "an integer >= -1 (-1: every level)"))
-    p.module_depth = *v;
-  if (auto v = get_int(f, "top_modules", prefix, 0, "an integer >= 0")) p.top_modules = *v;
-  if (auto v = get_bool(f, "detailed", prefix)) p.detailed = *v;
-  if (f.contains("output_file") && !f.at("output_file").is_null()) {
-    if (auto v = get_string(f, "output_file", prefix, "a file path (string) or null"))
-      p.output_file = *v;
-  }
+  read_rows(f, prefix, monitor_knobs());  // module_depth, top_modules, detailed, output_file
 }
 
 }  // namespace deepspeed_reader

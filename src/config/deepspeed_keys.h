@@ -19,9 +19,6 @@ using KeyList = std::vector<std::string>;
 // Top-level keys shardtrain reads: these and the rows of top_level_knobs().
 inline const KeyList kTopHonoured = [] {
   KeyList keys = {
-      "train_batch_size",
-      "train_micro_batch_size_per_gpu",
-      "gradient_accumulation_steps",
       "optimizer",
       "scheduler",
       "fp16",
@@ -92,31 +89,16 @@ inline const KeyList kZeroHonoured = honoured_keys(zero_knobs(), "zero_optimizat
 inline const KeyList kAioHonoured = honoured_keys(aio_knobs(), "aio");
 inline const KeyList kFp16Honoured = honoured_keys(fp16_knobs(), "fp16");
 
-// The monitor sections "tensorboard" and "csv_monitor" (DeepSpeed's monitor/config.py).
-inline const KeyList kMonitorHonoured = {"enabled", "output_path", "job_name"};
+// The monitor sections and flops_profiler, from their rows (config/knobs_monitors.cpp).
+inline const KeyList kTensorboardHonoured = honoured_keys(monitor_knobs(), "tensorboard");
+inline const KeyList kCsvMonitorHonoured = honoured_keys(monitor_knobs(), "csv_monitor");
+inline const KeyList kFlopsProfilerHonoured = honoured_keys(monitor_knobs(), "flops_profiler");
 
-// The flops_profiler section (DeepSpeed's profiling/config.py; FlopsProfilerConfig).
-inline const KeyList kFlopsProfilerHonoured = {"enabled",     "profile_step", "module_depth",
-                                               "top_modules", "detailed",     "output_file"};
-
-// The top-level pipeline section (PipelineConfig). DeepSpeed's keys stages, partition (DeepSpeed's
-// config name; partition_method is PipelineModule's) and activation_checkpoint_interval, and
-// shardtrain's schedule and virtual_stages. seed_layers and the tensor-parallel options
-// pipe_partitioned / grad_partitioned are not implemented.
-inline const KeyList kPipelineHonoured = {"stages",    "partition_method",
-                                          "partition", "activation_checkpoint_interval",
-                                          "schedule",  "virtual_stages"};
-inline const KeyList kPipelineIgnored = {"seed_layers", "pipe_partitioned", "grad_partitioned"};
-
-inline const KeyList kBf16Honoured = {"enabled"};
-inline const KeyList kBf16Ignored = {"immediate_grad_update", "check_grad_overflow",
-                                     "bf16_master_weights_and_grads", "bf16_optimizer_states"};
-
-// activation_checkpointing: any of these "on" turns activation checkpointing on; the options
-// themselves (partitioning, CPU checkpointing, ...) are not implemented and are listed as ignored.
-inline const KeyList kActivationCheckpointingKeys = {
-    "partition_activations", "contiguous_memory_optimization",  "cpu_checkpointing",
-    "number_checkpoints",    "synchronize_checkpoint_boundary", "profile"};
+// The pipeline and activation_checkpointing sections' keys, from their rows
+// (config/knobs_pipeline.cpp).
+inline const KeyList kPipelineHonoured = honoured_keys(pipeline_knobs(), "pipeline");
+inline const KeyList kActivationCheckpointingKeys =
+    honoured_keys(activation_checkpointing_knobs(), "activation_checkpointing");
 
 // The optimizer's and the scheduler's params, from their rows (config/knobs_optimizer.cpp), for
 // kSections.
@@ -137,8 +119,8 @@ inline const std::vector<std::pair<std::string, const KeyList*>> kSections = {
     {"activation_checkpointing", &kActivationCheckpointingKeys},
     {"aio", &kAioHonoured},
     {"pipeline", &kPipelineHonoured},
-    {"tensorboard", &kMonitorHonoured},
-    {"csv_monitor", &kMonitorHonoured},
+    {"tensorboard", &kTensorboardHonoured},
+    {"csv_monitor", &kCsvMonitorHonoured},
     {"flops_profiler", &kFlopsProfilerHonoured},
 };
 

@@ -336,6 +336,20 @@ class DeepSpeedReader {
                ignored_keys(table, section, variant));
   }
 
+  /// Checks the values `obj` gives for the rows of `table` in `section` that read_rows() applies,
+  /// without applying them (a section that may turn out ignored is still checked).
+  void check_values(const json& obj, const std::string& section, const KnobTable& table) const {
+    for (const Knob& k : table) {
+      if (k.path.empty() || k.section() != section || k.read_by_hand) continue;
+      if (k.status != KnobStatus::kHonoured) continue;
+      const std::optional<std::string> key = given_spelling(obj, k);
+      const json* v = key ? find(obj, key->c_str()) : nullptr;
+      if (v != nullptr && !k.accepts(*v))
+        bad_value(path_of(section, *key), *v,
+                  k.type == KnobType::kBool ? std::string("true or false") : k.expected);
+    }
+  }
+
   /// An integer in [min, INT_MAX] of `obj`, if given.
   std::optional<int> get_small_int(const json& obj, const char* key, const std::string& prefix,
                                    int min, std::string_view expected) const {
@@ -347,7 +361,6 @@ class DeepSpeedReader {
   }
 
   // ---- sections (deepspeed_config.cpp; optimizer and scheduler: deepspeed_optimizer.cpp) ----
-  void read_batch(const json& root);
   void read_precision(const json& root);
   void read_offload(const json& z, const std::string& key);
   void read_zero(const json& z);

@@ -85,6 +85,12 @@ std::string Knob::explicit_name() const {
   return n;
 }
 
+std::string Knob::label() const {
+  if (path.empty()) return name();
+  if (flag.empty() || !(surfaces & kTrainFlag)) return path;
+  return fmt::format("{} ({})", path, name());
+}
+
 bool Knob::in_range(double v) const {
   const bool above = min_open ? v > min : v >= min;
   const bool below = max_open ? v < max : v <= max;
@@ -127,9 +133,28 @@ Knob ignored_key(std::string path, KnobStatus status) {
 
 // ---- tables ---------------------------------------------------------------------------------
 
+namespace knob_detail {
+
+const TrainConfig& probe_config() {
+  static const TrainConfig c{};
+  return c;
+}
+
+const Knob& knob_at_offset(std::ptrdiff_t offset) {
+  for (const KnobTable* table : all_knob_tables())
+    for (const Knob& k : *table)
+      if (k.field == offset) return k;
+  ST_ASSERT(false && "knob_for: the field has no row");
+  return top_level_knobs().front();
+}
+
+}  // namespace knob_detail
+
 std::vector<const KnobTable*> all_knob_tables() {
-  return {&top_level_knobs(), &optimizer_knobs(), &scheduler_knobs(),
-          &fp16_knobs(),      &zero_knobs(),      &aio_knobs()};
+  return {
+      &top_level_knobs(), &optimizer_knobs(), &scheduler_knobs(), &fp16_knobs(),
+      &zero_knobs(),      &aio_knobs(),       &pipeline_knobs(),  &activation_checkpointing_knobs(),
+      &monitor_knobs()};
 }
 
 const Knob& knob_row(const KnobTable& table, const std::string& path) {
@@ -333,6 +358,19 @@ std::string knob_markdown(const KnobTable& table) {
 
 // ---- flag validators ----------------------------------------------------------------------------
 
+CLI::Validator parsed_by(std::function<void(const std::string&)> parse) {
+  return CLI::Validator(
+      [parse](std::string& s) -> std::string {
+        try {
+          parse(s);
+        } catch (const ConfigError& e) {
+          return e.what();
+        }
+        return {};
+      },
+      "");
+}
+
 CLI::Validator int_at_least(int64_t min) {
   return CLI::Validator(
       [min](std::string& s) -> std::string {
@@ -385,6 +423,7 @@ CLI::Validator one_of(std::vector<std::string> values) {
 namespace knob_detail {
 
 CLI::Validator validator_of(const Knob& k) {
+  if (k.flag_parse) return parsed_by(k.flag_parse);
   if (!k.choices.empty()) return one_of(k.choices);
   if (k.type == KnobType::kBool) return one_of({"true", "false", "on", "off", "1", "0"});
   if (k.flag_check == FlagCheck::kFinite) return finite_number();

@@ -64,6 +64,9 @@ struct Knob {
   int64_t multiple = 0;              ///< kInt: a multiple of this; 0 = any
   std::vector<std::string> choices;  ///< kString: the values it takes; empty = any
   FlagCheck flag_check = FlagCheck::kRange;
+  /// Checks a flag's value instead of the range and choices (throws ConfigError with the message
+  /// CLI11 shows); empty = the range or choices.
+  std::function<void(const std::string&)> flag_parse;
   bool bool_flag_takes_value = false;  ///< kBool: "--x true|false" instead of a bare "--x"
   // ---- words ----
   /// What a valid value is, after "expected" in JSON errors and "use" in validate()'s:
@@ -77,6 +80,9 @@ struct Knob {
   /// The default as docs/CONFIG.md shows it; "" = the default's value.
   std::string default_text;
   KnobStatus status = KnobStatus::kHonoured;
+  /// The value is where a node keeps its files (a directory, an output file): ranks may differ
+  /// in it (train/rank_agreement.h compares every other row).
+  bool node_local = false;
   /// A value that means "not set" (a default outside the range, e.g. -1 = all): validate()
   /// accepts it; the JSON and the flag do not.
   std::optional<double> unset_value;
@@ -97,6 +103,8 @@ struct Knob {
   std::vector<std::string> variants;
   // ---- access (empty for keys that are not applied) ----
   std::function<nlohmann::json(const TrainConfig&)> get;
+  /// The field's byte offset in TrainConfig (knob_for finds a row by it); -1 = none.
+  std::ptrdiff_t field = -1;
   /// Sets the field from a value already checked against the row.
   std::function<void(TrainConfig&, const nlohmann::json&)> set;
   /// Run after the JSON set the field (e.g. to record that it was given).
@@ -149,6 +157,10 @@ struct Knob {
     flag_check = c;
     return *this;
   }
+  Knob& flag_parsed_by(std::function<void(const std::string&)> parse) {
+    flag_parse = std::move(parse);
+    return *this;
+  }
   Knob& bool_value() {
     bool_flag_takes_value = true;
     return *this;
@@ -181,6 +193,10 @@ struct Knob {
     after_json = std::move(f);
     return *this;
   }
+  Knob& a_node_path() {
+    node_local = true;
+    return *this;
+  }
   Knob& by_hand() {
     read_by_hand = true;
     return *this;
@@ -204,6 +220,9 @@ struct Knob {
   std::string section() const;
   /// The name used for --help and errors: the flag's first long name, else the JSON path.
   std::string name() const;
+  /// How messages name the knob: "zero_optimization.offload_optimizer.ratio (--offload-ratio)",
+  /// the JSON path alone, or the flag alone.
+  std::string label() const;
   /// The flag's name as explicit_train_flags() lists it ("log_interval"); "" without a flag.
   /// For a key beaten by another row's flag, that flag's.
   std::string explicit_name() const;
@@ -228,6 +247,17 @@ constexpr KnobType type_of() {
   return KnobType::kNone;
 }
 
+/// A default TrainConfig, whose fields' addresses identify the rows' fields.
+const TrainConfig& probe_config();
+
+/// The byte offset of `field`, a field of probe_config(), in it.
+inline std::ptrdiff_t offset_in_probe(const void* field) {
+  return static_cast<const char*>(field) - reinterpret_cast<const char*>(&probe_config());
+}
+
+/// The row whose field is at `offset` (the first of the tables, in all_knob_tables() order).
+const Knob& knob_at_offset(std::ptrdiff_t offset);
+
 /// Registers the flag of `k`, bound to `field`.
 template <typename T>
 CLI::Option* add_flag(const Knob& k, CLI::App& cmd, T& field, const std::string& help);
@@ -246,6 +276,7 @@ Knob knob_at(S TrainConfig::*s, T S::*m) {
     k.max = static_cast<double>(std::numeric_limits<T>::max());
   }
   k.get = [s, m](const TrainConfig& c) { return nlohmann::json((c.*s).*m); };
+  k.field = knob_detail::offset_in_probe(&((knob_detail::probe_config().*s).*m));
   k.set = [s, m](TrainConfig& c, const nlohmann::json& v) { (c.*s).*m = v.get<T>(); };
   k.print = [s, m](const TrainConfig& c) {
     if constexpr (std::is_same_v<T, bool>)
@@ -272,6 +303,7 @@ Knob knob_at(T TrainConfig::*m) {
     k.max = static_cast<double>(std::numeric_limits<T>::max());
   }
   k.get = [m](const TrainConfig& c) { return nlohmann::json(c.*m); };
+  k.field = knob_detail::offset_in_probe(&(knob_detail::probe_config().*m));
   k.set = [m](TrainConfig& c, const nlohmann::json& v) { c.*m = v.get<T>(); };
   k.print = [m](const TrainConfig& c) {
     if constexpr (std::is_same_v<T, bool>)
@@ -298,6 +330,7 @@ Knob knob_enum(E TrainConfig::*m, E (*parse)(const std::string&),
   k.type = KnobType::kString;
   k.choices = std::move(choices);
   k.get = [m](const TrainConfig& c) { return nlohmann::json(to_string(c.*m)); };
+  k.field = knob_detail::offset_in_probe(&(knob_detail::probe_config().*m));
   k.set = [m, parse](TrainConfig& c, const nlohmann::json& v) {
     c.*m = parse(v.get<std::string>());
   };
@@ -311,6 +344,35 @@ Knob knob_enum(E TrainConfig::*m, E (*parse)(const std::string&),
   return k;
 }
 
+/// A validator that accepts what `parse` accepts (any spelling it reads) and returns its
+/// ConfigError's message otherwise.
+CLI::Validator parsed_by(std::function<void(const std::string&)> parse);
+
+/// A row for the enumeration field `m` of the section `s` of TrainConfig
+/// (&TrainConfig::pipeline, &PipelineConfig::schedule): its flag takes what `parse` reads
+/// (`choices` being the names it writes).
+template <typename S, typename E>
+Knob knob_enum(S TrainConfig::*s, E S::*m, E (*parse)(const std::string&),
+               std::vector<std::string> choices) {
+  Knob k;
+  k.type = KnobType::kString;
+  k.choices = std::move(choices);
+  k.get = [s, m](const TrainConfig& c) { return nlohmann::json(to_string((c.*s).*m)); };
+  k.field = knob_detail::offset_in_probe(&((knob_detail::probe_config().*s).*m));
+  k.set = [s, m, parse](TrainConfig& c, const nlohmann::json& v) {
+    (c.*s).*m = parse(v.get<std::string>());
+  };
+  k.print = [s, m](const TrainConfig& c) { return to_string((c.*s).*m); };
+  k.add_to = [s, m, parse](const Knob& row, CLI::App& cmd, TrainConfig& c,
+                           const std::string& help) {
+    CLI::Option* opt = cmd.add_option_function<std::string>(
+        row.flag, [&c, s, m, parse](const std::string& v) { (c.*s).*m = parse(v); }, help);
+    if (!row.type_name.empty()) opt->type_name(row.type_name);
+    return opt->check(parsed_by([parse](const std::string& v) { parse(v); }));
+  };
+  return k;
+}
+
 /// A DeepSpeed key that shardtrain accepts and does not implement (KnobStatus::kIgnored), or,
 /// with `status` kAlwaysOn, a switch that is always on here.
 Knob ignored_key(std::string path, KnobStatus status = KnobStatus::kIgnored);
@@ -319,7 +381,7 @@ Knob ignored_key(std::string path, KnobStatus status = KnobStatus::kIgnored);
 
 /// Top-level keys of the DeepSpeed JSON that are single values (knobs_sections.cpp).
 const KnobTable& top_level_knobs();
-/// fp16: dynamic loss scaling (LossScaleConfig; "enabled" is the precision's).
+/// bf16 and fp16: dynamic loss scaling (LossScaleConfig; "enabled" is the precision's).
 const KnobTable& fp16_knobs();
 /// zero_optimization, with offload_optimizer and offload_param (ZeroConfig; knobs_zero.cpp).
 const KnobTable& zero_knobs();
@@ -329,9 +391,35 @@ const KnobTable& aio_knobs();
 const KnobTable& optimizer_knobs();
 /// scheduler: its type and the params of WarmupLR, WarmupDecayLR and WarmupCosineLR.
 const KnobTable& scheduler_knobs();
+/// tensorboard, csv_monitor and flops_profiler, with their flags (knobs_monitors.cpp).
+const KnobTable& monitor_knobs();
+/// pipeline: the pipeline's shape, schedule and partition (PipelineConfig; knobs_pipeline.cpp).
+const KnobTable& pipeline_knobs();
+/// activation_checkpointing: the flag, and the DeepSpeed options that turn it on.
+const KnobTable& activation_checkpointing_knobs();
 
 /// The row of `table` at the JSON `path` (it must have one).
 const Knob& knob_row(const KnobTable& table, const std::string& path);
+
+/// The row of the field `m` of the section `s` (&TrainConfig::zero, &ZeroConfig::offload_ratio),
+/// for messages that name the knob (its label()); the first row when several keys set it.
+template <typename S, typename T>
+const Knob& knob_for(S TrainConfig::*s, T S::*m) {
+  return knob_detail::knob_at_offset(
+      knob_detail::offset_in_probe(&((knob_detail::probe_config().*s).*m)));
+}
+/// The row of the field `m` of TrainConfig itself (&TrainConfig::optimizer).
+template <typename T>
+const Knob& knob_for(T TrainConfig::*m) {
+  return knob_detail::knob_at_offset(
+      knob_detail::offset_in_probe(&(knob_detail::probe_config().*m)));
+}
+
+/// knob_for(&TrainConfig::zero, m): ZeroConfig's rows, the ones messages name most.
+template <typename T>
+const Knob& zero_knob(T ZeroConfig::*m) {
+  return knob_for(&TrainConfig::zero, m);
+}
 
 /// Every table, in the order of docs/CONFIG.md.
 std::vector<const KnobTable*> all_knob_tables();

@@ -1,12 +1,45 @@
-// The knobs of the smaller DeepSpeed sections, one row per key: the top level's single values,
-// fp16's loss scaling (LossScaleConfig) and aio (AioConfig). DeepSpeed's runtime/config.py,
-// precision_config.py and runtime/swap_tensor/aio_config.py.
+// The knobs of the smaller DeepSpeed sections, one row per key: the top level's batch sizes and
+// single values, bf16 and fp16 (with fp16's loss scaling, LossScaleConfig) and aio (AioConfig).
+// DeepSpeed's runtime/config.py, precision_config.py and runtime/swap_tensor/aio_config.py.
 #include "config/knob.h"
 
 namespace shardtrain {
 
 const KnobTable& top_level_knobs() {
   static const KnobTable rows = {
+      // ---- batch: validate() derives the sizes not given (DeepSpeed's batch identity) ----
+      knob_at(&TrainConfig::micro_batch_size)
+          .json_key("train_micro_batch_size_per_gpu")
+          .train_flag("--batch-size", "N")
+          .in_snapshot("micro_batch_size")
+          .at_least(1)
+          .on_json([](TrainConfig& c) { c.micro_batch_set = true; })
+          .expects("an integer >= 1 (samples per device per micro-step)")
+          .or_auto()
+          .docs("micro-batch: samples per device per forward/backward pass (DeepSpeed "
+                "train_micro_batch_size_per_gpu; default: {})"),
+      knob_at(&TrainConfig::gradient_accumulation_steps)
+          .json_key("gradient_accumulation_steps")
+          .train_flag("--gradient-accumulation-steps", "N")
+          .in_snapshot("gradient_accumulation_steps")
+          .at_least(1)
+          .on_json([](TrainConfig& c) { c.accumulation_set = true; })
+          .expects("an integer >= 1 (micro-steps per optimizer step)")
+          .or_auto()
+          .docs("micro-batches accumulated per optimizer step (default: {})"),
+      knob_at(&TrainConfig::train_batch_size)
+          .json_key("train_batch_size")
+          .train_flag("--train-batch-size", "N")
+          .in_snapshot("train_batch_size")
+          .at_least(1)
+          .unset_is(0)
+          .expects("an integer >= 1 (global batch in samples)")
+          .or_auto()
+          .shows_default("derived: micro-batch × accumulation × data-parallel degree")
+          .docs("global batch in samples per optimizer step = batch-size x accumulation steps x "
+                "data-parallel degree (the world size; with --strategy pipeline, world size / "
+                "--pipeline-stages); 0 derives it (DeepSpeed train_batch_size; default: {})"),
+      // ---- single values ----
       knob_at(&TrainConfig::gradient_clipping)
           .json_key("gradient_clipping")
           .train_flag("--grad-clip", "NORM")
@@ -49,6 +82,17 @@ Knob aio(T AioConfig::*m) {
 
 const KnobTable& fp16_knobs() {
   static const KnobTable rows = {
+      // ---- bf16 (old name: bfloat16) ----
+      Knob{}
+          .json_key("bf16.enabled")
+          .by_hand()  // the precision, with fp16.enabled (read_precision)
+          .shows_default("false")
+          .docs("`--precision bf16`; the section's old name `bfloat16` is accepted"),
+      ignored_key("bf16.immediate_grad_update"),
+      ignored_key("bf16.check_grad_overflow"),
+      ignored_key("bf16.bf16_master_weights_and_grads"),
+      ignored_key("bf16.bf16_optimizer_states"),
+      // ---- fp16 ----
       Knob{}
           .json_key("fp16.enabled")
           .by_hand()  // the precision, with bf16.enabled (read_precision)

@@ -174,6 +174,7 @@ const KnobTable& zero_knobs() {
             .docs("`\"none\"`, `\"cpu\"`, `\"nvme\"`; no offload with the pipeline"),
         zero(&ZeroConfig::nvme_path)
             .json_key("zero_optimization.offload_optimizer.nvme_path")
+            .a_node_path()
             .train_flag("--nvme-path", "DIR")
             .estimate_flag("--nvme-path")
             .flag_checks(FlagCheck::kNone)
@@ -251,6 +252,7 @@ const KnobTable& zero_knobs() {
             .docs("`\"none\"`, `\"cpu\"`, `\"nvme\"`; needs stage 3"),
         zero(&ZeroConfig::nvme_path)
             .json_key("zero_optimization.offload_param.nvme_path")
+            .a_node_path()
             .overridden_by("--nvme-path")
             .expects("a directory path")
             .docs("as `offload_optimizer.nvme_path`"),

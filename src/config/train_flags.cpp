@@ -53,31 +53,8 @@ CLI::Validator minus_one_or_positive() {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-/// A validator that accepts what `check` accepts, with its ConfigError's message otherwise.
-template <typename Check>
-CLI::Validator checked_by(Check check) {
-  return CLI::Validator(
-      [check](std::string& s) -> std::string {
-        try {
-          check(s);
-        } catch (const ConfigError& e) {
-          return e.what();
-        }
-        return {};
-      },
-      "");
-}
-
 CLI::Validator strategy_name() {
-  return checked_by([](const std::string& s) { parse_strategy(s); });
-}
-
-CLI::Validator pipeline_schedule_name() {
-  return checked_by([](const std::string& s) { parse_pipeline_schedule(s); });
-}
-
-CLI::Validator partition_method_name() {
-  return checked_by([](const std::string& s) { check_partition_method(s); });
+  return parsed_by([](const std::string& s) { parse_strategy(s); });
 }
 
 std::string or_none(const std::string& s) { return s.empty() ? "none" : s; }
@@ -86,13 +63,14 @@ bool contains(const ExplicitFlags& flags, std::string_view name) {
   return std::find(flags.begin(), flags.end(), name) != flags.end();
 }
 
-/// The flags of pipeline parallelism (TrainConfig keys, as explicit_train_flags names them).
-constexpr std::string_view kPipelineFlags[] = {"pipeline_stages",
-                                               "pipeline_schedule",
-                                               "virtual_stages",
-                                               "partition_method",
-                                               "activation_checkpoint_interval",
-                                               "trace"};
+/// The flags of pipeline parallelism, as explicit_train_flags names them: its rows' and --trace.
+std::vector<std::string> pipeline_flags() {
+  std::vector<std::string> out;
+  for (const Knob& k : pipeline_knobs())
+    if (k.surfaces & kTrainFlag) out.push_back(k.explicit_name());
+  out.emplace_back("trace");
+  return out;
+}
 
 }  // namespace
 
@@ -146,49 +124,10 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->type_name("GIB")
       ->check(number_in(0, true, kInf, false));
   // The flags of the knob tables: --zero-stage, --offload-*, --grad-clip, --log-interval, ...
-  for (const KnobTable* table : {&top_level_knobs(), &fp16_knobs(), &zero_knobs(), &aio_knobs()})
+  for (const KnobTable* table :
+       {&top_level_knobs(), &fp16_knobs(), &zero_knobs(), &aio_knobs(),
+        &activation_checkpointing_knobs(), &pipeline_knobs(), &monitor_knobs()})
     add_knob_flags(cmd, cfg, *table, kTrainFlag);
-  cmd.add_flag("--activation-checkpointing", cfg.activation_checkpointing,
-               "recompute activations in the backward pass to save memory (default: off)");
-
-  // ---- pipeline parallelism (--strategy pipeline) ----
-  cmd.add_option("--pipeline-stages", cfg.pipeline.stages,
-                 fmt::format("pipeline: ranks per pipeline P; the world size must be a multiple "
-                             "of P, world size / P being the data-parallel replicas (DeepSpeed "
-                             "pipeline.stages; default: {})",
-                             cfg.pipeline.stages))
-      ->type_name("P")
-      ->check(int_at_least(1));
-  cmd.add_option_function<std::string>(
-         "--pipeline-schedule",
-         [&cfg](const std::string& s) { cfg.pipeline.schedule = parse_pipeline_schedule(s); },
-         fmt::format("pipeline: gpipe|1f1b|interleaved-1f1b|zb-h1|2bw; the micro-batches of a "
-                     "step are its --gradient-accumulation-steps (default: {})",
-                     to_string(cfg.pipeline.schedule)))
-      ->type_name("SCHEDULE")
-      ->check(pipeline_schedule_name());
-  cmd.add_option("--virtual-stages", cfg.pipeline.virtual_stages,
-                 fmt::format("pipeline: model chunks per rank V, 2 or more with "
-                             "interleaved-1f1b, 1 otherwise (default: {})",
-                             cfg.pipeline.virtual_stages))
-      ->type_name("V")
-      ->check(int_at_least(1));
-  cmd.add_option("--partition-method", cfg.pipeline.partition_method,
-                 fmt::format("pipeline: how blocks are cut into stages: uniform (equal block "
-                             "counts), parameters (balance parameter counts), time (balance "
-                             "measured per-layer time) (DeepSpeed partition_method; default: {})",
-                             cfg.pipeline.partition_method))
-      ->type_name("METHOD")
-      ->check(partition_method_name());
-  cmd.add_option(
-         "--activation-checkpoint-interval", cfg.pipeline.activation_checkpoint_interval,
-         fmt::format("pipeline: K > 0 recomputes every transformer block of a stage "
-                     "from its input in backward (any K > 0 acts as 1); 0 = off, 1 with "
-                     "--activation-checkpointing (DeepSpeed activation_checkpoint_interval; "
-                     "default: {})",
-                     cfg.pipeline.activation_checkpoint_interval))
-      ->type_name("K")
-      ->check(int_at_least(0));
   cmd.add_option("--trace", cfg.trace_dir,
                  "pipeline: write the measured per-stage pipeline timeline to this directory; "
                  "offload: the timeline of two steps (GPU compute, PCIe each way, host AdamW, "
@@ -202,27 +141,6 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                              cfg.peak_tflops))
       ->type_name("TFLOPS")
       ->check(number_in(0.0, true, kInf, false));
-
-  // ---- batch ----
-  cmd.add_option("--batch-size", cfg.micro_batch_size,
-                 fmt::format("micro-batch: samples per device per forward/backward pass "
-                             "(DeepSpeed train_micro_batch_size_per_gpu; default: {})",
-                             cfg.micro_batch_size))
-      ->type_name("N")
-      ->check(int_at_least(1));
-  cmd.add_option("--gradient-accumulation-steps", cfg.gradient_accumulation_steps,
-                 fmt::format("micro-batches accumulated per optimizer step (default: {})",
-                             cfg.gradient_accumulation_steps))
-      ->type_name("N")
-      ->check(int_at_least(1));
-  cmd.add_option("--train-batch-size", cfg.train_batch_size,
-                 fmt::format("global batch in samples per optimizer step = batch-size x "
-                             "accumulation steps x data-parallel degree (the world size; with "
-                             "--strategy pipeline, world size / --pipeline-stages); 0 derives it "
-                             "(DeepSpeed train_batch_size; default: {})",
-                             cfg.train_batch_size))
-      ->type_name("N")
-      ->check(int_at_least(0));
 
   // ---- length of training ----
   cmd.add_option("--epochs", cfg.epochs,
@@ -323,27 +241,6 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
   // ---- output, logging, checkpoints ----
   cmd.add_option("--output-dir", cfg.output_dir,
                  fmt::format("directory for checkpoints and logs (default: {})", cfg.output_dir))
-      ->type_name("DIR");
-  cmd.add_option("--tensorboard", cfg.monitor.tensorboard_dir,
-                 "write TensorBoard event files (train/loss, train/lr, train/grad_norm, "
-                 "train/tokens_per_s, memory/*, val/loss, ... and the configuration as text) in "
-                 "DIR; rank 0 only (DeepSpeed tensorboard.output_path/job_name; default: off)")
-      ->type_name("DIR");
-  cmd.add_flag("--tensorboard-all-ranks", cfg.monitor.tensorboard_all_ranks,
-               "with --tensorboard: every rank writes its own events, in DIR/rank-<r> (default: "
-               "rank 0 only, in DIR)");
-  cmd.add_option("--profile-step", cfg.flops_profiler.profile_step,
-                 "at optimizer step N (1-based), print the FLOPs profile: per module "
-                 "(embedding, each block's attention/MLP/LayerNorms, LM head, optimizer, gradient "
-                 "reduction) its parameters, analytic FLOPs, device latency, TFLOP/s and share "
-                 "of the step, and the model's total and MFU; rank 0 (DeepSpeed "
-                 "flops_profiler.profile_step; default: off)")
-      ->type_name("N")
-      ->check(int_at_least(1));
-  cmd.add_option("--csv-monitor", cfg.monitor.csv_dir,
-                 "write the TensorBoard scalars as CSV files in DIR, one per tag (train_loss.csv: "
-                 "step,loss); rank 0 only (DeepSpeed csv_monitor.output_path/job_name; default: "
-                 "off)")
       ->type_name("DIR");
   cmd.add_option("--eval-interval", cfg.eval_interval,
                  fmt::format("optimizer steps between validations; 0 = at the end of each epoch "
@@ -465,10 +362,10 @@ TrainConfig finalize_train_config(const CLI::App& cmd, TrainConfig cfg, int64_t 
 
   if (cfg.strategy != StrategyKind::kPipeline) {
     std::vector<std::string> given;
-    for (std::string_view f : kPipelineFlags) {
+    for (const std::string& f : pipeline_flags()) {
       // --trace also draws an offloaded run's timeline.
       if (f == "trace" && offload_asked(cfg)) continue;
-      if (contains(flags, f)) given.push_back("--" + std::string(f));
+      if (contains(flags, f)) given.push_back("--" + f);
     }
     for (std::string& f : given) std::replace(f.begin(), f.end(), '_', '-');
     if (!given.empty()) {

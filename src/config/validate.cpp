@@ -31,23 +31,11 @@ namespace {
 /// "--pipeline-stages 4, --trace 'dir'": the pipeline settings of `c` that differ from the
 /// defaults.
 std::vector<std::string> pipeline_settings_given(const TrainConfig& c) {
-  const PipelineConfig defaults;
-  const PipelineConfig& p = c.pipeline;
+  const TrainConfig defaults;
   std::vector<std::string> out;
-  if (p.stages != defaults.stages) out.push_back(fmt::format("--pipeline-stages {}", p.stages));
-  if (p.schedule != defaults.schedule) {
-    out.push_back(fmt::format("--pipeline-schedule {}", to_string(p.schedule)));
-  }
-  if (p.virtual_stages != defaults.virtual_stages) {
-    out.push_back(fmt::format("--virtual-stages {}", p.virtual_stages));
-  }
-  if (p.partition_method != defaults.partition_method) {
-    out.push_back(fmt::format("--partition-method {}", p.partition_method));
-  }
-  if (p.activation_checkpoint_interval != defaults.activation_checkpoint_interval) {
-    out.push_back(
-        fmt::format("--activation-checkpoint-interval {}", p.activation_checkpoint_interval));
-  }
+  for (const Knob& k : pipeline_knobs())
+    if ((k.surfaces & kTrainFlag) && k.get(c) != k.get(defaults))
+      out.push_back(fmt::format("{} {}", k.name(), k.print(c)));
   if (!c.trace_dir.empty() && !offload_asked(c))
     out.push_back(fmt::format("--trace '{}'", c.trace_dir));
   return out;
@@ -155,10 +143,14 @@ void check_pipeline_micro_batches(const TrainConfig& c) {
   }
 }
 
+/// "'ds.json'", or "the DeepSpeed config" without one: where messages say a key was given.
+std::string config_file_name(const TrainConfig& c) {
+  return c.deepspeed_config.empty() ? std::string("the DeepSpeed config")
+                                    : fmt::format("'{}'", c.deepspeed_config);
+}
+
 void check_strategy(const TrainConfig& c) {
-  const std::string file = c.deepspeed_config.empty() ? std::string("the DeepSpeed config")
-                                                      : fmt::format("'{}'", c.deepspeed_config);
-  check_pipeline_settings(c, file);
+  const std::string file = config_file_name(c);
   check<ConfigError>(
       c.zero.hpz_partition_size <= 1 || c.strategy == StrategyKind::kZero3,
       "zero_hpz_partition_size {} (--zero-hpz-partition-size) shards ZeRO-3 within groups of "
@@ -281,24 +273,8 @@ void check_batch(TrainConfig& c) {
           ? fmt::format("data-parallel degree {} (world size {} / {} pipeline stages)", ws,
                         c.world_size, c.pipeline.stages)
           : fmt::format("world size {}", ws);
+  // The sizes' ranges are their rows' (config/knobs_sections.cpp).
   const int64_t tb = c.train_batch_size;
-  if (tb < 0) {
-    throw ConfigError(fmt::format(
-        "train_batch_size (--train-batch-size) {} is not valid: use a global batch >= 1, or 0 "
-        "to derive it from the micro-batch, accumulation steps and world size",
-        tb));
-  }
-  if ((c.micro_batch_set || tb == 0) && c.micro_batch_size < 1) {
-    throw ConfigError(fmt::format(
-        "train_micro_batch_size_per_gpu (--batch-size) {} is not valid: it must be >= 1",
-        c.micro_batch_size));
-  }
-  if ((c.accumulation_set || tb == 0) && c.gradient_accumulation_steps < 1) {
-    throw ConfigError(fmt::format(
-        "gradient_accumulation_steps (--gradient-accumulation-steps) {} is not valid: it must "
-        "be >= 1",
-        c.gradient_accumulation_steps));
-  }
   const int64_t micro = c.micro_batch_size;
   const int64_t gas = c.gradient_accumulation_steps;
   if (tb == 0) {
@@ -469,6 +445,9 @@ void validate(TrainConfig& cfg, int64_t model_context) {
   check_automatic_placement(cfg);  // first: it names the setting that conflicts with it
   // The plan is derived here, once; everything after validation reads cfg.plan.
   cfg.plan = plan_of(cfg);
+  // The pipeline's rules before the rows' ranges: a pipeline flag given without the pipeline
+  // is named as such.
+  check_pipeline_settings(cfg, config_file_name(cfg));
   for (const KnobTable* table : all_knob_tables()) check_knob_ranges(cfg, *table);
   check_strategy(cfg);
 

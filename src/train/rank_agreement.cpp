@@ -6,6 +6,7 @@
 #include <map>
 
 #include "comm/scalar_all_reduce.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/hash.h"
 #include "core/json_input.h"
@@ -40,37 +41,19 @@ json agreement_record(const TrainConfig& cfg, const std::string& model_shape) {
   json snap = config_snapshot(cfg);
   for (const char* path_key : {"model", "train_file", "valid_file", "data_dir", "monitor"})
     snap.erase(path_key);
-  const ZeroConfig& z = cfg.zero;
   snap["model_shape"] = model_shape;
-  snap["activation_checkpointing"] = cfg.activation_checkpointing;
-  snap["loss_scale"] = {{"static", cfg.loss_scale.loss_scale},
-                        {"initial_scale_power", cfg.loss_scale.initial_scale_power},
-                        {"window", cfg.loss_scale.loss_scale_window},
-                        {"hysteresis", cfg.loss_scale.hysteresis},
-                        {"min", cfg.loss_scale.min_loss_scale}};
-  snap["offload"] = {{"optimizer_device", z.offload_optimizer_device},
-                     {"param_device", z.offload_param_device},
-                     {"ratio", z.offload_ratio},
-                     {"delayed_update", z.offload_delayed_update},
-                     {"speculative_update", z.offload_speculative_update},
-                     {"forward_group", z.offload_forward_group},
-                     {"moments_dtype", z.offload_moments_dtype},
-                     {"optimizer_max_in_cpu", z.offload_optimizer_max_in_cpu},
-                     {"param_max_in_cpu", z.offload_param_max_in_cpu},
-                     {"param_buffer_count", z.offload_param_buffer_count},
-                     {"hpz_partition_size", z.hpz_partition_size}};
-  snap["aio"] = {{"block_size", cfg.aio.block_size},
-                 {"queue_depth", cfg.aio.queue_depth},
-                 {"thread_count", cfg.aio.thread_count}};
+  // Every knob's value, by its JSON path (or flag), but where a node keeps its files.
+  for (const KnobTable* table : all_knob_tables())
+    for (const Knob& k : *table)
+      if (k.get && !k.node_local && k.status == KnobStatus::kHonoured)
+        snap[k.path.empty() ? k.name() : k.path] = k.get(cfg);
   snap["eval_interval"] = cfg.eval_interval;
   snap["save_interval"] = cfg.save_interval;
   snap["save_checkpoints"] = cfg.save_checkpoints;
   snap["resume"] = !cfg.resume.empty();
   snap["init_from"] = !cfg.init_from.empty();
   snap["replace_head"] = cfg.replace_head;
-  snap["warmup_min_ratio"] = cfg.warmup_min_ratio;
-  snap["flops_profiler"] = {{"enabled", cfg.flops_profiler.enabled},
-                            {"profile_step", cfg.flops_profiler.profile_step}};
+  snap["flops_profiler.enabled"] = cfg.flops_profiler.enabled;
   json flat = json::object();
   flatten(snap, "", flat);
   return flat;

@@ -63,10 +63,12 @@ json document(const std::string& path, const json& value) {
   return root;
 }
 
-/// `value` at the row's JSON path, under a type the key exists for ("optimizer.type": "SGD").
+/// `value` at the row's JSON path, under a type the key exists for ("optimizer.type": "SGD"); a
+/// pipeline key in a section that asks for a pipeline (DeepSpeed reads it only for one).
 json row_document(const Knob& k, const std::string& path, const json& value) {
   json root = document(path, value);
   if (!k.variant_path.empty()) root.merge_patch(document(k.variant_path, k.variants.front()));
+  if (k.section() == "pipeline") root.merge_patch(document("pipeline.stages", 2));
   return root;
 }
 
@@ -145,6 +147,27 @@ TEST_F(ConfigTest, AnExplicitFlagBeatsItsJsonKey) {
     EXPECT_EQ(k->get(cfg), k->get(defaults)) << k->path;
     ASSERT_EQ(overridden.size(), 1u) << k->path;
     EXPECT_EQ(overridden[0], k->name() + " over " + k->path);
+  }
+}
+
+// Messages name a knob through its row, found by the field: renaming a flag or key in the row
+// renames it wherever code names the knob.
+TEST_F(ConfigTest, AFieldFindsItsRowForMessages) {
+  EXPECT_EQ(zero_knob(&ZeroConfig::offload_ratio).label(),
+            "zero_optimization.offload_optimizer.ratio (--offload-ratio)");
+  EXPECT_EQ(knob_for(&TrainConfig::optimizer).name(), "--optimizer");
+  EXPECT_EQ(zero_knob(&ZeroConfig::offload_param_buffer_count).label(),
+            "zero_optimization.offload_param.buffer_count");
+  EXPECT_EQ(knob_for(&TrainConfig::pipeline, &PipelineConfig::virtual_stages).label(),
+            "pipeline.virtual_stages (--virtual-stages)");
+  // Every row with a field is found by it: the first row of that field (a field that several
+  // keys set, as nvme_path or lr and warmup_max_lr, is named by its first).
+  const std::vector<const Knob*> rows = settable_rows();
+  for (const Knob* k : rows) {
+    ASSERT_GE(k->field, 0) << k->name();
+    const Knob* first = *std::find_if(rows.begin(), rows.end(),
+                                      [&](const Knob* r) { return r->field == k->field; });
+    EXPECT_EQ(&knob_detail::knob_at_offset(k->field), first) << k->name();
   }
 }
 

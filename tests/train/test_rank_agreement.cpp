@@ -27,6 +27,18 @@ TEST(RankAgreement, PathsMayDifferSettingsMayNot) {
   c.zero.offload_ratio = 0.5;
   EXPECT_NE(agreement_record(a, "shape"), agreement_record(c, "shape"));
   EXPECT_NE(agreement_record(a, "n_layer 2"), agreement_record(a, "n_layer 4"));
+  // Every knob counts, by its JSON path: aio and loss scaling too; the swap file's directory
+  // is a node's own.
+  TrainConfig d = a;
+  d.aio.queue_depth = 32;
+  EXPECT_NE(agreement_record(a, "shape"), agreement_record(d, "shape"));
+  EXPECT_TRUE(agreement_record(d, "shape").contains("aio.queue_depth"));
+  d = a;
+  d.loss_scale.hysteresis = 5;
+  EXPECT_NE(agreement_record(a, "shape"), agreement_record(d, "shape"));
+  d = a;
+  d.zero.nvme_path = "/node2/nvme";
+  EXPECT_EQ(agreement_record(a, "shape"), agreement_record(d, "shape"));
 }
 
 TEST(RankAgreement, TheMessageNamesKeysValuesAndRanks) {
