@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <tuple>
 
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/file_input.h"
 #include "core/json_input.h"
@@ -294,15 +295,13 @@ std::string format_placement_plan(const PlacementPlan& plan, const PlacementBudg
   for (const Placement& p : plan.candidates)
     if (p.forward_group > 1)
       s += fmt::format(
-          "  {}: forward group {} (micro-batches whose forward overlaps the host's "
-          "update: offload_optimizer.forward_group)\n",
-          p.name, p.forward_group);
+          "  {}: forward group {} (micro-batches whose forward overlaps the host's update: {})\n",
+          p.name, p.forward_group, zero_knob(&ZeroConfig::offload_forward_group).path);
   for (const Placement& p : plan.candidates)
     if (p.optimizer_max_in_cpu > 0)
-      s += fmt::format(
-          "  {}: offload_optimizer.max_in_cpu {} (elements whose optimizer state stays "
-          "in host memory)\n",
-          p.name, with_commas(p.optimizer_max_in_cpu));
+      s += fmt::format("  {}: {} {} (elements whose optimizer state stays in host memory)\n",
+                       p.name, zero_knob(&ZeroConfig::offload_optimizer_max_in_cpu).path,
+                       with_commas(p.optimizer_max_in_cpu));
   if (plan.chosen) {
     const Placement& c = plan.candidates[*plan.chosen];
     s += fmt::format(

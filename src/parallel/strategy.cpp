@@ -2,6 +2,7 @@
 // ParallelPlan, and the plan into the strategy that runs it.
 #include "parallel/strategy.h"
 
+#include "config/knob.h"
 #include "core/error.h"
 #include "parallel/data_parallel.h"
 #include "parallel/zero.h"
@@ -13,23 +14,27 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend&
                                         Communicator& comm) {
   const ParallelPlan& plan = options.plan;
   check<ConfigError>(plan.optimizer_offload == OffloadDevice::kNone || plan.zero_stage >= 1,
-                     "zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (got stage "
-                     "{}): use --strategy offload (stage 2) or set zero_optimization.stage",
-                     plan.zero_stage);
+                     "{} needs ZeRO stage 1, 2 or 3 (got stage {}): use --strategy offload "
+                     "(stage 2) or set {}",
+                     zero_knob(&ZeroConfig::offload_optimizer_device).path, plan.zero_stage,
+                     zero_knob(&ZeroConfig::stage).label());
   check<ConfigError>(plan.param_offload == OffloadDevice::kNone || plan.zero_stage == 3,
-                     "zero_optimization.offload_param needs ZeRO stage 3 (got stage {}): set "
-                     "\"stage\": 3, or offload only the optimizer (offload_optimizer)",
-                     plan.zero_stage);
+                     "{} needs ZeRO stage 3 (got stage {}): set {} 3, or offload only the "
+                     "optimizer ({})",
+                     zero_knob(&ZeroConfig::offload_param_device).path, plan.zero_stage,
+                     zero_knob(&ZeroConfig::stage).label(),
+                     zero_knob(&ZeroConfig::offload_optimizer_device).path);
   check<ConfigError>(plan.optimizer_offload_ratio >= 0 && plan.optimizer_offload_ratio <= 1,
-                     "offload_optimizer.ratio {} is not valid: use a fraction in [0, 1] of the "
-                     "optimizer state to offload (1 = all)",
-                     plan.optimizer_offload_ratio);
+                     "{} {} is not valid: use a fraction in [0, 1] of the optimizer state to "
+                     "offload (1 = all)",
+                     zero_knob(&ZeroConfig::offload_ratio).label(), plan.optimizer_offload_ratio);
   check<ConfigError>(
       options.optimizer.kind != OptimizerKind::kSGD ||
           plan.optimizer_offload != OffloadDevice::kNvme,
-      "--optimizer sgd with the optimizer offloaded to NVMe (infinity) is not available: the swap "
-      "file pages AdamW's master, m and v together; use --strategy offload (CPU) or zero3 with "
-      "SGD, or --optimizer adamw with NVMe");
+      "{0} sgd with the optimizer offloaded to NVMe (infinity) is not available: the swap file "
+      "pages AdamW's master, m and v together; use --strategy offload (CPU) or zero3 with SGD, or "
+      "{0} adamw with NVMe",
+      knob_for(&TrainConfig::optimizer).name());
   check<ConfigError>(plan.pipeline_stages == 1,
                      "a plan of {} pipeline stages goes to make_pipeline_strategy "
                      "(parallel/pipeline/pipeline_parallel.h), not make_strategy",
@@ -57,10 +62,10 @@ void Strategy::setup_from(Model& model, const ParameterSource& source) {
 void check_state_kind(OptimizerKind saved, OptimizerKind configured) {
   check<CheckpointError>(
       saved == configured,
-      "the checkpoint holds {} optimizer state but this run uses --optimizer {}: its state cannot "
-      "be resumed into another optimizer; resume with --optimizer {}, or start from its weights "
-      "only (--init-from, without the optimizer state)",
-      to_string(saved), to_string(configured), to_string(saved));
+      "the checkpoint holds {0} optimizer state but this run uses {1} {2}: its state cannot be "
+      "resumed into another optimizer; resume with {1} {0}, or start from its weights only "
+      "(--init-from, without the optimizer state)",
+      to_string(saved), knob_for(&TrainConfig::optimizer).name(), to_string(configured));
 }
 
 std::vector<FlatRange> even_split(int64_t numel, int world, int rank) {

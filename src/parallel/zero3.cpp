@@ -39,6 +39,7 @@
 #include <cstring>
 #include <deque>
 
+#include "config/knob.h"
 #include "memory/host_buffer.h"
 #include "parallel/device_arena.h"
 #include "parallel/hierarchical_reduction.h"
@@ -182,9 +183,11 @@ class Zero3 final : public ZeroStrategy {
       if (std::any_of(paged_numel.begin(), paged_numel.end(), [](int64_t x) { return x > 0; })) {
         check<ConfigError>(opt_.plan.optimizer_offload != OffloadDevice::kNone &&
                                opt_.plan.optimizer_offload_ratio == 1.0,
-                           "parameters paged from NVMe (offload_param.max_in_cpu) need the whole "
-                           "optimizer offloaded (offload_optimizer.device \"cpu\" or \"nvme\", "
-                           "ratio 1): set them, or raise offload_param.max_in_cpu");
+                           "parameters paged from NVMe ({0}) need the whole optimizer offloaded "
+                           "({1} \"cpu\" or \"nvme\", {2} 1): set them, or raise {0}",
+                           zero_knob(&ZeroConfig::offload_param_max_in_cpu).label(),
+                           zero_knob(&ZeroConfig::offload_optimizer_device).path,
+                           zero_knob(&ZeroConfig::offload_ratio).label());
         param_swap_ = std::make_unique<ParamSwap>(backend_, opt_.nvme_path, rank_, opt_.aio, dtype_,
                                                   std::move(paged_numel), opt_.param_buffer_count);
       }

@@ -14,6 +14,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/sharded_checkpoint.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/philox.h"
 #include "core/strings.h"
@@ -315,24 +316,28 @@ void print_banner(Console& out, const TrainConfig& cfg, const BannerFacts& f) {
         human_bytes(static_cast<double>(h.nvme)));
     if (cfg.plan.param_offload == OffloadDevice::kNvme && cfg.zero.offload_param_max_in_cpu < 0)
       out.line(
-          "  note: offload_param.device \"nvme\" without offload_param.max_in_cpu keeps the "
-          "offloaded parameters in pinned host memory (2 bytes per parameter); set max_in_cpu to "
-          "page the rest from NVMe");
+          "  note: {} \"nvme\" without {} keeps the offloaded parameters in pinned host memory "
+          "(2 bytes per parameter); set it to page the rest from NVMe",
+          zero_knob(&ZeroConfig::offload_param_device).path,
+          zero_knob(&ZeroConfig::offload_param_max_in_cpu).path);
     else if (cfg.plan.param_offload == OffloadDevice::kNvme)
       out.line(
           "  parameters: up to {} elements per rank in pinned host memory, the other layers paged "
-          "from NVMe through {} pinned buffers (offload_param.max_in_cpu, buffer_count)",
-          with_commas(cfg.zero.offload_param_max_in_cpu), cfg.zero.offload_param_buffer_count);
+          "from NVMe through {} pinned buffers ({}, {})",
+          with_commas(cfg.zero.offload_param_max_in_cpu), cfg.zero.offload_param_buffer_count,
+          zero_knob(&ZeroConfig::offload_param_max_in_cpu).path,
+          zero_knob(&ZeroConfig::offload_param_buffer_count).path);
     if (const int64_t g = forward_group(cfg); g > 1)
       out.line(
           "  forward group: the first {} micro-batches of each step run their forward layer by "
-          "layer, overlapping the host's update (offload_optimizer.forward_group)",
-          std::min(g, cfg.gradient_accumulation_steps));
+          "layer, overlapping the host's update ({})",
+          std::min(g, cfg.gradient_accumulation_steps),
+          zero_knob(&ZeroConfig::offload_forward_group).label());
     if (speculative_update(cfg))
       out.line(
           "  speculative update: each part's host AdamW starts during backward, as soon as its "
-          "gradient is final; a clipped step is rolled back and redone "
-          "(offload_optimizer.speculative_update)");
+          "gradient is final; a clipped step is rolled back and redone ({})",
+          zero_knob(&ZeroConfig::offload_speculative_update).label());
     if (cfg.zero.offload_delayed_update)
       out.line(
           "  delayed parameter update (ZeRO-Offload DPU, arXiv 2101.06840 §4.3): from step 3 on, "

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <thread>
 
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/half.h"
 
@@ -53,18 +54,19 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
       moment_dtype_(moment_dtype) {
   ST_ASSERT(moment_dtype == DType::kF32 || moment_dtype == DType::kBF16);
   check<ConfigError>(moment_dtype == DType::kF32 || hyper.kind == OptimizerKind::kAdamW,
-                     "offload_optimizer.moments_dtype \"bf16\" needs AdamW: SGD's momentum "
-                     "buffer stays fp32; drop the key or use --optimizer adamw");
+                     "{} \"bf16\" needs AdamW: SGD's momentum buffer stays fp32; drop the key "
+                     "or use {} adamw",
+                     zero_knob(&ZeroConfig::offload_moments_dtype).label(),
+                     knob_for(&TrainConfig::optimizer).name());
   ST_ASSERT(dtype_size(grad_dtype) == dtype_size(param_dtype));  // results overwrite gradients
-  // The swap file pages master, m and v of AdamW together (strategy.cpp refuses SGD with NVMe).
-  check<ConfigError>(!swap || hyper.kind == OptimizerKind::kAdamW,
-                     "--optimizer sgd with the optimizer offloaded to NVMe (infinity) is not "
-                     "available: use --strategy offload (CPU) with SGD, or --optimizer adamw");
+  // The swap file pages master, m and v of AdamW together (make_strategy refuses SGD there).
+  ST_ASSERT(!swap || hyper.kind == OptimizerKind::kAdamW);
   ST_ASSERT(host_params.empty() || host_params.size() == ranges_.size());
   ST_ASSERT(staged_.ranges.empty() || (staged_.ranges.size() == ranges_.size() && staged_.write));
   check<ConfigError>(staged_.ranges.empty() || !delayed_update,
-                     "offload_optimizer.delayed_update with parameters paged from NVMe "
-                     "(offload_param.max_in_cpu) is not available: drop one of them");
+                     "{} with parameters paged from NVMe ({}) is not available: drop one of them",
+                     zero_knob(&ZeroConfig::offload_delayed_update).label(),
+                     zero_knob(&ZeroConfig::offload_param_max_in_cpu).label());
   if (!delayed_ && param_dtype != DType::kF16 && !host_params.empty()) {
     in_params_.resize(ranges_.size());
     for (size_t i = 0; i < ranges_.size(); ++i) {
@@ -98,8 +100,7 @@ HostOptimizer::HostOptimizer(Backend& backend, const ParamLayout& layout,
     }
   }
   if (file > 0) {
-    check_nvme_path(swap->dir, swap_round_up(file),
-                    "zero_optimization.offload_optimizer.nvme_path (--nvme-path)");
+    check_nvme_path(swap->dir, swap_round_up(file), zero_knob(&ZeroConfig::nvme_path).label());
     swap_ = std::make_unique<SwapFile>(swap->dir, swap->rank, file, swap->aio);
     // A fresh swap file reads as zeros: m and v of a new run (the master weights come next).
     // Three staging slots of the largest range on NVMe.

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "config/knob.h"
 #include "core/error.h"
 
 namespace shardtrain {
@@ -12,16 +13,16 @@ ParamSwap::ParamSwap(Backend& backend, const std::string& dir, int rank, const A
                      DType dtype, std::vector<int64_t> numel, int buffers)
     : numel_(std::move(numel)), dtype_(dtype) {
   check<ConfigError>(buffers >= 2,
-                     "zero_optimization.offload_param.buffer_count {} is too small: parameters "
-                     "paged from NVMe need at least 2 buffers (one read ahead while one is copied)",
-                     buffers);
+                     "{} {} is too small: parameters paged from NVMe need at least 2 buffers (one "
+                     "read ahead while one is copied)",
+                     zero_knob(&ZeroConfig::offload_param_buffer_count).label(), buffers);
   int64_t file = 0, largest = 0;
   for (size_t u = 0; u < numel_.size(); ++u) {
     region_.push_back(numel_[u] > 0 ? file : -1);
     file += region_bytes(u);
     largest = std::max(largest, region_bytes(u));
   }
-  check_nvme_path(dir, file, "zero_optimization.offload_param.nvme_path (--nvme-path)");
+  check_nvme_path(dir, file, zero_knob(&ZeroConfig::nvme_path).label());
   file_ = std::make_unique<SwapFile>(dir, rank, file, aio, "params");
   buffers_.resize(static_cast<size_t>(buffers));
   for (Buffer& b : buffers_)
