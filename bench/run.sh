@@ -117,7 +117,9 @@
 #                   (FLOPs or HBM bytes) and the GPU's measured limits (bench/gpu_limits.py: bf16
 #                   GEMM rate per shape and at its largest, HBM copy bandwidth), for RF_CASES=
 #                   "gpt2-medium:16:0 gpt2-xl:16:0" (model:micro-batch:activation checkpointing;
-#                   bench/kernel_roofline.py; needs libkernel_trace.so packed: EXTRA_BINS). No peer
+#                   bench/kernel_roofline.py; needs libkernel_trace.so packed: EXTRA_BINS).
+#                   Peer: PyTorch's attention kernels (SDPA cuDNN, FlashAttention-2,
+#                   memory-efficient) on the same shapes (bench/attention_peers.py)
 #   image-ops       device time of each CUDA image op on MobileNetV2/VGG layer shapes, OPS_REPS=20
 #                   repetitions (needs bench_image_ops packed: EXTRA_BINS). No peer
 #   largest-model   the largest GPT one GPU trains per placement, 10 steps each (bench/

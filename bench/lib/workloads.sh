@@ -513,6 +513,12 @@ wl_kernel_roofline() {
       --limits "$OUT/gpu_limits.json" --top "${RF_TOP:-12}" --json "$OUT/roofline_${m}_b$b.json"
     grab_tail "roofline_${m}_b$b" 40
   done
+  # PyTorch's attention kernels (cuDNN, FlashAttention-2, memory-efficient) on the same shapes.
+  peers || return 0
+  step attention_peers 120 python3 bench/attention_peers.py \
+    --models "${RF_MODELS:-gpt2-medium,gpt2-xl}" --batch 16 --seq 512 --roofline-dir "$OUT" \
+    --out "$OUT/attention_peers.json"
+  grab_tail attention_peers 12
 }
 wl_image_ops() {
   if [ ! -x "$PACKED_ABS/bench_image_ops" ] && ! dry; then
