@@ -109,8 +109,10 @@ PlacementPlan plan_placement(const MemoryEstimateOptions& options, const Placeme
   const auto cost = [&](Placement& p, double psi_per_rank, double r) {
     const bool optimizer_out = p.plan.optimizer_offload != OffloadDevice::kNone;
     const bool params_out = p.plan.param_offload != OffloadDevice::kNone;
-    p.pcie_bytes =
-        (optimizer_out ? 2 * 2 * r * psi_per_rank : 0) + (params_out ? 2 * 2 * psi_per_rank : 0);
+    // Parameters on the host are gathered (copied up) for every micro-batch's forward and its
+    // backward: 2,318 GiB per step for 19.5B at 32 micro-batches on one H200 (BENCHMARKS.md).
+    p.pcie_bytes = (optimizer_out ? 2 * 2 * r * psi_per_rank : 0) +
+                   (params_out ? 2 * 2 * psi_per_rank * micro_batches : 0);
     p.host_traffic = optimizer_out ? host_bytes(r, psi_per_rank) : 0;
     p.disk_bytes = 2 * p.nvme_bytes;  // every byte on NVMe is read and written each step
     p.compute_s = compute_s;

@@ -16,8 +16,8 @@
 //
 // Bytes per rank per step (Ψ parameters over N ranks, K bytes of optimizer state per parameter):
 //  * PCIe: an offloaded optimizer fraction r sends its bf16 gradients down and gets its bf16
-//    parameters back, 2·2rΨ/N; parameters on the host cross twice more, once for the forward's
-//    gathers and once for the backward's, 2·2Ψ/N;
+//    parameters back, 2·2rΨ/N; parameters on the host cross twice more per micro-batch, once
+//    for its forward's gathers and once for its backward's, 2·2Ψ/N × micro-batches;
 //  * host memory, by the CPU optimizer: (2K + 4)·rΨ/N (AdamW: read master, m, v and the bf16
 //    gradient, write master, m, v and the bf16 parameter: 28 bytes per element; SGD 20);
 //  * disk: NVMe optimizer state read and written once, 2·12rΨ/N (2·8rΨ/N with bf16 moments).

@@ -99,8 +99,13 @@ TEST(PlacementPlanner, CandidatesCarryTheEstimatorsBytesAndTheTrafficFormulas) {
   EXPECT_DOUBLE_EQ(named(p, "offload r=1").pcie_bytes, 4 * shard);
   EXPECT_DOUBLE_EQ(named(p, "offload r=1").host_traffic, 28 * shard);
   EXPECT_DOUBLE_EQ(named(p, "offload r=0.5").pcie_bytes, 2 * shard);
-  // Parameters on the host cross for the forward's and the backward's gathers: 2·2Ψ/N more.
+  // Parameters on the host cross for the forward's and the backward's gathers: 2·2Ψ/N more per
+  // micro-batch (one here; eight below).
   EXPECT_DOUBLE_EQ(named(p, "zero3-offload r=1").pcie_bytes, 8 * shard);
+  const PlacementPlan p8 =
+      plan_placement(o, {80 * kGiB, 512 * kGiB, 1e15}, MachineRates{}, 8 * 2048);
+  EXPECT_DOUBLE_EQ(named(p8, "zero3-offload r=1").pcie_bytes, 4 * shard + 8 * 4 * shard);
+  EXPECT_DOUBLE_EQ(named(p8, "offload r=1").pcie_bytes, 4 * shard);
   // A host budget that holds the pinned parameters, the swap slots and a third of the state:
   // that third stays in memory (max_in_cpu), the rest is on NVMe, read and written every step.
   const StrategyEstimate& inf = *std::find_if(e.strategies.begin(), e.strategies.end(),
