@@ -47,15 +47,16 @@ class DataParallel final : public Strategy {
     // DeepSpeed's 5e8-element default would make every model below 500 M parameters a single
     // bucket, reduced only after the whole backward. Unless a bucket size was given, dp uses
     // PyTorch DDP's default instead, so reductions overlap the rest of backward.
-    buckets_ = build_grad_buckets(
-        layout, opt_.reduce_bucket_size_set ? opt_.reduce_bucket_size : kOverlapBucketElements);
+    buckets_ =
+        build_grad_buckets(layout, opt_.zero.reduce_bucket_size_set ? opt_.zero.reduce_bucket_size
+                                                                    : kOverlapBucketElements);
     readiness_ = BucketReadiness(buckets_, model.num_layers());
-    tied_ = TiedEmbeddingGrad(backend_, comm_, layout, opt_.overlap_comm);
+    tied_ = TiedEmbeddingGrad(backend_, comm_, layout, opt_.zero.overlap_comm);
     registered_ = RegisteredBuffers(comm_, backend_, {grads_.view()});
     const int k = opt_.hierarchical_ranks_per_node;
     if (k > 0 && comm_.world_size() > 1)
-      hierarchical_ =
-          std::make_unique<HierarchicalReduction>(comm_, k, backend_, opt_.quantized_gradients);
+      hierarchical_ = std::make_unique<HierarchicalReduction>(comm_, k, backend_,
+                                                              opt_.zero.quantized_gradients);
   }
 
   void zero_grad() override {
@@ -216,7 +217,7 @@ class DataParallel final : public Strategy {
   std::vector<std::unique_ptr<Work>> pending_;
   bool last_micro_ = true;
   /// Buckets all-reduced from after_backward (overlap_comm), or all in finish_gradients.
-  bool reduce_in_backward_ = opt_.overlap_comm;
+  bool reduce_in_backward_ = opt_.zero.overlap_comm;
   /// --hierarchical-all-reduce: the buckets' sums within nodes, then across them.
   std::unique_ptr<HierarchicalReduction> hierarchical_;
   RegisteredBuffers registered_;  ///< grads_ for the copy-engine all-reduce; destroyed first

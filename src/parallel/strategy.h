@@ -26,50 +26,24 @@
 namespace shardtrain {
 
 /// What a strategy is told (not the whole TrainConfig): its plan, the optimizer (AdamW or SGD)
-/// and its hyper-parameters, and the communication settings of DeepSpeed's zero_optimization
-/// section.
+/// and its hyper-parameters, and the sections of the configuration it reads as they are —
+/// zero_optimization (buckets, overlap, stage 3's limits, offload, hybrid sharding; ZeroConfig
+/// documents each key) and aio. The plan is `plan`: a strategy never reads zero.stage or the
+/// offload devices of `zero`, which validate() resolved into it.
 struct StrategyOptions {
   ParallelPlan plan;
   OptimizerHyper optimizer;
-  /// Gradient bucket (elements); unless `reduce_bucket_size_set`, strategies that overlap
-  /// reductions with backward pick kOverlapBucketElements where that is faster (buckets.h).
-  int64_t reduce_bucket_size = 500'000'000;
-  bool reduce_bucket_size_set = false;
-  int64_t allgather_bucket_size = 500'000'000;  ///< elements of all-gathers in flight after a step
-  /// Launch reductions (and stage-3 prefetches) while computing; false: after backward / at use.
-  bool overlap_comm = true;
-  // ZeRO-3 (elements; ZeroConfig documents each).
-  int64_t prefetch_bucket_size = 50'000'000;
-  int64_t param_persistence_threshold = 100'000;
-  int64_t max_live_parameters = 1'000'000'000;
-  int64_t max_reuse_distance = 1'000'000'000;
-  /// Offloaded optimizer: ZeRO-Offload's one-step delayed parameter update (host_optimizer.h).
-  bool delayed_update = false;
-  /// Offloaded optimizer: start each part's update during backward, validated (and redone when
-  /// clipping changed it) in step() (HostOptimizer::speculate;
-  /// ZeroConfig::offload_speculative_update).
-  bool speculative_update = true;
-  /// zero3: > 1 shards within groups of this many consecutive ranks, replicated across groups
-  /// (hybrid sharding; ZeroConfig::hpz_partition_size).
-  int64_t hpz_partition_size = 1;
+  ZeroConfig zero;
+  /// NVMe offload: DeepSpeed's aio settings of the swap files (under zero.nvme_path).
+  AioConfig aio;
   /// dp across nodes: > 0 sums gradients hierarchically over nodes of this many consecutive
   /// ranks (parallel/hierarchical_reduction.h); 0: one all-reduce over all ranks.
   int hierarchical_ranks_per_node = 0;
-  /// The gradients that cross nodes (hierarchical all-reduce, zero3 hybrid sharding) in int8
-  /// with per-block scales (ZeRO++'s qgZ).
-  bool quantized_gradients = false;
-  /// NVMe offload: the directory of the swap files and DeepSpeed's aio settings.
-  std::string nvme_path;
-  AioConfig aio;
-  /// Optimizer on NVMe: elements whose optimizer state stays in host memory
-  /// (ZeroConfig::offload_optimizer_max_in_cpu).
-  int64_t optimizer_max_in_cpu = 0;
-  /// The host-stepped AdamW moments' dtype: kF32, or kBF16 (ZeroConfig::offload_moments_dtype).
-  DType optimizer_moment_dtype = DType::kF32;
-  /// Stage 3 with offload_param "nvme": elements per rank of parameters kept in host memory (-1:
-  /// all), and the pinned buffers the rest is paged through (ZeroConfig documents both).
-  int64_t param_max_in_cpu = -1;
-  int param_buffer_count = 5;
+
+  /// The host-stepped AdamW moments' dtype: kF32, or kBF16 (zero.offload_moments_dtype "bf16").
+  DType moment_dtype() const {
+    return zero.offload_moments_dtype == "bf16" ? DType::kBF16 : DType::kF32;
+  }
 };
 
 /// Host memory a rank holds for offloaded state (bytes).

@@ -81,7 +81,7 @@ class Zero1 final : public ZeroStrategy {
   }
 
   void after_backward(int layer) override {
-    if (!last_micro_ || !opt_.overlap_comm) return;
+    if (!last_micro_ || !opt_.zero.overlap_comm) return;
     const int b = readiness_.layer_done(layer);
     if (b >= 0) reduce(static_cast<size_t>(b));
     progress_reductions();
@@ -89,7 +89,7 @@ class Zero1 final : public ZeroStrategy {
 
   void finish_gradients() override {
     // overlap_comm false: every bucket is reduced here, after backward.
-    if (!opt_.overlap_comm)
+    if (!opt_.zero.overlap_comm)
       for (size_t b = 0; b < parts_.size(); ++b) reduce(b);
     for (auto& w : reductions_) w->wait();
     reductions_.clear();
@@ -190,7 +190,7 @@ class Zero2 final : public ZeroStrategy {
     // In place: the rank's own slice of the bucket buffer receives the sum over ranks.
     reductions_.push_back(
         {i, tag, own, reduce_scatter_gradients(own, buf.slice(0, p.padded)), last_micro_});
-    if (!opt_.overlap_comm) drain_all();  // no reduction runs behind the rest of backward
+    if (!opt_.zero.overlap_comm) drain_all();  // no reduction runs behind the rest of backward
   }
 
   void finish_gradients() override {

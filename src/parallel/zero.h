@@ -9,7 +9,7 @@
 namespace shardtrain {
 
 /// Builds the ZeRO strategy for options.plan.zero_stage 1 or 2 (ST_ASSERTs otherwise) over the
-/// data-parallel group `comm`. Buckets come from options.reduce_bucket_size and
+/// data-parallel group `comm`. Buckets come from options.zero.reduce_bucket_size and
 /// allgather_bucket_size (elements). See zero.cpp for the design.
 std::unique_ptr<Strategy> make_zero_strategy(const StrategyOptions& options, Backend& backend,
                                              Communicator& comm);

@@ -154,8 +154,8 @@ class Zero3 final : public ZeroStrategy {
     // offload_param "nvme" with max_in_cpu: the partitioned slices past it are paged from a swap
     // file (first fit, in layer order) instead of living in pinned host memory.
     const bool paging =
-        opt_.plan.param_offload == OffloadDevice::kNvme && opt_.param_max_in_cpu >= 0;
-    int64_t in_cpu_left = opt_.param_max_in_cpu;
+        opt_.plan.param_offload == OffloadDevice::kNvme && opt_.zero.offload_param_max_in_cpu >= 0;
+    int64_t in_cpu_left = opt_.zero.offload_param_max_in_cpu;
     std::vector<int64_t> paged_numel(static_cast<size_t>(n), 0);
     for (int l = 0; l < n; ++l) {
       Unit& u = units_[static_cast<size_t>(l)];
@@ -164,8 +164,8 @@ class Zero3 final : public ZeroStrategy {
       for (const ParamTensor& t : layout.layers()[static_cast<size_t>(l)].tensors)
         params += t.numel;
       // Offloaded parameters stream in per layer even on one rank.
-      u.resident =
-          (world_ == 1 && !params_offloaded()) || params < opt_.param_persistence_threshold;
+      u.resident = (world_ == 1 && !params_offloaded()) ||
+                   params < opt_.zero.stage3_param_persistence_threshold;
       if (paging && !u.resident) {
         if (p.shard > in_cpu_left) {
           paged_numel[static_cast<size_t>(l)] = p.shard;
@@ -188,8 +188,9 @@ class Zero3 final : public ZeroStrategy {
                            zero_knob(&ZeroConfig::offload_param_max_in_cpu).label(),
                            zero_knob(&ZeroConfig::offload_optimizer_device).path,
                            zero_knob(&ZeroConfig::offload_ratio).label());
-        param_swap_ = std::make_unique<ParamSwap>(backend_, opt_.nvme_path, rank_, opt_.aio, dtype_,
-                                                  std::move(paged_numel), opt_.param_buffer_count);
+        param_swap_ = std::make_unique<ParamSwap>(backend_, opt_.zero.nvme_path, rank_, opt_.aio,
+                                                  dtype_, std::move(paged_numel),
+                                                  opt_.zero.offload_param_buffer_count);
       }
       host_shards_ = PinnedBuffer(backend_, dtype_, sharded);
       if (sharded > 0) std::memset(host_shards_.data(), 0, host_shards_.bytes());
@@ -356,7 +357,7 @@ class Zero3 final : public ZeroStrategy {
   /// Paged parameters: starts reading the units the next positions use (as many as the staging
   /// buffers hold) whose latest update has been written.
   void read_ahead(int p) {
-    const int last = std::min(schedule_.num_positions(), p + opt_.param_buffer_count);
+    const int last = std::min(schedule_.num_positions(), p + opt_.zero.offload_param_buffer_count);
     for (int q = p + 1; q < last; ++q)
       for (int u : schedule_.uses(q)) {
         const Unit& x = unit(u);
@@ -448,7 +449,7 @@ class Zero3 final : public ZeroStrategy {
     while (reductions_.size() >= kZero3ReductionsInFlight) complete_reduction();
     reductions_.push_back({layer, own, reduce_scatter_gradients(own, x.grad.view()), last_micro_});
     x.reducing = true;
-    if (!opt_.overlap_comm) complete_reduction();
+    if (!opt_.zero.overlap_comm) complete_reduction();
   }
 
   /// Waits for the oldest reduce-scatter, adds its slice into the gradient shard, frees the
@@ -511,25 +512,27 @@ class Zero3 final : public ZeroStrategy {
 
 std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options, Backend& backend,
                                               Communicator& comm) {
-  check<ConfigError>(options.max_live_parameters >= 1,
+  check<ConfigError>(options.zero.stage3_max_live_parameters >= 1,
                      "zero_optimization.stage3_max_live_parameters must be >= 1 element (got {})",
-                     options.max_live_parameters);
-  check<ConfigError>(options.max_reuse_distance >= 0 && options.prefetch_bucket_size >= 0 &&
-                         options.param_persistence_threshold >= 0,
+                     options.zero.stage3_max_live_parameters);
+  check<ConfigError>(options.zero.stage3_max_reuse_distance >= 0 &&
+                         options.zero.stage3_prefetch_bucket_size >= 0 &&
+                         options.zero.stage3_param_persistence_threshold >= 0,
                      "zero_optimization.stage3_max_reuse_distance ({}), "
                      "stage3_prefetch_bucket_size ({}) and stage3_param_persistence_threshold ({}) "
                      "must be >= 0",
-                     options.max_reuse_distance, options.prefetch_bucket_size,
-                     options.param_persistence_threshold);
+                     options.zero.stage3_max_reuse_distance,
+                     options.zero.stage3_prefetch_bucket_size,
+                     options.zero.stage3_param_persistence_threshold);
   std::shared_ptr<HybridGroups> hybrid;
-  const int64_t g = options.hpz_partition_size;
+  const int64_t g = options.zero.hpz_partition_size;
   if (g > 1 && g < comm.world_size()) {
     // Collective: every rank splits the world the same way.
     const NodeGroups groups = NodeGroups::of(comm.world_size(), comm.rank(), static_cast<int>(g));
     hybrid = std::make_shared<HybridGroups>();
     hybrid->shard = comm.split(groups.node);
     hybrid->replica = comm.split(groups.across);
-    if (options.quantized_gradients)
+    if (options.zero.quantized_gradients)
       hybrid->quantized = std::make_unique<HierarchicalReduction>(*hybrid->replica, 1, backend,
                                                                   true, groups.across);
   } else {

@@ -15,13 +15,13 @@ inline constexpr size_t kZero3ReductionsInFlight = 2;
 
 /// The schedule limits `options` set.
 inline Zero3Limits zero3_limits(const StrategyOptions& options) {
-  return {options.prefetch_bucket_size, options.max_live_parameters, options.max_reuse_distance,
-          options.overlap_comm};
+  return {options.zero.stage3_prefetch_bucket_size, options.zero.stage3_max_live_parameters,
+          options.zero.stage3_max_reuse_distance, options.zero.overlap_comm};
 }
 
 /// Builds the ZeRO-3 strategy over the data-parallel group `comm`: every rank holds 1/N of the
 /// parameters, gradients and optimizer state, and gathers each layer's parameters before it runs
-/// (options.prefetch_bucket_size, param_persistence_threshold, max_live_parameters,
+/// (options.zero.stage3_prefetch_bucket_size, param_persistence_threshold, max_live_parameters,
 /// max_reuse_distance). See zero3.cpp for the design.
 std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options, Backend& backend,
                                               Communicator& comm);

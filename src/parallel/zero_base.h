@@ -57,10 +57,10 @@ class ZeroStrategy : public Strategy {
     world_ = comm_.world_size();
     rank_ = comm_.rank();
     dtype_ = backend_.compute_dtype();
-    check<ConfigError>(opt_.reduce_bucket_size >= 1 && opt_.allgather_bucket_size >= 1,
+    check<ConfigError>(opt_.zero.reduce_bucket_size >= 1 && opt_.zero.allgather_bucket_size >= 1,
                        "zero_optimization.reduce_bucket_size ({}) and allgather_bucket_size ({}) "
                        "must be >= 1 element",
-                       opt_.reduce_bucket_size, opt_.allgather_bucket_size);
+                       opt_.zero.reduce_bucket_size, opt_.zero.allgather_bucket_size);
     buckets_ = make_buckets(layout);
     parts_ = partition_buckets(buckets_, world_, rank_);
     part_of_layer_.assign(static_cast<size_t>(model.num_layers()), -1);
@@ -95,7 +95,8 @@ class ZeroStrategy : public Strategy {
     }
     host_.reset();
     if (opt_.plan.optimizer_offload != OffloadDevice::kNone) {
-      SwapOptions swap{opt_.nvme_path, rank_, opt_.aio, opt_.optimizer_max_in_cpu};
+      SwapOptions swap{opt_.zero.nvme_path, rank_, opt_.aio,
+                       opt_.zero.offload_optimizer_max_in_cpu};
       std::vector<Tensor> in_host;  // host-stepped elements whose parameters live on the host
       for (size_t i = 0; i < parts_.size(); ++i) {
         const Tensor t = host_params(i);
@@ -110,9 +111,9 @@ class ZeroStrategy : public Strategy {
       };
       host_ = std::make_unique<HostOptimizer>(
           backend_, layout, std::move(host_ranges), opt_.optimizer, dtype_, dtype_,
-          opt_.delayed_update,
+          opt_.zero.offload_delayed_update,
           opt_.plan.optimizer_offload == OffloadDevice::kNvme ? &swap : nullptr, std::move(in_host),
-          std::move(staged), opt_.optimizer_moment_dtype);
+          std::move(staged), opt_.moment_dtype());
     }
     sent_.assign(parts_.size(), false);
     pending_.clear();
@@ -124,7 +125,7 @@ class ZeroStrategy : public Strategy {
     hierarchical_.reset();
     if (opt_.hierarchical_ranks_per_node > 0 && world_ > 1)
       hierarchical_ = std::make_unique<HierarchicalReduction>(
-          comm_, opt_.hierarchical_ranks_per_node, backend_, opt_.quantized_gradients);
+          comm_, opt_.hierarchical_ranks_per_node, backend_, opt_.zero.quantized_gradients);
     if (source) write_params(source);  // else all zero
     bind_layers();
     model.set_hooks(this);
@@ -154,7 +155,8 @@ class ZeroStrategy : public Strategy {
   /// (HostOptimizer::speculate). Stage 3 keeps the update after backward: its gathers may still
   /// read a part's shard after the part's gradient is final (persistent parameters).
   void expect_update(double lr, double grad_scale) override {
-    if (host_ && opt_.speculative_update && !opt_.delayed_update && opt_.plan.zero_stage < 3)
+    if (host_ && opt_.zero.offload_speculative_update && !opt_.zero.offload_delayed_update &&
+        opt_.plan.zero_stage < 3)
       host_->speculate(lr, grad_scale, host_targets());
   }
   void cancel_expected_update() override {
@@ -300,7 +302,7 @@ class ZeroStrategy : public Strategy {
     for (size_t i = 0; i < gathers_.size(); ++i) wait_gather(i);
     pending_.clear();
     before_update();
-    AllGatherWindow window(comm_, opt_.allgather_bucket_size);
+    AllGatherWindow window(comm_, opt_.zero.allgather_bucket_size);
     for (size_t i = 0; i < parts_.size(); ++i) {
       const int64_t g = on_device_[i];
       if (optimizers_[i]) {
@@ -382,12 +384,12 @@ class ZeroStrategy : public Strategy {
   /// buckets of whole layers up to reduce_bucket_size, tied sources alone.
   virtual std::vector<GradBucket> make_buckets(const ParamLayout& layout) const {
     const bool overlap_default =
-        !opt_.reduce_bucket_size_set && comm_.registration_staging_bytes() > 0;
+        !opt_.zero.reduce_bucket_size_set && comm_.registration_staging_bytes() > 0;
     // Tied sources (the embedding, whose wte the LM head reads) get buckets of their own: their
     // gradients are written by a later layer's backward before their own (ParamLayout::tie).
-    return build_grad_buckets(layout,
-                              overlap_default ? kOverlapBucketElements : opt_.reduce_bucket_size,
-                              layout.tied_sources());
+    return build_grad_buckets(
+        layout, overlap_default ? kOverlapBucketElements : opt_.zero.reduce_bucket_size,
+        layout.tied_sources());
   }
   /// Allocates the parameter storage (stages 1/2: every parameter, padded buckets).
   virtual void allocate_params() { params_ = FlatBuffer(backend_, dtype_, padded_numel_); }
@@ -452,7 +454,7 @@ class ZeroStrategy : public Strategy {
     if (pending_.empty() || !pending_[i]) return;
     pending_[i] = false;
     host_->wait_part(i);
-    AllGatherWindow window(comm_, opt_.allgather_bucket_size);
+    AllGatherWindow window(comm_, opt_.zero.allgather_bucket_size);
     publish(i, window);
   }
   void publish_all() {

@@ -11,25 +11,9 @@ StrategyOptions strategy_options(const TrainConfig& cfg) {
   o.optimizer.kind = cfg.optimizer;
   o.optimizer.momentum = cfg.momentum;
   o.optimizer.nesterov = cfg.nesterov;
-  o.reduce_bucket_size = cfg.zero.reduce_bucket_size;
-  o.reduce_bucket_size_set = cfg.zero.reduce_bucket_size_set;
-  o.allgather_bucket_size = cfg.zero.allgather_bucket_size;
-  o.overlap_comm = cfg.zero.overlap_comm;
-  o.prefetch_bucket_size = cfg.zero.stage3_prefetch_bucket_size;
-  o.param_persistence_threshold = cfg.zero.stage3_param_persistence_threshold;
-  o.max_live_parameters = cfg.zero.stage3_max_live_parameters;
-  o.max_reuse_distance = cfg.zero.stage3_max_reuse_distance;
-  o.delayed_update = cfg.zero.offload_delayed_update;
-  o.speculative_update = cfg.zero.offload_speculative_update;
-  o.nvme_path = cfg.zero.nvme_path;
+  o.zero = cfg.zero;
   o.aio = cfg.aio;
-  o.optimizer_max_in_cpu = cfg.zero.offload_optimizer_max_in_cpu;
-  o.optimizer_moment_dtype = cfg.zero.offload_moments_dtype == "bf16" ? DType::kBF16 : DType::kF32;
-  o.param_max_in_cpu = cfg.zero.offload_param_max_in_cpu;
-  o.param_buffer_count = cfg.zero.offload_param_buffer_count;
   if (hierarchical_reduction(cfg)) o.hierarchical_ranks_per_node = cfg.ranks_per_node;
-  o.hpz_partition_size = cfg.zero.hpz_partition_size;
-  o.quantized_gradients = cfg.zero.quantized_gradients;
   return o;
 }
 

@@ -117,7 +117,7 @@ struct DpRun {
     cfg.gradient_clipping = kClip;
     cfg.plan = st::plan_of(cfg);
     st::StrategyOptions o = st::strategy_options(cfg);
-    o.overlap_comm = overlap;
+    o.zero.overlap_comm = overlap;
     strategy = st::make_strategy(o, *backend, comm);
     strategy->setup(model, init);
     counting = std::make_unique<CountingHooks>(*strategy);

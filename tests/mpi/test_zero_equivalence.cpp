@@ -331,9 +331,9 @@ TEST_F(ZeroEquivalence, SameParametersAsOneRank) {
 /// reuse distance in elements (0: no prefetch / release every layer right after use).
 st::StrategyOptions zero3_options(int64_t persistence, int64_t prefetch, int64_t reuse) {
   st::StrategyOptions o = st::strategy_options(config(st::StrategyKind::kZero3, 500'000'000));
-  o.param_persistence_threshold = persistence;
-  o.prefetch_bucket_size = prefetch;
-  o.max_reuse_distance = reuse;
+  o.zero.stage3_param_persistence_threshold = persistence;
+  o.zero.stage3_prefetch_bucket_size = prefetch;
+  o.zero.stage3_max_reuse_distance = reuse;
   return o;
 }
 
@@ -354,7 +354,7 @@ TEST_F(ZeroEquivalence, HierarchicalReductionMatchesOneRank) {
         st::StrategyOptions o =
             zero3 ? zero3_options(0, 4'000, 0) : st::strategy_options(config(kind, bucket));
         o.hierarchical_ranks_per_node = k;
-        o.reduce_bucket_size_set = true;  // several buckets (dp would take DDP's default size)
+        o.zero.reduce_bucket_size_set = true;  // several buckets (dp would take DDP's default size)
         const std::string what =
             fmt::format("{}, hierarchical reduction, {} nodes × {} ranks, reduce_bucket_size {}",
                         st::to_string(kind), world() / k, k, bucket);
@@ -393,12 +393,12 @@ TEST_F(ZeroEquivalence, QuantizedCrossNodeGradientsKeepTheLossCurve) {
       st::StrategyOptions o = kind == st::StrategyKind::kZero3
                                   ? zero3_options(0, 4'000, 0)
                                   : st::strategy_options(config(kind, 10'001));
-      o.reduce_bucket_size_set = true;
+      o.zero.reduce_bucket_size_set = true;
       if (hybrid)
-        o.hpz_partition_size = 2;
+        o.zero.hpz_partition_size = 2;
       else
         o.hierarchical_ranks_per_node = k;
-      o.quantized_gradients = quantized;
+      o.zero.quantized_gradients = quantized;
       Trainee run(o, *comm, ref.init);
       run.data = pattern_tokens;
       run.train(0, kLongSteps, kLr);
@@ -432,7 +432,7 @@ TEST_F(ZeroEquivalence, HybridShardingMatchesOneRank) {
   const Reference& ref = reference();
   for (const int64_t persistence : {int64_t{0}, int64_t{100'000}}) {
     st::StrategyOptions o = zero3_options(persistence, 4'000, 0);
-    o.hpz_partition_size = 2;
+    o.zero.hpz_partition_size = 2;
     const std::string what = fmt::format(
         "zero3, hybrid sharding in groups of 2 of {} ranks, persistence {}", world(), persistence);
     Trainee run(o, *comm, ref.init);
@@ -605,8 +605,8 @@ TEST_F(ZeroEquivalence, OverlapCommOffMatchesOneRank) {
   for (st::StrategyKind kind : {st::StrategyKind::kDataParallel, st::StrategyKind::kZero1,
                                 st::StrategyKind::kZero2, st::StrategyKind::kZero3}) {
     st::StrategyOptions o = st::strategy_options(config(kind, 10'000));
-    o.overlap_comm = false;
-    o.param_persistence_threshold = 0;
+    o.zero.overlap_comm = false;
+    o.zero.stage3_param_persistence_threshold = 0;
     Trainee run(o, *comm, ref.init);
     run.train(0, kSteps);
     expect_state(fmt::format("{} ×{} overlap_comm false", st::to_string(kind), world()),
@@ -677,9 +677,9 @@ st::StrategyOptions offload_options(int stage, st::OffloadDevice opt, st::Offloa
   o.plan.optimizer_offload = opt;
   o.plan.param_offload = param;
   o.plan.optimizer_offload_ratio = ratio;
-  o.param_persistence_threshold = 0;
-  o.prefetch_bucket_size = 4'000;
-  o.nvme_path = nvme_dir;
+  o.zero.stage3_param_persistence_threshold = 0;
+  o.zero.stage3_prefetch_bucket_size = 4'000;
+  o.zero.nvme_path = nvme_dir;
   o.aio.block_size = 8192;  // several requests per range
   o.aio.thread_count = 2;
   return o;
@@ -721,9 +721,9 @@ TEST_F(ZeroEquivalence, OffloadMatchesOneRank) {
         Case{3, D::kCpu, D::kNvme, 1.0, 0, 0}, Case{3, D::kCpu, D::kNvme, 1.0, 0, per_rank / 3},
         Case{3, D::kNvme, D::kNvme, 1.0, per_rank / 2, per_rank / 3}}) {
     st::StrategyOptions o = offload_options(c.stage, c.opt, c.param, c.ratio, dir.path);
-    o.optimizer_max_in_cpu = c.max_in_cpu;
-    o.param_max_in_cpu = c.param_in_cpu;
-    o.param_buffer_count = 2;  // the fewest: every read waits for a free buffer
+    o.zero.offload_optimizer_max_in_cpu = c.max_in_cpu;
+    o.zero.offload_param_max_in_cpu = c.param_in_cpu;
+    o.zero.offload_param_buffer_count = 2;  // the fewest: every read waits for a free buffer
     Trainee run(o, *comm, reference().init);
     const st::HostMemory h = run.strategy->host_memory();
     EXPECT_EQ(h.nvme > 0, c.opt == D::kNvme || c.param_in_cpu >= 0);
@@ -770,7 +770,7 @@ TEST_F(ZeroEquivalence, Bf16MomentsAreExactAcrossPlacementsAndResume) {
   TempDir dir;
   const auto bf16 = [&](int stage, D opt, D param) {
     st::StrategyOptions o = offload_options(stage, opt, param, 1.0, dir.path);
-    o.optimizer_moment_dtype = st::DType::kBF16;
+    o.zero.offload_moments_dtype = "bf16";
     return o;
   };
   Trainee memory(bf16(2, D::kCpu, D::kNone), *comm, ref.init);
@@ -867,7 +867,7 @@ TEST_F(ZeroEquivalence, SpeculativeUpdateIsTheUpdate) {
     int64_t group;
   };
   st::StrategyOptions bf16 = offload_options(2, D::kCpu, D::kNone, 1.0);
-  bf16.optimizer_moment_dtype = st::DType::kBF16;
+  bf16.zero.offload_moments_dtype = "bf16";
   const std::vector<Case> cases = {
       {"zero1 offload, layer-major", offload_options(1, D::kCpu, D::kNone, 1.0), kAccum},
       {"zero2 offload, layer-major", offload_options(2, D::kCpu, D::kNone, 1.0), kAccum},
@@ -908,7 +908,7 @@ TEST_F(ZeroEquivalence, SpeculativeUpdateIsTheUpdate) {
       }
       const std::string what =
           fmt::format("{}, {} of {} steps rolled back", c.name, rolled_back, kSteps);
-      if (c.options.optimizer_moment_dtype == st::DType::kF32) {
+      if (c.options.moment_dtype() == st::DType::kF32) {
         expect_state(what, a, b);
         continue;
       }
@@ -932,7 +932,7 @@ TEST_F(ZeroEquivalence, ParamPagingRefusesPartialOffloadAndTheDelayedUpdate) {
   using D = st::OffloadDevice;
   TempDir dir;
   st::StrategyOptions o = offload_options(3, D::kCpu, D::kNvme, 0.5, dir.path);
-  o.param_max_in_cpu = 0;
+  o.zero.offload_param_max_in_cpu = 0;
   try {
     Trainee run(o, *comm, reference().init);
     ADD_FAILURE() << "ratio 0.5 with paged parameters was accepted";
@@ -941,8 +941,8 @@ TEST_F(ZeroEquivalence, ParamPagingRefusesPartialOffloadAndTheDelayedUpdate) {
         << e.what();
   }
   o = offload_options(3, D::kCpu, D::kNvme, 1.0, dir.path);
-  o.param_max_in_cpu = 0;
-  o.delayed_update = true;
+  o.zero.offload_param_max_in_cpu = 0;
+  o.zero.offload_delayed_update = true;
   try {
     Trainee run(o, *comm, reference().init);
     ADD_FAILURE() << "the delayed update with paged parameters was accepted";
@@ -990,7 +990,7 @@ TEST_F(ZeroEquivalence, DelayedUpdateFollowsItsRecurrence) {
   const Reference& ref = reference();
   st::StrategyOptions o = offload_options(2, st::OffloadDevice::kCpu, st::OffloadDevice::kNone, 1);
   o.optimizer.weight_decay = 0;
-  o.delayed_update = true;
+  o.zero.offload_delayed_update = true;
   Trainee run(o, *comm, ref.init);
   run.train(0, kSteps);
   const st::FullState got = run.strategy->gather_state();

@@ -139,9 +139,9 @@ void PipelineParallel::setup(Model& model, const std::vector<float>& init) {
   if (V > 1) {
     // Chunks run their backwards interleaved: reduce after the whole backward, and never let a
     // gradient bucket span two chunks (one layer per bucket).
-    io.overlap_comm = false;
-    io.reduce_bucket_size = 1;
-    io.reduce_bucket_size_set = true;
+    io.zero.overlap_comm = false;
+    io.zero.reduce_bucket_size = 1;
+    io.zero.reduce_bucket_size_set = true;
   }
   inner_ = make_strategy(io, backend_, *data_comm_);
   inner_->setup(*stage_model_, stage_init);
