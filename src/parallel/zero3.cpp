@@ -512,18 +512,6 @@ class Zero3 final : public ZeroStrategy {
 
 std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options, Backend& backend,
                                               Communicator& comm) {
-  check<ConfigError>(options.zero.stage3_max_live_parameters >= 1,
-                     "zero_optimization.stage3_max_live_parameters must be >= 1 element (got {})",
-                     options.zero.stage3_max_live_parameters);
-  check<ConfigError>(options.zero.stage3_max_reuse_distance >= 0 &&
-                         options.zero.stage3_prefetch_bucket_size >= 0 &&
-                         options.zero.stage3_param_persistence_threshold >= 0,
-                     "zero_optimization.stage3_max_reuse_distance ({}), "
-                     "stage3_prefetch_bucket_size ({}) and stage3_param_persistence_threshold ({}) "
-                     "must be >= 0",
-                     options.zero.stage3_max_reuse_distance,
-                     options.zero.stage3_prefetch_bucket_size,
-                     options.zero.stage3_param_persistence_threshold);
   std::shared_ptr<HybridGroups> hybrid;
   const int64_t g = options.zero.hpz_partition_size;
   if (g > 1 && g < comm.world_size()) {

@@ -57,10 +57,6 @@ class ZeroStrategy : public Strategy {
     world_ = comm_.world_size();
     rank_ = comm_.rank();
     dtype_ = backend_.compute_dtype();
-    check<ConfigError>(opt_.zero.reduce_bucket_size >= 1 && opt_.zero.allgather_bucket_size >= 1,
-                       "zero_optimization.reduce_bucket_size ({}) and allgather_bucket_size ({}) "
-                       "must be >= 1 element",
-                       opt_.zero.reduce_bucket_size, opt_.zero.allgather_bucket_size);
     buckets_ = make_buckets(layout);
     parts_ = partition_buckets(buckets_, world_, rank_);
     part_of_layer_.assign(static_cast<size_t>(model.num_layers()), -1);
