@@ -272,6 +272,29 @@ class Backend {
   };
   virtual void adamw(Tensor master, Tensor grad, Tensor m, Tensor v, Tensor params_out,
                      const AdamWArgs& args) = 0;
+  /// A run of an adamw_runs() call: its elements [begin, begin + count), with or without weight
+  /// decay (the layout's matrices decay; biases and layernorm parameters do not).
+  struct AdamWRun {
+    int64_t begin = 0;
+    int64_t count = 0;
+    bool decay = false;
+  };
+  /// adamw() over consecutive runs of one range (master, grad, m, v, params_out as for adamw(),
+  /// [n] with n the runs' total; runs in order from 0): run r's elements take weight_decay =
+  /// runs[r].decay ? args.weight_decay : 0. The same arithmetic per element as one adamw() per
+  /// run, which is what this default does; CUDA updates up to kAdamWRunsPerLaunch runs in one
+  /// kernel (a GPT-2 layer has 8 runs, most of them a few thousand elements).
+  virtual void adamw_runs(Tensor master, Tensor grad, Tensor m, Tensor v, Tensor params_out,
+                          const std::vector<AdamWRun>& runs, AdamWArgs args) {
+    const float wd = args.weight_decay;
+    for (const AdamWRun& r : runs) {
+      args.weight_decay = r.decay ? wd : 0.0f;
+      const auto part = [&](const Tensor& t) {
+        return t.empty() ? Tensor() : t.slice1d(r.begin, r.count);
+      };
+      adamw(part(master), part(grad), part(m), part(v), part(params_out), args);
+    }
+  }
 
   /// SGD with momentum (and Nesterov momentum) on one contiguous range, exactly
   /// torch.optim.SGD with dampening 0 (PyTorch docs, torch.optim.SGD; Nesterov momentum as

@@ -95,12 +95,11 @@ void Optimizer::step(Tensor master, Tensor grads, Tensor params_out, double lr, 
     return;
   }
   Backend::AdamWArgs a = next_args(lr, grad_scale);
-  for (const Segment& s : segments_) {
-    a.weight_decay = s.decay ? static_cast<float>(hyper_.weight_decay) : 0.0f;
-    backend_.adamw(master.slice1d(s.begin, s.count), grads.slice1d(s.begin, s.count),
-                   m_.slice1d(s.begin, s.count), v_.slice1d(s.begin, s.count),
-                   params_out.empty() ? Tensor() : params_out.slice1d(s.begin, s.count), a);
-  }
+  a.weight_decay = static_cast<float>(hyper_.weight_decay);
+  std::vector<Backend::AdamWRun> runs;
+  runs.reserve(segments_.size());
+  for (const Segment& s : segments_) runs.push_back({s.begin, s.count, s.decay});
+  backend_.adamw_runs(master, grads, m_, v_, params_out, runs, a);
 }
 
 void Optimizer::step_on_host(Tensor master, Tensor grads, Tensor params_out, double lr,

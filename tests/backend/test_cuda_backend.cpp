@@ -687,6 +687,45 @@ TEST_P(CudaOpTest, AdamWMatchesCpu) {
   }
 }
 
+// adamw_runs is adamw per run, bit for bit: runs of any length (not multiples of the vector
+// width, so chunks straddle runs), more runs than one launch takes, aligned or not.
+TEST_P(CudaOpTest, AdamWRunsIsAdamWPerRun) {
+  Backend::AdamWArgs a{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 0.1f, 0.05f};
+  std::vector<Backend::AdamWRun> runs;
+  int64_t n = 0;
+  for (int r = 0; r < 1100; ++r) {  // 1100 > cuda::kAdamWRunsPerLaunch runs
+    const int64_t len = r % 7 == 0 ? 1 + (r * 37) % 3001 : 8 + (r % 5);
+    runs.push_back({n, len, r % 3 != 1});
+    n += len;
+  }
+  for (int64_t off : {int64_t{0}, int64_t{3}}) {
+    SCOPED_TRACE(off ? "unaligned" : "aligned");
+    auto p = randu(static_cast<size_t>(n + off), 90, 1.0f);
+    auto g = rounded(randu(static_cast<size_t>(n + off), 91, 2.0f));
+    auto mv = randu(static_cast<size_t>(n + off), 92, 0.1f);
+    auto vv = randu(static_cast<size_t>(n + off), 93, 0.01f);
+    for (float& x : vv) x = std::fabs(x);
+    FlatBuffer p1 = upload(*gpu, p, DType::kF32), p2 = upload(*gpu, p, DType::kF32), gg = up(g),
+               m1 = upload(*gpu, mv, DType::kF32), m2 = upload(*gpu, mv, DType::kF32),
+               v1 = upload(*gpu, vv, DType::kF32), v2 = upload(*gpu, vv, DType::kF32),
+               o1(*gpu, dt(), n + off), o2(*gpu, dt(), n + off);
+    const auto at = [&](FlatBuffer& b, int64_t begin, int64_t count) {
+      return b.slice(off + begin, count);
+    };
+    for (const Backend::AdamWRun& r : runs) {
+      Backend::AdamWArgs ar = a;
+      ar.weight_decay = r.decay ? a.weight_decay : 0.0f;
+      gpu->adamw(at(p1, r.begin, r.count), at(gg, r.begin, r.count), at(m1, r.begin, r.count),
+                 at(v1, r.begin, r.count), at(o1, r.begin, r.count), ar);
+    }
+    gpu->adamw_runs(at(p2, 0, n), at(gg, 0, n), at(m2, 0, n), at(v2, 0, n), at(o2, 0, n), runs, a);
+    EXPECT_TRUE(bit_equal(download(*gpu, p2), download(*gpu, p1))) << "master";
+    EXPECT_TRUE(bit_equal(download(*gpu, m2), download(*gpu, m1))) << "m";
+    EXPECT_TRUE(bit_equal(download(*gpu, v2), download(*gpu, v1))) << "v";
+    EXPECT_TRUE(bit_equal(down(o2), down(o1))) << "params_out";
+  }
+}
+
 TEST_F(CudaBackendTest, AdamWPropagatesNonFiniteGradients) {
   const int64_t n = 64;
   Backend::AdamWArgs a{1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 1.0f, 0.1f, 0.001f};

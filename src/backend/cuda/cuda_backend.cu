@@ -474,6 +474,31 @@ class CudaBackend final : public Backend {
     cuda::adamw(ctx_, master, grad, m, v, params_out, args);
   }
 
+  void adamw_runs(Tensor master, Tensor grad, Tensor m, Tensor v, Tensor params_out,
+                  const std::vector<AdamWRun>& runs, AdamWArgs args) override {
+    const char* op = "adamw";
+    require_dtype(op, "master", master, DType::kF32);
+    require_dtype(op, "m", m, DType::kF32);
+    require_dtype(op, "v", v, DType::kF32);
+    require_float(op, "grad", grad);
+    const int64_t n = master.numel();
+    ST_ASSERT(grad.numel() == n && m.numel() == n && v.numel() == n);
+    int64_t covered = 0;
+    for (const AdamWRun& r : runs) {
+      ST_ASSERT(r.begin == covered && r.count >= 0);
+      covered += r.count;
+    }
+    ST_ASSERT(covered == n);
+    const bool has_out = !params_out.empty() && params_out.data != master.data;
+    if (has_out) {
+      require_float(op, "params_out", params_out);
+      ST_ASSERT(params_out.numel() == n);
+    }
+    if (n == 0) return;
+    activate();
+    cuda::adamw_runs(ctx_, master, grad, m, v, params_out, runs, args);
+  }
+
   /// Convolution, batch norm, pooling and LSTM (cuda_image.h); cuDNN is loaded on first use, so
   /// GPT-2 runs never pay for it.
   ImageOps* image_ops() override {

@@ -63,6 +63,13 @@ double reduce_sum(const CudaContext& ctx, Tensor x, bool square, double* host_re
 /// floating dtype (params_out empty or aliasing master: not written).
 void adamw(const CudaContext& ctx, Tensor master, Tensor grad, Tensor m, Tensor v,
            Tensor params_out, const Backend::AdamWArgs& args);
+/// Backend::adamw_runs: one kernel per kAdamWRunsPerLaunch consecutive runs (their ends and
+/// decay flags travel as kernel parameters: 9 KB, within CUDA 12.1's 32 KB), the arithmetic of
+/// adamw() per element. GPT-2 has 8 runs per layer (12.2B: 680 in all).
+inline constexpr int kAdamWRunsPerLaunch = 1024;
+void adamw_runs(const CudaContext& ctx, Tensor master, Tensor grad, Tensor m, Tensor v,
+                Tensor params_out, const std::vector<Backend::AdamWRun>& runs,
+                const Backend::AdamWArgs& args);
 void sgd(const CudaContext& ctx, Tensor master, Tensor grad, Tensor momentum_buf, Tensor params_out,
          const Backend::SgdArgs& args);
 
