@@ -454,8 +454,10 @@ class CudaBackend final : public Backend {
     cuda::scale(ctx_, x, s);
   }
 
-  void adamw(Tensor master, Tensor grad, Tensor m, Tensor v, Tensor params_out,
-             const AdamWArgs& args) override {
+  /// The dtypes and sizes adamw() needs (master, m, v fp32; grad and params_out floating,
+  /// params_out empty or aliasing master: not written); returns n.
+  static int64_t check_adamw(const Tensor& master, const Tensor& grad, const Tensor& m,
+                             const Tensor& v, const Tensor& params_out) {
     const char* op = "adamw";
     require_dtype(op, "master", master, DType::kF32);
     require_dtype(op, "m", m, DType::kF32);
@@ -463,37 +465,29 @@ class CudaBackend final : public Backend {
     require_float(op, "grad", grad);
     const int64_t n = master.numel();
     ST_ASSERT(grad.numel() == n && m.numel() == n && v.numel() == n);
-    // params_out aliasing the master (fp32 parameters) is the master itself: nothing to write.
-    const bool has_out = !params_out.empty() && params_out.data != master.data;
-    if (has_out) {
+    if (!params_out.empty() && params_out.data != master.data) {
       require_float(op, "params_out", params_out);
       ST_ASSERT(params_out.numel() == n);
     }
-    if (n == 0) return;
+    return n;
+  }
+
+  void adamw(Tensor master, Tensor grad, Tensor m, Tensor v, Tensor params_out,
+             const AdamWArgs& args) override {
+    if (check_adamw(master, grad, m, v, params_out) == 0) return;
     activate();
     cuda::adamw(ctx_, master, grad, m, v, params_out, args);
   }
 
   void adamw_runs(Tensor master, Tensor grad, Tensor m, Tensor v, Tensor params_out,
                   const std::vector<AdamWRun>& runs, AdamWArgs args) override {
-    const char* op = "adamw";
-    require_dtype(op, "master", master, DType::kF32);
-    require_dtype(op, "m", m, DType::kF32);
-    require_dtype(op, "v", v, DType::kF32);
-    require_float(op, "grad", grad);
-    const int64_t n = master.numel();
-    ST_ASSERT(grad.numel() == n && m.numel() == n && v.numel() == n);
+    const int64_t n = check_adamw(master, grad, m, v, params_out);
     int64_t covered = 0;
     for (const AdamWRun& r : runs) {
       ST_ASSERT(r.begin == covered && r.count >= 0);
       covered += r.count;
     }
     ST_ASSERT(covered == n);
-    const bool has_out = !params_out.empty() && params_out.data != master.data;
-    if (has_out) {
-      require_float(op, "params_out", params_out);
-      ST_ASSERT(params_out.numel() == n);
-    }
     if (n == 0) return;
     activate();
     cuda::adamw_runs(ctx_, master, grad, m, v, params_out, runs, args);
