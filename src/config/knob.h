@@ -262,61 +262,77 @@ const Knob& knob_at_offset(std::ptrdiff_t offset);
 template <typename T>
 CLI::Option* add_flag(const Knob& k, CLI::App& cmd, T& field, const std::string& help);
 
+/// The validator of `k`'s flag: its flag_parse, its choices, or its range.
+CLI::Validator validator_of(const Knob& k);
+
+}  // namespace knob_detail
+
+namespace knob_detail {
+
+/// A row for the field of type T that `at` reaches (`at(c)` is the field of `c`, TrainConfig or
+/// const TrainConfig). Integer fields take the range of their type.
+template <typename T, typename At>
+Knob field_row(At at) {
+  static_assert(type_of<T>() != KnobType::kNone, "a knob is a bool, number or string");
+  Knob k;
+  k.type = type_of<T>();
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    k.min = static_cast<double>(std::numeric_limits<T>::min());
+    k.max = static_cast<double>(std::numeric_limits<T>::max());
+  }
+  k.get = [at](const TrainConfig& c) { return nlohmann::json(at(c)); };
+  k.field = offset_in_probe(&at(probe_config()));
+  k.set = [at](TrainConfig& c, const nlohmann::json& v) { at(c) = v.get<T>(); };
+  k.print = [at](const TrainConfig& c) {
+    if constexpr (std::is_same_v<T, bool>)
+      return std::string(at(c) ? "true" : "false");
+    else if constexpr (std::is_same_v<T, std::string>)
+      return at(c);
+    else
+      return fmt::format("{}", at(c));
+  };
+  k.add_to = [at](const Knob& row, CLI::App& cmd, TrainConfig& c, const std::string& help) {
+    return add_flag(row, cmd, at(c), help);
+  };
+  return k;
+}
+
+/// A row for the enumeration field of type E that `at` reaches: its flag is read with `parse`
+/// and checked by the row's validator (its choices, or its flag_parse), written with
+/// `to_string`.
+template <typename E, typename At>
+Knob enum_row(At at, E (*parse)(const std::string&), std::vector<std::string> choices) {
+  Knob k;
+  k.type = KnobType::kString;
+  k.choices = std::move(choices);
+  k.get = [at](const TrainConfig& c) { return nlohmann::json(to_string(at(c))); };
+  k.field = offset_in_probe(&at(probe_config()));
+  k.set = [at, parse](TrainConfig& c, const nlohmann::json& v) {
+    at(c) = parse(v.get<std::string>());
+  };
+  k.print = [at](const TrainConfig& c) { return to_string(at(c)); };
+  k.add_to = [at, parse](const Knob& row, CLI::App& cmd, TrainConfig& c, const std::string& help) {
+    CLI::Option* opt = cmd.add_option_function<std::string>(
+        row.flag, [&c, at, parse](const std::string& v) { at(c) = parse(v); }, help);
+    if (!row.type_name.empty()) opt->type_name(row.type_name);
+    return opt->check(validator_of(row));
+  };
+  return k;
+}
+
 }  // namespace knob_detail
 
 /// A row for the field `m` of the section `s` of TrainConfig (e.g. &TrainConfig::aio,
 /// &AioConfig::queue_depth). Integer fields take the range of their type.
 template <typename S, typename T>
 Knob knob_at(S TrainConfig::*s, T S::*m) {
-  static_assert(knob_detail::type_of<T>() != KnobType::kNone, "a knob is a bool, number or string");
-  Knob k;
-  k.type = knob_detail::type_of<T>();
-  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-    k.min = static_cast<double>(std::numeric_limits<T>::min());
-    k.max = static_cast<double>(std::numeric_limits<T>::max());
-  }
-  k.get = [s, m](const TrainConfig& c) { return nlohmann::json((c.*s).*m); };
-  k.field = knob_detail::offset_in_probe(&((knob_detail::probe_config().*s).*m));
-  k.set = [s, m](TrainConfig& c, const nlohmann::json& v) { (c.*s).*m = v.get<T>(); };
-  k.print = [s, m](const TrainConfig& c) {
-    if constexpr (std::is_same_v<T, bool>)
-      return std::string((c.*s).*m ? "true" : "false");
-    else if constexpr (std::is_same_v<T, std::string>)
-      return (c.*s).*m;
-    else
-      return fmt::format("{}", (c.*s).*m);
-  };
-  k.add_to = [s, m](const Knob& row, CLI::App& cmd, TrainConfig& c, const std::string& help) {
-    return knob_detail::add_flag(row, cmd, (c.*s).*m, help);
-  };
-  return k;
+  return knob_detail::field_row<T>([ s, m ](auto& c) -> auto& { return (c.*s).*m; });
 }
 
 /// A row for the field `m` of TrainConfig itself (&TrainConfig::log_interval).
 template <typename T>
 Knob knob_at(T TrainConfig::*m) {
-  static_assert(knob_detail::type_of<T>() != KnobType::kNone, "a knob is a bool, number or string");
-  Knob k;
-  k.type = knob_detail::type_of<T>();
-  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-    k.min = static_cast<double>(std::numeric_limits<T>::min());
-    k.max = static_cast<double>(std::numeric_limits<T>::max());
-  }
-  k.get = [m](const TrainConfig& c) { return nlohmann::json(c.*m); };
-  k.field = knob_detail::offset_in_probe(&(knob_detail::probe_config().*m));
-  k.set = [m](TrainConfig& c, const nlohmann::json& v) { c.*m = v.get<T>(); };
-  k.print = [m](const TrainConfig& c) {
-    if constexpr (std::is_same_v<T, bool>)
-      return std::string(c.*m ? "true" : "false");
-    else if constexpr (std::is_same_v<T, std::string>)
-      return c.*m;
-    else
-      return fmt::format("{}", c.*m);
-  };
-  k.add_to = [m](const Knob& row, CLI::App& cmd, TrainConfig& c, const std::string& help) {
-    return knob_detail::add_flag(row, cmd, c.*m, help);
-  };
-  return k;
+  return knob_detail::field_row<T>([m](auto& c) -> auto& { return c.*m; });
 }
 
 CLI::Validator one_of(std::vector<std::string> values);
@@ -326,22 +342,8 @@ CLI::Validator one_of(std::vector<std::string> values);
 template <typename E>
 Knob knob_enum(E TrainConfig::*m, E (*parse)(const std::string&),
                std::vector<std::string> choices) {
-  Knob k;
-  k.type = KnobType::kString;
-  k.choices = std::move(choices);
-  k.get = [m](const TrainConfig& c) { return nlohmann::json(to_string(c.*m)); };
-  k.field = knob_detail::offset_in_probe(&(knob_detail::probe_config().*m));
-  k.set = [m, parse](TrainConfig& c, const nlohmann::json& v) {
-    c.*m = parse(v.get<std::string>());
-  };
-  k.print = [m](const TrainConfig& c) { return to_string(c.*m); };
-  k.add_to = [m, parse](const Knob& row, CLI::App& cmd, TrainConfig& c, const std::string& help) {
-    CLI::Option* opt = cmd.add_option_function<std::string>(
-        row.flag, [&c, m, parse](const std::string& s) { c.*m = parse(s); }, help);
-    if (!row.type_name.empty()) opt->type_name(row.type_name);
-    return opt->check(one_of(row.choices));
-  };
-  return k;
+  return knob_detail::enum_row<E>(
+      [m](auto& c) -> auto& { return c.*m; }, parse, std::move(choices));
 }
 
 /// A validator that accepts what `parse` accepts (any spelling it reads) and returns its
@@ -354,22 +356,9 @@ CLI::Validator parsed_by(std::function<void(const std::string&)> parse);
 template <typename S, typename E>
 Knob knob_enum(S TrainConfig::*s, E S::*m, E (*parse)(const std::string&),
                std::vector<std::string> choices) {
-  Knob k;
-  k.type = KnobType::kString;
-  k.choices = std::move(choices);
-  k.get = [s, m](const TrainConfig& c) { return nlohmann::json(to_string((c.*s).*m)); };
-  k.field = knob_detail::offset_in_probe(&((knob_detail::probe_config().*s).*m));
-  k.set = [s, m, parse](TrainConfig& c, const nlohmann::json& v) {
-    (c.*s).*m = parse(v.get<std::string>());
-  };
-  k.print = [s, m](const TrainConfig& c) { return to_string((c.*s).*m); };
-  k.add_to = [s, m, parse](const Knob& row, CLI::App& cmd, TrainConfig& c,
-                           const std::string& help) {
-    CLI::Option* opt = cmd.add_option_function<std::string>(
-        row.flag, [&c, s, m, parse](const std::string& v) { (c.*s).*m = parse(v); }, help);
-    if (!row.type_name.empty()) opt->type_name(row.type_name);
-    return opt->check(parsed_by([parse](const std::string& v) { parse(v); }));
-  };
+  Knob k = knob_detail::enum_row<E>(
+      [ s, m ](auto& c) -> auto& { return (c.*s).*m; }, parse, std::move(choices));
+  k.flag_parse = [parse](const std::string& v) { parse(v); };
   return k;
 }
 
@@ -464,8 +453,6 @@ CLI::Validator finite_number();
 CLI::Validator one_of(std::vector<std::string> values);
 
 namespace knob_detail {
-
-CLI::Validator validator_of(const Knob& k);
 
 template <typename T>
 CLI::Option* add_flag(const Knob& k, CLI::App& cmd, T& field, const std::string& help) {
