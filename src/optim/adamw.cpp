@@ -96,10 +96,7 @@ void Optimizer::step(Tensor master, Tensor grads, Tensor params_out, double lr, 
   }
   Backend::AdamWArgs a = next_args(lr, grad_scale);
   a.weight_decay = static_cast<float>(hyper_.weight_decay);
-  std::vector<Backend::AdamWRun> runs;
-  runs.reserve(segments_.size());
-  for (const Segment& s : segments_) runs.push_back({s.begin, s.count, s.decay});
-  backend_.adamw_runs(master, grads, m_, v_, params_out, runs, a);
+  backend_.adamw_runs(master, grads, m_, v_, params_out, segments_, a);
 }
 
 void Optimizer::step_on_host(Tensor master, Tensor grads, Tensor params_out, double lr,

@@ -87,10 +87,9 @@ class Optimizer {
   OptimizerKind kind() const { return hyper_.kind; }
 
  private:
-  struct Segment {
-    int64_t begin, count;  ///< relative to offset_
-    bool decay;
-  };
+  /// A run of equal weight decay, [begin, begin + count) relative to offset_ (as
+  /// Backend::adamw_runs takes it).
+  using Segment = Backend::AdamWRun;
   /// Counts the step and returns its arguments (weight decay set per segment by the caller).
   Backend::AdamWArgs next_args(double lr, double grad_scale);
   /// The arguments of step t (1-based) without counting it.
