@@ -23,6 +23,7 @@
 #include "app/commands.h"
 #include "comm/launch.h"
 #include "comm/nccl_communicator.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/process.h"
 #include "train/report.h"
@@ -171,7 +172,7 @@ void run_compare(const CompareFlags& f) {
                                         model,
                                         "--strategy",
                                         s,
-                                        "--batch-size",
+                                        knob_for(&TrainConfig::micro_batch_size).name(),
                                         std::to_string(batch),
                                         "--num-samples",
                                         std::to_string(f.num_samples),
@@ -190,12 +191,15 @@ void run_compare(const CompareFlags& f) {
             a.insert(a.end(),
                      {"--log-interval", std::to_string(std::max<int64_t>(1, steps / 100))});
           }
-          if (s == "pipeline" && !has_flag(f.train_flags, "--pipeline-stages"))
-            a.insert(a.end(), {"--pipeline-stages", std::to_string(g)});
+          const std::string stages_flag =
+              knob_for(&TrainConfig::pipeline, &PipelineConfig::stages).name();
+          if (s == "pipeline" && !has_flag(f.train_flags, stages_flag))
+            a.insert(a.end(), {stages_flag, std::to_string(g)});
           fs::path nvme;  // created before the run: train wants an existing directory
-          if (s == "infinity" && !has_flag(f.train_flags, "--nvme-path")) {
+          const std::string nvme_flag = zero_knob(&ZeroConfig::nvme_path).name();
+          if (s == "infinity" && !has_flag(f.train_flags, nvme_flag)) {
             nvme = f.nvme_path.empty() ? report / "nvme" / dir.filename() : fs::path(f.nvme_path);
-            a.insert(a.end(), {"--nvme-path", nvme.string()});
+            a.insert(a.end(), {nvme_flag, nvme.string()});
           }
           a.insert(a.end(), f.train_flags.begin(), f.train_flags.end());
           cases.push_back({a, dir, nvme, model, s, batch, g});
@@ -270,8 +274,9 @@ void register_compare_command(CLI::App& app) {
                   "and pipeline for --gpus above 1)")
       ->delimiter(',');
   cmd->add_option("--batch-sizes", f->batch_sizes,
-                  "micro-batch sizes per rank (--batch-size of train), comma-separated "
-                  "(default 4)")
+                  fmt::format("micro-batch sizes per rank ({} of train), comma-separated "
+                              "(default 4)",
+                              knob_for(&TrainConfig::micro_batch_size).name()))
       ->delimiter(',')
       ->check(CLI::PositiveNumber);
   cmd->add_option("--gpus", f->gpus,
@@ -289,7 +294,8 @@ void register_compare_command(CLI::App& app) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--dataset", f->dataset,
                   "named data set (default wikitext-2; --train-file after '--' replaces it)");
-  cmd->add_option("--nvme-path", f->nvme_path,
+  // train's flag, under its name: the directory of infinity's runs.
+  cmd->add_option(zero_knob(&ZeroConfig::nvme_path).name(), f->nvme_path,
                   "infinity: directory of the swap files (default REPORT_DIR/nvme/RUN)");
   cmd->add_option("--report-dir,-o", f->report_dir,
                   "where the runs (runs/NAME) and the report go (default ./compare)");

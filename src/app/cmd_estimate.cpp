@@ -22,28 +22,28 @@ namespace {
 struct EstimateFlags {
   std::string model = "gpt2";
   MemoryEstimateOptions options;  ///< everything but the model and the knobs
-  /// The zero_optimization knobs estimate shares with train (config/knobs_zero.cpp).
+  /// The knobs estimate shares with train: zero_optimization's (config/knobs_zero.cpp),
+  /// --activation-checkpointing, and the placement plan's --gradient-accumulation-steps
+  /// (micro-batches per optimizer step, for the predicted step) and --train-batch-size
+  /// (sequences per optimizer step over all GPUs; > 0: also choose the micro-batch and
+  /// accumulation, choose_batch).
   TrainConfig knobs;
   bool reduce_bucket_size_given = false;
   // The placement plan (parallel/placement_planner.h), printed when --gpu-memory is given.
   double gpu_memory_gib = 0;   ///< per GPU
   double host_memory_gib = 0;  ///< per node
   int gpus_per_node = 0;       ///< 0: every GPU on one node
-  int64_t accumulation = 1;    ///< micro-batches per optimizer step (the plan's step time)
-  /// train_batch_size: sequences per optimizer step over all GPUs; > 0: also choose the
-  /// micro-batch and accumulation (choose_batch).
-  int64_t train_batch_size = 0;
   double peak_tflops = 989.0;  ///< for the predicted MFU
   std::string limits_file;     ///< bench/host_limits.cu's JSON
   double gpu_tflops = 0;       ///< effective; 0: MachineRates' default
 };
 
-/// For a global batch of f.train_batch_size sequences: prints plan_batch's splits (micro-batch ×
-/// accumulation), each one's chosen plan, its predicted step, tokens/s and MFU, and marks the
-/// chosen split.
+/// For a global batch of f.knobs.train_batch_size sequences: prints plan_batch's splits
+/// (micro-batch × accumulation), each one's chosen plan, its predicted step, tokens/s and MFU, and
+/// marks the chosen split.
 void choose_batch(const EstimateFlags& f, const MemoryEstimateOptions& base,
                   const PlacementBudget& budget, const MachineRates& rates) {
-  const int64_t S = f.train_batch_size, T = base.max_length;
+  const int64_t S = f.knobs.train_batch_size, T = base.max_length;
   fmt::print(
       "\nGlobal batch {} sequences × {} tokens over {} GPU{}: micro-batch × accumulation and "
       "the plan for each (predicted, at the rates above; MFU against {:g} TFLOP/s):\n\n",
@@ -70,16 +70,21 @@ void choose_batch(const EstimateFlags& f, const MemoryEstimateOptions& base,
   if (batch.chosen)
     fmt::print(
         "\nchosen (*): the fastest predicted (within 2%, the largest micro-batch: the GPU is "
-        "counted at one rate, which longer GEMMs come closer to); train with --batch-size M "
-        "--gradient-accumulation-steps A and --offload auto (or the plan's flags), or give "
-        "--offload auto only the global batch (--train-batch-size) and it chooses the same\n");
+        "counted at one rate, which longer GEMMs come closer to); train with {} M {} A and "
+        "--offload auto (or the plan's flags), or give --offload auto only the global batch "
+        "({}) and it chooses the same\n",
+        knob_for(&TrainConfig::micro_batch_size).name(),
+        knob_for(&TrainConfig::gradient_accumulation_steps).name(),
+        knob_for(&TrainConfig::train_batch_size).name());
   else
     fmt::print("\nno micro-batch fits: more GPUs, more memory, or activation checkpointing\n");
 }
 
 void run_estimate(const EstimateFlags& f) {
-  check_knob_ranges(f.knobs, zero_knobs());
+  for (const KnobTable* table : {&zero_knobs(), &top_level_knobs()})
+    check_knob_ranges(f.knobs, *table);
   MemoryEstimateOptions o = f.options;
+  o.activation_checkpointing = f.knobs.activation_checkpointing;
   o.model = resolve_model(f.model);
   const ZeroConfig& z = f.knobs.zero;
   if (f.reduce_bucket_size_given) o.reduce_bucket_size = z.reduce_bucket_size;
@@ -100,10 +105,11 @@ void run_estimate(const EstimateFlags& f) {
   MachineRates rates =
       f.limits_file.empty() ? MachineRates{} : MachineRates::from_limits_file(f.limits_file);
   if (f.gpu_tflops > 0) rates.gpu_flops = f.gpu_tflops * 1e12;
-  const double tokens = static_cast<double>(o.micro_batch * o.max_length * f.accumulation);
+  const double tokens =
+      static_cast<double>(o.micro_batch * o.max_length * f.knobs.gradient_accumulation_steps);
   fmt::print("\n{}",
              format_placement_plan(plan_placement(o, budget, rates, tokens), budget, rates));
-  if (f.train_batch_size > 0) choose_batch(f, o, budget, rates);
+  if (f.knobs.train_batch_size > 0) choose_batch(f, o, budget, rates);
 }
 
 }  // namespace
@@ -128,19 +134,21 @@ void register_estimate_command(CLI::App& app) {
                   fmt::format("sequences per GPU per micro-step (default {})", o.micro_batch));
   cmd->add_option("--max-length", o.max_length,
                   fmt::format("tokens per sequence (default {})", o.max_length));
-  cmd->add_flag("--activation-checkpointing", o.activation_checkpointing,
-                "recompute block activations in backward (keeps one block's set)");
-  // --reduce-bucket-size, --stage3-*, --offload-*, --zero-hpz-partition-size, --nvme-path.
-  add_knob_flags(*cmd, f->knobs, zero_knobs(), kEstimateFlag);
-  cmd->add_option("--gradient-accumulation-steps", f->accumulation,
-                  "placement plan: micro-batches per optimizer step, for the predicted step "
-                  "(default 1)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
-  cmd->add_option("--train-batch-size", f->train_batch_size,
-                  "placement plan: a global batch in sequences (DeepSpeed train_batch_size): also "
-                  "try every micro-batch of 1..64 that divides it, with the accumulation that "
-                  "makes it up, and mark the fastest predicted")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  // --reduce-bucket-size, --stage3-*, --offload-*, --zero-hpz-partition-size, --nvme-path,
+  // --activation-checkpointing, --gradient-accumulation-steps and --train-batch-size: train's
+  // rows, with what they mean for the placement plan.
+  for (const KnobTable* table :
+       {&zero_knobs(), &activation_checkpointing_knobs(), &top_level_knobs()})
+    add_knob_flags(*cmd, f->knobs, *table, kEstimateFlag);
+  cmd->get_option(knob_for(&TrainConfig::gradient_accumulation_steps).name())
+      ->description(
+          "placement plan: micro-batches per optimizer step, for the predicted step "
+          "(default 1)");
+  cmd->get_option(knob_for(&TrainConfig::train_batch_size).name())
+      ->description(
+          "placement plan: a global batch in sequences (DeepSpeed train_batch_size): "
+          "also try every micro-batch of 1..64 that divides it, with the accumulation "
+          "that makes it up, and mark the fastest predicted");
   cmd->add_option("--peak-tflops", f->peak_tflops,
                   "the GPU's dense bf16 peak, for the predicted MFU (default 989)")
       ->check(CLI::PositiveNumber);

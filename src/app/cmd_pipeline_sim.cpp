@@ -10,6 +10,7 @@
 #include <string>
 
 #include "app/commands.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "io/atomic_file.h"
 #include "monitor/render_png.h"
@@ -134,8 +135,9 @@ void register_pipeline_sim_command(CLI::App& app) {
   cmd->add_option("--micro-batches", f->micro_batches, "micro-batches per step M (default 8)");
   cmd->add_option("--schedule", f->schedule,
                   "gpipe | 1f1b | interleaved-1f1b | zb-h1 | 2bw (default 1f1b)");
-  cmd->add_option("--virtual-stages", f->virtual_stages,
-                  "model chunks per stage V (interleaved-1f1b; default 1)");
+  // train's flag, under its name.
+  cmd->add_option(knob_for(&TrainConfig::pipeline, &PipelineConfig::virtual_stages).name(),
+                  f->virtual_stages, "model chunks per stage V (interleaved-1f1b; default 1)");
   CLI::Option* times =
       cmd->add_option("--times", f->times,
                       "op times F,B[,W] of one micro-batch through one stage, the same for every "

@@ -1,6 +1,7 @@
 // The error report of a process of a job (app/error_report.h).
 #include "app/error_report.h"
 
+#include <fmt/core.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <thread>
 
 #include "comm/dist_env.h"
+#include "config/knob.h"
 #include "core/error.h"
 
 namespace shardtrain {
@@ -117,6 +119,41 @@ void report_fatal_error(std::string_view lead, std::string_view message, bool sa
   }
 }
 
+std::string memory_remedy(Memory memory) {
+  const std::string batch = knob_for(&TrainConfig::micro_batch_size).name();
+  switch (memory) {
+    case Memory::kGpu:
+      return fmt::format(
+          "Fix: lower {} or --max-length, enable {}, or use a ZeRO strategy (--strategy "
+          "zero2/zero3) or offload",
+          batch, knob_for(&TrainConfig::activation_checkpointing).name());
+    case Memory::kHost:
+      return fmt::format(
+          "use a smaller model, {} or --max-length (or check --image-size and the images' sizes)",
+          batch);
+    case Memory::kPinnedHost:
+      return fmt::format("or offload less ({} < 1, more ranks), or to NVMe ({} \"nvme\")",
+                         zero_knob(&ZeroConfig::offload_ratio).label(),
+                         zero_knob(&ZeroConfig::offload_optimizer_device).path);
+  }
+  return {};
+}
+
+namespace {
+
+// The message of an OutOfMemory (or std::bad_alloc) with the remedy after it, or the message
+// alone if the remedy cannot be built (no memory left even for that).
+std::string with_remedy(const std::string& what, Memory memory) {
+  try {
+    const char* joint = memory == Memory::kGpu ? "." : memory == Memory::kHost ? ";" : ",";
+    return fmt::format("{}{} {}", what, joint, memory_remedy(memory));
+  } catch (...) {
+    return what;
+  }
+}
+
+}  // namespace
+
 FatalError classify_exception(const std::exception_ptr& e) {
   FatalError f;
   try {
@@ -127,10 +164,12 @@ FatalError classify_exception(const std::exception_ptr& e) {
     f = {2, x.what(), x.same_on_every_rank()};
   } catch (const CheckpointError& x) {
     f = {2, x.what(), x.same_on_every_rank()};
+  } catch (const OutOfMemory& x) {
+    f = {1, with_remedy(x.what(), x.memory()), x.same_on_every_rank()};
   } catch (const Error& x) {
     f = {1, x.what(), x.same_on_every_rank()};
   } catch (const std::bad_alloc&) {
-    f = {1, std::string(kOutOfHostMemory), false};
+    f = {1, with_remedy("out of host memory", Memory::kHost), false};
   } catch (const std::exception& x) {
     f = {1, x.what(), false};
   } catch (...) {

@@ -20,6 +20,8 @@
 #include <string>
 #include <string_view>
 
+#include "core/error.h"
+
 namespace shardtrain {
 
 /// What one process writes for the error that ends it, and when.
@@ -46,14 +48,16 @@ double error_report_grace_s();
 /// write. Never throws.
 void report_fatal_error(std::string_view lead, std::string_view message, bool same_on_every_rank);
 
-/// What a process that ran out of host memory (std::bad_alloc) says.
-inline constexpr std::string_view kOutOfHostMemory =
-    "out of host memory; use a smaller model, --batch-size or --max-length (or check "
-    "--image-size and the images' sizes)";
+/// How to need less of `memory`, naming the knobs through their rows (config/knob.h):
+/// "Fix: lower --batch-size or --max-length, ..." (kGpu), "use a smaller model, ..." (kHost),
+/// "or offload less (... ratio ...)" (kPinnedHost, after the allocator's own fix). Never throws
+/// but std::bad_alloc.
+std::string memory_remedy(Memory memory);
 
 /// The exit status and message for the exception `e` (rethrown inside): shardtrain's bad-input
-/// errors (ConfigError, DataError, CheckpointError) 2, its other errors, std::bad_alloc
-/// (kOutOfHostMemory) and other exceptions 1. Never throws.
+/// errors (ConfigError, DataError, CheckpointError) 2, its other errors, std::bad_alloc ("out of
+/// host memory") and other exceptions 1; an OutOfMemory's message gets its memory_remedy().
+/// Never throws.
 struct FatalError {
   int status = 1;
   std::string message;

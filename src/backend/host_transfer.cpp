@@ -62,12 +62,14 @@ void* Backend::allocate_pinned(size_t bytes) {
   const size_t rounded = (std::max<size_t>(bytes, 1) + 4095) / 4096 * 4096;
   void* p = std::aligned_alloc(4096, rounded);
   if (p == nullptr) {
-    throw RuntimeFailure(fmt::format(
-        "out of host memory: could not allocate {} for offloading ({} already held; the host "
-        "has {} available): lower the offloaded state (offload_optimizer.ratio < 1, more ranks) "
-        "or raise the memory limit of the job",
-        human_bytes(static_cast<double>(bytes)), human_bytes(static_cast<double>(pinned_bytes_)),
-        human_bytes(static_cast<double>(available_host_bytes()))));
+    throw OutOfMemory(
+        Memory::kPinnedHost,
+        fmt::format(
+            "out of host memory: could not allocate {} for offloading ({} already held; the "
+            "host has {} available). Fix: raise the memory limit of the job",
+            human_bytes(static_cast<double>(bytes)),
+            human_bytes(static_cast<double>(pinned_bytes_)),
+            human_bytes(static_cast<double>(available_host_bytes()))));
   }
   pinned_bytes_ += bytes;
   return p;

@@ -4,6 +4,8 @@
 // sections not yet in knob tables (config/knob.h). Used by config/deepspeed_config.cpp.
 #pragma once
 
+#include <fmt/core.h>
+
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -124,25 +126,33 @@ inline const std::vector<std::pair<std::string, const KeyList*>> kSections = {
     {"flops_profiler", &kFlopsProfilerHonoured},
 };
 
-// Keys of the CONFIG dict of the DeepSpeed GPT-2 tutorials, which are flags here, not JSON keys.
-inline const std::vector<std::pair<std::string, std::string>> kTutorialKeys = {
-    {"model", "--model"},
-    {"strategy", "--strategy (or zero_optimization.stage)"},
-    {"batch_size", "--batch-size (or train_micro_batch_size_per_gpu)"},
-    {"micro_batch_size", "--batch-size (or train_micro_batch_size_per_gpu)"},
-    {"epochs", "--epochs"},
-    {"num_epochs", "--epochs"},
-    {"max_length", "--max-length"},
-    {"num_samples", "--num-samples"},
-    {"seed", "--seed"},
-    {"lr", "--lr (or optimizer.params.lr)"},
-    {"learning_rate", "--lr (or optimizer.params.lr)"},
-    {"weight_decay", "--weight-decay (or optimizer.params.weight_decay)"},
-    {"max_steps", "--max-steps"},
-    {"warmup_steps", "--warmup-steps (or scheduler.params.warmup_num_steps)"},
-    {"dataset", "--dataset"},
-    {"output_dir", "--output-dir"},
-    {"local_rank", "the launcher's environment (LOCAL_RANK)"},
-};
+// Keys of the CONFIG dict of the DeepSpeed GPT-2 tutorials, which are flags here, not JSON keys:
+// each with what to use instead (built on first use: it names rows of the knob tables).
+inline const std::vector<std::pair<std::string, std::string>>& tutorial_keys() {
+  static const std::vector<std::pair<std::string, std::string>> keys = [] {
+    const Knob& micro = knob_for(&TrainConfig::micro_batch_size);
+    const std::string batch = fmt::format("{} (or {})", micro.name(), micro.path);
+    return std::vector<std::pair<std::string, std::string>>{
+        {"model", "--model"},
+        {"strategy", fmt::format("--strategy (or {})", zero_knob(&ZeroConfig::stage).path)},
+        {"batch_size", batch},
+        {"micro_batch_size", batch},
+        {"epochs", "--epochs"},
+        {"num_epochs", "--epochs"},
+        {"max_length", "--max-length"},
+        {"num_samples", "--num-samples"},
+        {"seed", "--seed"},
+        {"lr", "--lr (or optimizer.params.lr)"},
+        {"learning_rate", "--lr (or optimizer.params.lr)"},
+        {"weight_decay", "--weight-decay (or optimizer.params.weight_decay)"},
+        {"max_steps", knob_for(&TrainConfig::max_steps).name()},
+        {"warmup_steps", "--warmup-steps (or scheduler.params.warmup_num_steps)"},
+        {"dataset", "--dataset"},
+        {"output_dir", "--output-dir"},
+        {"local_rank", "the launcher's environment (LOCAL_RANK)"},
+    };
+  }();
+  return keys;
+}
 
 }  // namespace shardtrain::deepspeed

@@ -132,7 +132,8 @@ void DeepSpeedReader::read_total_steps(const json& p, const std::string& prefix)
   if (auto total = get_int(p, "total_num_steps", prefix, 1,
                            "an integer >= 1 (optimizer steps) or \"auto\"")) {
     if (is_explicit("max_steps")) {
-      overridden_.push_back(fmt::format("--max-steps over {}.total_num_steps", prefix));
+      overridden_.push_back(fmt::format("{} over {}.total_num_steps",
+                                        knob_for(&TrainConfig::max_steps).name(), prefix));
     } else if (cfg_.max_steps == -1) {
       cfg_.max_steps = *total;
     }

@@ -109,7 +109,7 @@ class DeepSpeedReader {
           path, prefix));
     }
     if (prefix.empty()) {
-      for (const auto& [name, flag] : kTutorialKeys) {
+      for (const auto& [name, flag] : tutorial_keys()) {
         if (key == name) {
           fail(fmt::format(
               "\"{}\" is not a DeepSpeed config key (it belongs to the tutorials' CONFIG dict, "

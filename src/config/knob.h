@@ -131,6 +131,11 @@ struct Knob {
     if (type_name.empty()) type_name = std::move(metavar);
     return *this;
   }
+  /// The train flag is estimate's too (`shardtrain estimate` takes it, with the same doc).
+  Knob& on_estimate() {
+    surfaces |= kEstimateFlag;
+    return *this;
+  }
   Knob& in_snapshot(std::string p) {
     snapshot = std::move(p);
     return *this;

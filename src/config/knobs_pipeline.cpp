@@ -85,6 +85,7 @@ const KnobTable& activation_checkpointing_knobs() {
   static const KnobTable rows = {
       knob_at(&TrainConfig::activation_checkpointing)
           .train_flag("--activation-checkpointing")
+          .on_estimate()
           .docs("recompute activations in the backward pass to save memory (default: off)"),
       turns_checkpointing_on("partition_activations"),
       turns_checkpointing_on("contiguous_memory_optimization"),

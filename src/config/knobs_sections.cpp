@@ -1,7 +1,12 @@
 // The knobs of the smaller DeepSpeed sections, one row per key: the top level's batch sizes and
 // single values, bf16 and fp16 (with fp16's loss scaling, LossScaleConfig) and aio (AioConfig).
 // DeepSpeed's runtime/config.py, precision_config.py and runtime/swap_tensor/aio_config.py.
+#include <optional>
+#include <string>
+
 #include "config/knob.h"
+#include "core/error.h"
+#include "core/strings.h"
 
 namespace shardtrain {
 
@@ -21,6 +26,7 @@ const KnobTable& top_level_knobs() {
       knob_at(&TrainConfig::gradient_accumulation_steps)
           .json_key("gradient_accumulation_steps")
           .train_flag("--gradient-accumulation-steps", "N")
+          .on_estimate()
           .in_snapshot("gradient_accumulation_steps")
           .at_least(1)
           .on_json([](TrainConfig& c) { c.accumulation_set = true; })
@@ -30,6 +36,7 @@ const KnobTable& top_level_knobs() {
       knob_at(&TrainConfig::train_batch_size)
           .json_key("train_batch_size")
           .train_flag("--train-batch-size", "N")
+          .on_estimate()
           .in_snapshot("train_batch_size")
           .at_least(1)
           .unset_is(0)
@@ -38,7 +45,20 @@ const KnobTable& top_level_knobs() {
           .shows_default("derived: micro-batch × accumulation × data-parallel degree")
           .docs("global batch in samples per optimizer step = batch-size x accumulation steps x "
                 "data-parallel degree (the world size; with --strategy pipeline, world size / "
-                "--pipeline-stages); 0 derives it (DeepSpeed train_batch_size; default: {})"),
+                "pipeline stages); 0 derives it (DeepSpeed train_batch_size; default: {})"),
+      // ---- length of training: shardtrain's flag (DeepSpeed counts steps in its scheduler) ----
+      knob_at(&TrainConfig::max_steps)
+          .train_flag("--max-steps", "N")
+          .at_least(1)
+          .unset_is(-1)
+          .expects("-1 (as many steps as --epochs allows) or a number of optimizer steps >= 1")
+          .flag_parsed_by([](const std::string& s) {
+            const std::optional<int64_t> v = parse_int64(s);
+            check<ConfigError>(v && (*v == -1 || *v >= 1),
+                               "must be -1 or an integer >= 1, got '{}'", s);
+          })
+          .docs("stop after this many optimizer steps; -1 = as many as --epochs allows "
+                "(default: {})"),
       // ---- single values ----
       knob_at(&TrainConfig::gradient_clipping)
           .json_key("gradient_clipping")

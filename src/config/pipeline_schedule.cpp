@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/strings.h"
 
@@ -48,12 +49,15 @@ std::string to_string(PipelineSchedule s) {
 }
 
 void check_pipeline_shape(PipelineSchedule schedule, const PipelineShape& s) {
-  check<ConfigError>(s.stages >= 1, "--pipeline-stages {} is not valid: use 1 or more", s.stages);
+  const std::string stages = knob_for(&TrainConfig::pipeline, &PipelineConfig::stages).name();
+  const std::string chunks =
+      knob_for(&TrainConfig::pipeline, &PipelineConfig::virtual_stages).name();
+  check<ConfigError>(s.stages >= 1, "{} {} is not valid: use 1 or more", stages, s.stages);
   check<ConfigError>(s.micro_batches >= 1,
                      "{} micro-batches per step is not valid: use 1 or more (the micro-batches of "
                      "a pipeline step are its gradient-accumulation steps)",
                      s.micro_batches);
-  check<ConfigError>(s.virtual_stages >= 1, "--virtual-stages {} is not valid: use 1 or more",
+  check<ConfigError>(s.virtual_stages >= 1, "{} {} is not valid: use 1 or more", chunks,
                      s.virtual_stages);
   if (!s.fill || !s.drain) {
     check<ConfigError>(schedule == PipelineSchedule::k2BW,
@@ -67,15 +71,15 @@ void check_pipeline_shape(PipelineSchedule schedule, const PipelineShape& s) {
   }
   if (schedule != PipelineSchedule::kInterleaved) {
     check<ConfigError>(s.virtual_stages == 1,
-                       "--virtual-stages {} needs --pipeline-schedule interleaved-1f1b ({} runs "
-                       "one model chunk per stage): drop --virtual-stages or switch schedules",
-                       s.virtual_stages, to_string(schedule));
+                       "{} {} needs --pipeline-schedule interleaved-1f1b ({} runs one model "
+                       "chunk per stage): drop {} or switch schedules",
+                       chunks, s.virtual_stages, to_string(schedule), chunks);
     return;
   }
   check<ConfigError>(s.virtual_stages >= 2,
-                     "interleaved-1f1b needs --virtual-stages 2 or more (got {}); with one chunk "
-                     "per stage use 1f1b",
-                     s.virtual_stages);
+                     "interleaved-1f1b needs {} 2 or more (got {}); with one chunk per stage "
+                     "use 1f1b",
+                     chunks, s.virtual_stages);
   check<ConfigError>(s.micro_batches % s.stages == 0,
                      "interleaved-1f1b needs the micro-batches per step ({}) to be a multiple of "
                      "the pipeline stages ({}): use {} or {} micro-batches",

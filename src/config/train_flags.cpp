@@ -87,8 +87,9 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  fmt::format("parallelism strategy: dp|ddp (data parallel), zero1, "
                              "zero2|fsdp_stage2, zero3|fsdp_stage3, offload (zero2 + optimizer on "
                              "the CPU), infinity (zero3 + optimizer on NVMe, parameters on the "
-                             "CPU), pipeline (layers cut into --pipeline-stages stages, ZeRO 0-2 "
-                             "across the replicas) (default: {})",
+                             "CPU), pipeline (layers cut into {} stages, ZeRO 0-2 across the "
+                             "replicas) (default: {})",
+                             knob_for(&TrainConfig::pipeline, &PipelineConfig::stages).name(),
                              cfg.strategy_name))
       ->type_name("NAME")
       ->check(strategy_name());
@@ -106,11 +107,13 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
       ->check(one_of({"auto", "fp32", "bf16", "fp16"}));
   cmd.add_option_function<std::string>(
          "--offload", [&cfg](const std::string&) { cfg.placement.automatic = true; },
-         "auto: choose the ZeRO stage and where the optimizer state and the parameters live "
-         "(GPU, host, --nvme-path) at start-up, the plan that fits --gpu-memory and "
-         "--max-host-memory with the fewest bytes over PCIe and the disk per step; given only "
-         "--train-batch-size, also the micro-batch and accumulation predicted fastest "
-         "(`shardtrain estimate --gpu-memory` shows the candidates)")
+         fmt::format("auto: choose the ZeRO stage and where the optimizer state and the "
+                     "parameters live (GPU, host, {}) at start-up, the plan that fits "
+                     "--gpu-memory and --max-host-memory with the fewest bytes over PCIe and the "
+                     "disk per step; given only {}, also the micro-batch and accumulation "
+                     "predicted fastest (`shardtrain estimate --gpu-memory` shows the candidates)",
+                     zero_knob(&ZeroConfig::nvme_path).name(),
+                     knob_for(&TrainConfig::train_batch_size).name()))
       ->type_name("auto")
       ->check(one_of({"auto"}));
   cmd.add_option("--gpu-memory", cfg.placement.gpu_memory_gib,
@@ -147,12 +150,6 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                  fmt::format("passes over the training data (default: {})", cfg.epochs))
       ->type_name("N")
       ->check(int_at_least(1));
-  cmd.add_option("--max-steps", cfg.max_steps,
-                 fmt::format("stop after this many optimizer steps; -1 = as many as --epochs "
-                             "allows (default: {})",
-                             cfg.max_steps))
-      ->type_name("N")
-      ->check(minus_one_or_positive());
   cmd.add_option("--max-length", cfg.max_length,
                  fmt::format("tokens per sample (sequence length), at most the model's context "
                              "(default: {})",
@@ -289,7 +286,8 @@ TrainConfig finalize_train_config(const CLI::App& cmd, TrainConfig cfg, int64_t 
                                   std::vector<std::string>& warnings) {
   const ExplicitFlags flags = explicit_train_flags(cmd);
   if (contains(flags, "batch_size")) cfg.micro_batch_set = true;
-  if (contains(flags, "gradient_accumulation_steps")) cfg.accumulation_set = true;
+  if (contains(flags, knob_for(&TrainConfig::gradient_accumulation_steps).explicit_name()))
+    cfg.accumulation_set = true;
   if (contains(flags, "profile_step")) cfg.flops_profiler.enabled = true;
 
   // ---- strategy: --strategy and --zero-stage must agree ----
@@ -338,10 +336,10 @@ TrainConfig finalize_train_config(const CLI::App& cmd, TrainConfig cfg, int64_t 
     }
     if (strategy_flag && cfg.strategy_source == "deepspeed" && cfg.strategy != before) {
       warnings.push_back(fmt::format(
-          "--strategy {} contradicts zero_optimization.stage {} in '{}': as in DeepSpeed, the "
-          "config file decides, so the strategy is '{}' (drop --strategy, or change the stage "
-          "in the file)",
-          before_name, cfg.zero.stage, cfg.deepspeed_config, to_string(cfg.strategy)));
+          "--strategy {} contradicts {} {} in '{}': as in DeepSpeed, the config file decides, so "
+          "the strategy is '{}' (drop --strategy, or change the stage in the file)",
+          before_name, zero_knob(&ZeroConfig::stage).path, cfg.zero.stage, cfg.deepspeed_config,
+          to_string(cfg.strategy)));
     }
     if (!overridden.empty()) {
       warnings.push_back(fmt::format("command-line flags take precedence over '{}': {}",
@@ -375,9 +373,10 @@ TrainConfig finalize_train_config(const CLI::App& cmd, TrainConfig cfg, int64_t 
           "drop {}){}",
           join(given, ", "), given.size() == 1 ? "is a flag" : "are flags", to_string(cfg.strategy),
           given.size() == 1 ? "it" : "them",
-          trace ? "; --trace also draws the timeline of an offloaded run (--strategy offload or "
-                  "infinity, an offload_optimizer device, --offload auto)"
-                : ""));
+          trace ? fmt::format("; --trace also draws the timeline of an offloaded run (--strategy "
+                              "offload or infinity, {}, --offload auto)",
+                              zero_knob(&ZeroConfig::offload_optimizer_device).path)
+                : std::string()));
     }
   }
 

@@ -538,12 +538,6 @@ void validate(TrainConfig& cfg, int64_t model_context) {
     throw ConfigError(
         fmt::format("--epochs {} is not valid: train for at least 1 epoch", cfg.epochs));
   }
-  if (cfg.max_steps != -1 && cfg.max_steps < 1) {
-    throw ConfigError(fmt::format(
-        "--max-steps {} is not valid: use -1 (as many steps as --epochs allows) or a number of "
-        "optimizer steps >= 1",
-        cfg.max_steps));
-  }
   if (cfg.num_samples != -1 && cfg.num_samples < 1) {
     throw ConfigError(fmt::format(
         "--num-samples {} is not valid: use -1 (all samples) or a count >= 1", cfg.num_samples));

@@ -58,6 +58,25 @@ class RuntimeFailure : public Error {
   using Error::Error;
 };
 
+/// Which memory an allocation ran out of (OutOfMemory::memory()).
+enum class Memory {
+  kGpu,         ///< device memory (the CUDA caching allocator)
+  kHost,        ///< host memory of the process (the CPU backend's tensors, std::bad_alloc)
+  kPinnedHost,  ///< pinned host memory for offloaded state (Backend::allocate_pinned)
+};
+
+/// An allocation that failed. The message states the facts (bytes asked, held, free); the
+/// command line appends the remedy, naming the knobs that lower the need
+/// (app/error_report.h: memory_remedy), which the layers that allocate do not know.
+class OutOfMemory : public RuntimeFailure {
+ public:
+  OutOfMemory(Memory memory, const std::string& what) : RuntimeFailure(what), memory_(memory) {}
+  Memory memory() const { return memory_; }
+
+ private:
+  Memory memory_;
+};
+
 #if !defined(__CUDACC__)
 // nvcc 13 cannot compile fmt 9 in C++20 mode (its consteval format strings), so code that nvcc
 // compiles (*.cu) builds messages with std::string instead and never sees fmt.

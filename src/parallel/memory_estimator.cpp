@@ -6,6 +6,7 @@
 
 #include "backend/backend.h"
 #include "comm/communicator.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/strings.h"
 #include "model/gpt2.h"
@@ -181,9 +182,8 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
   // Hybrid sharding: zero3 over groups of g GPUs (NCCL within them: no copy-engine staging).
   if (const int g = o.hpz_partition_size; g > 1 && g < o.gpus) {
     check<ConfigError>(o.gpus % g == 0,
-                       "zero_hpz_partition_size {} does not divide the {} GPUs: use a divisor "
-                       "(the GPUs of a node)",
-                       g, o.gpus);
+                       "{} {} does not divide the {} GPUs: use a divisor (the GPUs of a node)",
+                       zero_knob(&ZeroConfig::hpz_partition_size).key(), g, o.gpus);
     StrategyEstimate s;
     s.strategy = StrategyKind::kZero3;
     s.name = "zero3-hybrid";
@@ -271,10 +271,11 @@ std::string format_memory_estimate(const MemoryEstimate& e, const MemoryEstimate
                        gib(s.activations), gib(s.buffers), gib(s.total()), s.formula);
   }
   out += fmt::format(
-      "\nHost and NVMe bytes per rank of the offloaded plans (offload_optimizer.ratio r = {:g}{}):"
+      "\nHost and NVMe bytes per rank of the offloaded plans ({} r = {:g}{}):"
       "\n{:<13} {:>12} {:>12} {:>12}\n",
-      o.offload_ratio, o.delayed_update ? ", delayed update" : "", "strategy", "host pinned",
-      "host pageable", "NVMe");
+      zero_knob(&ZeroConfig::offload_ratio).path, o.offload_ratio,
+      o.delayed_update ? ", delayed update" : "", "strategy", "host pinned", "host pageable",
+      "NVMe");
   for (const StrategyEstimate& s : e.strategies)
     if (s.offloaded)
       out += fmt::format("{:<13} {:>12} {:>12} {:>12}\n", s.name, gib(s.host_pinned),
@@ -291,10 +292,11 @@ std::string format_memory_estimate(const MemoryEstimate& e, const MemoryEstimate
       optimizer_state_bytes_per_parameter(o.optimizer));
   if (o.hpz_partition_size > 1 && o.hpz_partition_size < o.gpus)
     out += fmt::format(
-        "zero3-hybrid (zero_hpz_partition_size G = {}): zero3 partitioned within groups of G "
+        "zero3-hybrid ({} G = {}): zero3 partitioned within groups of G "
         "GPUs and\n  replicated over the {} groups; each step every GPU all-reduces its gradient "
         "shard, 2Ψ/G = {},\n  with the other groups — the only traffic between them\n",
-        o.hpz_partition_size, o.gpus / o.hpz_partition_size,
+        zero_knob(&ZeroConfig::hpz_partition_size).key(), o.hpz_partition_size,
+        o.gpus / o.hpz_partition_size,
         gib(kBf16 * static_cast<double>(e.parameters) / o.hpz_partition_size));
   out += fmt::format(
       "activations (as GPT2Model allocates them on the CUDA backend, bf16): blocks {} ({}),\n  "

@@ -52,9 +52,9 @@ PlacementBudget rank_budget(double gpu_bytes, double node_host_bytes, const std:
     std::error_code ec;
     const auto space = std::filesystem::space(nvme_path, ec);
     check<ConfigError>(!ec,
-                       "--nvme-path {}: {} (its free space is the NVMe budget: give an existing "
+                       "{} {}: {} (its free space is the NVMe budget: give an existing "
                        "directory on the disk for the swap files)",
-                       nvme_path, ec.message());
+                       zero_knob(&ZeroConfig::nvme_path).name(), nvme_path, ec.message());
     node_nvme = static_cast<double>(space.available);
   }
   const PlacementMargins m = placement_margins(gpu_bytes, node_host_bytes, node_nvme);

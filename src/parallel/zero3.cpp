@@ -524,9 +524,8 @@ std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options, Ba
       hybrid->quantized = std::make_unique<HierarchicalReduction>(*hybrid->replica, 1, backend,
                                                                   true, groups.across);
   } else {
-    check<ConfigError>(g <= comm.world_size(),
-                       "zero_hpz_partition_size {} exceeds the {} ranks of the job", g,
-                       comm.world_size());
+    check<ConfigError>(g <= comm.world_size(), "{} {} exceeds the {} ranks of the job",
+                       zero_knob(&ZeroConfig::hpz_partition_size).key(), g, comm.world_size());
   }
   return std::make_unique<Zero3>(options, backend, comm, std::move(hybrid));
 }

@@ -5,6 +5,7 @@
 
 #include "backend/host_transfer.h"
 #include "comm/scalar_all_reduce.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/strings.h"
 
@@ -129,11 +130,13 @@ TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& m
         "--offload auto: no placement of {} fits {} of GPU memory, {} of host memory and {} of "
         "NVMe per rank (what is left after the margins `shardtrain estimate --gpu-memory` "
         "prints); the closest, {}, does not fit: {}. Use more GPUs, raise --gpu-memory / "
-        "--max-host-memory, give --nvme-path a disk with room, or add --activation-checkpointing "
-        "or a smaller --batch-size (`shardtrain estimate --gpu-memory` lists every plan)",
+        "--max-host-memory, give {} a disk with room, or add {} or a smaller {} (`shardtrain "
+        "estimate --gpu-memory` lists every plan)",
         model.name, human_bytes(budget.gpu_bytes), human_bytes(budget.host_bytes),
         human_bytes(budget.nvme_bytes), closest ? closest->name : "none",
-        closest ? closest->over : "no candidates"));
+        closest ? closest->over : "no candidates", zero_knob(&ZeroConfig::nvme_path).name(),
+        knob_for(&TrainConfig::activation_checkpointing).name(),
+        knob_for(&TrainConfig::micro_batch_size).name()));
     e.mark_same_on_every_rank();
     throw e;
   }

@@ -12,6 +12,7 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/image_weights.h"
 #include "checkpoint/sharded_checkpoint.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/strings.h"
 #include "data/dataset.h"
@@ -372,8 +373,9 @@ void print_image_banner(Console& out, const TrainConfig& cfg, const ImageRunFact
   out.line(
       "  steps: {} ({} per epoch{}), warmup {}, {} schedule, {}, clip {:g}, label smoothing {:g}",
       f.plan.total_steps, f.plan.steps_per_epoch,
-      cfg.max_steps > 0 ? fmt::format(", --max-steps {}", cfg.max_steps)
-                        : fmt::format(", {} epochs", cfg.epochs),
+      cfg.max_steps > 0
+          ? fmt::format(", {} {}", knob_for(&TrainConfig::max_steps).name(), cfg.max_steps)
+          : fmt::format(", {} epochs", cfg.epochs),
       f.plan.warmup, to_string(cfg.lr_schedule), describe_optimizer(cfg), cfg.gradient_clipping,
       cfg.label_smoothing);
   out.line(

@@ -398,8 +398,9 @@ TrainingProgress resume_from(const CheckpointInfo& ck, const ParamLayout& layout
   restore_loss_scaler(scaler, ck.loss_scaler);
   check<CheckpointError>(ck.progress.step <= total_steps,
                          "checkpoint {} is at step {} but this run has only {} steps: raise "
-                         "--max-steps or --epochs to continue training",
-                         ck.dir.string(), ck.progress.step, total_steps);
+                         "{} or --epochs to continue training",
+                         ck.dir.string(), ck.progress.step, total_steps,
+                         knob_for(&TrainConfig::max_steps).name());
   return ck.progress;
 }
 

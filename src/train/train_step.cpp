@@ -6,6 +6,7 @@
 #include <cmath>
 #include <utility>
 
+#include "config/knob.h"
 #include "core/error.h"
 
 namespace shardtrain {
@@ -81,8 +82,8 @@ TrainStep::TrainStep(Model& model, Strategy& strategy, Communicator& comm, Backe
       options_(options),
       clock_(clock),
       loss_sum_(backend, comm, 1) {
-  check<ConfigError>(options_.accumulation_steps >= 1,
-                     "gradient_accumulation_steps {} is not valid: it must be >= 1",
+  check<ConfigError>(options_.accumulation_steps >= 1, "{} {} is not valid: it must be >= 1",
+                     knob_for(&TrainConfig::gradient_accumulation_steps).path,
                      options_.accumulation_steps);
   check<ConfigError>(options_.gradient_clipping >= 0,
                      "gradient_clipping {} is not valid: use 0 (off) or a max norm > 0",

@@ -284,8 +284,9 @@ void print_banner(Console& out, const TrainConfig& cfg, const BannerFacts& f) {
            f.data.valid ? with_commas(f.data.valid->size()) : std::string("no"), f.data.seconds);
   out.line("  steps: {} ({} per epoch{}), warmup {}, {} schedule, {}, clip {:g}",
            f.plan.total_steps, f.plan.steps_per_epoch,
-           cfg.max_steps > 0 ? fmt::format(", --max-steps {}", cfg.max_steps)
-                             : fmt::format(", {} epochs", cfg.epochs),
+           cfg.max_steps > 0
+               ? fmt::format(", {} {}", knob_for(&TrainConfig::max_steps).name(), cfg.max_steps)
+               : fmt::format(", {} epochs", cfg.epochs),
            f.plan.warmup, to_string(cfg.lr_schedule), describe_optimizer(cfg),
            cfg.gradient_clipping);
   out.line(
@@ -534,8 +535,8 @@ void report_done(const TrainSummary& summary, Console& out, MetricsWriter& metri
   if (summary.losses.empty())  // resumed at its last step: there was nothing left to train
     out.line(
         "done | {} steps | no step left to run: the checkpoint is at the run's last step (raise "
-        "--max-steps or --epochs to train on) | {}",
-        summary.steps, validation);
+        "{} or --epochs to train on) | {}",
+        summary.steps, knob_for(&TrainConfig::max_steps).name(), validation);
   else
     out.line("done | {} steps | {:.1f} s | loss {:.4f} → {:.4f} | {}", summary.steps,
              summary.seconds, summary.first_loss, summary.last_loss, validation);

@@ -16,6 +16,7 @@
 // The op tests construct their backends with SHARDTRAIN_ATTENTION=materialized, so bf16 mode
 // covers the materialized attention kernels (cuda_attention.cu); the FlashAttention* tests at the
 // end cover the fused kernels (cuda_flash_attention.cu), the default in bf16/fp16.
+#include "app/error_report.h"
 #include "cuda_test_support.h"
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaOpTest, ::testing::Values(DType::kF32, DType::kBF16),
@@ -141,8 +142,10 @@ TEST_F(CudaBackendTest, OutOfMemoryMessageNamesSizeAndRemedy) {
   try {
     gpu->allocate(pib);
     FAIL() << "allocating 1 PiB should fail";
-  } catch (const RuntimeFailure& e) {
-    const std::string msg = e.what();
+  } catch (const OutOfMemory& e) {
+    // What the user reads: the allocator's facts, and the remedy the command line adds.
+    EXPECT_EQ(e.memory(), Memory::kGpu);
+    const std::string msg = classify_exception(std::current_exception()).message;
     EXPECT_NE(msg.find("1125899906842624"), std::string::npos) << msg;
     EXPECT_NE(msg.find("1.00 PiB"), std::string::npos) << msg;
     EXPECT_NE(msg.find("--batch-size"), std::string::npos) << msg;

@@ -116,6 +116,24 @@ TEST(ErrorReport, OutOfMemoryIsClassifiedAsSuch) {
   EXPECT_EQ(st::classify_exception(std::make_exception_ptr(st::RuntimeFailure("x"))).status, 1);
 }
 
+TEST(ErrorReport, OutOfMemoryGetsTheRemedyOfItsMemory) {
+  auto message = [](st::Memory m) {
+    return st::classify_exception(std::make_exception_ptr(st::OutOfMemory(m, "no room"))).message;
+  };
+  const std::string gpu = message(st::Memory::kGpu);
+  EXPECT_CONTAINS(gpu, "no room. Fix: lower --batch-size");
+  EXPECT_CONTAINS(gpu, "--activation-checkpointing");
+  EXPECT_CONTAINS(gpu, "zero3");
+  EXPECT_CONTAINS(message(st::Memory::kHost), "no room; use a smaller model, --batch-size");
+  const std::string pinned = message(st::Memory::kPinnedHost);
+  EXPECT_CONTAINS(pinned, "no room, or offload less (zero_optimization.offload_optimizer.ratio");
+  EXPECT_CONTAINS(pinned, "(--offload-ratio) < 1");
+  EXPECT_CONTAINS(pinned, "zero_optimization.offload_optimizer.device \"nvme\"");
+  EXPECT_EQ(st::classify_exception(std::make_exception_ptr(st::OutOfMemory(st::Memory::kHost, "x")))
+                .status,
+            1);
+}
+
 void throw_in_an_openmp_region(const std::exception_ptr& e) {
   st::install_terminate_handler();
 #pragma omp parallel num_threads(2)

@@ -49,10 +49,11 @@ class CpuBackend final : public Backend {
     const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, rounded + 64);
     if (!p) {
-      throw RuntimeFailure(fmt::format(
-          "out of host memory: could not allocate {:.1f} MiB ({:.1f} MiB already held by "
-          "shardtrain); use a smaller model, --batch-size or --max-length",
-          bytes / 1048576.0, allocated_ / 1048576.0));
+      throw OutOfMemory(
+          Memory::kHost,
+          fmt::format("out of host memory: could not allocate {:.1f} MiB ({:.1f} MiB already "
+                      "held by shardtrain)",
+                      bytes / 1048576.0, allocated_ / 1048576.0));
     }
     // The first 64 bytes hold the size, so deallocate() can keep the accounting exact.
     static_cast<Allocation*>(p)->bytes = rounded;

@@ -157,16 +157,17 @@ void CachingAllocator::release_everything() noexcept {
 void CachingAllocator::throw_oom(size_t bytes, cudaError_t err) {
   size_t free_mem = 0, total_mem = 0;
   if (cudaMemGetInfo(&free_mem, &total_mem) != cudaSuccess) (void)cudaGetLastError();
-  throw RuntimeFailure(strf(
-      "CUDA out of memory on cuda:%d: could not allocate %s (%zu bytes; %s). shardtrain holds %s "
-      "in tensors and %s reserved by its caching allocator; the device has %s free of %s. Lower "
-      "--batch-size or --max-length, enable --activation-checkpointing, or use a ZeRO strategy "
-      "(--strategy zero2/zero3) or offload",
-      device_, format_bytes(static_cast<double>(bytes)).c_str(), bytes, cudaGetErrorString(err),
-      format_bytes(static_cast<double>(allocated_)).c_str(),
-      format_bytes(static_cast<double>(reserved_)).c_str(),
-      format_bytes(static_cast<double>(free_mem)).c_str(),
-      format_bytes(static_cast<double>(total_mem)).c_str()));
+  throw OutOfMemory(
+      Memory::kGpu,
+      strf(
+          "CUDA out of memory on cuda:%d: could not allocate %s (%zu bytes; %s). shardtrain "
+          "holds %s in tensors and %s reserved by its caching allocator; the device has %s free of "
+          "%s",
+          device_, format_bytes(static_cast<double>(bytes)).c_str(), bytes, cudaGetErrorString(err),
+          format_bytes(static_cast<double>(allocated_)).c_str(),
+          format_bytes(static_cast<double>(reserved_)).c_str(),
+          format_bytes(static_cast<double>(free_mem)).c_str(),
+          format_bytes(static_cast<double>(total_mem)).c_str()));
 }
 
 // ==== CUDA graphs ==============================================================================

@@ -191,15 +191,16 @@ void* pinned_allocate(int device, size_t bytes, size_t held) {
   if (err == cudaSuccess) return p;
   (void)cudaGetLastError();
   const int64_t avail = available_host_bytes();
-  throw RuntimeFailure(
+  throw OutOfMemory(
+      Memory::kPinnedHost,
       std::string("could not pin ") + gib(static_cast<double>(bytes)) + " of host memory (" +
-      std::to_string(bytes) + " bytes) for offloading: cudaHostAlloc: " + cudaGetErrorString(err) +
-      "; this process already holds " + gib(static_cast<double>(held)) + " pinned and the host " +
-      (avail >= 0 ? "has " + gib(static_cast<double>(avail)) + " available"
-                  : std::string("reports no available figure")) +
-      ". Fix: raise the job's memory limit (container/cgroup memory.max; `ulimit -l unlimited` "
-      "or `--ulimit memlock=-1` in containers), offload less (offload_optimizer.ratio < 1, more "
-      "ranks), or offload to NVMe (device \"nvme\")");
+          std::to_string(bytes) + " bytes) for offloading: cudaHostAlloc: " +
+          cudaGetErrorString(err) + "; this process already holds " +
+          gib(static_cast<double>(held)) + " pinned and the host " +
+          (avail >= 0 ? "has " + gib(static_cast<double>(avail)) + " available"
+                      : std::string("reports no available figure")) +
+          ". Fix: raise the job's memory limit (container/cgroup memory.max; `ulimit -l unlimited` "
+          "or `--ulimit memlock=-1` in containers)");
 }
 
 void pinned_free(int device, void* p) noexcept {

@@ -80,9 +80,10 @@ Tensor ParamSwap::acquire(int u) {
   prefetch(u);
   Buffer* b = holding(u);
   check<RuntimeFailure>(b != nullptr,
-                        "offload_param: no staging buffer free for layer {} (every one of the {} "
-                        "holds a layer in use: raise offload_param.buffer_count)",
-                        u, buffers_.size());
+                        "{}: no staging buffer free for layer {} (every one of the {} holds a "
+                        "layer in use: raise {})",
+                        zero_knob(&ZeroConfig::offload_param_device).section(), u, buffers_.size(),
+                        zero_knob(&ZeroConfig::offload_param_buffer_count).label());
   if (b->read.id) file_->wait(b->read);
   b->read = {};
   b->reserved = true;

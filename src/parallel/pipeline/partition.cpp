@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "config/config.h"
+#include "config/knob.h"
 #include "core/error.h"
 
 namespace shardtrain {
@@ -31,9 +32,10 @@ std::vector<LayerSpan> partition_layers(const std::vector<double>& costs, int pa
   const int L = static_cast<int>(costs.size()) - 2;  // blocks
   check<ConfigError>(parts >= 1 && parts <= L,
                      "more stages than layers: {} virtual stage{} for {} transformer block{}; each "
-                     "stage needs at least one block: lower --pipeline-stages (× --virtual-stages) "
-                     "to at most {}",
-                     parts, parts == 1 ? "" : "s", L, L == 1 ? "" : "s", L);
+                     "stage needs at least one block: lower {} (× {}) to at most {}",
+                     parts, parts == 1 ? "" : "s", L, L == 1 ? "" : "s",
+                     knob_for(&TrainConfig::pipeline, &PipelineConfig::stages).name(),
+                     knob_for(&TrainConfig::pipeline, &PipelineConfig::virtual_stages).name(), L);
   // Block b's cost, the embedding folded into block 0 and the head into block L-1.
   std::vector<double> w(static_cast<size_t>(L));
   for (int b = 0; b < L; ++b) w[static_cast<size_t>(b)] = costs[static_cast<size_t>(b) + 1];

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "comm/scalar_all_reduce.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "parallel/pipeline/executor.h"
 
@@ -16,17 +17,20 @@ PipelineParallel::PipelineParallel(const PipelineOptions& options, const Strateg
     : opt_(options), inner_opt_(inner), backend_(backend), world_(world), P_(options.stages) {
   const int W = world.world_size();
   check<ConfigError>(P_ >= 1 && W % P_ == 0,
-                     "world size {} is not divisible by --pipeline-stages {}: launch a multiple of "
-                     "{} ranks (stages × data-parallel replicas) or change the stages",
-                     W, P_, P_);
+                     "world size {} is not divisible by {} {}: launch a multiple of {} ranks "
+                     "(stages × data-parallel replicas) or change the stages",
+                     W, knob_for(&TrainConfig::pipeline, &PipelineConfig::stages).name(), P_, P_);
   const ParallelPlan& plan = inner.plan;
   check<ConfigError>(plan.zero_stage <= 2 && plan.optimizer_offload == OffloadDevice::kNone &&
                          plan.param_offload == OffloadDevice::kNone,
                      "pipeline parallelism runs with ZeRO stage 0, 1 or 2 across the replicas of "
-                     "each stage, without offload (got stage {}{}): set zero_optimization.stage to "
-                     "0, 1 or 2 and remove offload_optimizer / offload_param",
+                     "each stage, without offload (got stage {}{}): set {} to 0, 1 or 2 and "
+                     "remove {} / {}",
                      plan.zero_stage,
-                     plan.optimizer_offload != OffloadDevice::kNone ? ", optimizer offload" : "");
+                     plan.optimizer_offload != OffloadDevice::kNone ? ", optimizer offload" : "",
+                     zero_knob(&ZeroConfig::stage).path,
+                     zero_knob(&ZeroConfig::offload_optimizer_device).section(),
+                     zero_knob(&ZeroConfig::offload_param_device).section());
   D_ = W / P_;
   stage_ = world.rank() / D_;
   replica_ = world.rank() % D_;
