@@ -52,9 +52,9 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend&
       return make_data_parallel_strategy(options, backend, comm);
     case 1:
     case 2:
-      return make_zero_strategy(options, backend, comm);
+      return make_zero_strategy(options, offload_policy(options), backend, comm);
     case 3:
-      return make_zero3_strategy(options, backend, comm);
+      return make_zero3_strategy(options, offload_policy(options), backend, comm);
     default:
       throw ConfigError(
           fmt::format("ZeRO stage {} does not exist: use 0, 1, 2 or 3", plan.zero_stage));

@@ -309,13 +309,14 @@ class Zero2 final : public ZeroStrategy {
 
 }  // namespace
 
-std::unique_ptr<Strategy> make_zero_strategy(const StrategyOptions& options, Backend& backend,
+std::unique_ptr<Strategy> make_zero_strategy(const StrategyOptions& options,
+                                             const OffloadPolicy& offload, Backend& backend,
                                              Communicator& comm) {
   switch (options.plan.zero_stage) {
     case 1:
-      return std::make_unique<Zero1>(options, backend, comm);
+      return std::make_unique<Zero1>(options, offload, backend, comm);
     case 2:
-      return std::make_unique<Zero2>(options, backend, comm);
+      return std::make_unique<Zero2>(options, offload, backend, comm);
     default:
       ST_ASSERT(false && "make_zero_strategy: not a ZeRO stage 1/2 plan");
   }

@@ -62,9 +62,10 @@ struct HybridGroups {
 
 class Zero3 final : public ZeroStrategy {
  public:
-  Zero3(const StrategyOptions& options, Backend& backend, Communicator& comm,
-        std::shared_ptr<HybridGroups> hybrid)
-      : ZeroStrategy(options, backend, hybrid ? *hybrid->shard : comm), hybrid_(std::move(hybrid)) {
+  Zero3(const StrategyOptions& options, const OffloadPolicy& offload, Backend& backend,
+        Communicator& comm, std::shared_ptr<HybridGroups> hybrid)
+      : ZeroStrategy(options, offload, backend, hybrid ? *hybrid->shard : comm),
+        hybrid_(std::move(hybrid)) {
     if (hybrid_) saves_state_ = hybrid_->replica->rank() == 0;
   }
   /// Waits for the collectives still writing into the units' buffers (a prefetch for a backward
@@ -73,7 +74,7 @@ class Zero3 final : public ZeroStrategy {
   ~Zero3() override {
     // The optimizer's last update tasks write into this strategy's parameters: let them finish
     // before the arena that holds them goes.
-    if (host_) host_->drain();
+    if (offload_) offload_->host().drain();
     try {
       drain_reductions();
       for (auto& w : replica_reductions_) w->wait();
@@ -86,7 +87,7 @@ class Zero3 final : public ZeroStrategy {
 
   void zero_grad() override {
     // Gradients of parameters paged from NVMe are read off the device by their update tasks.
-    if (host_) host_->wait_staged_reads();
+    if (offload_) offload_->host().wait_staged_reads();
     drain_reductions();
     start_cross_node_count();
     if (hybrid_ && hybrid_->quantized) hybrid_->quantized->reset_network_bytes();
@@ -153,9 +154,8 @@ class Zero3 final : public ZeroStrategy {
     int64_t resident = 0, sharded = 0;
     // offload_param "nvme" with max_in_cpu: the partitioned slices past it are paged from a swap
     // file (first fit, in layer order) instead of living in pinned host memory.
-    const bool paging =
-        opt_.plan.param_offload == OffloadDevice::kNvme && opt_.zero.offload_param_max_in_cpu >= 0;
-    int64_t in_cpu_left = opt_.zero.offload_param_max_in_cpu;
+    const bool paging = policy_.params == OffloadDevice::kNvme && policy_.param_max_in_cpu >= 0;
+    int64_t in_cpu_left = policy_.param_max_in_cpu;
     std::vector<int64_t> paged_numel(static_cast<size_t>(n), 0);
     for (int l = 0; l < n; ++l) {
       Unit& u = units_[static_cast<size_t>(l)];
@@ -181,16 +181,15 @@ class Zero3 final : public ZeroStrategy {
       // offload_param: the rank's slices in pinned host memory (those not paged), copied to the
       // device per layer.
       if (std::any_of(paged_numel.begin(), paged_numel.end(), [](int64_t x) { return x > 0; })) {
-        check<ConfigError>(opt_.plan.optimizer_offload != OffloadDevice::kNone &&
-                               opt_.plan.optimizer_offload_ratio == 1.0,
+        check<ConfigError>(policy_.optimizer_offloaded() && policy_.ratio == 1.0,
                            "parameters paged from NVMe ({0}) need the whole optimizer offloaded "
                            "({1} \"cpu\" or \"nvme\", {2} 1): set them, or raise {0}",
                            zero_knob(&ZeroConfig::offload_param_max_in_cpu).label(),
                            zero_knob(&ZeroConfig::offload_optimizer_device).path,
                            zero_knob(&ZeroConfig::offload_ratio).label());
-        param_swap_ = std::make_unique<ParamSwap>(backend_, opt_.zero.nvme_path, rank_, opt_.aio,
-                                                  dtype_, std::move(paged_numel),
-                                                  opt_.zero.offload_param_buffer_count);
+        param_swap_ =
+            std::make_unique<ParamSwap>(backend_, policy_.nvme_path, rank_, policy_.aio, dtype_,
+                                        std::move(paged_numel), policy_.param_buffer_count);
       }
       host_shards_ = PinnedBuffer(backend_, dtype_, sharded);
       if (sharded > 0) std::memset(host_shards_.data(), 0, host_shards_.bytes());
@@ -357,7 +356,7 @@ class Zero3 final : public ZeroStrategy {
   /// Paged parameters: starts reading the units the next positions use (as many as the staging
   /// buffers hold) whose latest update has been written.
   void read_ahead(int p) {
-    const int last = std::min(schedule_.num_positions(), p + opt_.zero.offload_param_buffer_count);
+    const int last = std::min(schedule_.num_positions(), p + policy_.param_buffer_count);
     for (int q = p + 1; q < last; ++q)
       for (int u : schedule_.uses(q)) {
         const Unit& x = unit(u);
@@ -494,7 +493,7 @@ class Zero3 final : public ZeroStrategy {
   /// offload_param nvme: the slices past max_in_cpu (declared after copies_, which its buffers'
   /// last copies use, so it goes first).
   std::unique_ptr<ParamSwap> param_swap_;
-  bool params_offloaded() const { return opt_.plan.param_offload != OffloadDevice::kNone; }
+  bool params_offloaded() const { return policy_.params_offloaded(); }
   /// Whether layer `l`'s slice is paged from NVMe (param_swap_).
   bool paged(int l) const { return param_swap_ && param_swap_->on_nvme(l); }
   FlatBuffer grad_shard_;  ///< [shard_numel_] compute dtype: Σ over micro-steps, ranks
@@ -510,7 +509,8 @@ class Zero3 final : public ZeroStrategy {
 
 }  // namespace
 
-std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options, Backend& backend,
+std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options,
+                                              const OffloadPolicy& offload, Backend& backend,
                                               Communicator& comm) {
   std::shared_ptr<HybridGroups> hybrid;
   const int64_t g = options.zero.hpz_partition_size;
@@ -527,7 +527,7 @@ std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options, Ba
     check<ConfigError>(g <= comm.world_size(), "{} {} exceeds the {} ranks of the job",
                        zero_knob(&ZeroConfig::hpz_partition_size).key(), g, comm.world_size());
   }
-  return std::make_unique<Zero3>(options, backend, comm, std::move(hybrid));
+  return std::make_unique<Zero3>(options, offload, backend, comm, std::move(hybrid));
 }
 
 }  // namespace shardtrain

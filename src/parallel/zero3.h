@@ -4,6 +4,7 @@
 
 #include <memory>
 
+#include "parallel/offload/zero_offload.h"
 #include "parallel/strategy.h"
 #include "parallel/zero3_schedule.h"
 
@@ -22,8 +23,10 @@ inline Zero3Limits zero3_limits(const StrategyOptions& options) {
 /// Builds the ZeRO-3 strategy over the data-parallel group `comm`: every rank holds 1/N of the
 /// parameters, gradients and optimizer state, and gathers each layer's parameters before it runs
 /// (options.zero.stage3_prefetch_bucket_size, param_persistence_threshold, max_live_parameters,
-/// max_reuse_distance). See zero3.cpp for the design.
-std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options, Backend& backend,
+/// max_reuse_distance), offloading what `offload` says (the optimizer's host half, the
+/// parameters). See zero3.cpp for the design.
+std::unique_ptr<Strategy> make_zero3_strategy(const StrategyOptions& options,
+                                              const OffloadPolicy& offload, Backend& backend,
                                               Communicator& comm);
 
 }  // namespace shardtrain

@@ -2,6 +2,8 @@
 // Toward Training Trillion Parameter Models", arXiv 1910.02054, §5): the partition, the owned
 // fp32 master weights and AdamW state, the optimizer step and its all-gathers, the gradient norm
 // and the sharded-checkpoint state access. Stages 1/2 (zero.cpp) and 3 (zero3.cpp) derive from it.
+// Offload is a policy handed in (parallel/offload/zero_offload.h): with it, the host-stepped half
+// of the optimizer is a ZeroOffload, which this class calls at the points every stage shares.
 #pragma once
 
 #include <algorithm>
@@ -15,7 +17,7 @@
 #include "core/half.h"
 #include "parallel/buckets.h"
 #include "parallel/hierarchical_reduction.h"
-#include "parallel/offload/host_optimizer.h"
+#include "parallel/offload/zero_offload.h"
 #include "parallel/registered_buffers.h"
 #include "parallel/strategy.h"
 
@@ -24,15 +26,17 @@ namespace shardtrain {
 /// What stages 1, 2 and 3 share: the partition of the layout into buckets and of each bucket
 /// into one slice per rank (buckets.h), the fp32 master weights and AdamW state of the owned
 /// slices, the optimizer step, the gradient norm and the checkpoint state. Subclasses own the
-/// parameter storage (own_params, gather_target) and the gradients.
+/// parameter storage (own_params, gather_target) and the gradients. `offload` says what leaves
+/// the GPU (make_strategy resolves it from the plan: offload_policy).
 class ZeroStrategy : public Strategy {
  public:
-  ZeroStrategy(const StrategyOptions& options, Backend& backend, Communicator& comm)
-      : opt_(options), backend_(backend), comm_(comm) {}
+  ZeroStrategy(const StrategyOptions& options, OffloadPolicy offload, Backend& backend,
+               Communicator& comm)
+      : opt_(options), policy_(std::move(offload)), backend_(backend), comm_(comm) {}
   /// Waits for the parameter all-gathers still in flight (launched by step()) before their
   /// buffers go.
   ~ZeroStrategy() override {
-    if (host_) host_->drain();  // its tasks write into the parameters freed below
+    if (offload_) offload_->host().drain();  // its tasks write into the parameters freed below
     try {
       for (size_t i = 0; i < gathers_.size(); ++i) wait_gather(i);
     } catch (const std::exception&) {
@@ -70,49 +74,44 @@ class ZeroStrategy : public Strategy {
         part_of_layer_[static_cast<size_t>(l)] = static_cast<int>(i);
     }
     allocate_params();
-    split_optimizer();
-    if (dtype_ != DType::kF32) master_ = FlatBuffer(backend_, DType::kF32, device_state_numel_);
+    split_ = owned_state_split(parts_, policy_.optimizer_offloaded(), policy_.ratio);
+    if (dtype_ != DType::kF32)
+      master_ = FlatBuffer(backend_, DType::kF32, split_.device_state_numel);
     // AdamW m and v (SGD: the momentum buffer only) of every owned slice in buffers laid out
     // like the slices (one device allocation each rather than one per slice).
     const bool has_v = opt_.optimizer.kind == OptimizerKind::kAdamW;
-    exp_avg_ = FlatBuffer(backend_, DType::kF32, device_state_numel_);
-    exp_avg_sq_ = FlatBuffer(backend_, DType::kF32, has_v ? device_state_numel_ : 0);
+    exp_avg_ = FlatBuffer(backend_, DType::kF32, split_.device_state_numel);
+    exp_avg_sq_ = FlatBuffer(backend_, DType::kF32, has_v ? split_.device_state_numel : 0);
     optimizers_.clear();
     optimizers_.resize(parts_.size());
     std::vector<FlatRange> host_ranges;
     for (size_t i = 0; i < parts_.size(); ++i) {
       const BucketPartition& p = parts_[i];
-      const int64_t g = on_device_[i], off = device_offset_[i];
+      const int64_t g = split_.on_device[i], off = split_.device_offset[i];
       if (g > 0)
         optimizers_[i] = std::make_unique<Optimizer>(
             backend_, layout, p.owned_offset, g, opt_.optimizer, exp_avg_.slice(off, g),
             has_v ? exp_avg_sq_.slice(off, g) : Tensor(nullptr, DType::kF32, backend_.kind(), {0}));
       host_ranges.push_back({p.owned_offset + g, p.owned_numel - g});
     }
-    host_.reset();
-    if (opt_.plan.optimizer_offload != OffloadDevice::kNone) {
-      SwapOptions swap{opt_.zero.nvme_path, rank_, opt_.aio,
-                       opt_.zero.offload_optimizer_max_in_cpu};
+    offload_.reset();
+    if (policy_.optimizer_offloaded()) {
       std::vector<Tensor> in_host;  // host-stepped elements whose parameters live on the host
+      StagedParams staged;
       for (size_t i = 0; i < parts_.size(); ++i) {
         const Tensor t = host_params(i);
-        in_host.push_back(t.empty() ? t : t.slice1d(on_device_[i], host_ranges[i].numel));
+        in_host.push_back(t.empty() ? t : t.slice1d(split_.on_device[i], host_ranges[i].numel));
+        staged.ranges.push_back(params_paged(i));
       }
-      StagedParams staged;
-      for (size_t i = 0; i < parts_.size(); ++i) staged.ranges.push_back(params_paged(i));
       if (std::find(staged.ranges.begin(), staged.ranges.end(), true) == staged.ranges.end())
         staged.ranges.clear();
       staged.write = [this](size_t i, const void* params, int64_t numel) {
         write_paged_params(i, params, numel);
       };
-      host_ = std::make_unique<HostOptimizer>(
-          backend_, layout, std::move(host_ranges), opt_.optimizer, dtype_, dtype_,
-          opt_.zero.offload_delayed_update,
-          opt_.plan.optimizer_offload == OffloadDevice::kNvme ? &swap : nullptr, std::move(in_host),
-          std::move(staged), opt_.moment_dtype());
+      offload_ = std::make_unique<ZeroOffload>(policy_, backend_, layout, std::move(host_ranges),
+                                               opt_.optimizer, dtype_, rank_, std::move(in_host),
+                                               std::move(staged));
     }
-    sent_.assign(parts_.size(), false);
-    pending_.clear();
     norm_reduce_ = std::make_unique<ScalarAllReduce>(backend_, comm_, 1);
     allocate_gradients();
     std::vector<Tensor> buffers = gradient_buffers();
@@ -132,7 +131,7 @@ class ZeroStrategy : public Strategy {
   void before_forward(int layer) override {
     for (int u : model_->layout().uses(layer)) {
       const auto i = static_cast<size_t>(part_of(u));
-      if (host_) ensure_published(i);
+      ensure_published(i);
       wait_gather(i);
     }
   }
@@ -151,16 +150,17 @@ class ZeroStrategy : public Strategy {
   /// (HostOptimizer::speculate). Stage 3 keeps the update after backward: its gathers may still
   /// read a part's shard after the part's gradient is final (persistent parameters).
   void expect_update(double lr, double grad_scale) override {
-    if (host_ && opt_.zero.offload_speculative_update && !opt_.zero.offload_delayed_update &&
-        opt_.plan.zero_stage < 3)
-      host_->speculate(lr, grad_scale, host_targets());
+    if (offload_ && policy_.speculative_update)
+      offload_->host().speculate(lr, grad_scale, host_targets());
   }
   void cancel_expected_update() override {
-    if (host_) host_->cancel_speculation();
+    if (offload_) offload_->host().cancel_speculation();
   }
-  int64_t rolled_back_updates() const override { return host_ ? host_->rolled_back_steps() : 0; }
+  int64_t rolled_back_updates() const override {
+    return offload_ ? offload_->host().rolled_back_steps() : 0;
+  }
   void set_trace(StepTrace* trace) override {
-    if (host_) host_->set_trace(trace);
+    if (offload_) offload_->host().set_trace(trace);
   }
 
   double grad_norm(double scale) override {
@@ -179,10 +179,10 @@ class ZeroStrategy : public Strategy {
     // offload), overlapping the updates after it and the next forward up to the first layer that
     // reads the part (before_forward waits there: Megatron-LM's distributed optimizer overlaps
     // its parameter all-gather with the forward the same way).
-    const bool gather_now = !host_;
+    const bool gather_now = !offload_;
     gathers_.resize(parts_.size());
-    for (size_t i : forward_order_) {
-      const int64_t g = on_device_[i];
+    for (size_t i : split_.forward_order) {
+      const int64_t g = split_.on_device[i];
       if (optimizers_[i]) {
         optimizers_[i]->step(master(i), grad_shard(i).slice1d(0, g),
                              separate_master ? own_params(i).slice1d(0, g) : Tensor(), lr,
@@ -190,25 +190,23 @@ class ZeroStrategy : public Strategy {
       }
       if (gather_now) launch_gather(i);
     }
-    if (host_) {
+    if (offload_) {
       // The host half: queued on the CPU worker, parts in forward order; each part is published
       // (all-gathered) when the next forward first needs it (before_forward).
       offload_remaining_gradients();
-      host_->step(lr, grad_scale, forward_order_, host_targets());
-      pending_.assign(parts_.size(), true);
-      sent_.assign(parts_.size(), false);
+      offload_->step(lr, grad_scale, split_.forward_order, host_targets());
     }
   }
 
   HostMemory host_memory() const override {
-    if (!host_) return {};
-    return {host_->pinned_bytes() + extra_pinned_bytes(), host_->pageable_bytes(),
-            host_->nvme_bytes() + extra_nvme_bytes()};
+    return offload_ ? offload_->memory(extra_pinned_bytes(), extra_nvme_bytes()) : HostMemory{};
   }
-  double host_step_seconds() const override { return host_ ? host_->last_step_seconds() : 0; }
+  double host_step_seconds() const override {
+    return offload_ ? offload_->host().last_step_seconds() : 0;
+  }
 
   FullState gather_state() override {
-    if (host_) host_->wait_all();
+    if (offload_) offload_->host().wait_all();
     wait_for_parameters();
     const auto n = static_cast<size_t>(model_->layout().numel());
     FullState s;
@@ -233,11 +231,12 @@ class ZeroStrategy : public Strategy {
         Tensor own = stage.slice(static_cast<int64_t>(rank_) * p.shard, p.shard);
         backend_.fill_zero(own);
         if (opt) backend_.copy(own.data, src.data, src.bytes());
-        if (host_ && host_->range(i).numel > 0) {
-          const int64_t hn = host_->range(i).numel;
+        if (offload_ && offload_->range(i).numel > 0) {
+          const int64_t hn = offload_->range(i).numel;
           std::vector<float> h(static_cast<size_t>(hn));
-          host_->read_state(qs[k], i, 0, hn, h.data());
-          backend_.copy_from_host(own.slice1d(on_device_[i], hn).data, h.data(), h.size() * 4);
+          offload_->host().read_state(qs[k], i, 0, hn, h.data());
+          backend_.copy_from_host(own.slice1d(split_.on_device[i], hn).data, h.data(),
+                                  h.size() * 4);
         }
         ++k;
         comm_.all_gather(stage.slice(0, p.padded), own)->wait();
@@ -268,7 +267,7 @@ class ZeroStrategy : public Strategy {
     std::vector<FlatRange> out;
     for (size_t i = 0; i < parts_.size(); ++i) {
       const BucketPartition& p = parts_[i];
-      const int64_t g = on_device_[i];
+      const int64_t g = split_.on_device[i];
       // The part stepped on the device, then the one stepped on the host (offload).
       if (g > 0) out.push_back({p.owned_offset, g});
       if (p.owned_numel > g) out.push_back({p.owned_offset + g, p.owned_numel - g});
@@ -280,41 +279,45 @@ class ZeroStrategy : public Strategy {
 
  public:
   void read_state(StateTensor q, int64_t offset, int64_t numel, float* host) final {
-    if (host_) host_->wait_all();
-    if (const auto [i, at] = host_range_of(offset, numel); i >= 0)
-      return host_->read_state(q, static_cast<size_t>(i), at, numel, host);
+    if (offload_) {
+      offload_->host().wait_all();
+      if (const auto [i, at] = offload_->range_holding(offset, numel); i >= 0)
+        return offload_->host().read_state(q, static_cast<size_t>(i), at, numel, host);
+    }
     const Tensor src = owned_state(q, offset, numel);
     backend_.copy_to_host(host, src.data, src.bytes());
   }
   void write_state(StateTensor q, int64_t offset, int64_t numel, const float* host) final {
-    if (host_) host_->wait_all();
-    if (const auto [i, at] = host_range_of(offset, numel); i >= 0)
-      return host_->write_state(q, static_cast<size_t>(i), at, numel, host);
+    if (offload_) {
+      offload_->host().wait_all();
+      if (const auto [i, at] = offload_->range_holding(offset, numel); i >= 0)
+        return offload_->host().write_state(q, static_cast<size_t>(i), at, numel, host);
+    }
     const Tensor dst = owned_state(q, offset, numel);
     backend_.copy_from_host(dst.data, host, dst.bytes());
   }
   void finish_load(int64_t optimizer_steps) final {
-    if (host_) host_->wait_all();
+    if (offload_) offload_->host().wait_all();
     for (size_t i = 0; i < gathers_.size(); ++i) wait_gather(i);
-    pending_.clear();
+    if (offload_) offload_->forget_pending();
     before_update();
     AllGatherWindow window(comm_, opt_.zero.allgather_bucket_size);
     for (size_t i = 0; i < parts_.size(); ++i) {
-      const int64_t g = on_device_[i];
+      const int64_t g = split_.on_device[i];
       if (optimizers_[i]) {
         optimizers_[i]->set_step_count(optimizer_steps);
         if (master_.numel() > 0) backend_.convert(own_params(i).slice1d(0, g), master(i));
       }
-      if (host_ && host_->range(i).numel > 0) {
-        const int64_t n = host_->range(i).numel;
+      if (offload_ && offload_->range(i).numel > 0) {
+        const int64_t n = offload_->range(i).numel;
         std::vector<float> m(static_cast<size_t>(n));
-        host_->read_state(StateTensor::kParams, i, 0, n, m.data());
+        offload_->host().read_state(StateTensor::kParams, i, 0, n, m.data());
         set_host_params(i, Tensor(m.data(), DType::kF32, DeviceKind::kCPU, {n}));
       }
       publish(i, window);
     }
     window.drain();
-    if (host_) host_->set_step_count(optimizer_steps);
+    if (offload_) offload_->host().set_step_count(optimizer_steps);
     steps_ = optimizer_steps;
   }
   int64_t optimizer_steps() const final { return steps_; }
@@ -411,7 +414,7 @@ class ZeroStrategy : public Strategy {
   }
   /// Sets part `i`'s host-stepped parameters from its fp32 master weights `master` (host).
   virtual void set_host_params(size_t i, Tensor master) {
-    write_host_params(own_params(i).slice1d(on_device_[i], master.numel()), master);
+    write_host_params(own_params(i).slice1d(split_.on_device[i], master.numel()), master);
   }
   /// NVMe bytes a stage holds besides the optimizer's (stage 3's paged parameters).
   virtual size_t extra_nvme_bytes() const { return 0; }
@@ -427,34 +430,32 @@ class ZeroStrategy : public Strategy {
   /// order): its host-stepped tail leaves for the host now. Stages call it as soon as they can
   /// (during backward); offload_remaining_gradients() sends the rest.
   void offload_gradient(size_t i) {
-    if (!host_ || sent_[i]) return;
-    sent_[i] = true;
-    const int64_t g = on_device_[i];
-    host_->gradient_ready(i, grad_shard(i).slice1d(g, host_->range(i).numel));
+    if (!offload_ || offload_->sent(i)) return;
+    offload_->gradient_ready(i,
+                             grad_shard(i).slice1d(split_.on_device[i], offload_->range(i).numel));
   }
   /// Per part, where its host-stepped parameters land ([range numel], compute dtype).
   std::vector<Tensor> host_targets() const {
     std::vector<Tensor> targets;
     for (size_t i = 0; i < parts_.size(); ++i)
-      targets.push_back(own_params(i).slice1d(on_device_[i], host_->range(i).numel));
+      targets.push_back(own_params(i).slice1d(split_.on_device[i], offload_->range(i).numel));
     return targets;
   }
   void offload_remaining_gradients() {
-    if (!host_) return;
+    if (!offload_) return;
     for (size_t i = 0; i < parts_.size(); ++i) offload_gradient(i);
   }
   /// Whether part `i`'s latest update has reached its parameters (non-blocking).
-  bool update_landed(size_t i) const { return pending_.empty() || !pending_[i] || host_->ready(i); }
+  bool update_landed(size_t i) const { return !offload_ || offload_->landed(i); }
   /// Offload: part `i`'s update has reached its parameters (and been all-gathered).
   void ensure_published(size_t i) {
-    if (pending_.empty() || !pending_[i]) return;
-    pending_[i] = false;
-    host_->wait_part(i);
+    if (!offload_ || !offload_->take_update(i)) return;
     AllGatherWindow window(comm_, opt_.zero.allgather_bucket_size);
     publish(i, window);
   }
   void publish_all() {
-    for (size_t i = 0; i < pending_.size(); ++i) ensure_published(i);
+    if (!offload_) return;
+    for (size_t i = 0; i < offload_->num_pending(); ++i) ensure_published(i);
   }
   /// Pinned bytes a stage holds besides the optimizer's (stage 3's offloaded parameters).
   virtual size_t extra_pinned_bytes() const { return 0; }
@@ -532,46 +533,11 @@ class ZeroStrategy : public Strategy {
   int part_of(int layer) const { return part_of_layer_[static_cast<size_t>(layer)]; }
 
   /// fp32 master weights of the owned elements of part `i` stepped on the device
-  /// [on_device_[i]] (all the real owned elements without offload).
+  /// [split_.on_device[i]] (all the real owned elements without offload).
   Tensor master(size_t i) const {
-    const int64_t g = on_device_[i];
+    const int64_t g = split_.on_device[i];
     if (master_.numel() == 0) return own_params(i).slice1d(0, g);
-    return master_.slice(device_offset_[i], g);
-  }
-
-  /// Splits each owned slice into the elements stepped on the device, [0, on_device_[i]), and on
-  /// the host (offload): offload_optimizer.ratio of all owned elements go to the host, the parts
-  /// that come LAST in forward order first, so that the device-stepped parts are the ones the next
-  /// forward needs first. Device cuts fall on 64-element boundaries.
-  void split_optimizer() {
-    const size_t n = parts_.size();
-    forward_order_.resize(n);
-    for (size_t i = 0; i < n; ++i) forward_order_[i] = i;
-    std::sort(forward_order_.begin(), forward_order_.end(), [&](size_t a, size_t b) {
-      return parts_[a].bucket.first_layer < parts_[b].bucket.first_layer;
-    });
-    on_device_.assign(n, 0);
-    device_offset_.assign(n, 0);
-    const bool offload = opt_.plan.optimizer_offload != OffloadDevice::kNone;
-    int64_t owned = 0;
-    for (const BucketPartition& p : parts_) owned += p.owned_numel;
-    int64_t budget =
-        offload ? static_cast<int64_t>(std::llround((1.0 - opt_.plan.optimizer_offload_ratio) *
-                                                    static_cast<double>(owned)))
-                : owned;
-    for (size_t i : forward_order_) {
-      const int64_t want = parts_[i].owned_numel;
-      int64_t g = std::min(want, budget);
-      if (g < want) g = g / 64 * 64;
-      on_device_[i] = g;
-      budget -= g;
-    }
-    device_state_numel_ = 0;
-    for (size_t i = 0; i < n; ++i) {
-      // Without offload the device state is laid out like the slices (padding included).
-      device_offset_[i] = offload ? device_state_numel_ : parts_[i].shard_offset;
-      device_state_numel_ += offload ? on_device_[i] : parts_[i].shard;
-    }
+    return master_.slice(split_.device_offset[i], g);
   }
 
   /// Sets parameters `dst` ([n], compute dtype; device memory, or pinned host memory for
@@ -596,24 +562,13 @@ class ZeroStrategy : public Strategy {
     if (!host_dst) backend_.copy_from_host(dst.data, tmp.data(), static_cast<size_t>(n) * 2);
   }
 
-  /// The host range (part index) holding the owned flat elements [offset, offset + numel) and
-  /// their offset in it, or {-1, 0} when they are stepped on the device.
-  std::pair<int, int64_t> host_range_of(int64_t offset, int64_t numel) const {
-    if (!host_) return {-1, 0};
-    for (size_t i = 0; i < parts_.size(); ++i) {
-      const FlatRange& r = host_->range(i);
-      if (r.numel > 0 && offset >= r.offset && offset + numel <= r.offset + r.numel)
-        return {static_cast<int>(i), offset - r.offset};
-    }
-    return {-1, 0};
-  }
-
   /// Quantity `q` of the owned flat elements [offset, offset + numel) stepped on the device
   /// (inside one range of save_ranges()).
   Tensor owned_state(StateTensor q, int64_t offset, int64_t numel) const {
     for (size_t i = 0; i < parts_.size(); ++i) {
       const BucketPartition& p = parts_[i];
-      if (offset < p.owned_offset || offset + numel > p.owned_offset + on_device_[i]) continue;
+      if (offset < p.owned_offset || offset + numel > p.owned_offset + split_.on_device[i])
+        continue;
       check<RuntimeFailure>(
           q != StateTensor::kExpAvgSq || optimizers_[i]->kind() == OptimizerKind::kAdamW,
           "{}: SGD keeps no exp_avg_sq (a bug: its caller asked for it)", name());
@@ -634,6 +589,7 @@ class ZeroStrategy : public Strategy {
   }
 
   StrategyOptions opt_;
+  OffloadPolicy policy_;  ///< what leaves the GPU: the optimizer's host half, stage 3's parameters
   Backend& backend_;
   Communicator& comm_;
   Model* model_ = nullptr;
@@ -650,18 +606,13 @@ class ZeroStrategy : public Strategy {
   int64_t max_padded_ = 0;
   FlatBuffer params_;           ///< stages 1/2: [padded_numel_] compute dtype, every parameter
   int64_t gathered_bytes_ = 0;  ///< parameter bytes all-gathered since zero_grad()
-  FlatBuffer master_;  ///< [device_state_numel_] fp32 master weights; empty for fp32 compute
-  FlatBuffer exp_avg_, exp_avg_sq_;     ///< fp32 AdamW m, v (SGD: momentum, none), like master_
-  std::vector<int64_t> on_device_;      ///< per part: owned elements stepped on the device
-  std::vector<int64_t> device_offset_;  ///< per part: its start in master_ / exp_avg_
-  int64_t device_state_numel_ = 0;
-  std::vector<size_t> forward_order_;    ///< parts by first layer
-  std::unique_ptr<HostOptimizer> host_;  ///< offload: the host-stepped elements
-  std::vector<bool> pending_;            ///< offload: part updated, not yet published
+  FlatBuffer master_;  ///< [split_.device_state_numel] fp32 master weights; empty for fp32 compute
+  FlatBuffer exp_avg_, exp_avg_sq_;  ///< fp32 AdamW m, v (SGD: momentum, none), like master_
+  OwnedStateSplit split_;  ///< per part: the owned elements stepped on the device; forward order
+  std::unique_ptr<ZeroOffload> offload_;  ///< offload: the host-stepped half of the optimizer
   /// Per part: the all-gather of its updated slices launched by step(), until a forward (or
   /// wait_for_parameters) waited for it.
   std::vector<std::unique_ptr<Work>> gathers_;
-  std::vector<bool> sent_;  ///< offload: part's gradient handed to the host
   std::vector<std::unique_ptr<Optimizer>> optimizers_;  ///< per part; null where nothing is owned
   std::unique_ptr<ScalarAllReduce> norm_reduce_;        ///< for sum_over_ranks
   int64_t steps_ = 0;
