@@ -407,6 +407,19 @@ void check_pipeline_model(const TrainConfig& cfg, int n_layer) {
 
 namespace {
 
+/// What only a GPT-2 model runs — the pipeline (its transformer blocks cut into stages) and
+/// --offload auto (a plan from its shape) — refused for the other model families here, in one
+/// place; the trainer skeleton (train/training_run.h) runs both for every family let through.
+void check_model_family(const TrainConfig& c) {
+  if (!is_image_model(c.model)) return;
+  check<ConfigError>(c.strategy != StrategyKind::kPipeline,
+                     "--strategy pipeline trains GPT-2 models only; image model '{}' trains with "
+                     "dp, zero1, zero2, zero3 or offload",
+                     c.model);
+  check<ConfigError>(!c.placement.automatic,
+                     "--offload auto plans GPT-2 models only: drop it for {}", c.model);
+}
+
 /// --offload auto chooses the ZeRO stage and the offload itself: settings that fix them are
 /// refused, naming the one to drop.
 void check_automatic_placement(const TrainConfig& c) {
@@ -429,8 +442,6 @@ void check_automatic_placement(const TrainConfig& c) {
   check<ConfigError>(c.strategy != StrategyKind::kPipeline,
                      "--offload auto does not plan pipelines (each stage keeps its state on its "
                      "GPU): drop --offload auto, or use dp / zero1-3");
-  check<ConfigError>(!is_image_model(c.model),
-                     "--offload auto plans GPT-2 models only: drop it for {}", c.model);
   check<ConfigError>(c.device != "cpu" || p.gpu_memory_gib > 0,
                      "--offload auto on CPU ranks needs --gpu-memory GIB (the budget it plans "
                      "for; a GPU run reads its GPU's memory)");
@@ -442,7 +453,8 @@ void check_automatic_placement(const TrainConfig& c) {
 }  // namespace
 
 void validate(TrainConfig& cfg, int64_t model_context) {
-  check_automatic_placement(cfg);  // first: it names the setting that conflicts with it
+  check_model_family(cfg);         // first: the pipeline and --offload auto need a GPT-2 model
+  check_automatic_placement(cfg);  // next: it names the setting that conflicts with it
   // The plan is derived here, once; everything after validation reads cfg.plan.
   cfg.plan = plan_of(cfg);
   // The pipeline's rules before the rows' ranges: a pipeline flag given without the pipeline
@@ -473,12 +485,6 @@ void validate(TrainConfig& cfg, int64_t model_context) {
   }
   const bool image_model = is_image_model(cfg.model);
   if (image_model) {
-    if (cfg.strategy == StrategyKind::kPipeline) {
-      throw ConfigError(fmt::format(
-          "--strategy pipeline trains GPT-2 models only; image model '{}' trains with dp, zero1, "
-          "zero2, zero3 or offload",
-          cfg.model));
-    }
     if (!cfg.dataset.empty() && cfg.dataset != "fashion-mnist" && cfg.dataset != "synthetic") {
       throw ConfigError(fmt::format(
           "--dataset '{}' is not an image data set: image model '{}' trains on --dataset "

@@ -30,6 +30,7 @@
 #include "train/train_common.h"
 #include "train/train_step.h"
 #include "train/trainer.h"
+#include "train/training_run.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;
@@ -509,151 +510,168 @@ void report_image_done(const ImageTrainSummary& summary, Console& out, MetricsWr
                  {"val_top5", summary.eval.top5}});
 }
 
-}  // namespace
+/// Image classifiers (ImageModel) in the trainer skeleton: Fashion-MNIST or an ImageFolder, its
+/// augmentation, batch-norm statistics in checkpoints, evaluation with top-1/top-5 and the
+/// confusion matrix, CUDA graphs.
+class ImageFamily final : public ModelFamily {
+ public:
+  explicit ImageFamily(ImageTrainSummary& summary) : summary_(summary) {}
 
-ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) {
-  const bool rank0 = comm.rank() == 0;
-  Console out(rank0);
-  ImageTrainSummary summary;
-  check<ConfigError>(cfg.strategy != StrategyKind::kPipeline,
-                     "--strategy pipeline trains GPT-2 models only; image model '{}' trains with "
-                     "dp, zero1, zero2, zero3 or offload",
-                     cfg.model);
-
-  // ---- data ----
-  const auto t_data = TrainClock::now();
-  ImageData data = load_image_data(cfg);
-  const double data_seconds = seconds_since(t_data);
-  const ImageTransform transform = training_transform(data);
-
-  // ---- model and device ----
-  std::unique_ptr<Backend> backend = make_backend(cfg.device, local_rank_of(comm), cfg.precision);
-  const bool on_gpu = backend->kind() == DeviceKind::kCUDA;
-  ComputeStreamScope compute_stream(comm, *backend);
-  check_ranks_agree(cfg, cfg.model, *backend, comm);  // the first collective
-  LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
-  ImageModelSpec spec;
-  std::unique_ptr<ImageModel> model = build_image_model(cfg, data, spec, *backend, comm);
-  const int64_t B = cfg.micro_batch_size, accum = cfg.gradient_accumulation_steps;
-  DistributedSampler sampler(data.train.size(), B, accum, comm.rank(), comm.world_size(), cfg.seed);
-  const RunPlan plan = plan_run(cfg, sampler, comm.world_size());
-
-  // ---- resume: the checkpoint must hold this very model (name, classes, input) ----
-  const ImageCheckpointModel identity{cfg.model, spec.num_classes, spec.channels, spec.height,
-                                      spec.width};
-  std::optional<CheckpointInfo> resume;
-  if (!cfg.resume.empty()) {
-    resume = read_checkpoint_info(cfg.resume);
-    require_same_model(*resume, identity, "--resume");
+  // The data first: the model's input and classes come from it.
+  void prepare(const TrainConfig& cfg, Console& /*out*/) override {
+    const auto t0 = TrainClock::now();
+    data_ = std::make_unique<ImageData>(load_image_data(cfg));
+    data_seconds_ = seconds_since(t0);
+    transform_ = training_transform(*data_);
+  }
+  std::string agreement_shape(const TrainConfig& cfg) const override { return cfg.model; }
+  void build_model(const TrainConfig& cfg, Backend& backend, Communicator& comm,
+                   Console& /*out*/) override {
+    model_ = build_image_model(cfg, *data_, spec_, backend, comm);
+    identity_ = ImageCheckpointModel{cfg.model, spec_.num_classes, spec_.channels, spec_.height,
+                                     spec_.width};
+  }
+  Model& model() override { return *model_; }
+  // The checkpoint must hold this very model (name, classes, input).
+  std::optional<CheckpointInfo> read_resume(const TrainConfig& cfg) override {
+    if (cfg.resume.empty()) return std::nullopt;
+    CheckpointInfo resume = read_checkpoint_info(cfg.resume);
+    require_same_model(resume, identity_, "--resume");
+    return resume;
+  }
+  RunPlan plan(const TrainConfig& cfg, Communicator& comm, Console& /*out*/) override {
+    sampler_ = std::make_unique<DistributedSampler>(data_->train.size(), cfg.micro_batch_size,
+                                                    cfg.gradient_accumulation_steps, comm.rank(),
+                                                    comm.world_size(), cfg.seed);
+    return plan_run(cfg, *sampler_, comm.world_size());
+  }
+  void set_up_parameters(Strategy& strategy, const TrainConfig& cfg, bool resuming) override {
+    strategy.setup(
+        *model_, resuming ? std::vector<float>{}
+                          : initial_image_parameters(cfg, spec_, identity_, *model_, init_notes_));
+    model_->prepare_cuda_graphs();
+  }
+  void after_resume(const CheckpointInfo& ck, int rank) override {
+    load_model_buffers(ck, *model_, rank);
+  }
+  void announce(const RunContext& run) override {
+    const ImageRunFacts facts{*data_,
+                              transform_,
+                              *model_,
+                              run.backend,
+                              run.strategy,
+                              run.plan,
+                              run.comm.world_size(),
+                              data_seconds_,
+                              init_notes_,
+                              run.resume,
+                              &run.progress};
+    print_image_banner(run.out, run.cfg, facts);
+    if (run.rank0()) write_image_run_json(run.cfg, config_snapshot(run.cfg), facts);
   }
 
-  // ---- parameters and strategy: resuming loads each rank's own ranges of the checkpoint into
-  // zeroed buffers ----
-  std::unique_ptr<Strategy> strategy = make_strategy(cfg, *backend, comm);
-  std::vector<std::string> init_notes;
-  strategy->setup(*model, resume
-                              ? std::vector<float>{}
-                              : initial_image_parameters(cfg, spec, identity, *model, init_notes));
-  model->prepare_cuda_graphs();
-  TrainingProgress progress;
-  progress.seed = cfg.seed;
-  if (resume) {
-    progress = resume_from(*resume, model->layout(), *strategy, comm, scaler, plan.total_steps);
-    load_model_buffers(*resume, *model, comm.rank());
+  Throughput throughput(const RunContext& run) const override {
+    return Throughput{"images", run.plan.global_batch, model_->train_flops_per_sample(0)};
   }
-  const std::optional<int64_t> continue_after =
-      logs_continue_after(resume.has_value(), progress.step);
-  MetricsWriter metrics = open_run_metrics(cfg, rank0, out, continue_after);
-  const json snapshot = config_snapshot(cfg);
-  Monitor monitor = open_run_monitor(cfg, comm.rank(), snapshot.dump(2), continue_after);
-  const ImageRunFacts facts{
-      data,     transform,         *model,       *backend,   *strategy,
-      plan,     comm.world_size(), data_seconds, init_notes, resume ? &*resume : nullptr,
-      &progress};
-  print_image_banner(out, cfg, facts);
-  if (rank0) write_image_run_json(cfg, snapshot, facts);
-
-  // ---- checkpoints and validation ----
-  CheckpointInfo ck;
-  ck.image = identity;
-  ck.model.name = cfg.model;
-  ck.config = snapshot;
-  auto save = [&]() {
-    if (!cfg.save_checkpoints) return;
-    ck.progress = progress;
-    ck.loss_scaler = loss_scaler_json(scaler);
-    ShardedSaveOptions opts;
-    opts.consolidated_bf16_model = cfg.zero.stage3_gather_16bit_weights_on_model_save;
-    capture_model_buffers(*model, opts);
-    const fs::path dir =
-        save_sharded_checkpoint(cfg.output_dir, fmt::format("checkpoint-{:06d}", progress.step),
-                                model->layout(), *strategy, comm, ck, opts);
-    out.line("saved checkpoint {}", dir.string());
-  };
-  const auto K = static_cast<size_t>(spec.num_classes);
-  ScalarAllReduce rank_scalars(*backend, comm, static_cast<int>(4 + K + K * K));
-  auto evaluate_now = [&](int64_t epoch) {
+  void start_loop(const RunContext& run, EpochLoop& loop, StreamClock* /*clock*/) override {
+    const TrainConfig& cfg = run.cfg;
+    loop.units_per_step = run.plan.global_batch;  // progress.tokens_seen counts images here
+    loop.seq_len = 0;
+    loop.bar_unit = "img";
+    train_step_ = std::make_unique<TrainStep>(
+        *model_, run.strategy, run.comm, run.backend, run.scaler,
+        TrainStepOptions{cfg.gradient_accumulation_steps, cfg.gradient_clipping, cfg.seed});
+    batches_ =
+        std::make_unique<ImageBatches>(cfg, *data_, transform_, *sampler_, run.plan, run.backend);
+    const auto K = static_cast<size_t>(spec_.num_classes);
+    rank_scalars_ =
+        std::make_unique<ScalarAllReduce>(run.backend, run.comm, static_cast<int>(4 + K + K * K));
+  }
+  StepResult step(const RunContext& run, int64_t epoch, double lr) override {
+    const TrainingProgress& progress = run.progress;
+    const MicroBatchSource batch = [&](int64_t k) {
+      return batches_->get(epoch, progress.step_in_epoch, progress.step, k);
+    };
+    if (run.cfg.flops_profiler.enabled && progress.step + 1 == run.cfg.flops_profiler.profile_step)
+      return profiled_image_step(*model_, *train_step_, run.backend, run.out, progress.step, lr,
+                                 batch);
+    return train_step_->run(progress.step, lr, batch);
+  }
+  void evaluate(const RunContext& run, int64_t epoch) override {
     // One model is validated: every rank takes rank 0's batch-norm running statistics first,
     // as PyTorch DDP does (broadcast_buffers=True: rank 0's buffers before each forward).
     // Training normalizes with the batch's statistics, so it is unaffected; with
     // --sync-batchnorm the ranks' statistics are equal already. Nothing to validate: nothing
     // taken.
-    if (comm.world_size() > 1 && model->buffers().numel() > 0 && data.held_out.size() > 0)
-      comm.broadcast(model->buffers(), 0)->wait();
-    ImageEvaluation ev = evaluate_images(*model, data.held_out, transform,
-                                         std::max<int64_t>(B, 256), comm, rank_scalars);
-    report_image_validation(ev, data.train.classes, epoch, progress.step, out, metrics, monitor);
-    summary.eval = std::move(ev);
-  };
+    if (run.comm.world_size() > 1 && model_->buffers().numel() > 0 && data_->held_out.size() > 0)
+      run.comm.broadcast(model_->buffers(), 0)->wait();
+    ImageEvaluation ev =
+        evaluate_images(*model_, data_->held_out, transform_,
+                        std::max<int64_t>(run.cfg.micro_batch_size, 256), run.comm, *rank_scalars_);
+    report_image_validation(ev, data_->train.classes, epoch, run.progress.step, run.out,
+                            run.metrics, run.monitor);
+    summary_.eval = std::move(ev);
+  }
+  std::string save(const RunContext& run) override {
+    CheckpointInfo ck;
+    ck.image = identity_;
+    ck.model.name = run.cfg.model;
+    ck.config = config_snapshot(run.cfg);
+    ck.progress = run.progress;
+    ck.loss_scaler = loss_scaler_json(run.scaler);
+    ShardedSaveOptions opts;
+    opts.consolidated_bf16_model = run.cfg.zero.stage3_gather_16bit_weights_on_model_save;
+    capture_model_buffers(*model_, opts);
+    return save_sharded_checkpoint(run.cfg.output_dir,
+                                   fmt::format("checkpoint-{:06d}", run.progress.step),
+                                   model_->layout(), run.strategy, run.comm, ck, opts)
+        .string();
+  }
 
-  // ---- the loop ----
-  TrainStep train_step(*model, *strategy, comm, *backend, scaler,
-                       TrainStepOptions{accum, cfg.gradient_clipping, cfg.seed});
-  StepLog step_log(out, metrics, monitor, cfg,
-                   Throughput{"images", plan.global_batch, model->train_flops_per_sample(0)},
-                   comm.world_size(), on_gpu, plan.total_steps);
-  ImageBatches batches(cfg, data, transform, sampler, plan, *backend);
-  const auto t_train = TrainClock::now();
-  EpochLoop loop{.cfg = cfg,
-                 .out = out,
-                 .metrics = metrics,
-                 .monitor = monitor,
-                 .backend = *backend,
-                 .reduce = rank_scalars,
-                 .strategy = *strategy,
-                 .scaler = scaler,
-                 .step_log = step_log,
-                 .steps_per_epoch = plan.steps_per_epoch,
-                 .total_steps = plan.total_steps,
-                 .warmup = plan.warmup,
-                 .samples_per_step = plan.global_batch,
-                 .units_per_step = plan.global_batch,  // progress.tokens_seen counts images here
-                 .seq_len = 0,
-                 .bar_unit = "img"};
-  loop.step = [&](int64_t epoch, double lr) {
-    const MicroBatchSource batch = [&](int64_t k) {
-      return batches.get(epoch, progress.step_in_epoch, progress.step, k);
-    };
-    if (cfg.flops_profiler.enabled && progress.step + 1 == cfg.flops_profiler.profile_step)
-      return profiled_image_step(*model, train_step, *backend, out, progress.step, lr, batch);
-    return train_step.run(progress.step, lr, batch);
-  };
-  loop.evaluate = evaluate_now;
-  loop.after_step = [&] {
-    if (cfg.save_interval > 0 && progress.step % cfg.save_interval == 0 &&
-        progress.step < plan.total_steps)
-      save();
-  };
-  LossHistory losses = run_epochs(loop, progress);
+  void finish(const RunContext& run, LossHistory losses, double seconds,
+              int64_t /*first_step*/) override {
+    summary_.first_loss = losses.first;
+    summary_.last_loss = losses.last;
+    summary_.losses = std::move(losses.all);
+    summary_.steps = run.progress.step;
+    summary_.seconds = seconds;
+  }
+  void report_done(const RunContext& run, const std::string& /*checkpoint*/) override {
+    report_image_done(summary_, run.out, run.metrics);
+  }
 
-  // ---- the end ----
-  summary.first_loss = losses.first;
-  summary.last_loss = losses.last;
-  summary.losses = std::move(losses.all);
-  summary.steps = progress.step;
-  summary.seconds = seconds_since(t_train);
-  if (!summary.losses.empty() || !resume) save();
-  report_image_done(summary, out, metrics);
+  void end_loop() noexcept override {
+    rank_scalars_.reset();
+    batches_.reset();  // stops its prefetch thread before the buffers it fills go
+    train_step_.reset();
+  }
+  void release() noexcept override {
+    sampler_.reset();
+    model_.reset();
+    data_.reset();
+  }
+
+ private:
+  ImageTrainSummary& summary_;
+  std::unique_ptr<ImageData> data_;
+  double data_seconds_ = 0;
+  ImageTransform transform_;
+  ImageModelSpec spec_;
+  ImageCheckpointModel identity_;
+  std::unique_ptr<ImageModel> model_;
+  std::unique_ptr<DistributedSampler> sampler_;
+  std::vector<std::string> init_notes_;  ///< how the parameters were initialized (banner)
+  std::unique_ptr<TrainStep> train_step_;
+  std::unique_ptr<ImageBatches> batches_;
+  std::unique_ptr<ScalarAllReduce> rank_scalars_;  ///< the evaluation's sums: 4 + K + K²
+};
+
+}  // namespace
+
+ImageTrainSummary train_image_model(const TrainConfig& cfg, Communicator& comm) {
+  ImageTrainSummary summary;
+  ImageFamily family(summary);
+  run_training(family, cfg, comm);
   return summary;
 }
 

@@ -36,6 +36,7 @@
 #include "train/strategy_from_config.h"
 #include "train/train_common.h"
 #include "train/train_step.h"
+#include "train/training_run.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;
@@ -551,206 +552,214 @@ void report_done(const TrainSummary& summary, Console& out, MetricsWriter& metri
   metrics.write(done);
 }
 
-}  // namespace
-
-TrainSummary train(const TrainConfig& requested, Communicator& comm) {
-  const bool rank0 = comm.rank() == 0;
-  Console out(rank0);
-  TrainSummary summary;
-  summary.val_loss = std::numeric_limits<double>::quiet_NaN();
-
-  // ---- model and device; --offload auto places the state before anything is allocated ----
-  GPT2Config model_cfg = resolve_train_model(requested);
-  std::unique_ptr<Backend> backend =
-      make_backend(requested.device, local_rank_of(comm), requested.precision);
-  // Collectives must start after the kernels that produce their inputs (the backend computes on
-  // its own non-default stream), and must not use that stream once the backend (declared before
-  // this guard) destroys it. Set before the first collective: on the legacy default stream an
-  // all-gather would not wait for the copy of its input.
-  ComputeStreamScope compute_stream(comm, *backend);
-  check_ranks_agree(requested, model_cfg.shape_string(), *backend, comm);  // the first collective
-  const TrainConfig cfg = requested.placement.automatic
-                              ? with_automatic_placement(requested, model_cfg, *backend, comm, out)
-                              : requested;
-  const bool on_gpu = backend->kind() == DeviceKind::kCUDA;
-  LossScaler scaler(cfg.loss_scale, backend->compute_dtype() == DType::kF16);
-  GPT2Model model(model_cfg, *backend, cfg.activation_checkpointing);
-  const bool pipelined = cfg.strategy == StrategyKind::kPipeline;
-  check_model(cfg, model_cfg, model, *backend, out);
-  const std::optional<CheckpointInfo> resume = read_resume(cfg, model_cfg);
-
-  // ---- data: the D = world / P replicas of a pipeline share it, its stages read the same
-  // micro-batches (rank = stage·D + replica, pipeline_parallel.h) ----
-  const GPT2Data data = load_gpt2_data(cfg, model_cfg, out);
-  const int replicas = comm.world_size() / (pipelined ? cfg.pipeline.stages : 1);
-  DistributedSampler sampler(data.train.size(), cfg.micro_batch_size,
-                             cfg.gradient_accumulation_steps, comm.rank() % replicas, replicas,
-                             cfg.seed);
-  const RunPlan plan = plan_run(cfg, sampler, replicas);
-  const int64_t T = cfg.max_length, B = cfg.micro_batch_size;
-
-  // ---- parameters and strategy: resuming loads each rank's own ranges of the checkpoint into
-  // zeroed buffers, so no rank holds the full fp32 parameters ----
-  // The pipeline is a Strategy (checkpoints, memory) that also runs its own steps, evaluation
-  // and trace: kept by its own type as well.
-  std::unique_ptr<PipelineParallel> pipeline_owner =
-      pipelined ? make_pipeline_strategy(cfg, *backend, comm) : nullptr;
-  PipelineParallel* const pipeline = pipeline_owner.get();
-  std::unique_ptr<Strategy> strategy = pipelined
-                                           ? std::unique_ptr<Strategy>(std::move(pipeline_owner))
-                                           : make_strategy(cfg, *backend, comm);
-  set_up_parameters(*strategy, model, cfg, model_cfg, resume.has_value());
-  TrainingProgress progress;
-  progress.seed = cfg.seed;
-  if (resume)
-    progress = resume_from(*resume, model.layout(), *strategy, comm, scaler, plan.total_steps);
-  const std::optional<int64_t> continue_after =
-      logs_continue_after(resume.has_value(), progress.step);
-  MetricsWriter metrics = open_run_metrics(cfg, rank0, out, continue_after);
-  Monitor monitor =
-      open_run_monitor(cfg, comm.rank(), config_snapshot(cfg).dump(2), continue_after);
-  const std::vector<std::string> pipeline_lines =
-      pipeline ? pipeline->describe() : std::vector<std::string>{};
-  const BannerFacts facts{model_cfg,
-                          *backend,
-                          *strategy,
-                          scaler,
-                          data,
-                          comm.world_size(),
-                          plan,
-                          pipeline ? &pipeline_lines : nullptr,
-                          resume ? &*resume : nullptr,
-                          &progress};
-  print_banner(out, cfg, facts);
-  if (rank0) write_run_json(cfg, facts);
-
-  // ---- checkpoints and validation ----
-  auto save = [&]() {
-    if (!cfg.save_checkpoints) return;
-    summary.checkpoint =
-        save_gpt2_checkpoint(cfg, model_cfg, model.layout(), *strategy, comm, progress, scaler);
-    out.line("saved checkpoint {}", summary.checkpoint);
-  };
-  ScalarAllReduce rank_scalars(*backend, comm, 2);
-  auto validate_now = [&](int64_t epoch) {
-    if (!data.valid) return;
-    const GPT2Evaluation ev = pipeline ? evaluate_pipeline(*pipeline, *data.valid, B)
-                                       : evaluate_gpt2(model, *data.valid, B, comm, rank_scalars);
-    summary.val_loss = ev.loss;
-    summary.val_ppl = std::exp(ev.loss);
-    report_validation(ev, epoch, progress.step, out, metrics, monitor);
-  };
-
-  // ---- the loop ----
-  // wall_clock_breakdown: device time of each phase, summed over the log window, in seconds.
-  std::unique_ptr<StreamClock> clock =
-      cfg.wall_clock_breakdown ? backend->make_stream_clock() : nullptr;
-  const TrainStepOptions step_options{cfg.gradient_accumulation_steps, cfg.gradient_clipping,
-                                      cfg.seed, forward_group(cfg), speculative_update(cfg)};
-  TrainStep train_step(model, *strategy, comm, *backend, scaler, step_options, clock.get());
-  std::optional<PipelineStep> pipeline_step;
-  if (pipeline) pipeline_step.emplace(*pipeline, scaler, step_options);
-  StepRunner& runner = pipeline ? static_cast<StepRunner&>(*pipeline_step) : train_step;
-  const bool profile =
-      flops_profile_possible(cfg.flops_profiler, pipelined, plan.total_steps, progress.step, out);
-  StepLog step_log(out, metrics, monitor, cfg,
-                   Throughput{"tokens", plan.tokens_per_step, model_cfg.flops_per_token(T)},
-                   comm.world_size(), on_gpu, plan.total_steps);
-  const auto t_train = Clock::now();
-  EpochLoop loop{.cfg = cfg,
-                 .out = out,
-                 .metrics = metrics,
-                 .monitor = monitor,
-                 .backend = *backend,
-                 .reduce = rank_scalars,
-                 .strategy = *strategy,
-                 .scaler = scaler,
-                 .step_log = step_log,
-                 .steps_per_epoch = plan.steps_per_epoch,
-                 .total_steps = plan.total_steps,
-                 .warmup = plan.warmup,
-                 .samples_per_step = plan.global_batch,
-                 .units_per_step = plan.tokens_per_step,
-                 .seq_len = T};
-  MicroBatchReader micro_batch(sampler, data.train, B, T);
-  // --trace of an offloaded run (rank 0): the timeline of two consecutive steps — the third and
-  // fourth of the run, or the last two — so that one step's host update is seen overlapping the
-  // next step's forward (monitor/step_trace.h).
-  std::unique_ptr<StepTrace> step_trace;
-  int64_t trace_first = -1;
-  if (!pipeline && !cfg.trace_dir.empty() && rank0) {
-    step_trace = std::make_unique<StepTrace>(backend->make_device_timeline());
-    trace_first = std::max<int64_t>(progress.step, std::min<int64_t>(2, plan.total_steps - 2));
+/// GPT-2 models (GPT2Model) in the trainer skeleton: WikiText-style token data packed into
+/// samples of max_length + 1 tokens, --offload auto, the pipeline strategy, the FLOPs profiler and
+/// --trace of an offloaded run.
+class Gpt2Family final : public ModelFamily {
+ public:
+  explicit Gpt2Family(TrainSummary& summary) : summary_(summary) {
+    summary_.val_loss = std::numeric_limits<double>::quiet_NaN();
   }
-  const auto trace_around = [&](bool before) {
-    if (!step_trace) return;
-    if (before && progress.step == trace_first) {
-      backend->synchronize();
-      step_trace->start();
-      train_step.set_trace(step_trace.get());
-      strategy->set_trace(step_trace.get());
-    } else if (!before && (progress.step == trace_first + 2 || progress.step == plan.total_steps)) {
-      if (progress.step <= trace_first) return;
-      strategy->set_trace(nullptr);
-      train_step.set_trace(nullptr);
-      backend->synchronize();
-      const std::vector<StepTrace::Segment> segments = step_trace->finish();
-      for (const std::string& l : StepTrace::write(
-               cfg.trace_dir, segments,
-               fmt::format("{}: steps {}–{} (rank 0), {} × {} micro-batches of {} tokens",
-                           model_cfg.name, trace_first + 1, progress.step, cfg.micro_batch_size,
-                           cfg.gradient_accumulation_steps, T)))
-        out.line("{}", l);
-      step_trace.reset();
+
+  void prepare(const TrainConfig& cfg, Console& /*out*/) override {
+    model_cfg_ = resolve_train_model(cfg);
+  }
+  std::string agreement_shape(const TrainConfig& /*cfg*/) const override {
+    return model_cfg_.shape_string();
+  }
+  TrainConfig place(const TrainConfig& cfg, Backend& backend, Communicator& comm,
+                    Console& out) override {
+    return with_automatic_placement(cfg, model_cfg_, backend, comm, out);
+  }
+  void build_model(const TrainConfig& cfg, Backend& backend, Communicator& /*comm*/,
+                   Console& out) override {
+    model_ = std::make_unique<GPT2Model>(model_cfg_, backend, cfg.activation_checkpointing);
+    check_model(cfg, model_cfg_, *model_, backend, out);
+  }
+  Model& model() override { return *model_; }
+  std::optional<CheckpointInfo> read_resume(const TrainConfig& cfg) override {
+    return shardtrain::read_resume(cfg, model_cfg_);
+  }
+  // The D = world / P replicas of a pipeline share the data, its stages read the same
+  // micro-batches (rank = stage·D + replica, pipeline_parallel.h).
+  RunPlan plan(const TrainConfig& cfg, Communicator& comm, Console& out) override {
+    data_ = std::make_unique<GPT2Data>(load_gpt2_data(cfg, model_cfg_, out));
+    const bool pipelined = cfg.strategy == StrategyKind::kPipeline;
+    const int replicas = comm.world_size() / (pipelined ? cfg.pipeline.stages : 1);
+    sampler_ = std::make_unique<DistributedSampler>(data_->train.size(), cfg.micro_batch_size,
+                                                    cfg.gradient_accumulation_steps,
+                                                    comm.rank() % replicas, replicas, cfg.seed);
+    return plan_run(cfg, *sampler_, replicas);
+  }
+  // The pipeline is a Strategy (checkpoints, memory) that also runs its own steps, evaluation and
+  // trace: kept by its own type as well.
+  std::unique_ptr<Strategy> make_strategy(const TrainConfig& cfg, Backend& backend,
+                                          Communicator& comm) override {
+    if (cfg.strategy != StrategyKind::kPipeline)
+      return ModelFamily::make_strategy(cfg, backend, comm);
+    std::unique_ptr<PipelineParallel> pipeline = make_pipeline_strategy(cfg, backend, comm);
+    pipeline_ = pipeline.get();
+    return pipeline;
+  }
+  void set_up_parameters(Strategy& strategy, const TrainConfig& cfg, bool resuming) override {
+    shardtrain::set_up_parameters(strategy, *model_, cfg, model_cfg_, resuming);
+  }
+  void announce(const RunContext& run) override {
+    const std::vector<std::string> pipeline_lines =
+        pipeline_ ? pipeline_->describe() : std::vector<std::string>{};
+    const BannerFacts facts{
+        model_cfg_, run.backend,           run.strategy, run.scaler,
+        *data_,     run.comm.world_size(), run.plan,     pipeline_ ? &pipeline_lines : nullptr,
+        run.resume, &run.progress};
+    print_banner(run.out, run.cfg, facts);
+    if (run.rank0()) write_run_json(run.cfg, facts);
+  }
+
+  Throughput throughput(const RunContext& run) const override {
+    return Throughput{"tokens", run.plan.tokens_per_step,
+                      model_cfg_.flops_per_token(run.cfg.max_length)};
+  }
+  void start_loop(const RunContext& run, EpochLoop& loop, StreamClock* clock) override {
+    const TrainConfig& cfg = run.cfg;
+    loop.units_per_step = run.plan.tokens_per_step;
+    loop.seq_len = cfg.max_length;
+    const TrainStepOptions options{cfg.gradient_accumulation_steps, cfg.gradient_clipping, cfg.seed,
+                                   forward_group(cfg), speculative_update(cfg)};
+    train_step_ = std::make_unique<TrainStep>(*model_, run.strategy, run.comm, run.backend,
+                                              run.scaler, options, clock);
+    if (pipeline_) pipeline_step_ = std::make_unique<PipelineStep>(*pipeline_, run.scaler, options);
+    profile_ = flops_profile_possible(cfg.flops_profiler, pipeline_ != nullptr,
+                                      run.plan.total_steps, run.progress.step, run.out);
+    micro_batch_ = std::make_unique<MicroBatchReader>(*sampler_, data_->train, cfg.micro_batch_size,
+                                                      cfg.max_length);
+    rank_scalars_ = std::make_unique<ScalarAllReduce>(run.backend, run.comm, 2);
+    // --trace of an offloaded run (rank 0): the timeline of two consecutive steps — the third
+    // and fourth of the run, or the last two — so that one step's host update is seen
+    // overlapping the next step's forward (monitor/step_trace.h).
+    if (!pipeline_ && !cfg.trace_dir.empty() && run.rank0()) {
+      step_trace_ = std::make_unique<StepTrace>(run.backend.make_device_timeline());
+      trace_first_ =
+          std::max<int64_t>(run.progress.step, std::min<int64_t>(2, run.plan.total_steps - 2));
     }
-  };
-  loop.step = [&](int64_t epoch, double lr) {
-    trace_around(true);
+  }
+  StepResult step(const RunContext& run, int64_t epoch, double lr) override {
+    const TrainConfig& cfg = run.cfg;
+    const TrainingProgress& progress = run.progress;
+    MicroBatchReader& reader = *micro_batch_;
     const MicroBatchSource batch = [&](int64_t k) {
-      return micro_batch(epoch, progress.step_in_epoch, k);
+      return reader(epoch, progress.step_in_epoch, k);
     };
     // The next step's micro-batches (2bw runs their first forwards at the end of this step).
-    const bool epoch_ends = progress.step_in_epoch + 1 >= plan.steps_per_epoch;
+    const bool epoch_ends = progress.step_in_epoch + 1 >= run.plan.steps_per_epoch;
     const MicroBatchSource next_batch = [&](int64_t k) {
-      return epoch_ends ? micro_batch(epoch + 1, 0, k)
-                        : micro_batch(epoch, progress.step_in_epoch + 1, k);
+      return epoch_ends ? reader(epoch + 1, 0, k) : reader(epoch, progress.step_in_epoch + 1, k);
     };
-    const bool has_next = progress.step + 1 < plan.total_steps;
-    StepResult r = profile && progress.step + 1 == cfg.flops_profiler.profile_step
-                       ? profiled_gpt2_step(cfg, model_cfg, model, train_step, *backend, out, rank0,
-                                            progress.step, lr, batch)
+    const bool has_next = progress.step + 1 < run.plan.total_steps;
+    StepRunner& runner = pipeline_step_ ? static_cast<StepRunner&>(*pipeline_step_) : *train_step_;
+    StepResult r = profile_ && progress.step + 1 == cfg.flops_profiler.profile_step
+                       ? profiled_gpt2_step(cfg, model_cfg_, *model_, *train_step_, run.backend,
+                                            run.out, run.rank0(), progress.step, lr, batch)
                        : runner.run(progress.step, lr, batch, has_next ? &next_batch : nullptr);
     if (r.skipped)
-      out.line(
+      run.out.line(
           "step {}: fp16 gradients overflowed at loss scale {:g}: step skipped, scale now {:g}",
-          progress.step + 1, r.loss_scale, scaler.scale());
+          progress.step + 1, r.loss_scale, run.scaler.scale());
     return r;
-  };
-  loop.evaluate = validate_now;
-  loop.after_step = [&] {
-    trace_around(false);
-    if (cfg.save_interval > 0 && progress.step % cfg.save_interval == 0 &&
-        progress.step < plan.total_steps)
-      save();
-  };
-  const int64_t summary_first_step = progress.step;
-  LossHistory losses = run_epochs(loop, progress);
+  }
+  void before_step(const RunContext& run) override {
+    if (!step_trace_ || run.progress.step != trace_first_) return;
+    run.backend.synchronize();
+    step_trace_->start();
+    train_step_->set_trace(step_trace_.get());
+    run.strategy.set_trace(step_trace_.get());
+  }
+  void after_step(const RunContext& run) override {
+    const int64_t step = run.progress.step;
+    if (!step_trace_ || !(step == trace_first_ + 2 || step == run.plan.total_steps)) return;
+    if (step <= trace_first_) return;
+    run.strategy.set_trace(nullptr);
+    train_step_->set_trace(nullptr);
+    run.backend.synchronize();
+    const std::vector<StepTrace::Segment> segments = step_trace_->finish();
+    for (const std::string& l : StepTrace::write(
+             run.cfg.trace_dir, segments,
+             fmt::format("{}: steps {}–{} (rank 0), {} × {} micro-batches of {} tokens",
+                         model_cfg_.name, trace_first_ + 1, step, run.cfg.micro_batch_size,
+                         run.cfg.gradient_accumulation_steps, run.cfg.max_length)))
+      run.out.line("{}", l);
+    step_trace_.reset();
+  }
+  void evaluate(const RunContext& run, int64_t epoch) override {
+    if (!data_->valid) return;
+    const int64_t B = run.cfg.micro_batch_size;
+    const GPT2Evaluation ev =
+        pipeline_ ? evaluate_pipeline(*pipeline_, *data_->valid, B)
+                  : evaluate_gpt2(*model_, *data_->valid, B, run.comm, *rank_scalars_);
+    summary_.val_loss = ev.loss;
+    summary_.val_ppl = std::exp(ev.loss);
+    report_validation(ev, epoch, run.progress.step, run.out, run.metrics, run.monitor);
+  }
+  std::string save(const RunContext& run) override {
+    return save_gpt2_checkpoint(run.cfg, model_cfg_, model_->layout(), run.strategy, run.comm,
+                                run.progress, run.scaler);
+  }
 
-  // ---- the end ----
-  summary.first_loss = losses.first;
-  summary.last_loss = losses.last;
-  summary.losses = std::move(losses.all);
-  summary.seconds = seconds_since(t_train);
-  summary.steps = progress.step;
-  if (pipeline)
-    for (const std::string& l : pipeline->finish_trace()) out.line("{}", l);
-  if (speculative_update(cfg))
-    out.line(
-        "speculative update: {} of {} steps rolled back and redone (clipped after an unclipped "
-        "step)",
-        strategy->rolled_back_updates(), progress.step - summary_first_step);
-  if (!summary.losses.empty() || !resume) save();
-  report_done(summary, out, metrics);
+  void finish(const RunContext& run, LossHistory losses, double seconds,
+              int64_t first_step) override {
+    summary_.first_loss = losses.first;
+    summary_.last_loss = losses.last;
+    summary_.losses = std::move(losses.all);
+    summary_.seconds = seconds;
+    summary_.steps = run.progress.step;
+    if (pipeline_)
+      for (const std::string& l : pipeline_->finish_trace()) run.out.line("{}", l);
+    if (speculative_update(run.cfg))
+      run.out.line(
+          "speculative update: {} of {} steps rolled back and redone (clipped after an unclipped "
+          "step)",
+          run.strategy.rolled_back_updates(), run.progress.step - first_step);
+  }
+  void report_done(const RunContext& run, const std::string& checkpoint) override {
+    summary_.checkpoint = checkpoint;
+    shardtrain::report_done(summary_, run.out, run.metrics);
+  }
+
+  void end_loop() noexcept override {
+    step_trace_.reset();
+    rank_scalars_.reset();
+    micro_batch_.reset();
+    pipeline_step_.reset();
+    train_step_.reset();
+  }
+  void release() noexcept override {
+    pipeline_ = nullptr;
+    sampler_.reset();
+    data_.reset();
+    model_.reset();
+  }
+
+ private:
+  TrainSummary& summary_;
+  GPT2Config model_cfg_;
+  std::unique_ptr<GPT2Model> model_;
+  std::unique_ptr<GPT2Data> data_;
+  std::unique_ptr<DistributedSampler> sampler_;
+  PipelineParallel* pipeline_ = nullptr;  ///< the strategy, when it is the pipeline
+  std::unique_ptr<TrainStep> train_step_;
+  std::unique_ptr<PipelineStep> pipeline_step_;
+  std::unique_ptr<MicroBatchReader> micro_batch_;
+  std::unique_ptr<ScalarAllReduce> rank_scalars_;  ///< the validation's sums
+  bool profile_ = false;
+  std::unique_ptr<StepTrace> step_trace_;
+  int64_t trace_first_ = -1;
+};
+
+}  // namespace
+
+TrainSummary train(const TrainConfig& cfg, Communicator& comm) {
+  TrainSummary summary;
+  Gpt2Family family(summary);
+  run_training(family, cfg, comm);
   return summary;
 }
 
