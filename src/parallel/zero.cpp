@@ -71,6 +71,7 @@ class Zero1 final : public ZeroStrategy {
   void zero_grad() override {
     gathered_bytes_ = 0;
     start_cross_node_count();
+    if (offload_) offload_->before_gradients_change();
     backend_.fill_zero(grads_.view());
     readiness_.reset();
   }
@@ -152,6 +153,7 @@ class Zero2 final : public ZeroStrategy {
     gathered_bytes_ = 0;
     drain_all();
     start_cross_node_count();
+    if (offload_) offload_->before_gradients_change();
     backend_.fill_zero(shard_.view());
   }
 

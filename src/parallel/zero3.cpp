@@ -92,6 +92,7 @@ class Zero3 final : public ZeroStrategy {
     start_cross_node_count();
     if (hybrid_ && hybrid_->quantized) hybrid_->quantized->reset_network_bytes();
     gathered_bytes_ = 0;
+    if (offload_) offload_->before_gradients_change();
     backend_.fill_zero(grad_shard_.view());
   }
 

@@ -233,6 +233,7 @@ void HostOptimizer::gradient_ready(size_t i, Tensor grad) {
   const size_t mark = trace ? trace->mark(to_host_.get()) : 0;
   to_host_->to_host(gradient_home(i, b).data, grad.data, grad.bytes());
   grad_fence_[i] = to_host_->fence();
+  last_grad_copy_ = grad_fence_[i];
   if (trace)
     trace->device_segment(TraceLane::kToHost, fmt::format("gradient of part {}", i), mark,
                           trace->mark(to_host_.get()));
@@ -366,6 +367,7 @@ std::vector<uint64_t> HostOptimizer::recopy_speculated_gradients() {
     const Tensor home = gradient_home(i, 0);
     to_host_->to_host(home.data, device_grad_[i].data, home.bytes());
     fences[i] = to_host_->fence();
+    last_grad_copy_ = fences[i];
   }
   return fences;
 }
@@ -470,6 +472,15 @@ void HostOptimizer::update_staged(size_t i, int64_t next, double lr, double grad
   cv_.notify_all();
   update_range(i, next, g, g, lr, grad_scale);  // the new parameters overwrite the gradient
   staged_.write(i, g.data, g.numel());
+}
+
+void HostOptimizer::release_device_gradients() {
+  // A copy still reading a device gradient would otherwise see the next step's zeros (the copy
+  // stream runs beside the compute stream): a redone update's copies, issued at the end of the
+  // step, are the ones that can still be in flight.
+  if (last_grad_copy_ == 0) return;
+  to_host_->compute_waits(last_grad_copy_);
+  last_grad_copy_ = 0;
 }
 
 bool HostOptimizer::ready(size_t i) const {

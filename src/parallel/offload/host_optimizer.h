@@ -156,6 +156,10 @@ class HostOptimizer {
   /// Blocks until every staged range's gradient of the last step has been copied off the device
   /// (before anything overwrites the gradients there). Rethrows a worker failure.
   void wait_staged_reads();
+  /// Makes the compute stream's next work wait until the device gradients handed over so far
+  /// (gradient_ready, and those copied again for a redone update) are read off the device: call
+  /// before anything overwrites them (the next step's zero_grad). The host does not wait.
+  void release_device_gradients();
   bool staged(size_t i) const { return !staged_.ranges.empty() && staged_.ranges[i]; }
   /// Every queued update done and copied (waits on the host). Rethrows a worker failure.
   void wait_all();
@@ -280,6 +284,9 @@ class HostOptimizer {
 
   int64_t step_ = 0;                  ///< step() calls so far (chooses the gradient buffer)
   std::vector<uint64_t> grad_fence_;  ///< per range: its gradient copy of this step
+  /// The latest device → host gradient copy not yet known read before the gradients change
+  /// (release_device_gradients; caller's thread only).
+  uint64_t last_grad_copy_ = 0;
 
   // Worker state (guarded by mu_).
   mutable std::mutex mu_;

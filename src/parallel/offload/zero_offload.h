@@ -102,6 +102,9 @@ class ZeroOffload {
   /// If part `i`'s update is pending: waits until it has reached its parameters, marks it seen
   /// and returns true (the caller then publishes the part); else false.
   bool take_update(size_t i);
+  /// Before the strategy overwrites its gradients (zero_grad): the copies reading them off the
+  /// device are done first, on the device (HostOptimizer::release_device_gradients).
+  void before_gradients_change() { host_->release_device_gradients(); }
   /// Forgets the pending updates (a load replaced the parameters).
   void forget_pending() { pending_.clear(); }
   size_t num_pending() const { return pending_.size(); }
