@@ -358,6 +358,11 @@ std::string knob_markdown(const KnobTable& table) {
 
 // ---- flag validators ----------------------------------------------------------------------------
 
+void minus_one_or_positive(const std::string& value) {
+  const std::optional<int64_t> v = parse_int64(value);
+  check<ConfigError>(v && (*v == -1 || *v >= 1), "must be -1 or an integer >= 1, got '{}'", value);
+}
+
 CLI::Validator parsed_by(std::function<void(const std::string&)> parse) {
   return CLI::Validator(
       [parse](std::string& s) -> std::string {

@@ -355,6 +355,10 @@ Knob knob_enum(E TrainConfig::*m, E (*parse)(const std::string&),
 /// ConfigError's message otherwise.
 CLI::Validator parsed_by(std::function<void(const std::string&)> parse);
 
+/// Checks a flag's value that is -1 (automatic, or all) or an integer >= 1 (--max-steps,
+/// --num-samples, --eval-samples): throws ConfigError "must be -1 or an integer >= 1, got 'V'".
+void minus_one_or_positive(const std::string& value);
+
 /// A row for the enumeration field `m` of the section `s` of TrainConfig
 /// (&TrainConfig::pipeline, &PipelineConfig::schedule): its flag takes what `parse` reads
 /// (`choices` being the names it writes).

@@ -1,12 +1,7 @@
 // The knobs of the smaller DeepSpeed sections, one row per key: the top level's batch sizes and
 // single values, bf16 and fp16 (with fp16's loss scaling, LossScaleConfig) and aio (AioConfig).
 // DeepSpeed's runtime/config.py, precision_config.py and runtime/swap_tensor/aio_config.py.
-#include <optional>
-#include <string>
-
 #include "config/knob.h"
-#include "core/error.h"
-#include "core/strings.h"
 
 namespace shardtrain {
 
@@ -52,11 +47,7 @@ const KnobTable& top_level_knobs() {
           .at_least(1)
           .unset_is(-1)
           .expects("-1 (as many steps as --epochs allows) or a number of optimizer steps >= 1")
-          .flag_parsed_by([](const std::string& s) {
-            const std::optional<int64_t> v = parse_int64(s);
-            check<ConfigError>(v && (*v == -1 || *v >= 1),
-                               "must be -1 or an integer >= 1, got '{}'", s);
-          })
+          .flag_parsed_by(minus_one_or_positive)
           .docs("stop after this many optimizer steps; -1 = as many as --epochs allows "
                 "(default: {})"),
       // ---- single values ----

@@ -38,19 +38,6 @@ CLI::Validator unsigned_64() {
       "");
 }
 
-/// -1 (automatic / all) or an integer >= 1.
-CLI::Validator minus_one_or_positive() {
-  return CLI::Validator(
-      [](std::string& s) -> std::string {
-        auto v = parse_int64(s);
-        if (!v || (*v != -1 && *v < 1)) {
-          return fmt::format("must be -1 or an integer >= 1, got '{}'", s);
-        }
-        return {};
-      },
-      "");
-}
-
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 CLI::Validator strategy_name() {
@@ -159,7 +146,7 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
   cmd.add_option("--num-samples", cfg.num_samples,
                  fmt::format("training samples to use; -1 = all (default: {})", cfg.num_samples))
       ->type_name("N")
-      ->check(minus_one_or_positive());
+      ->check(parsed_by(minus_one_or_positive));
   cmd.add_option(
          "--seed", cfg.seed,
          fmt::format("random seed for initialisation and data order (default: {})", cfg.seed))
@@ -233,7 +220,7 @@ void add_train_flags(CLI::App& cmd, TrainConfig& cfg) {
                              "(default: {})",
                              cfg.eval_samples))
       ->type_name("N")
-      ->check(minus_one_or_positive());
+      ->check(parsed_by(minus_one_or_positive));
 
   // ---- output, logging, checkpoints ----
   cmd.add_option("--output-dir", cfg.output_dir,
