@@ -86,13 +86,13 @@ class Zero3 final : public ZeroStrategy {
   std::string name() const override { return "zero3"; }
 
   void zero_grad() override {
-    // Gradients of parameters paged from NVMe are read off the device by their update tasks.
-    if (offload_) offload_->host().wait_staged_reads();
+    // The offloaded optimizer's copies (and the update tasks of parameters paged from NVMe) read
+    // the gradients off the device: done before they are zeroed below.
+    if (offload_) offload_->before_gradients_change();
     drain_reductions();
     start_cross_node_count();
     if (hybrid_ && hybrid_->quantized) hybrid_->quantized->reset_network_bytes();
     gathered_bytes_ = 0;
-    if (offload_) offload_->before_gradients_change();
     backend_.fill_zero(grad_shard_.view());
   }
 

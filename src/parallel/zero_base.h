@@ -430,7 +430,7 @@ class ZeroStrategy : public Strategy {
   /// order): its host-stepped tail leaves for the host now. Stages call it as soon as they can
   /// (during backward); offload_remaining_gradients() sends the rest.
   void offload_gradient(size_t i) {
-    if (!offload_ || offload_->sent(i)) return;
+    if (!offload_) return;
     offload_->gradient_ready(i,
                              grad_shard(i).slice1d(split_.on_device[i], offload_->range(i).numel));
   }
@@ -454,8 +454,7 @@ class ZeroStrategy : public Strategy {
     publish(i, window);
   }
   void publish_all() {
-    if (!offload_) return;
-    for (size_t i = 0; i < offload_->num_pending(); ++i) ensure_published(i);
+    for (size_t i = 0; i < parts_.size(); ++i) ensure_published(i);
   }
   /// Pinned bytes a stage holds besides the optimizer's (stage 3's offloaded parameters).
   virtual size_t extra_pinned_bytes() const { return 0; }

@@ -632,7 +632,7 @@ class Gpt2Family final : public ModelFamily {
                                       run.plan.total_steps, run.progress.step, run.out);
     micro_batch_ = std::make_unique<MicroBatchReader>(*sampler_, data_->train, cfg.micro_batch_size,
                                                       cfg.max_length);
-    rank_scalars_ = std::make_unique<ScalarAllReduce>(run.backend, run.comm, 2);
+    rank_scalars_ = &loop.reduce;  // 2 values, as evaluate_gpt2 needs
     // --trace of an offloaded run (rank 0): the timeline of two consecutive steps — the third
     // and fourth of the run, or the last two — so that one step's host update is seen
     // overlapping the next step's forward (monitor/step_trace.h).
@@ -726,7 +726,7 @@ class Gpt2Family final : public ModelFamily {
 
   void end_loop() noexcept override {
     step_trace_.reset();
-    rank_scalars_.reset();
+    rank_scalars_ = nullptr;
     micro_batch_.reset();
     pipeline_step_.reset();
     train_step_.reset();
@@ -748,7 +748,7 @@ class Gpt2Family final : public ModelFamily {
   std::unique_ptr<TrainStep> train_step_;
   std::unique_ptr<PipelineStep> pipeline_step_;
   std::unique_ptr<MicroBatchReader> micro_batch_;
-  std::unique_ptr<ScalarAllReduce> rank_scalars_;  ///< the validation's sums
+  ScalarAllReduce* rank_scalars_ = nullptr;  ///< the validation's sums: the loop's reducer
   bool profile_ = false;
   std::unique_ptr<StepTrace> step_trace_;
   int64_t trace_first_ = -1;

@@ -88,10 +88,9 @@ class ZeroOffload {
   const FlatRange& range(size_t i) const { return host_->range(i); }
 
   /// Part `i`'s reduced gradient of this step is final: its host-stepped tail `grad_tail`
-  /// ([range(i).numel], compute dtype, on the device) leaves for the host, once per step.
+  /// ([range(i).numel], compute dtype, on the device) leaves for the host, once per step (later
+  /// calls of the step do nothing).
   void gradient_ready(size_t i, const Tensor& grad_tail);
-  /// Whether part `i`'s gradient has left this step.
-  bool sent(size_t i) const { return sent_[i]; }
 
   /// Queues the host update of every part in `order` into `targets` (per part, where its
   /// host-stepped parameters land); from now each part's update is pending until take_update.
@@ -102,12 +101,15 @@ class ZeroOffload {
   /// If part `i`'s update is pending: waits until it has reached its parameters, marks it seen
   /// and returns true (the caller then publishes the part); else false.
   bool take_update(size_t i);
-  /// Before the strategy overwrites its gradients (zero_grad): the copies reading them off the
-  /// device are done first, on the device (HostOptimizer::release_device_gradients).
-  void before_gradients_change() { host_->release_device_gradients(); }
+  /// Before the strategy overwrites its gradients (zero_grad): every copy reading them off the
+  /// device is done first — the staged ranges' (the host waits: HostOptimizer::wait_staged_reads)
+  /// and the others' (the compute stream waits: HostOptimizer::release_device_gradients).
+  void before_gradients_change() {
+    host_->wait_staged_reads();
+    host_->release_device_gradients();
+  }
   /// Forgets the pending updates (a load replaced the parameters).
   void forget_pending() { pending_.clear(); }
-  size_t num_pending() const { return pending_.size(); }
 
   /// The part holding the host-stepped flat elements [offset, offset + numel) and their offset
   /// in its range, or {-1, 0} when they are stepped on the device.
