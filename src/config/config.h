@@ -110,7 +110,7 @@ struct ZeroConfig {
   /// hierarchical all-reduce, zero3's hybrid sharding — go as int8 with per-block scales
   /// (parallel/hierarchical_reduction.h).
   bool quantized_gradients = false;
-  /// Checkpoints also carry a consolidated 16-bit model.safetensors (rank 0 streams it).
+  /// Checkpoints also hold a consolidated 16-bit model.safetensors (rank 0 streams it).
   /// (Deprecated spelling: stage3_gather_fp16_weights_on_model_save.)
   bool stage3_gather_16bit_weights_on_model_save = false;
 };

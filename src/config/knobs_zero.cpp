@@ -112,7 +112,7 @@ const KnobTable& zero_knobs() {
                       {"gather_16bit_weights_on_model_save",
                        "stage3_gather_fp16_weights_on_model_save"})  // the last: deprecated
             .in_snapshot("zero_optimization.stage3_gather_16bit_weights_on_model_save")
-            .docs("checkpoints also carry a consolidated bf16 `model.safetensors` (and a Hugging "
+            .docs("checkpoints also hold a consolidated bf16 `model.safetensors` (and a Hugging "
                   "Face `config.json`)"),
         // ---- ZeRO++ ----
         zero(&ZeroConfig::hpz_partition_size)

@@ -723,7 +723,7 @@ def write_report(path, opts, suite, checks, seconds):
         "is noted, not failed. The final validation loss is held to the same rule.",
         f"- **bf16** (gpt2-bf16/*): max |Δloss| over the {o.bf16_steps} steps ≤ {BF16_LOSS_TOL:g}: "
         "bf16 compute with fp32 master weights; other reduction orders and bf16 gradient buckets "
-        "round differently, and AdamW's normalized steps carry those differences forward. The "
+        "round differently, and AdamW's normalized steps propagate those differences. The "
         "parameter difference is shown for information.",
         f"- **image** (*-syncbn*, *-localbn*, *-vs-ddp*): equal runs, held to the norm and printed-"
         f"loss rules above through step {suite.image_exact_step()} (a checkpoint is saved there; the "
