@@ -186,12 +186,12 @@ void DeepSpeedReader::read_pipeline(const json& root) {
   // runs whenever the model is a PipelineModule.
   const bool selects = stages && *stages > 1;
   if (selects && cfg_.strategy != StrategyKind::kPipeline) {
-    if (cfg_.strategy_source == "--strategy") {
+    const std::string flag = knob_for(&TrainConfig::strategy_name).name();
+    if (cfg_.strategy_source == flag) {
       fail(fmt::format(
-          "\"pipeline.stages\": {} asks for pipeline parallelism, but --strategy {} asks for "
-          "strategy '{}': use --strategy pipeline (or drop --strategy), or remove the "
-          "\"pipeline\" section",
-          *stages, cfg_.strategy_name, to_string(cfg_.strategy)));
+          "\"pipeline.stages\": {0} asks for pipeline parallelism, but {1} {2} asks for strategy "
+          "'{3}': use {1} pipeline (or drop {1}), or remove the \"pipeline\" section",
+          *stages, flag, cfg_.strategy_name, to_string(cfg_.strategy)));
     }
     cfg_.strategy = StrategyKind::kPipeline;
     cfg_.strategy_name = to_string(cfg_.strategy);

@@ -130,25 +130,32 @@ inline const std::vector<std::pair<std::string, const KeyList*>> kSections = {
 // each with what to use instead (built on first use: it names rows of the knob tables).
 inline const std::vector<std::pair<std::string, std::string>>& tutorial_keys() {
   static const std::vector<std::pair<std::string, std::string>> keys = [] {
-    const Knob& micro = knob_for(&TrainConfig::micro_batch_size);
-    const std::string batch = fmt::format("{} (or {})", micro.name(), micro.path);
+    // "--flag (or json.key)", or the flag alone.
+    const auto use = [](const Knob& k) {
+      return k.path.empty() ? k.name() : fmt::format("{} (or {})", k.name(), k.path);
+    };
+    const auto flag = [](auto TrainConfig::*m) { return knob_for(m).name(); };
+    const std::string batch = use(knob_for(&TrainConfig::micro_batch_size));
+    const std::string epochs = flag(&TrainConfig::epochs);
+    const std::string lr = use(knob_for(&TrainConfig::lr));
     return std::vector<std::pair<std::string, std::string>>{
-        {"model", "--model"},
-        {"strategy", fmt::format("--strategy (or {})", zero_knob(&ZeroConfig::stage).path)},
+        {"model", flag(&TrainConfig::model)},
+        {"strategy", fmt::format("{} (or {})", flag(&TrainConfig::strategy_name),
+                                 zero_knob(&ZeroConfig::stage).path)},
         {"batch_size", batch},
         {"micro_batch_size", batch},
-        {"epochs", "--epochs"},
-        {"num_epochs", "--epochs"},
-        {"max_length", "--max-length"},
-        {"num_samples", "--num-samples"},
-        {"seed", "--seed"},
-        {"lr", "--lr (or optimizer.params.lr)"},
-        {"learning_rate", "--lr (or optimizer.params.lr)"},
-        {"weight_decay", "--weight-decay (or optimizer.params.weight_decay)"},
-        {"max_steps", knob_for(&TrainConfig::max_steps).name()},
-        {"warmup_steps", "--warmup-steps (or scheduler.params.warmup_num_steps)"},
-        {"dataset", "--dataset"},
-        {"output_dir", "--output-dir"},
+        {"epochs", epochs},
+        {"num_epochs", epochs},
+        {"max_length", flag(&TrainConfig::max_length)},
+        {"num_samples", flag(&TrainConfig::num_samples)},
+        {"seed", flag(&TrainConfig::seed)},
+        {"lr", lr},
+        {"learning_rate", lr},
+        {"weight_decay", use(knob_for(&TrainConfig::weight_decay))},
+        {"max_steps", flag(&TrainConfig::max_steps)},
+        {"warmup_steps", use(knob_for(&TrainConfig::warmup_steps))},
+        {"dataset", flag(&TrainConfig::dataset)},
+        {"output_dir", flag(&TrainConfig::output_dir)},
         {"local_rank", "the launcher's environment (LOCAL_RANK)"},
     };
   }();

@@ -73,8 +73,8 @@ std::string Knob::section() const {
 
 std::string Knob::name() const {
   if (flag.empty()) return path;
-  const std::size_t comma = flag.find(',');
-  return flag.substr(0, comma);
+  std::string first = flag.substr(0, flag.find(','));
+  return first.substr(0, first.find('{'));  // CLI11's "--no-save{false}": the value it sets
 }
 
 std::string Knob::explicit_name() const {
@@ -110,8 +110,17 @@ bool Knob::accepts(const json& v) const {
     case KnobType::kNumber:
       return v.is_number() && in_range(v.get<double>());
     case KnobType::kString:
-      return v.is_string() && (choices.empty() || std::find(choices.begin(), choices.end(),
-                                                            v.get<std::string>()) != choices.end());
+      if (!v.is_string()) return false;
+      if (flag_parse) {
+        try {
+          flag_parse(v.get<std::string>());
+        } catch (const ConfigError&) {
+          return false;
+        }
+        return true;
+      }
+      return choices.empty() ||
+             std::find(choices.begin(), choices.end(), v.get<std::string>()) != choices.end();
     case KnobType::kNone:
       return true;
   }
@@ -154,7 +163,7 @@ std::vector<const KnobTable*> all_knob_tables() {
   return {
       &top_level_knobs(), &optimizer_knobs(), &scheduler_knobs(), &fp16_knobs(),
       &zero_knobs(),      &aio_knobs(),       &pipeline_knobs(),  &activation_checkpointing_knobs(),
-      &monitor_knobs()};
+      &monitor_knobs(),   &run_knobs(),       &data_knobs(),      &output_knobs()};
 }
 
 const Knob& knob_row(const KnobTable& table, const std::string& path) {

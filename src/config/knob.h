@@ -223,7 +223,9 @@ struct Knob {
   /// The last key of `path` ("queue_depth") and its section ("aio").
   std::string key() const;
   std::string section() const;
-  /// The name used for --help and errors: the flag's first long name, else the JSON path.
+  /// The name used for --help and errors: the flag's first long name ("--no-save" of
+  /// "--no-save{false}", "--cuda-graphs" of "--cuda-graphs,!--no-cuda-graphs"), else the JSON
+  /// path.
   std::string name() const;
   /// How messages name the knob: "zero_optimization.offload_optimizer.ratio (--offload-ratio)",
   /// the JSON path alone, or the flag alone.
@@ -233,7 +235,8 @@ struct Knob {
   std::string explicit_name() const;
   /// Whether `v` (a number) is within [min, max].
   bool in_range(double v) const;
-  /// Whether the JSON `v` is a valid value: the right type, in range, one of the choices.
+  /// Whether the JSON `v` is a valid value: the right type, in range, one of the choices (a
+  /// string with a flag_parse: what it reads, aliases included).
   bool accepts(const nlohmann::json& v) const;
   /// Whether the key exists for the type `variant` ("" = any type).
   bool applies_to(const std::string& variant) const;
@@ -395,6 +398,13 @@ const KnobTable& monitor_knobs();
 const KnobTable& pipeline_knobs();
 /// activation_checkpointing: the flag, and the DeepSpeed options that turn it on.
 const KnobTable& activation_checkpointing_knobs();
+/// `train`'s flags without a DeepSpeed key (knobs_run.cpp): the model and where it runs
+/// (--model, --strategy, --device, --precision, --offload, ...); the length of training and the
+/// data (--epochs, --max-length, --dataset, --train-file, ...); the output and checkpoints
+/// (--output-dir, --resume, --init-from, --deepspeed-config, ...).
+const KnobTable& run_knobs();
+const KnobTable& data_knobs();
+const KnobTable& output_knobs();
 
 /// The row of `table` at the JSON `path` (it must have one).
 const Knob& knob_row(const KnobTable& table, const std::string& path);

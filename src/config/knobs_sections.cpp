@@ -39,11 +39,12 @@ const KnobTable& top_level_knobs() {
           .or_auto()
           .shows_default("derived: micro-batch × accumulation × data-parallel degree")
           .docs("global batch in samples per optimizer step = batch-size x accumulation steps x "
-                "data-parallel degree (the world size; with --strategy pipeline, world size / "
+                "data-parallel degree (the world size; with a pipeline, world size / "
                 "pipeline stages); 0 derives it (DeepSpeed train_batch_size; default: {})"),
       // ---- length of training: shardtrain's flag (DeepSpeed counts steps in its scheduler) ----
       knob_at(&TrainConfig::max_steps)
           .train_flag("--max-steps", "N")
+          .in_snapshot("max_steps")
           .at_least(1)
           .unset_is(-1)
           .expects("-1 (as many steps as --epochs allows) or a number of optimizer steps >= 1")

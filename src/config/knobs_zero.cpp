@@ -29,7 +29,7 @@ const KnobTable& zero_knobs() {
             .in_snapshot("zero_optimization.stage")
             .expects("a ZeRO stage 0, 1, 2 or 3")
             .docs("ZeRO stage 0|1|2|3 (DeepSpeed zero_optimization.stage; 3 selects zero3; with "
-                  "--strategy pipeline 0, 1 or 2 across the data-parallel replicas) (default: {})"),
+                  "a pipeline 0, 1 or 2 across the data-parallel replicas) (default: {})"),
         zero(&ZeroConfig::reduce_bucket_size)
             .json_key("zero_optimization.reduce_bucket_size")
             .estimate_flag("--reduce-bucket-size", "N")

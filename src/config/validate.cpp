@@ -463,9 +463,6 @@ void validate(TrainConfig& cfg, int64_t model_context) {
   for (const KnobTable* table : all_knob_tables()) check_knob_ranges(cfg, *table);
   check_strategy(cfg);
 
-  if (cfg.device != "auto" && cfg.device != "cpu" && cfg.device != "cuda") {
-    throw ConfigError(fmt::format("--device '{}' is not valid: use auto, cpu or cuda", cfg.device));
-  }
   if (cfg.device == "cpu" && cfg.precision != Precision::kAuto &&
       cfg.precision != Precision::kFp32) {
     throw ConfigError(fmt::format(
@@ -484,46 +481,45 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         "config.json");
   }
   const bool image_model = is_image_model(cfg.model);
+  const std::string dataset = knob_for(&TrainConfig::dataset).name();
+  const std::string data_dir = knob_for(&TrainConfig::data_dir).name();
+  const std::string train_file = knob_for(&TrainConfig::train_file).name();
+  const std::string valid_file = knob_for(&TrainConfig::valid_file).name();
   if (image_model) {
     if (!cfg.dataset.empty() && cfg.dataset != "fashion-mnist" && cfg.dataset != "synthetic") {
       throw ConfigError(fmt::format(
-          "--dataset '{}' is not an image data set: image model '{}' trains on --dataset "
-          "fashion-mnist, --dataset synthetic (random images, for speed measurements) or an "
-          "ImageFolder directory (--data-dir DIR)",
-          cfg.dataset, cfg.model));
+          "{0} '{1}' is not an image data set: image model '{2}' trains on {0} fashion-mnist, {0} "
+          "synthetic (random images, for speed measurements) or an ImageFolder directory ({3} "
+          "DIR)",
+          dataset, cfg.dataset, cfg.model, data_dir));
     }
     if (!cfg.train_file.empty() || !cfg.valid_file.empty()) {
       throw ConfigError(fmt::format(
-          "--train-file / --valid-file are text for GPT-2; image model '{}' trains on --dataset "
-          "fashion-mnist or an ImageFolder directory (--data-dir DIR)",
-          cfg.model));
+          "{} / {} are text for GPT-2; image model '{}' trains on {} fashion-mnist or an "
+          "ImageFolder directory ({} DIR)",
+          train_file, valid_file, cfg.model, dataset, data_dir));
     }
     if (cfg.dataset.empty() && cfg.data_dir.empty()) {
-      throw ConfigError(fmt::format(
-          "no training data for image model '{}': give --dataset fashion-mnist, or --data-dir DIR "
-          "(an ImageFolder root: one subfolder of images per class)",
-          cfg.model));
+      throw ConfigError(
+          fmt::format("no training data for image model '{}': give {} fashion-mnist, or {} DIR (an "
+                      "ImageFolder root: one subfolder of images per class)",
+                      cfg.model, dataset, data_dir));
     }
   } else {
     if (cfg.dataset == "fashion-mnist" || cfg.dataset == "synthetic") {
       throw ConfigError(
-          fmt::format("--dataset {} holds images, but model '{}' is a language model: train an "
+          fmt::format("{} {} holds images, but model '{}' is a language model: train an "
                       "image model on it ({})",
-                      cfg.dataset, cfg.model.empty() ? "of the checkpoint" : cfg.model,
+                      dataset, cfg.dataset, cfg.model.empty() ? "of the checkpoint" : cfg.model,
                       join(image_model_names(), ", ")));
     }
     if (cfg.image_size != 0 || cfg.label_smoothing != 0 || cfg.sync_batchnorm) {
       throw ConfigError(fmt::format(
-          "--image-size, --label-smoothing and --sync-batchnorm are for image models ({}); model "
-          "'{}' is a "
-          "language model",
-          join(image_model_names(), ", "), cfg.model.empty() ? "of the checkpoint" : cfg.model));
+          "{}, {} and {} are for image models ({}); model '{}' is a language model",
+          knob_for(&TrainConfig::image_size).name(), knob_for(&TrainConfig::label_smoothing).name(),
+          knob_for(&TrainConfig::sync_batchnorm).name(), join(image_model_names(), ", "),
+          cfg.model.empty() ? "of the checkpoint" : cfg.model));
     }
-  }
-  if (cfg.max_length < 1) {
-    throw ConfigError(
-        fmt::format("--max-length {} is not valid: the sequence length must be at least 1 token",
-                    cfg.max_length));
   }
   if (model_context > 0 && cfg.max_length > model_context) {
     throw ConfigError(
@@ -538,20 +534,6 @@ void validate(TrainConfig& cfg, int64_t model_context) {
   if (cfg.strategy == StrategyKind::kPipeline && cfg.activation_checkpointing &&
       cfg.pipeline.activation_checkpoint_interval == 0) {
     cfg.pipeline.activation_checkpoint_interval = 1;  // every block, as the other strategies
-  }
-
-  if (cfg.epochs < 1) {
-    throw ConfigError(
-        fmt::format("--epochs {} is not valid: train for at least 1 epoch", cfg.epochs));
-  }
-  if (cfg.num_samples != -1 && cfg.num_samples < 1) {
-    throw ConfigError(fmt::format(
-        "--num-samples {} is not valid: use -1 (all samples) or a count >= 1", cfg.num_samples));
-  }
-  if (cfg.eval_samples != -1 && cfg.eval_samples < 1) {
-    throw ConfigError(fmt::format(
-        "--eval-samples {} is not valid: use -1 (the whole validation split) or a count >= 1",
-        cfg.eval_samples));
   }
 
   if (cfg.optimizer == OptimizerKind::kAdamW && (cfg.momentum != 0.0 || cfg.nesterov)) {
@@ -570,41 +552,25 @@ void validate(TrainConfig& cfg, int64_t model_context) {
         "\"nvme\") is not available: the NVMe swap file pages AdamW's master, m and v together; "
         "use --strategy offload (CPU) or zero3 with SGD, or --optimizer adamw with NVMe");
   }
-  if (cfg.dropout != -1 && !(cfg.dropout >= 0.0 && cfg.dropout < 1.0)) {
-    throw ConfigError(fmt::format(
-        "--dropout {} is not valid: it must be a probability in [0, 1) (e.g. 0.1, GPT-2's), 0 to "
-        "turn dropout off, or left unset to keep the model's own",
-        cfg.dropout));
-  }
 
   if (!cfg.dataset.empty() && !cfg.train_file.empty()) {
     throw ConfigError(fmt::format(
-        "--dataset '{}' and --train-file '{}' are both given: use one of them (a named data set, "
-        "or your own text files)",
-        cfg.dataset, cfg.train_file));
+        "{} '{}' and {} '{}' are both given: use one of them (a named data set, or your own text "
+        "files)",
+        dataset, cfg.dataset, train_file, cfg.train_file));
   }
   if (cfg.dataset.empty() && cfg.train_file.empty() && !image_model) {
     throw ConfigError(
-        "no training data: give --dataset wikitext-2, or --train-file PATH (and optionally "
-        "--valid-file PATH)");
+        fmt::format("no training data: give {} wikitext-2, or {} PATH (and optionally {} PATH)",
+                    dataset, train_file, valid_file));
   }
   if (!cfg.valid_file.empty() && cfg.train_file.empty()) {
     throw ConfigError(fmt::format(
-        "--valid-file '{}' needs --train-file: the named data set '{}' has its own validation "
-        "split; drop --valid-file, or use --train-file instead of --dataset",
-        cfg.valid_file, cfg.dataset));
+        "{0} '{1}' needs {2}: the named data set '{3}' has its own validation split; drop {0}, "
+        "or use {2} instead of {4}",
+        valid_file, cfg.valid_file, train_file, cfg.dataset, dataset));
   }
 
-  if (cfg.eval_interval < 0) {
-    throw ConfigError(fmt::format(
-        "--eval-interval {} is not valid: use 0 (at the end of each epoch) or N >= 1 steps",
-        cfg.eval_interval));
-  }
-  if (cfg.save_interval < 0) {
-    throw ConfigError(
-        fmt::format("--save-interval {} is not valid: use 0 (only at the end) or N >= 1 steps",
-                    cfg.save_interval));
-  }
   if (cfg.output_dir.empty()) {
     throw ConfigError("--output-dir is empty: give a directory for checkpoints and logs");
   }

@@ -39,20 +39,23 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 json agreement_record(const TrainConfig& cfg, const std::string& model_shape) {
   json snap = config_snapshot(cfg);
-  for (const char* path_key : {"model", "train_file", "valid_file", "data_dir", "monitor"})
-    snap.erase(path_key);
-  snap["model_shape"] = model_shape;
-  // Every knob's value, by its JSON path (or flag), but where a node keeps its files.
+  // Where a node keeps its files may differ: the data files and directories, a model's
+  // config.json, the monitors' directories.
+  snap.erase("monitor");
   for (const KnobTable* table : all_knob_tables())
     for (const Knob& k : *table)
-      if (k.get && !k.node_local && k.status == KnobStatus::kHonoured)
+      if (k.node_local && !k.snapshot.empty()) snap.erase(k.snapshot);
+  snap["model_shape"] = model_shape;
+  // Every knob's value, by its JSON path (or flag; a flag's snapshot path is already there),
+  // but where a node keeps its files.
+  for (const KnobTable* table : all_knob_tables())
+    for (const Knob& k : *table)
+      if (k.get && !k.node_local && k.status == KnobStatus::kHonoured &&
+          !(k.path.empty() && !k.snapshot.empty()))
         snap[k.path.empty() ? k.name() : k.path] = k.get(cfg);
-  snap["eval_interval"] = cfg.eval_interval;
-  snap["save_interval"] = cfg.save_interval;
-  snap["save_checkpoints"] = cfg.save_checkpoints;
+  // Whether a run resumes or starts from weights (the paths are a node's own).
   snap["resume"] = !cfg.resume.empty();
   snap["init_from"] = !cfg.init_from.empty();
-  snap["replace_head"] = cfg.replace_head;
   snap["flops_profiler.enabled"] = cfg.flops_profiler.enabled;
   json flat = json::object();
   flatten(snap, "", flat);

@@ -148,15 +148,13 @@ std::string describe_optimizer(const TrainConfig& c) {
 }
 
 nlohmann::json config_snapshot(const TrainConfig& c) {
+  // What the rows do not hold: the plan the run resolved (strategy, ZeRO stage, offload devices,
+  // the pipeline's shape) and the job's shape; the knobs' values follow from their rows.
   nlohmann::json snapshot = {
-      {"model", c.model},
       {"strategy", to_string(c.strategy)},
       {"hierarchical_all_reduce", hierarchical_reduction(c)},
       {"ranks_per_node", c.ranks_per_node},
-      {"placement",
-       {{"automatic", c.placement.automatic},
-        {"gpu_memory_gib", c.placement.gpu_memory_gib},
-        {"max_host_memory_gib", c.placement.max_host_memory_gib}}},
+      {"placement", {{"automatic", c.placement.automatic}}},
       {"plan",
        {{"zero_stage", c.plan.zero_stage},
         {"optimizer_offload", to_string(c.plan.optimizer_offload)},
@@ -169,24 +167,7 @@ nlohmann::json config_snapshot(const TrainConfig& c) {
         {"virtual_stages", c.pipeline.virtual_stages},
         {"partition_method", c.pipeline.partition_method},
         {"activation_checkpoint_interval", c.pipeline.activation_checkpoint_interval}}},
-      {"device", c.device},
-      {"precision", to_string(c.precision)},
       {"world_size", c.world_size},
-      {"epochs", c.epochs},
-      {"max_steps", c.max_steps},
-      {"max_length", c.max_length},
-      {"num_samples", c.num_samples},
-      {"seed", c.seed},
-      {"dropout", c.dropout},
-      {"dataset", c.dataset},
-      {"train_file", c.train_file},
-      {"valid_file", c.valid_file},
-      {"data_dir", c.data_dir},
-      {"eval_samples", c.eval_samples},
-      {"image_size", c.image_size},
-      {"label_smoothing", c.label_smoothing},
-      {"sync_batchnorm", c.sync_batchnorm},
-      {"cuda_graphs", c.cuda_graphs},
       {"monitor",
        {{"tensorboard", c.monitor.tensorboard_dir},
         {"tensorboard_all_ranks", c.monitor.tensorboard_all_ranks},
@@ -208,7 +189,8 @@ MetricsWriter open_run_metrics(const TrainConfig& cfg, bool rank0, Console& out,
   const fs::path out_dir = cfg.output_dir;
   std::error_code ec;
   fs::create_directories(out_dir, ec);
-  check<ConfigError>(!ec, "cannot create --output-dir {}: {}", out_dir.string(), ec.message());
+  check<ConfigError>(!ec, "cannot create {} {}: {}", knob_for(&TrainConfig::output_dir).name(),
+                     out_dir.string(), ec.message());
   for (const fs::path& p : remove_partial_checkpoints(out_dir))
     out.line("removed {}: a partial checkpoint an interrupted save left behind", p.string());
   if (continue_after) keep_metrics_through(out_dir / "metrics.jsonl", *continue_after);
@@ -398,9 +380,10 @@ TrainingProgress resume_from(const CheckpointInfo& ck, const ParamLayout& layout
   restore_loss_scaler(scaler, ck.loss_scaler);
   check<CheckpointError>(ck.progress.step <= total_steps,
                          "checkpoint {} is at step {} but this run has only {} steps: raise "
-                         "{} or --epochs to continue training",
+                         "{} or {} to continue training",
                          ck.dir.string(), ck.progress.step, total_steps,
-                         knob_for(&TrainConfig::max_steps).name());
+                         knob_for(&TrainConfig::max_steps).name(),
+                         knob_for(&TrainConfig::epochs).name());
   return ck.progress;
 }
 

@@ -1,17 +1,25 @@
 // Tests of the knob tables (config/knob.h): every row's flag and DeepSpeed JSON key set the same
 // field, run.json's snapshot reads back the same value, an explicit flag beats the JSON, the
-// range checks name the row, and docs/CONFIG.md holds the tables the rows print.
+// range checks name the row, and docs/CONFIG.md holds the tables the rows print and lists every
+// flag of `train` with its row's default.
 #include <gtest/gtest.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
+#include <optional>
+#include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "config/knob.h"
 #include "config_test_support.h"
+#include "core/strings.h"
+#include "test_support.h"
 
 namespace shardtrain {
 namespace {
@@ -72,10 +80,17 @@ json row_document(const Knob& k, const std::string& path, const json& value) {
   return root;
 }
 
-/// The flag's arguments that set `value`.
+/// The flag's arguments that set `value`. A bare flag turns its field on, but one that CLI11
+/// reads as false: "!--no-x" (the negation of "--x") or "--no-x{false}".
 std::vector<std::string> flag_args(const Knob& k, const json& value) {
   if (k.type == KnobType::kBool && !k.bool_flag_takes_value) {
-    EXPECT_TRUE(value.get<bool>()) << k.name() << ": a bare flag can only turn it on";
+    std::stringstream names(k.flag);
+    for (std::string n; std::getline(names, n, ',');) {
+      const bool sets_false = n.front() == '!' || n.find("{false}") != std::string::npos;
+      if (sets_false != value.get<bool>())
+        return {n.substr(n.find('-'), n.find('{') - n.find('-'))};
+    }
+    ADD_FAILURE() << k.name() << ": no bare flag sets " << value;
     return {k.name()};
   }
   return {k.name(), value.is_string() ? value.get<std::string>() : value.dump()};
@@ -216,6 +231,121 @@ TEST_F(ConfigTest, ConfigMdHoldsTheTablesTheRowsPrint) {
            "them (paste its output over the old ones):\n"
         << tables;
   }
+}
+
+/// The text of docs/CONFIG.md.
+std::string config_md() {
+  std::ifstream in(std::string(SHARDTRAIN_SOURCE_DIR) + "/docs/CONFIG.md");
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+/// The cells of a Markdown table line "| a | b |" (escaped pipes kept in their cell).
+std::vector<std::string> cells(const std::string& line) {
+  std::vector<std::string> out;
+  std::string cell;
+  for (size_t i = 1; i < line.size(); ++i) {
+    if (line[i] == '|' && line[i - 1] != '\\') {
+      out.push_back(cell);
+      cell.clear();
+    } else {
+      cell += line[i];
+    }
+  }
+  for (std::string& c : out) {
+    c.erase(0, c.find_first_not_of(' '));
+    c.erase(c.find_last_not_of(' ') + 1);
+  }
+  return out;
+}
+
+/// The flags a cell names ("`--adam-beta1 X`, `--adam-beta2 X`": both).
+std::vector<std::string> flags_in(const std::string& cell) {
+  static const std::regex flag("`(--[a-z0-9-]+)");
+  std::vector<std::string> out;
+  for (auto it = std::sregex_iterator(cell.begin(), cell.end(), flag); it != std::sregex_iterator();
+       ++it)
+    out.push_back((*it)[1]);
+  return out;
+}
+
+/// Whether the default cell `shown` ("128", "`cosine`", "-1 (all)", "off") says `k`'s default.
+/// Not compared: a default in words (the row's `shows_default`, a value meaning "unset"), a key
+/// read with others (`by_hand`: the ZeRO stage is the strategy's), a negated flag, a free string.
+bool shows_default(const Knob& k, const std::string& shown) {
+  if (!k.default_text.empty() || k.read_by_hand) return true;
+  std::string token = shown;
+  token.erase(std::remove(token.begin(), token.end(), '`'), token.end());
+  const size_t end =
+      token.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.+-_");
+  token = token.substr(0, end);
+  const json d = k.get(TrainConfig{});
+  switch (k.type) {
+    case KnobType::kInt:
+    case KnobType::kNumber: {
+      if (k.unset_value && d.get<double>() == *k.unset_value && token != "-1") return true;
+      const std::optional<double> v = parse_finite_double(token);
+      return v && std::fabs(*v - d.get<double>()) <= 1e-12 * std::fabs(d.get<double>());
+    }
+    case KnobType::kBool:
+      if (k.flag.find('!') != std::string::npos || k.flag.find("{false}") != std::string::npos)
+        return true;  // a negated flag: the cell says what happens without it
+      if (k.bool_flag_takes_value) return token == (d.get<bool>() ? "true" : "false");
+      return token == (d.get<bool>() ? "on" : "off");
+    case KnobType::kString:
+      return k.choices.empty() || token == d.get<std::string>();
+    case KnobType::kNone:
+      return true;
+  }
+  return true;
+}
+
+TEST_F(ConfigTest, ConfigMdListsEveryTrainFlagWithItsDefault) {
+  const std::string text = config_md();
+  const size_t begin = text.find("## Flags of `shardtrain train`");
+  const size_t end = text.find("\n## ", begin + 1);
+  ASSERT_NE(begin, std::string::npos);
+  std::map<std::string, std::string> documented;  // flag -> its default cell
+  std::stringstream lines(text.substr(begin, end - begin));
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("| `--", 0) != 0) continue;
+    const std::vector<std::string> c = cells(line);
+    if (c.size() < 2) continue;
+    const std::vector<std::string> flags = flags_in(c[0]);
+    // One default per flag when the cell lists them ("0.9, 0.999"), else the one for all.
+    std::vector<std::string> parts;
+    std::stringstream split(c[1]);
+    for (std::string p; std::getline(split, p, ',');)
+      parts.push_back(p.erase(0, p.find_first_not_of(' ')));
+    for (size_t i = 0; i < flags.size(); ++i)  // a flag's first row (not a later table's)
+      documented.emplace(flags[i], parts.size() == flags.size() ? parts[i] : c[1]);
+  }
+  // train's flags as it parses them: every one documented, every documented one real.
+  const test_support::CommandResult help = test_support::run_shardtrain("train --help");
+  ASSERT_EQ(help.status, 0) << help.output;
+  std::set<std::string> real;
+  static const std::regex option("\\n  (?:-[a-z],)?(--[a-z0-9-]+)(?:,!?(--[a-z0-9-]+))?");
+  for (auto it = std::sregex_iterator(help.output.begin(), help.output.end(), option);
+       it != std::sregex_iterator(); ++it)
+    for (size_t g = 1; g < it->size(); ++g)
+      if ((*it)[g].matched) real.insert((*it)[g]);
+  ASSERT_GT(real.size(), 50u) << help.output;
+  for (const std::string& f : real)
+    EXPECT_TRUE(f == "--help" || documented.count(f))
+        << f << " (a flag of `shardtrain train`) is missing from docs/CONFIG.md's flag tables";
+  for (const auto& [f, shown] : documented)
+    EXPECT_TRUE(real.count(f)) << f << " is in docs/CONFIG.md's flag tables but not a train flag";
+  // The default each row's flag shows is the row's.
+  for (const KnobTable* table : all_knob_tables())
+    for (const Knob& k : *table) {
+      if (!(k.surfaces & kTrainFlag) || !k.get) continue;
+      const auto it = documented.find(k.name());
+      if (it == documented.end()) continue;  // reported above
+      EXPECT_TRUE(shows_default(k, it->second))
+          << k.name() << ": docs/CONFIG.md shows the default '" << it->second << "', the row's is "
+          << k.get(TrainConfig{}).dump();
+    }
 }
 
 }  // namespace
