@@ -133,9 +133,11 @@ void run_compare(const CompareFlags& f) {
   const fs::path report = f.report_dir;
   if (!f.dry_run) fs::create_directories(report / "runs");
   const std::string exe = self_exe();
-  const bool own_data = has_flag(f.train_flags, "--dataset") ||
-                        has_flag(f.train_flags, "--train-file") ||
-                        has_flag(f.train_flags, "--deepspeed-config");
+  // train's flags, by their rows.
+  const auto flag = [](auto TrainConfig::*m) { return knob_for(m).name(); };
+  const bool own_data = has_flag(f.train_flags, flag(&TrainConfig::dataset)) ||
+                        has_flag(f.train_flags, flag(&TrainConfig::train_file)) ||
+                        has_flag(f.train_flags, flag(&TrainConfig::deepspeed_config));
   struct Case {
     std::vector<std::string> argv;
     fs::path dir;
@@ -166,30 +168,32 @@ void run_compare(const CompareFlags& f) {
                                         std::to_string(g),
                                         "--",
                                         "train",
-                                        "--device",
+                                        flag(&TrainConfig::device),
                                         device,
-                                        "--model",
+                                        flag(&TrainConfig::model),
                                         model,
-                                        "--strategy",
+                                        flag(&TrainConfig::strategy_name),
                                         s,
-                                        knob_for(&TrainConfig::micro_batch_size).name(),
+                                        flag(&TrainConfig::micro_batch_size),
                                         std::to_string(batch),
-                                        "--num-samples",
+                                        flag(&TrainConfig::num_samples),
                                         std::to_string(f.num_samples),
-                                        "--max-length",
+                                        flag(&TrainConfig::max_length),
                                         std::to_string(f.max_length),
-                                        "--epochs",
+                                        flag(&TrainConfig::epochs),
                                         std::to_string(f.epochs),
-                                        "--output-dir",
+                                        flag(&TrainConfig::output_dir),
                                         dir.string()};
-          if (!own_data) a.insert(a.end(), {"--dataset", f.dataset});
-          if (!has_flag(f.train_flags, "--save-interval") && !has_flag(f.train_flags, "--no-save"))
-            a.push_back("--no-save");
-          if (!has_flag(f.train_flags, "--log-interval")) {
+          if (!own_data) a.insert(a.end(), {flag(&TrainConfig::dataset), f.dataset});
+          const std::string no_save = flag(&TrainConfig::save_checkpoints);
+          if (!has_flag(f.train_flags, flag(&TrainConfig::save_interval)) &&
+              !has_flag(f.train_flags, no_save))
+            a.push_back(no_save);
+          const std::string log_interval = flag(&TrainConfig::log_interval);
+          if (!has_flag(f.train_flags, log_interval)) {
             // About 100 points on each loss curve.
             const int64_t steps = f.num_samples * f.epochs / std::max<int64_t>(1, batch * g);
-            a.insert(a.end(),
-                     {"--log-interval", std::to_string(std::max<int64_t>(1, steps / 100))});
+            a.insert(a.end(), {log_interval, std::to_string(std::max<int64_t>(1, steps / 100))});
           }
           const std::string stages_flag =
               knob_for(&TrainConfig::pipeline, &PipelineConfig::stages).name();
@@ -280,20 +284,25 @@ void register_compare_command(CLI::App& app) {
       ->delimiter(',')
       ->check(CLI::PositiveNumber);
   cmd->add_option("--gpus", f->gpus,
-                  "ranks per run (GPUs, or CPU processes under mpirun with --device cpu), "
-                  "comma-separated (default 1)")
+                  "ranks per run (GPUs, or CPU processes under mpirun), comma-separated "
+                  "(default 1)")
       ->delimiter(',')
       ->check(CLI::Range(1, 4096));
-  cmd->add_option("--num-samples", f->num_samples, "training samples per epoch (default 1000)")
+  // train's flags of the same names, passed on to every run.
+  const auto flag = [](auto TrainConfig::*m) { return knob_for(m).name(); };
+  cmd->add_option(flag(&TrainConfig::num_samples), f->num_samples,
+                  "training samples per epoch (default 1000)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--max-length", f->max_length, "tokens per sample (default 512)")
+  cmd->add_option(flag(&TrainConfig::max_length), f->max_length, "tokens per sample (default 512)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--epochs", f->epochs, "epochs per run (default 1)")->check(CLI::PositiveNumber);
-  cmd->add_option("--device", f->device,
+  cmd->add_option(flag(&TrainConfig::epochs), f->epochs, "epochs per run (default 1)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option(flag(&TrainConfig::device), f->device,
                   "cpu | cuda (default: cuda when a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  cmd->add_option("--dataset", f->dataset,
-                  "named data set (default wikitext-2; --train-file after '--' replaces it)");
+  cmd->add_option(flag(&TrainConfig::dataset), f->dataset,
+                  fmt::format("named data set (default wikitext-2; {} after '--' replaces it)",
+                              flag(&TrainConfig::train_file)));
   // train's flag, under its name: the directory of infinity's runs.
   cmd->add_option(zero_knob(&ZeroConfig::nvme_path).name(), f->nvme_path,
                   "infinity: directory of the swap files (default REPORT_DIR/nvme/RUN)");

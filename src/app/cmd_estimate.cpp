@@ -20,23 +20,27 @@ namespace shardtrain {
 namespace {
 
 struct EstimateFlags {
-  std::string model = "gpt2";
   MemoryEstimateOptions options;  ///< everything but the model and the knobs
-  /// The knobs estimate shares with train: zero_optimization's (config/knobs_zero.cpp),
-  /// --activation-checkpointing, and the placement plan's --gradient-accumulation-steps
-  /// (micro-batches per optimizer step, for the predicted step) and --train-batch-size
-  /// (sequences per optimizer step over all GPUs; > 0: also choose the micro-batch and
-  /// accumulation, choose_batch).
+  /// The knobs estimate shares with train: --model, --max-length, zero_optimization's
+  /// (config/knobs_zero.cpp), --activation-checkpointing, and the placement plan's
+  /// --gpu-memory (per GPU; the plan is printed when it is given), --max-host-memory (per
+  /// node), --peak-tflops (for the predicted MFU), --gradient-accumulation-steps (micro-batches
+  /// per optimizer step, for the predicted step) and --train-batch-size (sequences per
+  /// optimizer step over all GPUs; > 0: also choose the micro-batch and accumulation,
+  /// choose_batch).
   TrainConfig knobs;
   bool reduce_bucket_size_given = false;
-  // The placement plan (parallel/placement_planner.h), printed when --gpu-memory is given.
-  double gpu_memory_gib = 0;   ///< per GPU
-  double host_memory_gib = 0;  ///< per node
-  int gpus_per_node = 0;       ///< 0: every GPU on one node
-  double peak_tflops = 989.0;  ///< for the predicted MFU
-  std::string limits_file;     ///< bench/host_limits.cu's JSON
-  double gpu_tflops = 0;       ///< effective; 0: MachineRates' default
+  // The placement plan (parallel/placement_planner.h).
+  int gpus_per_node = 0;    ///< 0: every GPU on one node
+  std::string limits_file;  ///< bench/host_limits.cu's JSON
+  double gpu_tflops = 0;    ///< effective; 0: MachineRates' default
 };
+
+/// The tables whose rows estimate takes as flags.
+std::vector<const KnobTable*> estimate_tables() {
+  return {&run_knobs(), &data_knobs(), &zero_knobs(), &activation_checkpointing_knobs(),
+          &top_level_knobs()};
+}
 
 /// For a global batch of f.knobs.train_batch_size sequences: prints plan_batch's splits
 /// (micro-batch × accumulation), each one's chosen plan, its predicted step, tokens/s and MFU, and
@@ -47,7 +51,7 @@ void choose_batch(const EstimateFlags& f, const MemoryEstimateOptions& base,
   fmt::print(
       "\nGlobal batch {} sequences × {} tokens over {} GPU{}: micro-batch × accumulation and "
       "the plan for each (predicted, at the rates above; MFU against {:g} TFLOP/s):\n\n",
-      with_commas(S), T, base.gpus, base.gpus > 1 ? "s" : "", f.peak_tflops);
+      with_commas(S), T, base.gpus, base.gpus > 1 ? "s" : "", f.knobs.peak_tflops);
   fmt::print("  {:>22}  {:<22} {:>10} {:>10} {:>12} {:>6}  {}\n", "micro-batch × accum.", "plan",
              "GPU", "step (s)", "tokens/s", "MFU", "bound");
   const BatchPlan batch = plan_batch(base, budget, rates, S);
@@ -61,7 +65,7 @@ void choose_batch(const EstimateFlags& f, const MemoryEstimateOptions& base,
     }
     const Placement& c = s.plan.candidates[*s.plan.chosen];
     const double mfu = base.model.flops_per_token(T) * s.tokens_per_s /
-                       (f.peak_tflops * 1e12 * static_cast<double>(base.gpus));
+                       (f.knobs.peak_tflops * 1e12 * static_cast<double>(base.gpus));
     const std::string name =
         c.forward_group > 1 ? fmt::format("{} g={}", c.name, c.forward_group) : c.name;
     fmt::print("{}{:>22}  {:<22} {:>10} {:>10.3f} {:>12.0f} {:>5.1f}%  {}\n", mark, shape, name,
@@ -70,22 +74,23 @@ void choose_batch(const EstimateFlags& f, const MemoryEstimateOptions& base,
   if (batch.chosen)
     fmt::print(
         "\nchosen (*): the fastest predicted (within 2%, the largest micro-batch: the GPU is "
-        "counted at one rate, which longer GEMMs come closer to); train with {} M {} A and "
-        "--offload auto (or the plan's flags), or give --offload auto only the global batch "
-        "({}) and it chooses the same\n",
+        "counted at one rate, which longer GEMMs come closer to); train with {0} M {1} A and "
+        "{3} auto (or the plan's flags), or give {3} auto only the global batch ({2}) and it "
+        "chooses the same\n",
         knob_for(&TrainConfig::micro_batch_size).name(),
         knob_for(&TrainConfig::gradient_accumulation_steps).name(),
-        knob_for(&TrainConfig::train_batch_size).name());
+        knob_for(&TrainConfig::train_batch_size).name(),
+        knob_for(&TrainConfig::placement, &PlacementConfig::automatic).name());
   else
     fmt::print("\nno micro-batch fits: more GPUs, more memory, or activation checkpointing\n");
 }
 
 void run_estimate(const EstimateFlags& f) {
-  for (const KnobTable* table : {&zero_knobs(), &top_level_knobs()})
-    check_knob_ranges(f.knobs, *table);
+  for (const KnobTable* table : estimate_tables()) check_knob_ranges(f.knobs, *table);
   MemoryEstimateOptions o = f.options;
   o.activation_checkpointing = f.knobs.activation_checkpointing;
-  o.model = resolve_model(f.model);
+  o.model = resolve_model(f.knobs.model);
+  o.max_length = f.knobs.max_length;
   const ZeroConfig& z = f.knobs.zero;
   if (f.reduce_bucket_size_given) o.reduce_bucket_size = z.reduce_bucket_size;
   o.zero3 = Zero3Limits{z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters,
@@ -97,11 +102,12 @@ void run_estimate(const EstimateFlags& f) {
   o.forward_group = z.offload_forward_group;
   o.hpz_partition_size = static_cast<int>(std::min<int64_t>(z.hpz_partition_size, 1 << 30));
   fmt::print("{}", format_memory_estimate(estimate_memory(o), o));
-  if (f.gpu_memory_gib <= 0) return;
+  const PlacementConfig& p = f.knobs.placement;
+  if (p.gpu_memory_gib <= 0) return;
   const int per_node = f.gpus_per_node > 0 ? std::min(f.gpus_per_node, o.gpus) : o.gpus;
   constexpr double kGiB = 1024.0 * 1024 * 1024;
   const PlacementBudget budget =
-      rank_budget(f.gpu_memory_gib * kGiB, f.host_memory_gib * kGiB, z.nvme_path, per_node);
+      rank_budget(p.gpu_memory_gib * kGiB, p.max_host_memory_gib * kGiB, z.nvme_path, per_node);
   MachineRates rates =
       f.limits_file.empty() ? MachineRates{} : MachineRates::from_limits_file(f.limits_file);
   if (f.gpu_tflops > 0) rates.gpu_flops = f.gpu_tflops * 1e12;
@@ -119,11 +125,6 @@ void register_estimate_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "estimate",
       "estimate GPU memory per rank for dp, zero1, zero2 and zero3 (ZeRO paper formulas)");
-  cmd->add_option("--model", f->model,
-                  fmt::format("model preset, or the path of a Hugging Face style config.json "
-                              "(default {})",
-                              f->model))
-      ->type_name("NAME|PATH");
   MemoryEstimateOptions& o = f->options;
   cmd->add_option("--gpus", o.gpus, "data-parallel GPUs N (default 1)");
   cmd->add_option_function<std::string>(
@@ -132,33 +133,37 @@ void register_estimate_command(CLI::App& app) {
       ->type_name("NAME");
   cmd->add_option("--micro-batch", o.micro_batch,
                   fmt::format("sequences per GPU per micro-step (default {})", o.micro_batch));
-  cmd->add_option("--max-length", o.max_length,
-                  fmt::format("tokens per sequence (default {})", o.max_length));
-  // --reduce-bucket-size, --stage3-*, --offload-*, --zero-hpz-partition-size, --nvme-path,
-  // --activation-checkpointing, --gradient-accumulation-steps and --train-batch-size: train's
-  // rows, with what they mean for the placement plan.
-  for (const KnobTable* table :
-       {&zero_knobs(), &activation_checkpointing_knobs(), &top_level_knobs()})
-    add_knob_flags(*cmd, f->knobs, *table, kEstimateFlag);
-  cmd->get_option(knob_for(&TrainConfig::gradient_accumulation_steps).name())
-      ->description(
-          "placement plan: micro-batches per optimizer step, for the predicted step "
-          "(default 1)");
-  cmd->get_option(knob_for(&TrainConfig::train_batch_size).name())
-      ->description(
-          "placement plan: a global batch in sequences (DeepSpeed train_batch_size): "
-          "also try every micro-batch of 1..64 that divides it, with the accumulation "
-          "that makes it up, and mark the fastest predicted");
-  cmd->add_option("--peak-tflops", f->peak_tflops,
-                  "the GPU's dense bf16 peak, for the predicted MFU (default 989)")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--gpu-memory", f->gpu_memory_gib,
-                  "GiB of memory per GPU: also plan where the state lives (GPU, host, NVMe) so "
-                  "the model fits with the fewest bytes over PCIe and the disk per step")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--max-host-memory", f->host_memory_gib,
-                  "placement plan: GiB of host memory of a node the ranks may use (default 0)")
-      ->check(CLI::NonNegativeNumber);
+  // --model, --max-length, --reduce-bucket-size, --stage3-*, --offload-*,
+  // --zero-hpz-partition-size, --nvme-path, --activation-checkpointing, the placement plan's
+  // budgets, --peak-tflops, --gradient-accumulation-steps and --train-batch-size: train's rows,
+  // with estimate's defaults and what they mean here.
+  TrainConfig& k = f->knobs;
+  k.model = "gpt2";
+  k.max_length = o.max_length;
+  for (const KnobTable* table : estimate_tables()) add_knob_flags(*cmd, k, *table, kEstimateFlag);
+  const auto describe = [cmd](const Knob& row, const std::string& text) {
+    cmd->get_option(row.name())->description(text);
+  };
+  describe(knob_for(&TrainConfig::model),
+           fmt::format("model preset, or the path of a Hugging Face style config.json (default "
+                       "{})",
+                       k.model));
+  describe(knob_for(&TrainConfig::max_length),
+           fmt::format("tokens per sequence (default {})", k.max_length));
+  describe(knob_for(&TrainConfig::gradient_accumulation_steps),
+           "placement plan: micro-batches per optimizer step, for the predicted step (default 1)");
+  describe(knob_for(&TrainConfig::train_batch_size),
+           "placement plan: a global batch in sequences (DeepSpeed train_batch_size): also try "
+           "every micro-batch of 1..64 that divides it, with the accumulation that makes it up, "
+           "and mark the fastest predicted");
+  describe(knob_for(&TrainConfig::peak_tflops),
+           fmt::format("the GPU's dense bf16 peak, for the predicted MFU (default {:g})",
+                       k.peak_tflops));
+  describe(knob_for(&TrainConfig::placement, &PlacementConfig::gpu_memory_gib),
+           "GiB of memory per GPU: also plan where the state lives (GPU, host, NVMe) so the "
+           "model fits with the fewest bytes over PCIe and the disk per step");
+  describe(knob_for(&TrainConfig::placement, &PlacementConfig::max_host_memory_gib),
+           "placement plan: GiB of host memory of a node the ranks may use (default: none)");
   cmd->add_option("--gpus-per-node", f->gpus_per_node,
                   "placement plan: GPUs (ranks) per node sharing its host memory and disk "
                   "(default: all --gpus)")
@@ -171,7 +176,8 @@ void register_estimate_command(CLI::App& app) {
                   "396: 40% of an H100's bf16 peak)")
       ->check(CLI::PositiveNumber);
   cmd->callback([f, cmd]() {
-    f->reduce_bucket_size_given = cmd->get_option("--reduce-bucket-size")->count() > 0;
+    f->reduce_bucket_size_given =
+        cmd->get_option(zero_knob(&ZeroConfig::reduce_bucket_size).name())->count() > 0;
     run_estimate(*f);
   });
 }

@@ -8,6 +8,7 @@
 #include "app/commands.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/sharded_checkpoint.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "data/bpe_tokenizer.h"
@@ -103,7 +104,8 @@ void register_generate_command(CLI::App& app) {
   cmd->add_option("--top-k", o->top_k,
                   "sample among the k most likely tokens; 0 = all (default 40)");
   cmd->add_option("--seed", o->seed, "sampling seed (default 1337)");
-  cmd->add_option("--device", o->device, "auto | cpu | cuda (default auto)");
+  cmd->add_option(knob_for(&TrainConfig::device).name(), o->device,
+                  "auto | cpu | cuda (default auto)");
   cmd->callback([o]() { run_generate(*o); });
 }
 

@@ -28,9 +28,11 @@
 #include <vector>
 
 #include "app/commands.h"
+#include "app/train_command.h"
 #include "comm/launch.h"
 #include "comm/nccl_communicator.h"
 #include "comm/rendezvous.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/process.h"
 
@@ -98,7 +100,8 @@ MonitorResult run_mpirun(const LaunchOptions& o, const std::vector<HostSlots>& h
   check<ConfigError>(!mpirun.empty(),
                      "CPU jobs of several ranks communicate through MPI and start through mpirun, "
                      "which is not on PATH: install Open MPI (apt install openmpi-bin), or pass "
-                     "--device cuda on GPU nodes");
+                     "{} cuda on GPU nodes",
+                     knob_for(&TrainConfig::device).name());
   if (hosts.empty() && std::getenv("OMP_NUM_THREADS") == nullptr) {
     const int cores = static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
     setenv("OMP_NUM_THREADS", std::to_string(std::max(1, cores / o.plan.nproc_per_node)).c_str(),
@@ -242,7 +245,8 @@ int launch(LaunchOptions& o) {
   plan.nnodes = plan.max_nnodes;
   check<ConfigError>(!plan.command.empty(),
                      "nothing to launch: put the command after '--', e.g. `shardtrain launch "
-                     "--nproc-per-node 2 -- train --dataset wikitext-2`");
+                     "--nproc-per-node 2 -- train {} wikitext-2`",
+                     knob_for(&TrainConfig::dataset).name());
   check<ConfigError>(plan.exec || plan.command[0] != "launch",
                      "`launch -- launch` nests launchers: give the training command after '--'");
   // Whether the ranks' stdout ends at a terminal is the launcher's to say: mpirun gives ranks a
@@ -251,17 +255,17 @@ int launch(LaunchOptions& o) {
   // launch (--hostfile) has set it already.
   setenv("SHARDTRAIN_STDOUT_TTY", isatty(STDOUT_FILENO) ? "1" : "0", 0);
   if (!o.device.empty()) {
+    const std::string flag = knob_for(&TrainConfig::device).name();
     check<ConfigError>(!plan.exec,
-                       "launch --device applies to shardtrain commands, not to --exec "
-                       "programs: pass the device to the program itself");
+                       "launch {} applies to shardtrain commands, not to --exec programs: pass the "
+                       "device to the program itself",
+                       flag);
     const std::string given = device_flag(plan.command);
-    const bool has_own = std::any_of(plan.command.begin(), plan.command.end(), [](const auto& a) {
-      return a == "--device" || a.rfind("--device=", 0) == 0;
-    });
+    const bool has_own = gives_device(plan.command);
     check<ConfigError>(!has_own || given == o.device,
-                       "launch --device {} contradicts the command's --device {}: give one",
-                       o.device, given);
-    if (!has_own) plan.command.insert(plan.command.begin() + 1, {"--device", o.device});
+                       "launch {0} {1} contradicts the command's {0} {2}: give one", flag, o.device,
+                       given);
+    if (!has_own) plan.command.insert(plan.command.begin() + 1, {flag, o.device});
   }
   const std::string device = plan.exec ? "" : device_flag(plan.command);
   const int gpus = plan.exec || device == "cpu" ? 0 : cuda_device_count();
@@ -342,9 +346,12 @@ int launch(LaunchOptions& o) {
         std::getenv("CUDA_VISIBLE_DEVICES")
             ? fmt::format(" (CUDA_VISIBLE_DEVICES={})", std::getenv("CUDA_VISIBLE_DEVICES"))
             : std::string(),
-        gpus > 0 ? fmt::format("pass --nproc-per-node {} or fewer, or --device cpu", gpus)
-                 : std::string("run on CPU ranks with --device cpu, or on a machine whose GPUs "
-                               "nvidia-smi lists"));
+        gpus > 0
+            ? fmt::format("pass --nproc-per-node {} or fewer, or {} cpu", gpus,
+                          knob_for(&TrainConfig::device).name())
+            : fmt::format("run on CPU ranks with {} cpu, or on a machine whose GPUs nvidia-smi "
+                          "lists",
+                          knob_for(&TrainConfig::device).name()));
   }
   check<ConfigError>(
       plan.rank_offset < 0 || plan.rank_offset + plan.nproc_per_node <= plan.total_ranks(),
@@ -386,9 +393,10 @@ void register_launch_command(CLI::App& app) {
                                    "(default 127.0.0.1; with --hostfile the first host)");
   cmd->add_option("--master-port", p.master_port, "port of the rendezvous store (default 29500)")
       ->check(CLI::Range(1, 65535));
-  cmd->add_option("--device", o->device,
+  // train's flag, under its name: passed on to the command.
+  cmd->add_option(knob_for(&TrainConfig::device).name(), o->device,
                   "cpu | cuda | auto: run the ranks on CPUs (under mpirun) or one GPU each; "
-                  "passed on to the command (default: the command's own --device, else auto)")
+                  "passed on to the command (default: the command's own, else auto)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   cmd->add_option("--hostfile", o->hostfile,
                   "hosts of a multi-node job, one 'HOST slots=N' per line (DeepSpeed's format): "
@@ -406,10 +414,12 @@ void register_launch_command(CLI::App& app) {
                   "seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--max-restarts", o->max_restarts,
-                  "restart the whole job up to N times when a rank (or a node) fails: every rank "
-                  "is stopped, and a train command resumes from the latest complete checkpoint "
-                  "of its --output-dir (from the start if there is none yet), its metrics.jsonl "
-                  "and TensorBoard continuing without repeated steps (default 0, as torchrun)")
+                  fmt::format("restart the whole job up to N times when a rank (or a node) "
+                              "fails: every rank is stopped, and a train command resumes from "
+                              "the latest complete checkpoint of its {} (from the start if there "
+                              "is none yet), its metrics.jsonl and TensorBoard continuing without "
+                              "repeated steps (default 0, as torchrun)",
+                              knob_for(&TrainConfig::output_dir).name()))
       ->check(CLI::Range(0, 1000));
   cmd->add_option("--rdzv-last-call", o->rdzv_last_call_s,
                   "with --nnodes MIN:MAX: seconds to wait for more nodes once MIN have joined, "

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "app/commands.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/hash.h"
 #include "data/bpe_tokenizer.h"
@@ -126,11 +127,12 @@ void run_tokenize(const TokenizeOptions& opt) {
 
 void register_tokenize_command(CLI::App& app) {
   auto opt = std::make_shared<TokenizeOptions>();
-  CLI::App* cmd = app.add_subcommand("tokenize",
-                                     "Encode text files' exact bytes with the GPT-2 tokenizer "
-                                     "(streamed, on all cores): print the ids "
-                                     "on one line, or "
-                                     "write a token file that --train-file/--valid-file accept");
+  CLI::App* cmd = app.add_subcommand(
+      "tokenize", fmt::format("Encode text files' exact bytes with the GPT-2 tokenizer (streamed, "
+                              "on all cores): print the ids on one line, or write a token file "
+                              "that {}/{} accept",
+                              knob_for(&TrainConfig::train_file).name(),
+                              knob_for(&TrainConfig::valid_file).name()));
   cmd->add_option("FILE", opt->inputs,
                   "Text files or directories to tokenize (bytes are taken as they are). A "
                   "directory stands for the regular files directly inside it, sorted by name "

@@ -9,11 +9,12 @@
 
 #include "app/commands.h"
 #include "app/error_report.h"
-#include "config/train_flags.h"
 #include "backend/backend.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/communicator.h"
 #include "comm/dist_env.h"
+#include "config/knob.h"
+#include "config/train_flags.h"
 #include "core/strings.h"
 #include "model/gpt2_config.h"
 #include "model/image/image_zoo.h"
@@ -45,9 +46,10 @@ void check_model_name(const std::string& name) {
   const std::vector<std::string>& images = image_model_names();
   names.insert(names.end(), images.begin(), images.end());
   throw ConfigError(fmt::format(
-      "--model {}: unknown model{}: GPT-2 presets: {}; image models: {} (and ensemble:m1,m2,...); "
-      "or the path of a Hugging Face style config.json",
-      name, did_you_mean(name, names), join(gpt2_preset_names(), ", "), join(images, ", ")));
+      "{} {}: unknown model{}: GPT-2 presets: {}; image models: {} (and ensemble:m1,m2,...); or "
+      "the path of a Hugging Face style config.json",
+      knob_for(&TrainConfig::model).name(), name, did_you_mean(name, names),
+      join(gpt2_preset_names(), ", "), join(images, ", ")));
 }
 
 /// Runs `f`, which validates the configuration from the flags and the DeepSpeed JSON — the same
@@ -91,7 +93,7 @@ void register_train_command(CLI::App& app) {
     std::vector<std::string> warnings;
     // --resume without --model: the checkpoint's own shape (a custom one needs no config.json).
     // An image checkpoint names its model (the data set still comes from the flags).
-    if (!cfg->resume.empty() && cmd->count("--model") == 0) {
+    if (!cfg->resume.empty() && cmd->count(knob_for(&TrainConfig::model).name()) == 0) {
       cfg->model.clear();
       const CheckpointInfo info = read_checkpoint_info(cfg->resume);
       if (info.image) cfg->model = info.image->name;

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "checkpoint/safetensors.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "core/half.h"
 
@@ -60,7 +61,8 @@ TorchvisionLoadReport load_torchvision_weights(const fs::path& file, const Image
   }
 
   TorchvisionLoadReport report;
-  const std::string where = fmt::format("--init-from {}", file.string());
+  const std::string where =
+      fmt::format("{} {}", knob_for(&TrainConfig::init_from).name(), file.string());
   // The file's head: its class count, and whether it differs from the model's.
   bool head_differs = false;
   for (const Slot& s : slots) {
@@ -82,13 +84,14 @@ TorchvisionLoadReport load_torchvision_weights(const fs::path& file, const Image
                                          shape_str(st.entry(s.name).shape), shape_str(s.shape))
                            : fmt::format("'{}' is missing from the file", s.name));
     throw ConfigError(fmt::format(
-        "{}: the classifier head does not fit model '{}' with {} classes ({}){}; pass "
-        "--replace-head to keep a freshly initialized head and fine-tune (the body is loaded), or "
-        "train on a data set with the file's class count",
+        "{}: the classifier head does not fit model '{}' with {} classes ({}){}; pass {} to "
+        "keep a freshly initialized head and fine-tune (the body is loaded), or train on a data "
+        "set with the file's class count",
         where, model.name(), model.spec().num_classes, fmt::join(what, "; "),
         report.file_classes > 0
             ? fmt::format(" — the file's head has {} classes", report.file_classes)
-            : std::string()));
+            : std::string(),
+        knob_for(&TrainConfig::replace_head).name()));
   }
 
   std::vector<std::string> problems;
@@ -135,12 +138,13 @@ TorchvisionLoadReport load_torchvision_weights(const fs::path& file, const Image
     throw ConfigError(fmt::format(
         "{} does not match image model '{}' (input {}×{}×{}, {} classes): {}{}; the file must hold "
         "the torchvision state dict of the same architecture (tools/convert_torchvision.py writes "
-        "one) — check --model, the input channels of the data set, and --image-size",
+        "one) — check {}, the input channels of the data set, and {}",
         where, model.name(), model.spec().channels, model.spec().height, model.spec().width,
         model.spec().num_classes,
         fmt::join(problems.begin(), problems.begin() + static_cast<long>(shown), "; "),
         problems.size() > shown ? fmt::format(" (and {} more)", problems.size() - shown)
-                                : std::string()));
+                                : std::string(),
+        knob_for(&TrainConfig::model).name(), knob_for(&TrainConfig::image_size).name()));
   }
   return report;
 }

@@ -10,6 +10,7 @@
 
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
+#include "config/knob.h"
 #include "core/error.h"
 #include "io/atomic_file.h"
 
@@ -234,13 +235,14 @@ void check_checkpoint_layout(const CheckpointInfo& info, const ParamLayout& layo
       if (name != t.name)
         throw CheckpointError(
             fmt::format("{}: tensor #{} is '{}' in the checkpoint but '{}' in "
-                        "the model; pass the checkpoint's --model",
-                        where, i, name, t.name));
+                        "the model; pass the checkpoint's {}",
+                        where, i, name, t.name, knob_for(&TrainConfig::model).name()));
       if (shape != t.shape || tensors[i].at("offset").get<int64_t>() != t.offset)
         throw CheckpointError(fmt::format(
             "{}: tensor '{}' has shape [{}] in the checkpoint but [{}] in the model; pass the "
-            "checkpoint's --model",
-            where, name, fmt::join(shape, ", "), fmt::join(t.shape, ", ")));
+            "checkpoint's {}",
+            where, name, fmt::join(shape, ", "), fmt::join(t.shape, ", "),
+            knob_for(&TrainConfig::model).name()));
     }
     if (ours.size() != tensors.size())
       throw CheckpointError(fmt::format(

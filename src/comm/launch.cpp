@@ -215,44 +215,6 @@ std::vector<ChildSpec> node_processes(const LaunchPlan& plan, const std::vector<
   return out;
 }
 
-std::vector<std::string> restart_command(const std::vector<std::string>& command,
-                                         std::string* why) {
-  if (command.empty() || command[0] != "train") {
-    if (why) *why = "the same command";
-    return command;
-  }
-  std::string out = "out";  // TrainConfig's default --output-dir
-  std::vector<std::string> kept{command[0]};
-  for (size_t i = 1; i < command.size(); ++i) {
-    const std::string& a = command[i];
-    if (a == "--output-dir" && i + 1 < command.size()) out = command[i + 1];
-    if (a.rfind("--output-dir=", 0) == 0) out = a.substr(13);
-    if (a == "--resume" && i + 1 < command.size()) {
-      ++i;  // replaced below
-      continue;
-    }
-    if (a.rfind("--resume=", 0) == 0) continue;
-    kept.push_back(a);
-  }
-  std::error_code ec;
-  if (!std::filesystem::exists(std::filesystem::path(out) / "latest", ec)) {
-    if (why) *why = fmt::format("from the start: {} has no complete checkpoint yet", out);
-    return command;
-  }
-  if (why) *why = fmt::format("from the latest checkpoint of {}", out);
-  kept.insert(kept.end(), {"--resume", out});
-  return kept;
-}
-
-std::string device_flag(const std::vector<std::string>& command) {
-  std::string device = "auto";
-  for (size_t i = 0; i < command.size(); ++i) {
-    if (command[i] == "--device" && i + 1 < command.size()) device = command[i + 1];
-    if (command[i].rfind("--device=", 0) == 0) device = command[i].substr(9);
-  }
-  return device;
-}
-
 // ---- the monitor ----------------------------------------------------------------------------
 
 namespace {

@@ -74,9 +74,6 @@ bool is_local_host(const std::string& host);
 /// `s` quoted for a POSIX shell ('...' with embedded quotes escaped); plain words stay as they are.
 std::string shell_quote(const std::string& s);
 
-/// The value of --device in a `train` command line ("auto" when absent).
-std::string device_flag(const std::vector<std::string>& command);
-
 /// A request from outside the monitor to stop every process (e.g. another node's ranks failed).
 struct StopRequest {
   int status = 1;      ///< the exit status the launcher reports for it
@@ -111,13 +108,5 @@ struct MonitorResult {
 /// RuntimeFailure when a process cannot be started (fork or pipe failure; a program that cannot
 /// be executed exits with status 127 and a message).
 MonitorResult run_processes(const std::vector<ChildSpec>& children, const MonitorOptions& options);
-
-/// The command a restarted job runs (`launch --max-restarts`): a `train` command resumes from the
-/// latest complete checkpoint of its output directory (its --output-dir, else "out") when that
-/// directory has one — `--resume DIR` replaces any --resume it had — and otherwise starts over
-/// unchanged; other commands are unchanged. `why` (may be null) receives what was chosen, for the
-/// launcher's message.
-std::vector<std::string> restart_command(const std::vector<std::string>& command,
-                                         std::string* why = nullptr);
 
 }  // namespace shardtrain

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <string>
 
+#include "config/knob.h"
 #include "core/error.h"
 #include "io/atomic_file.h"
 
@@ -51,9 +52,10 @@ void MetricsWriter::write(const nlohmann::json& record) {
       std::fwrite(line.data(), 1, line.size(), file_) == line.size() && std::fflush(file_) == 0;
   if (!ok)
     throw RuntimeFailure(fmt::format(
-        "writing {} failed: {}: free some space (or point --output-dir elsewhere) and resume "
-        "from the last checkpoint",
-        path_.string(), errno != 0 ? std::strerror(errno) : "short write"));
+        "writing {} failed: {}: free some space (or point {} elsewhere) and resume from the last "
+        "checkpoint",
+        path_.string(), errno != 0 ? std::strerror(errno) : "short write",
+        knob_for(&TrainConfig::output_dir).name()));
 }
 
 }  // namespace shardtrain

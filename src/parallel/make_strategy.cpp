@@ -16,9 +16,10 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend&
                                         Communicator& comm) {
   const ParallelPlan& plan = options.plan;
   check<ConfigError>(plan.optimizer_offload == OffloadDevice::kNone || plan.zero_stage >= 1,
-                     "{} needs ZeRO stage 1, 2 or 3 (got stage {}): use --strategy offload "
-                     "(stage 2) or set {}",
+                     "{} needs ZeRO stage 1, 2 or 3 (got stage {}): use {} offload (stage 2) or "
+                     "set {}",
                      zero_knob(&ZeroConfig::offload_optimizer_device).path, plan.zero_stage,
+                     knob_for(&TrainConfig::strategy_name).name(),
                      zero_knob(&ZeroConfig::stage).label());
   check<ConfigError>(plan.param_offload == OffloadDevice::kNone || plan.zero_stage == 3,
                      "{} needs ZeRO stage 3 (got stage {}): set {} 3, or offload only the "
@@ -40,9 +41,9 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend&
       options.optimizer.kind != OptimizerKind::kSGD ||
           plan.optimizer_offload != OffloadDevice::kNvme,
       "{0} sgd with the optimizer offloaded to NVMe (infinity) is not available: the swap file "
-      "pages AdamW's master, m and v together; use --strategy offload (CPU) or zero3 with SGD, or "
-      "{0} adamw with NVMe",
-      knob_for(&TrainConfig::optimizer).name());
+      "pages AdamW's master, m and v together; use {1} offload (CPU) or zero3 with SGD, or {0} "
+      "adamw with NVMe",
+      knob_for(&TrainConfig::optimizer).name(), knob_for(&TrainConfig::strategy_name).name());
   check<ConfigError>(plan.pipeline_stages == 1,
                      "a plan of {} pipeline stages goes to make_pipeline_strategy "
                      "(parallel/pipeline/pipeline_parallel.h), not make_strategy",

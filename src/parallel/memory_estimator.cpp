@@ -149,8 +149,9 @@ MemoryEstimate estimate_memory(const MemoryEstimateOptions& o) {
   check<ConfigError>(o.micro_batch >= 1, "--micro-batch {} is not valid: use 1 or more",
                      o.micro_batch);
   check<ConfigError>(o.max_length >= 1 && o.max_length <= o.model.n_positions,
-                     "--max-length {} is not valid for model '{}': use 1 to {} (its context)",
-                     o.max_length, o.model.name, o.model.n_positions);
+                     "{} {} is not valid for model '{}': use 1 to {} (its context)",
+                     knob_for(&TrainConfig::max_length).name(), o.max_length, o.model.name,
+                     o.model.n_positions);
   check<ConfigError>(o.reduce_bucket_size.value_or(1) >= 1,
                      "--reduce-bucket-size {} is not valid: use 1 or more elements",
                      o.reduce_bucket_size.value_or(1));

@@ -20,8 +20,9 @@ void check_state_kind(OptimizerKind saved, OptimizerKind configured) {
       saved == configured,
       "the checkpoint holds {0} optimizer state but this run uses {1} {2}: its state cannot be "
       "resumed into another optimizer; resume with {1} {0}, or start from its weights only "
-      "(--init-from, without the optimizer state)",
-      to_string(saved), knob_for(&TrainConfig::optimizer).name(), to_string(configured));
+      "({3}, without the optimizer state)",
+      to_string(saved), knob_for(&TrainConfig::optimizer).name(), to_string(configured),
+      knob_for(&TrainConfig::init_from).name());
 }
 
 std::vector<FlatRange> even_split(int64_t numel, int world, int rank) {

@@ -14,6 +14,11 @@ namespace {
 
 constexpr double kGiB = 1024.0 * 1024 * 1024;
 
+/// "--offload auto", as messages name the automatic placement.
+std::string offload_auto() {
+  return knob_for(&TrainConfig::placement, &PlacementConfig::automatic).name() + " auto";
+}
+
 }  // namespace
 
 PlacementBudget rank_budget(const TrainConfig& cfg, const Backend& backend) {
@@ -43,7 +48,7 @@ TrainConfig with_placement(const TrainConfig& cfg, const Placement& chosen, int6
                : p.optimizer_offload != OffloadDevice::kNone ? StrategyKind::kOffload
                                                              : StrategyKind::kZero2;
   c.strategy_name = to_string(c.strategy);
-  c.strategy_source = "--offload auto";
+  c.strategy_source = offload_auto();
   c.placement.automatic = false;  // placed: validate() checks it as any placed run
   c.placement.gpu_memory_gib = 0;
   c.placement.max_host_memory_gib = 0;
@@ -104,9 +109,10 @@ TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& m
                         b.plan.chosen ? fmt::format("{:.0f} tokens/s", b.tokens_per_s)
                                       : std::string("does not fit"));
       out.line(
-          "placement (--offload auto): global batch {} sequences: micro-batch {} × accumulation "
-          "{} per rank, the fastest predicted of {} ({})",
-          cfg.train_batch_size, split.micro_batch, split.accumulation, batch.splits.size(), tried);
+          "placement ({}): global batch {} sequences: micro-batch {} × accumulation {} per rank, "
+          "the fastest predicted of {} ({})",
+          offload_auto(), cfg.train_batch_size, split.micro_batch, split.accumulation,
+          batch.splits.size(), tried);
     }  // none fits: plan the split validate() derived, for its message
   }
   const double tokens =  // per rank and step
@@ -127,30 +133,32 @@ TrainConfig with_automatic_placement(const TrainConfig& cfg, const GPT2Config& m
       }
     }
     ConfigError e(fmt::format(
-        "--offload auto: no placement of {} fits {} of GPU memory, {} of host memory and {} of "
-        "NVMe per rank (what is left after the margins `shardtrain estimate --gpu-memory` "
-        "prints); the closest, {}, does not fit: {}. Use more GPUs, raise --gpu-memory / "
-        "--max-host-memory, give {} a disk with room, or add {} or a smaller {} (`shardtrain "
-        "estimate --gpu-memory` lists every plan)",
-        model.name, human_bytes(budget.gpu_bytes), human_bytes(budget.host_bytes),
+        "{0}: no placement of {1} fits {2} of GPU memory, {3} of host memory and {4} of NVMe per "
+        "rank (what is left after the margins `shardtrain estimate {10}` prints); the closest, "
+        "{5}, does not fit: {6}. Use more GPUs, raise {10} / {11}, give {7} a disk with room, or "
+        "add {8} or a smaller {9} (`shardtrain estimate {10}` lists every plan)",
+        offload_auto(), model.name, human_bytes(budget.gpu_bytes), human_bytes(budget.host_bytes),
         human_bytes(budget.nvme_bytes), closest ? closest->name : "none",
         closest ? closest->over : "no candidates", zero_knob(&ZeroConfig::nvme_path).name(),
         knob_for(&TrainConfig::activation_checkpointing).name(),
-        knob_for(&TrainConfig::micro_batch_size).name()));
+        knob_for(&TrainConfig::micro_batch_size).name(),
+        knob_for(&TrainConfig::placement, &PlacementConfig::gpu_memory_gib).name(),
+        knob_for(&TrainConfig::placement, &PlacementConfig::max_host_memory_gib).name()));
     e.mark_same_on_every_rank();
     throw e;
   }
   const Placement& c = plan.candidates[*plan.chosen];
   out.line(
-      "placement (--offload auto): margins per rank of {} (GPU allocator slack), {} (host: the "
-      "process's own memory and the OS) and {} (NVMe) set aside",
-      human_bytes(budget.gpu_margin), human_bytes(budget.host_margin),
+      "placement ({}): margins per rank of {} (GPU allocator slack), {} (host: the process's own "
+      "memory and the OS) and {} (NVMe) set aside",
+      offload_auto(), human_bytes(budget.gpu_margin), human_bytes(budget.host_margin),
       human_bytes(budget.nvme_margin));
   out.line(
-      "placement (--offload auto): {} of {} plans fit GPU {}, host {}, NVMe {} per rank; chose "
+      "placement ({}): {} of {} plans fit GPU {}, host {}, NVMe {} per rank; chose "
       "{}: GPU {}, host {}, NVMe {}, {} over PCIe and {} of disk per step, predicted step {:.3f} "
       "s (bound by {}): {:.0f} tokens/s per rank, MFU {:.1f}% (the step lines print the "
       "measured ones)",
+      offload_auto(),
       std::count_if(plan.candidates.begin(), plan.candidates.end(),
                     [](const Placement& p) { return p.fits; }),
       plan.candidates.size(), human_bytes(budget.gpu_bytes), human_bytes(budget.host_bytes),

@@ -249,12 +249,12 @@ std::unique_ptr<ImageModel> build_image_model(const TrainConfig& cfg, const Imag
     std::string fix;
     if (std::string_view(e.what()).find("is too small") != std::string_view::npos) {
       if (const int64_t n = smallest_input_size(spec, backend); n > 0)
-        fix = fmt::format(" ('{}' takes images of {}×{} pixels or more: --image-size {})",
-                          cfg.model, n, n, n);
+        fix = fmt::format(" ('{}' takes images of {}×{} pixels or more: {} {})", cfg.model, n, n,
+                          knob_for(&TrainConfig::image_size).name(), n);
     }
-    throw ConfigError(fmt::format("--model {} on {} images of {}×{}×{}: {}{}", cfg.model,
-                                  data.train.name, spec.channels, spec.height, spec.width, e.what(),
-                                  fix));
+    throw ConfigError(fmt::format("{} {} on {} images of {}×{}×{}: {}{}",
+                                  knob_for(&TrainConfig::model).name(), cfg.model, data.train.name,
+                                  spec.channels, spec.height, spec.width, e.what(), fix));
   }
   model->set_label_smoothing(static_cast<float>(cfg.label_smoothing));
   model->set_cuda_graphs(cfg.cuda_graphs && backend.kind() == DeviceKind::kCUDA);
@@ -268,12 +268,12 @@ std::unique_ptr<ImageModel> build_image_model(const TrainConfig& cfg, const Imag
 /// Throws CheckpointError unless `info` holds the very model `identity` describes (name, classes,
 /// input); `flag` names the option that gave the checkpoint.
 void require_same_model(const CheckpointInfo& info, const ImageCheckpointModel& identity,
-                        const char* flag) {
+                        const Knob& flag) {
   check<CheckpointError>(info.image && *info.image == identity,
                          "{} {}: the checkpoint holds {} but this run trains {}; pass the "
-                         "checkpoint's --model and data, or start without {}",
-                         flag, info.dir.string(), checkpoint_model_description(info),
-                         identity.describe(), flag);
+                         "checkpoint's {} and data, or start without {}",
+                         flag.name(), info.dir.string(), checkpoint_model_description(info),
+                         identity.describe(), knob_for(&TrainConfig::model).name(), flag.name());
 }
 
 /// The full fp32 parameters [layout numel] a fresh run starts from — the model's initialization
@@ -293,7 +293,7 @@ std::vector<float> initial_image_parameters(const TrainConfig& cfg, const ImageM
     p /= "model.safetensors";
   if (fs::is_directory(p)) {  // a shardtrain checkpoint (or an output directory)
     const CheckpointInfo from = read_checkpoint_info(p);
-    require_same_model(from, identity, "--init-from");
+    require_same_model(from, identity, knob_for(&TrainConfig::init_from));
     init = load_checkpoint_params(from, model.layout());
     load_model_buffers(from, model, 0);
     notes.push_back(
@@ -315,9 +315,10 @@ std::vector<float> initial_image_parameters(const TrainConfig& cfg, const ImageM
                         : fmt::format(", {} num_batches_tracked ignored", r.ignored.size())));
   if (!r.fresh_head.empty())
     notes.push_back(
-        fmt::format("--replace-head: the file's classifier head ({} classes) does not fit the data "
-                    "set's {} classes: {} keep their fresh initialization (fine-tuning)",
-                    r.file_classes, spec.num_classes, join(r.fresh_head, ", ")));
+        fmt::format("{}: the file's classifier head ({} classes) does not fit the data set's {} "
+                    "classes: {} keep their fresh initialization (fine-tuning)",
+                    knob_for(&TrainConfig::replace_head).name(), r.file_classes, spec.num_classes,
+                    join(r.fresh_head, ", ")));
   return init;
 }
 
@@ -536,7 +537,7 @@ class ImageFamily final : public ModelFamily {
   std::optional<CheckpointInfo> read_resume(const TrainConfig& cfg) override {
     if (cfg.resume.empty()) return std::nullopt;
     CheckpointInfo resume = read_checkpoint_info(cfg.resume);
-    require_same_model(resume, identity_, "--resume");
+    require_same_model(resume, identity_, knob_for(&TrainConfig::resume));
     return resume;
   }
   RunPlan plan(const TrainConfig& cfg, Communicator& comm, Console& /*out*/) override {

@@ -85,10 +85,11 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int local_rank,
                                       Precision precision) {
   const bool cuda = device == "cuda" || (device != "cpu" && cuda_available());
   if (!cuda) {
+    const std::string flag = knob_for(&TrainConfig::precision).name();
     check<ConfigError>(precision == Precision::kAuto || precision == Precision::kFp32,
-                       "--precision {} needs --device cuda; the CPU path computes in fp32 (use "
-                       "--precision fp32 or leave it unset)",
-                       to_string(precision));
+                       "{0} {1} needs {2} cuda; the CPU path computes in fp32 (use {0} fp32 or "
+                       "leave it unset)",
+                       flag, to_string(precision), knob_for(&TrainConfig::device).name());
     return make_cpu_backend();
   }
   const DType dt = precision == Precision::kFp32   ? DType::kF32
@@ -104,9 +105,10 @@ namespace {
 void require_gpt2_run(const CheckpointInfo& info, const GPT2Config& model) {
   check<CheckpointError>(!info.image,
                          "checkpoint {} holds {} but this run trains GPT-2 model '{}' ({}): pass "
-                         "--model {} to continue the image model, or a GPT-2 checkpoint",
+                         "{} {} to continue the image model, or a GPT-2 checkpoint",
                          info.dir.string(), checkpoint_model_description(info), model.name,
-                         model.shape_string(), info.image ? info.image->name : "");
+                         model.shape_string(), knob_for(&TrainConfig::model).name(),
+                         info.image ? info.image->name : "");
 }
 
 }  // namespace
@@ -116,8 +118,9 @@ GPT2Config resolve_train_model(const TrainConfig& cfg) {
   if (cfg.model.empty() && !cfg.resume.empty()) {
     const CheckpointInfo info = read_checkpoint_info(cfg.resume);
     check<CheckpointError>(
-        !info.image, "checkpoint {} holds {}: pass --model {} (and its data) to resume it",
-        info.dir.string(), checkpoint_model_description(info), info.image ? info.image->name : "");
+        !info.image, "checkpoint {} holds {}: pass {} {} (and its data) to resume it",
+        info.dir.string(), checkpoint_model_description(info), knob_for(&TrainConfig::model).name(),
+        info.image ? info.image->name : "");
     c = info.model;
   } else {
     c = resolve_model(cfg.model);
@@ -164,9 +167,10 @@ std::optional<CheckpointInfo> read_resume(const TrainConfig& cfg, const GPT2Conf
   require_gpt2_run(resume, model_cfg);
   check<CheckpointError>(resume.model.same_shape(model_cfg),
                          "checkpoint {} holds model '{}' ({}) but this run asks for '{}' ({}): "
-                         "leave --model out to resume with the checkpoint's shape",
+                         "leave {} out to resume with the checkpoint's shape",
                          resume.dir.string(), resume.model.name, resume.model.shape_string(),
-                         model_cfg.name, model_cfg.shape_string());
+                         model_cfg.name, model_cfg.shape_string(),
+                         knob_for(&TrainConfig::model).name());
   check_state_kind(resume.optimizer, cfg.optimizer);  // AdamW m/v cannot seed SGD's buffer
   return resume;
 }
@@ -536,8 +540,9 @@ void report_done(const TrainSummary& summary, Console& out, MetricsWriter& metri
   if (summary.losses.empty())  // resumed at its last step: there was nothing left to train
     out.line(
         "done | {} steps | no step left to run: the checkpoint is at the run's last step (raise "
-        "{} or --epochs to train on) | {}",
-        summary.steps, knob_for(&TrainConfig::max_steps).name(), validation);
+        "{} or {} to train on) | {}",
+        summary.steps, knob_for(&TrainConfig::max_steps).name(),
+        knob_for(&TrainConfig::epochs).name(), validation);
   else
     out.line("done | {} steps | {:.1f} s | loss {:.4f} → {:.4f} | {}", summary.steps,
              summary.seconds, summary.first_loss, summary.last_loss, validation);

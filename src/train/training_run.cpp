@@ -5,6 +5,7 @@
 
 #include <utility>
 
+#include "config/knob.h"
 #include "core/error.h"
 #include "train/rank_agreement.h"
 #include "train/strategy_from_config.h"
@@ -31,7 +32,9 @@ class AtScopeEnd {
 TrainConfig ModelFamily::place(const TrainConfig& cfg, Backend& /*backend*/, Communicator& /*comm*/,
                                Console& /*out*/) {
   throw ConfigError(fmt::format(
-      "--offload auto does not plan model '{}' (validate() refuses it: call it first)", cfg.model));
+      "{} auto does not plan model '{}' (validate() refuses it: call it "
+      "first)",
+      knob_for(&TrainConfig::placement, &PlacementConfig::automatic).name(), cfg.model));
 }
 
 std::unique_ptr<Strategy> ModelFamily::make_strategy(const TrainConfig& cfg, Backend& backend,

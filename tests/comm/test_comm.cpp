@@ -406,9 +406,6 @@ TEST(LaunchPlan, Helpers) {
   EXPECT_EQ(st::shell_quote("two words"), "'two words'");
   EXPECT_EQ(st::shell_quote("it's"), "'it'\\''s'");
   EXPECT_EQ(st::shell_quote(""), "''");
-  EXPECT_EQ(st::device_flag({"train", "--device", "cpu"}), "cpu");
-  EXPECT_EQ(st::device_flag({"train", "--device=cuda"}), "cuda");
-  EXPECT_EQ(st::device_flag({"train"}), "auto");
   EXPECT_TRUE(st::is_local_host("localhost"));
   EXPECT_TRUE(st::is_local_host("127.0.0.1"));
   EXPECT_FALSE(st::is_local_host("surely-not-this-host.example"));

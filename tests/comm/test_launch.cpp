@@ -484,24 +484,6 @@ TEST(LaunchTrain, MaxRestartsResumeFromTheLatestCheckpoint) {
   fs::remove_all(dir);
 }
 
-TEST(Launch, RestartCommandResumesTrainFromItsOutputDirectory) {
-  namespace st = shardtrain;
-  const fs::path dir = temp_dir("restart_command");
-  const std::vector<std::string> cmd = {"train", "--output-dir", (dir / "o").string(), "--resume",
-                                        "elsewhere"};
-  std::string why;
-  EXPECT_EQ(st::restart_command(cmd, &why), cmd) << "no checkpoint yet: the same command";
-  EXPECT_NE(why.find("from the start"), std::string::npos) << why;
-  fs::create_directories(dir / "o");
-  std::ofstream(dir / "o" / "latest") << "checkpoint-000002\n";
-  const std::vector<std::string> want = {"train", "--output-dir", (dir / "o").string(), "--resume",
-                                         (dir / "o").string()};
-  EXPECT_EQ(st::restart_command(cmd, &why), want);
-  const std::vector<std::string> other = {"generate", "--output-dir", (dir / "o").string()};
-  EXPECT_EQ(st::restart_command(other), other);
-  fs::remove_all(dir);
-}
-
 // mpirun gives ranks a pseudo-terminal as stdout whatever its own stdout is; the progress bar
 // must follow the launcher's stdout instead: none in a file, and (the control) there when the
 // launcher says its stdout is a terminal.

@@ -1,0 +1,25 @@
+// What `shardtrain launch` reads in, and changes in, the `train` command line it starts on every
+// rank. The flags are named through their rows (config/knob.h), as `train` parses them.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace shardtrain {
+
+/// The value of train's --device in `command` ("train", "--device", "cpu", ...), as
+/// "--device cpu" or "--device=cpu"; "auto" (its default) when absent.
+std::string device_flag(const std::vector<std::string>& command);
+
+/// Whether `command` gives train's --device at all.
+bool gives_device(const std::vector<std::string>& command);
+
+/// The command a restarted job runs (`launch --max-restarts`): a `train` command resumes from the
+/// latest complete checkpoint of its output directory (its --output-dir, else train's default)
+/// when that directory has one — `--resume DIR` replaces any --resume it had — and otherwise
+/// starts over unchanged; other commands are unchanged. `why` (may be null) receives what was
+/// chosen, for the launcher's message.
+std::vector<std::string> restart_command(const std::vector<std::string>& command,
+                                         std::string* why = nullptr);
+
+}  // namespace shardtrain
