@@ -121,16 +121,16 @@ void report_fatal_error(std::string_view lead, std::string_view message, bool sa
 
 std::string memory_remedy(Memory memory) {
   const std::string batch = knob_for(&TrainConfig::micro_batch_size).name();
+  const std::string max_length = knob_for(&TrainConfig::max_length).name();
   switch (memory) {
     case Memory::kGpu:
       return fmt::format(
-          "Fix: lower {} or --max-length, enable {}, or use a ZeRO strategy (--strategy "
-          "zero2/zero3) or offload",
-          batch, knob_for(&TrainConfig::activation_checkpointing).name());
+          "Fix: lower {} or {}, enable {}, or use a ZeRO strategy ({} zero2/zero3) or offload",
+          batch, max_length, knob_for(&TrainConfig::activation_checkpointing).name(),
+          knob_for(&TrainConfig::strategy_name).name());
     case Memory::kHost:
-      return fmt::format(
-          "use a smaller model, {} or --max-length (or check --image-size and the images' sizes)",
-          batch);
+      return fmt::format("use a smaller model, {} or {} (or check {} and the images' sizes)", batch,
+                         max_length, knob_for(&TrainConfig::image_size).name());
     case Memory::kPinnedHost:
       return fmt::format("or offload less ({} < 1, more ranks), or to NVMe ({} \"nvme\")",
                          zero_knob(&ZeroConfig::offload_ratio).label(),
@@ -166,6 +166,9 @@ FatalError classify_exception(const std::exception_ptr& e) {
     f = {2, x.what(), x.same_on_every_rank()};
   } catch (const OutOfMemory& x) {
     f = {1, with_remedy(x.what(), x.memory()), x.same_on_every_rank()};
+  } catch (const DeviceUnavailable& x) {
+    f = {1, fmt::format("{}, or use {} cpu", x.what(), knob_for(&TrainConfig::device).name()),
+         x.same_on_every_rank()};
   } catch (const Error& x) {
     f = {1, x.what(), x.same_on_every_rank()};
   } catch (const std::bad_alloc&) {

@@ -130,7 +130,7 @@ std::unique_ptr<Communicator> make_world_communicator(const DistributedEnv& env,
     check<ConfigError>(
         initialized || env.launcher == "mpirun" || env.launcher == "slurm",
         "{} ranks were started by {} (WORLD_SIZE={}), but CPU ranks communicate through MPI: start "
-        "them with `shardtrain launch` (it runs mpirun for --device cpu), mpirun, or srun "
+        "them with `shardtrain launch` (it runs mpirun for CPU ranks), mpirun, or srun "
         "--mpi=pmix",
         env.world_size, env.launcher, env.world_size);
     auto comm = make_mpi_communicator(options);
@@ -155,9 +155,9 @@ std::unique_ptr<Communicator> make_world_communicator(const DistributedEnv& env,
 std::unique_ptr<Communicator> make_nccl_communicator(const DistributedEnv& env, void*,
                                                      const CommOptions&,
                                                      std::shared_ptr<Bootstrap>) {
-  throw RuntimeFailure(fmt::format(
+  throw DeviceUnavailable(fmt::format(  // the command line adds the CPU as the other remedy
       "rank {}: GPU ranks communicate through NCCL, but this shardtrain was built without CUDA: "
-      "rebuild with the CUDA toolkit (see README) or pass --device cpu",
+      "rebuild with the CUDA toolkit (see README)",
       env.rank));
 }
 

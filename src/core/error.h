@@ -77,6 +77,15 @@ class OutOfMemory : public RuntimeFailure {
   Memory memory_;
 };
 
+/// The GPU a run asked for cannot be used at all: no CUDA GPU is visible, or this build has no
+/// CUDA. The message states the facts and ends with a remedy clause; the command line appends
+/// the other remedy, training on the CPU, naming the device flag (app/error_report.cpp), which
+/// the backends and communicators do not know.
+class DeviceUnavailable : public RuntimeFailure {
+ public:
+  using RuntimeFailure::RuntimeFailure;
+};
+
 #if !defined(__CUDACC__)
 // nvcc 13 cannot compile fmt 9 in C++20 mode (its consteval format strings), so code that nvcc
 // compiles (*.cu) builds messages with std::string instead and never sees fmt.

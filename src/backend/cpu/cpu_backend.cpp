@@ -197,13 +197,13 @@ std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend
 
 #ifndef SHARDTRAIN_WITH_CUDA
 std::unique_ptr<Backend> make_cuda_backend(int /*device_index*/, DType /*compute_dtype*/) {
-  throw RuntimeFailure(
-      "--device cuda: this shardtrain was built without CUDA (no nvcc at configure time); "
-      "rebuild with the CUDA toolkit installed, or use --device cpu");
+  throw DeviceUnavailable(
+      "CUDA: this shardtrain was built without CUDA (no nvcc at configure time); rebuild with "
+      "the CUDA toolkit installed");  // the command line adds the CPU as the other remedy
 }
 bool cuda_available() { return false; }
 std::vector<InfoLine> cuda_info() {
-  return {{"CUDA", "not built in (configured without nvcc): --device cpu only"}};
+  return {{"CUDA", "not built in (configured without nvcc): CPU only"}};
 }
 #endif
 

@@ -131,16 +131,17 @@ class CudaBackend final : public Backend {
     const cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess || count == 0) {
       (void)cudaGetLastError();
-      throw RuntimeFailure(strf(
-          "--device cuda: no CUDA GPU is visible (cudaGetDeviceCount: %s); check nvidia-smi and "
-          "CUDA_VISIBLE_DEVICES, or use --device cpu",
-          err != cudaSuccess
-              ? strf("%s: %s", cudaGetErrorName(err), cudaGetErrorString(err)).c_str()
-              : "0 devices"));
+      // The command line adds the CPU as the other remedy (DeviceUnavailable).
+      throw DeviceUnavailable(
+          strf("CUDA: no CUDA GPU is visible (cudaGetDeviceCount: %s); check nvidia-smi and "
+               "CUDA_VISIBLE_DEVICES",
+               err != cudaSuccess
+                   ? strf("%s: %s", cudaGetErrorName(err), cudaGetErrorString(err)).c_str()
+                   : "0 devices"));
     }
     if (device_index < 0 || device_index >= count)
       throw RuntimeFailure(
-          strf("--device cuda:%d: there is no such GPU: %d CUDA GPU%s visible (cuda:0%s); check "
+          strf("cuda:%d: there is no such GPU: %d CUDA GPU%s visible (cuda:0%s); check "
                "CUDA_VISIBLE_DEVICES or pick another device",
                device_index, count, count == 1 ? " is" : "s are",
                count > 1 ? strf("..cuda:%d", count - 1).c_str() : ""));
@@ -538,11 +539,11 @@ class CudaBackend final : public Backend {
     const cudaError_t probe = cudaFuncGetAttributes(&attr, probe_kernel);
     if (probe != cudaSuccess) {
       (void)cudaGetLastError();
-      throw RuntimeFailure(strf(
-          "--device cuda:%d: %s (compute capability %d.%d) cannot run this build's kernels (%s); "
-          "reconfigure with -DCMAKE_CUDA_ARCHITECTURES=%d%d and rebuild",
-          device_, prop.name, prop.major, prop.minor, cudaGetErrorString(probe), prop.major,
-          prop.minor));
+      throw RuntimeFailure(
+          strf("cuda:%d: %s (compute capability %d.%d) cannot run this build's kernels (%s); "
+               "reconfigure with -DCMAKE_CUDA_ARCHITECTURES=%d%d and rebuild",
+               device_, prop.name, prop.major, prop.minor, cudaGetErrorString(probe), prop.major,
+               prop.minor));
     }
     ctx_.device = device_;
     ctx_.sm_count = prop.multiProcessorCount;

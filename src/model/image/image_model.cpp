@@ -16,7 +16,7 @@ ImageOps& ops_of(Backend& be) {
   if (!ops)
     throw ConfigError(fmt::format(
         "the {} backend has no image-model ops (convolution, batch norm, pooling); train image "
-        "models with --device cpu",
+        "models on the CPU or CUDA backend",
         be.description()));
   return *ops;
 }
