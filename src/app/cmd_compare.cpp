@@ -32,6 +32,12 @@ namespace shardtrain {
 namespace fs = std::filesystem;
 namespace {
 
+/// The name of train's flag for the field `m` (its row's).
+template <typename T>
+std::string train_flag(T TrainConfig::*m) {
+  return knob_for(m).name();
+}
+
 struct CompareFlags {
   std::vector<std::string> models = {"gpt2-medium"};
   std::vector<std::string> strategies;  ///< empty: the default set (+ pipeline on > 1 rank)
@@ -133,11 +139,9 @@ void run_compare(const CompareFlags& f) {
   const fs::path report = f.report_dir;
   if (!f.dry_run) fs::create_directories(report / "runs");
   const std::string exe = self_exe();
-  // train's flags, by their rows.
-  const auto flag = [](auto TrainConfig::*m) { return knob_for(m).name(); };
-  const bool own_data = has_flag(f.train_flags, flag(&TrainConfig::dataset)) ||
-                        has_flag(f.train_flags, flag(&TrainConfig::train_file)) ||
-                        has_flag(f.train_flags, flag(&TrainConfig::deepspeed_config));
+  const bool own_data = has_flag(f.train_flags, train_flag(&TrainConfig::dataset)) ||
+                        has_flag(f.train_flags, train_flag(&TrainConfig::train_file)) ||
+                        has_flag(f.train_flags, train_flag(&TrainConfig::deepspeed_config));
   struct Case {
     std::vector<std::string> argv;
     fs::path dir;
@@ -168,28 +172,28 @@ void run_compare(const CompareFlags& f) {
                                         std::to_string(g),
                                         "--",
                                         "train",
-                                        flag(&TrainConfig::device),
+                                        train_flag(&TrainConfig::device),
                                         device,
-                                        flag(&TrainConfig::model),
+                                        train_flag(&TrainConfig::model),
                                         model,
-                                        flag(&TrainConfig::strategy_name),
+                                        train_flag(&TrainConfig::strategy_name),
                                         s,
-                                        flag(&TrainConfig::micro_batch_size),
+                                        train_flag(&TrainConfig::micro_batch_size),
                                         std::to_string(batch),
-                                        flag(&TrainConfig::num_samples),
+                                        train_flag(&TrainConfig::num_samples),
                                         std::to_string(f.num_samples),
-                                        flag(&TrainConfig::max_length),
+                                        train_flag(&TrainConfig::max_length),
                                         std::to_string(f.max_length),
-                                        flag(&TrainConfig::epochs),
+                                        train_flag(&TrainConfig::epochs),
                                         std::to_string(f.epochs),
-                                        flag(&TrainConfig::output_dir),
+                                        train_flag(&TrainConfig::output_dir),
                                         dir.string()};
-          if (!own_data) a.insert(a.end(), {flag(&TrainConfig::dataset), f.dataset});
-          const std::string no_save = flag(&TrainConfig::save_checkpoints);
-          if (!has_flag(f.train_flags, flag(&TrainConfig::save_interval)) &&
+          if (!own_data) a.insert(a.end(), {train_flag(&TrainConfig::dataset), f.dataset});
+          const std::string no_save = train_flag(&TrainConfig::save_checkpoints);
+          if (!has_flag(f.train_flags, train_flag(&TrainConfig::save_interval)) &&
               !has_flag(f.train_flags, no_save))
             a.push_back(no_save);
-          const std::string log_interval = flag(&TrainConfig::log_interval);
+          const std::string log_interval = train_flag(&TrainConfig::log_interval);
           if (!has_flag(f.train_flags, log_interval)) {
             // About 100 points on each loss curve.
             const int64_t steps = f.num_samples * f.epochs / std::max<int64_t>(1, batch * g);
@@ -289,20 +293,20 @@ void register_compare_command(CLI::App& app) {
       ->delimiter(',')
       ->check(CLI::Range(1, 4096));
   // train's flags of the same names, passed on to every run.
-  const auto flag = [](auto TrainConfig::*m) { return knob_for(m).name(); };
-  cmd->add_option(flag(&TrainConfig::num_samples), f->num_samples,
+  cmd->add_option(train_flag(&TrainConfig::num_samples), f->num_samples,
                   "training samples per epoch (default 1000)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option(flag(&TrainConfig::max_length), f->max_length, "tokens per sample (default 512)")
+  cmd->add_option(train_flag(&TrainConfig::max_length), f->max_length,
+                  "tokens per sample (default 512)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option(flag(&TrainConfig::epochs), f->epochs, "epochs per run (default 1)")
+  cmd->add_option(train_flag(&TrainConfig::epochs), f->epochs, "epochs per run (default 1)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option(flag(&TrainConfig::device), f->device,
+  cmd->add_option(train_flag(&TrainConfig::device), f->device,
                   "cpu | cuda (default: cuda when a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  cmd->add_option(flag(&TrainConfig::dataset), f->dataset,
+  cmd->add_option(train_flag(&TrainConfig::dataset), f->dataset,
                   fmt::format("named data set (default wikitext-2; {} after '--' replaces it)",
-                              flag(&TrainConfig::train_file)));
+                              train_flag(&TrainConfig::train_file)));
   // train's flag, under its name: the directory of infinity's runs.
   cmd->add_option(zero_knob(&ZeroConfig::nvme_path).name(), f->nvme_path,
                   "infinity: directory of the swap files (default REPORT_DIR/nvme/RUN)");

@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -260,12 +261,11 @@ int launch(LaunchOptions& o) {
                        "launch {} applies to shardtrain commands, not to --exec programs: pass the "
                        "device to the program itself",
                        flag);
-    const std::string given = device_flag(plan.command);
-    const bool has_own = gives_device(plan.command);
-    check<ConfigError>(!has_own || given == o.device,
+    const std::optional<std::string> given = given_device(plan.command);
+    check<ConfigError>(!given || *given == o.device,
                        "launch {0} {1} contradicts the command's {0} {2}: give one", flag, o.device,
-                       given);
-    if (!has_own) plan.command.insert(plan.command.begin() + 1, {flag, o.device});
+                       given.value_or(""));
+    if (!given) plan.command.insert(plan.command.begin() + 1, {flag, o.device});
   }
   const std::string device = plan.exec ? "" : device_flag(plan.command);
   const int gpus = plan.exec || device == "cpu" ? 0 : cuda_device_count();

@@ -25,19 +25,16 @@ std::optional<std::string> value_of(const std::vector<std::string>& command, siz
 
 }  // namespace
 
-std::string device_flag(const std::vector<std::string>& command) {
-  const Knob& device = knob_for(&TrainConfig::device);
-  std::string value = TrainConfig{}.device;
+std::optional<std::string> given_device(const std::vector<std::string>& command) {
+  const std::string device = knob_for(&TrainConfig::device).name();
+  std::optional<std::string> value;
   for (size_t i = 0; i < command.size(); ++i)
-    if (auto v = value_of(command, i, device.name())) value = *v;
+    if (auto v = value_of(command, i, device)) value = *v;
   return value;
 }
 
-bool gives_device(const std::vector<std::string>& command) {
-  const std::string device = knob_for(&TrainConfig::device).name();
-  for (size_t i = 0; i < command.size(); ++i)
-    if (value_of(command, i, device)) return true;
-  return false;
+std::string device_flag(const std::vector<std::string>& command) {
+  return given_device(command).value_or(TrainConfig{}.device);
 }
 
 std::vector<std::string> restart_command(const std::vector<std::string>& command,

@@ -2,17 +2,18 @@
 // rank. The flags are named through their rows (config/knob.h), as `train` parses them.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace shardtrain {
 
-/// The value of train's --device in `command` ("train", "--device", "cpu", ...), as
-/// "--device cpu" or "--device=cpu"; "auto" (its default) when absent.
-std::string device_flag(const std::vector<std::string>& command);
+/// The value `command` ("train", "--device", "cpu", ...) gives train's --device, as
+/// "--device cpu" or "--device=cpu" (the last one given); none when it gives none.
+std::optional<std::string> given_device(const std::vector<std::string>& command);
 
-/// Whether `command` gives train's --device at all.
-bool gives_device(const std::vector<std::string>& command);
+/// given_device(command), or "auto" (its default) when absent.
+std::string device_flag(const std::vector<std::string>& command);
 
 /// The command a restarted job runs (`launch --max-restarts`): a `train` command resumes from the
 /// latest complete checkpoint of its output directory (its --output-dir, else train's default)

@@ -439,6 +439,11 @@ int data_parallel_size(const TrainConfig& cfg);
 /// Throws ConfigError naming the flag or key, its value and the fix.
 void validate(TrainConfig& cfg, int64_t model_context);
 
+/// The rule of a run on the CPU (--device cpu, or auto without a usable GPU): it computes in
+/// fp32, so a `precision` other than auto or fp32 throws ConfigError naming --precision and
+/// --device. validate() applies it to --device cpu, make_backend() to the device it resolves.
+void check_cpu_precision(Precision precision);
+
 /// The partition methods of PipelineConfig::partition_method: uniform, parameters, time.
 const std::vector<std::string>& pipeline_partition_methods();
 

@@ -35,23 +35,23 @@ std::vector<std::string> strategy_names() {
 
 /// --offload auto|none: whether the placement plan is chosen at start-up (PlacementConfig).
 Knob offload_row() {
+  static constexpr auto text = [](const TrainConfig& c) {
+    return std::string(c.placement.automatic ? "auto" : "none");
+  };
+  static constexpr auto set = [](TrainConfig& c, const std::string& v) {
+    c.placement.automatic = v == "auto";
+  };
   Knob k;
   k.type = KnobType::kString;
   k.choices = {"auto", "none"};
   k.field = knob_detail::offset_in_probe(&knob_detail::probe_config().placement.automatic);
-  k.get = [](const TrainConfig& c) {
-    return nlohmann::json(c.placement.automatic ? "auto" : "none");
-  };
-  k.set = [](TrainConfig& c, const nlohmann::json& v) {
-    c.placement.automatic = v.get<std::string>() == "auto";
-  };
-  k.print = [](const TrainConfig& c) {
-    return std::string(c.placement.automatic ? "auto" : "none");
-  };
+  k.get = [](const TrainConfig& c) { return nlohmann::json(text(c)); };
+  k.set = [](TrainConfig& c, const nlohmann::json& v) { set(c, v.get<std::string>()); };
+  k.print = text;
   k.add_to = [](const Knob& row, CLI::App& cmd, TrainConfig& c, const std::string& help) {
     return cmd
         .add_option_function<std::string>(
-            row.flag, [&c](const std::string& v) { c.placement.automatic = v == "auto"; }, help)
+            row.flag, [&c](const std::string& v) { set(c, v); }, help)
         ->type_name(row.type_name)
         ->check(knob_detail::validator_of(row));
   };

@@ -452,6 +452,13 @@ void check_automatic_placement(const TrainConfig& c) {
 
 }  // namespace
 
+void check_cpu_precision(Precision precision) {
+  check<ConfigError>(precision == Precision::kAuto || precision == Precision::kFp32,
+                     "--precision {} needs --device cuda; the CPU path computes in fp32 (use "
+                     "--precision fp32 or leave it unset)",
+                     to_string(precision));
+}
+
 void validate(TrainConfig& cfg, int64_t model_context) {
   check_model_family(cfg);         // first: the pipeline and --offload auto need a GPT-2 model
   check_automatic_placement(cfg);  // next: it names the setting that conflicts with it
@@ -463,13 +470,7 @@ void validate(TrainConfig& cfg, int64_t model_context) {
   for (const KnobTable* table : all_knob_tables()) check_knob_ranges(cfg, *table);
   check_strategy(cfg);
 
-  if (cfg.device == "cpu" && cfg.precision != Precision::kAuto &&
-      cfg.precision != Precision::kFp32) {
-    throw ConfigError(fmt::format(
-        "--precision {} needs --device cuda; the CPU path computes in fp32 (use --precision fp32 "
-        "or leave it unset)",
-        to_string(cfg.precision)));
-  }
+  if (cfg.device == "cpu") check_cpu_precision(cfg.precision);
   if (cfg.monitor.tensorboard_all_ranks && cfg.monitor.tensorboard_dir.empty()) {
     throw ConfigError(
         "--tensorboard-all-ranks needs --tensorboard DIR (or an enabled \"tensorboard\" section "

@@ -39,20 +39,18 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 json agreement_record(const TrainConfig& cfg, const std::string& model_shape) {
   json snap = config_snapshot(cfg);
-  // Where a node keeps its files may differ: the data files and directories, a model's
-  // config.json, the monitors' directories.
-  snap.erase("monitor");
-  for (const KnobTable* table : all_knob_tables())
-    for (const Knob& k : *table)
-      if (k.node_local && !k.snapshot.empty()) snap.erase(k.snapshot);
+  snap.erase("monitor");  // the monitors' directories
   snap["model_shape"] = model_shape;
   // Every knob's value, by its JSON path (or flag; a flag's snapshot path is already there),
-  // but where a node keeps its files.
+  // but where a node keeps its files (data files and directories, a model's config.json).
   for (const KnobTable* table : all_knob_tables())
-    for (const Knob& k : *table)
-      if (k.get && !k.node_local && k.status == KnobStatus::kHonoured &&
-          !(k.path.empty() && !k.snapshot.empty()))
+    for (const Knob& k : *table) {
+      if (k.node_local)
+        snap.erase(k.snapshot);
+      else if (k.get && k.status == KnobStatus::kHonoured &&
+               !(k.path.empty() && !k.snapshot.empty()))
         snap[k.path.empty() ? k.name() : k.path] = k.get(cfg);
+    }
   // Whether a run resumes or starts from weights (the paths are a node's own).
   snap["resume"] = !cfg.resume.empty();
   snap["init_from"] = !cfg.init_from.empty();

@@ -85,11 +85,7 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int local_rank,
                                       Precision precision) {
   const bool cuda = device == "cuda" || (device != "cpu" && cuda_available());
   if (!cuda) {
-    const std::string flag = knob_for(&TrainConfig::precision).name();
-    check<ConfigError>(precision == Precision::kAuto || precision == Precision::kFp32,
-                       "{0} {1} needs {2} cuda; the CPU path computes in fp32 (use {0} fp32 or "
-                       "leave it unset)",
-                       flag, to_string(precision), knob_for(&TrainConfig::device).name());
+    check_cpu_precision(precision);
     return make_cpu_backend();
   }
   const DType dt = precision == Precision::kFp32   ? DType::kF32

@@ -32,8 +32,7 @@ class AtScopeEnd {
 TrainConfig ModelFamily::place(const TrainConfig& cfg, Backend& /*backend*/, Communicator& /*comm*/,
                                Console& /*out*/) {
   throw ConfigError(fmt::format(
-      "{} auto does not plan model '{}' (validate() refuses it: call it "
-      "first)",
+      "{} auto does not plan model '{}' (validate() refuses it: call it first)",
       knob_for(&TrainConfig::placement, &PlacementConfig::automatic).name(), cfg.model));
 }
 

@@ -220,25 +220,23 @@ TEST_F(ConfigTest, RangeChecksNameTheRowValueAndFix) {
   validate(cfg, 1024);
 }
 
-TEST_F(ConfigTest, ConfigMdHoldsTheTablesTheRowsPrint) {
-  std::ifstream in(std::string(SHARDTRAIN_SOURCE_DIR) + "/docs/CONFIG.md");
-  std::stringstream text;
-  text << in.rdbuf();
-  for (const KnobTable* table : all_knob_tables()) {
-    const std::string tables = knob_markdown(*table);
-    EXPECT_NE(text.str().find(tables), std::string::npos)
-        << "docs/CONFIG.md does not hold these tables as `shardtrain config --markdown` prints "
-           "them (paste its output over the old ones):\n"
-        << tables;
-  }
-}
-
 /// The text of docs/CONFIG.md.
 std::string config_md() {
   std::ifstream in(std::string(SHARDTRAIN_SOURCE_DIR) + "/docs/CONFIG.md");
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
+}
+
+TEST_F(ConfigTest, ConfigMdHoldsTheTablesTheRowsPrint) {
+  const std::string text = config_md();
+  for (const KnobTable* table : all_knob_tables()) {
+    const std::string tables = knob_markdown(*table);
+    EXPECT_NE(text.find(tables), std::string::npos)
+        << "docs/CONFIG.md does not hold these tables as `shardtrain config --markdown` prints "
+           "them (paste its output over the old ones):\n"
+        << tables;
+  }
 }
 
 /// The cells of a Markdown table line "| a | b |" (escaped pipes kept in their cell).
